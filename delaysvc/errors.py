@@ -1,0 +1,81 @@
+"""One exception hierarchy for the whole service.
+
+Every error a user can cause is a `DelaysvcError` with a stable `code`; the HTTP layer maps the
+codes to status codes in one place (`web.errors`), the CLI prints the message on one line.
+"""
+
+
+class DelaysvcError(Exception):
+    """Base of every error delaysvc raises on purpose."""
+
+    code = "error"
+
+
+class ConfigError(DelaysvcError):
+    """A setting is malformed or contradicts another one (start-up refuses to continue)."""
+
+    code = "config_error"
+
+
+class ValidationError(DelaysvcError):
+    """A value given to the producer or the API is not allowed; `field` names it."""
+
+    code = "invalid"
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class TooLarge(ValidationError):
+    code = "too_large"
+
+
+class NotFound(DelaysvcError):
+    code = "not_found"
+
+
+class NotCancellable(DelaysvcError):
+    """The message is already running or finished."""
+
+    code = "not_cancellable"
+
+
+class DuplicateKey(DelaysvcError):
+    """Another unfinished message of the topic holds the key."""
+
+    code = "duplicate_key"
+
+
+class BacklogFull(DelaysvcError):
+    """A backlog cap with the `reject` policy is reached."""
+
+    code = "backlog_full"
+
+
+class SchemaNotReady(DelaysvcError):
+    """The database has not been migrated for the configured delay levels."""
+
+    code = "schema_not_ready"
+
+
+class HandlerSignal(Exception):
+    """Base of the exceptions a handler raises to steer its message."""
+
+
+class RetryLater(HandlerSignal):
+    """Raise from a handler to run the message again after `delay` (or `delay_ms`)."""
+
+    def __init__(self, delay: str | None = None, *, delay_ms: int | None = None, reason: str = ""):
+        super().__init__(reason or f"retry later ({delay or delay_ms})")
+        self.delay = delay
+        self.delay_ms = delay_ms
+        self.reason = reason
+
+
+class DeadLetter(HandlerSignal):
+    """Raise from a handler to park the message in the dead letters now, without retrying."""
+
+    def __init__(self, reason: str = "dead-lettered by handler"):
+        super().__init__(reason)
+        self.reason = reason

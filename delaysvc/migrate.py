@@ -1,0 +1,48 @@
+"""Schema upgrades: Alembic to head, then one consume-queue partition per configured level."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, text
+
+from delaysvc import store
+from delaysvc.levels import DelayLevels
+
+log = logging.getLogger(__name__)
+MIGRATION_LOCK = 0x64656C61  # "dela": one migrator at a time across processes
+
+
+def alembic_config() -> Config:
+    import migrations
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    return config
+
+
+def heads() -> list[str]:
+    return list(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+
+def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> None:
+    """Idempotent; safe to run from several processes at once."""
+    config = alembic_config()
+    with engine.begin() as conn:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        config.attributes["connection"] = conn
+        command.upgrade(config, revision)
+        store.ensure_levels(conn, levels)
+    log.info("schema.migrated", extra={"levels": str(levels)})
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    config = alembic_config()
+    with engine.begin() as conn:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)

@@ -1,0 +1,347 @@
+"""The producer: `send`, `send_batch`, `cancel`.
+
+Each call joins the caller's transaction when given `connection=` (a SQLAlchemy Connection or
+Session): a web app creates an order and schedules its cancellation atomically, and a rollback
+leaves no trace of either. Without it, the call runs in a transaction of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from delaysvc import store
+from delaysvc.errors import DuplicateKey, NotCancellable, NotFound, ValidationError
+from delaysvc.levels import DelayLevels, parse_duration_ms
+from delaysvc.schema import NO_LANE, TIMER_LANE, WAITING
+from delaysvc.settings import Settings
+from delaysvc.validation import (
+    decode_body,
+    encode_body,
+    validate_key,
+    validate_properties,
+    validate_tags,
+    validate_topic,
+)
+
+log = logging.getLogger(__name__)
+Joinable = Connection | Session
+MAX_BATCH = 10_000
+
+
+@dataclass(frozen=True)
+class Message:
+    """A stored message as the producer and the API return it."""
+
+    id: int
+    topic: str
+    key: str | None
+    status: str
+    delay_level: int | None
+    deliver_at: datetime
+    stored_at: datetime
+    created: bool = True
+    tags: list[str] | None = None
+    properties: dict[str, str] | None = None
+    delivered_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+    duration_ms: int | None = None
+    last_error: str | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    body: Any = None
+
+    @classmethod
+    def from_row(cls, row: Any, created: bool = True) -> Message:
+        return cls(
+            id=row.id,
+            topic=row.topic,
+            key=row.key,
+            status=row.status,
+            delay_level=row.delay_level,
+            deliver_at=row.deliver_ts,
+            stored_at=row.stored_at,
+            created=created,
+            tags=row.tags,
+            properties=row.properties,
+            delivered_at=row.delivered_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            attempts=row.attempts,
+            duration_ms=row.duration_ms,
+            last_error=row.last_error,
+            errors=row.errors or [],
+            body=decode_body(row.body, row.body_is_json),
+        )
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where a message waits: lane -1 (due now), 1..N (a level) or 0 (the timer lane)."""
+
+    lane: int
+    delay_level: int | None
+    delay_ms: int | None
+    deliver_at: datetime | None
+
+    def deliver_ts(self, now: datetime) -> datetime:
+        """The due time for a send at `now` (the database computes the same from its clock)."""
+        if self.deliver_at is not None:
+            return self.deliver_at
+        return now + timedelta(milliseconds=self.delay_ms or 0)
+
+
+def resolve_schedule(
+    levels: DelayLevels,
+    *,
+    delay_level: int | None = None,
+    delay: str | None = None,
+    delay_ms: int | None = None,
+    deliver_at: datetime | None = None,
+    default_delay_ms: int | None = None,
+    max_delay_ms: int,
+    now: datetime,
+) -> Schedule:
+    """Turn the producer's one timing option into a lane. At most one option may be given;
+    none means the topic's default delay, else due now. A delay equal to a level's delay uses
+    that level's FIFO queue; other delays use the timer lane."""
+    given = [
+        name
+        for name, value in (
+            ("delay_level", delay_level),
+            ("delay", delay),
+            ("delay_ms", delay_ms),
+            ("deliver_at", deliver_at),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ValidationError(
+            given[1], f"give at most one of delay_level, delay, delay_ms, deliver_at (got {given})"
+        )
+    if delay_level is not None:
+        if isinstance(delay_level, bool) or not isinstance(delay_level, int):
+            raise ValidationError("delay_level", f"must be a whole number, got {delay_level!r}")
+        level = levels.clamp(delay_level)
+        if level == 0:
+            return Schedule(NO_LANE, 0, 0, None)
+        return Schedule(level, level, levels.delay_ms(level), None)
+    if deliver_at is not None:
+        return _absolute(deliver_at, max_delay_ms, now)
+    field_name = "delay" if delay is not None else "delay_ms"
+    if delay is not None:
+        delay_ms = parse_duration_ms(delay)
+    elif delay_ms is not None:
+        if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0:
+            raise ValidationError("delay_ms", f"must be a whole number >= 0, got {delay_ms!r}")
+    elif default_delay_ms is not None:
+        delay_ms = default_delay_ms
+    else:
+        return Schedule(NO_LANE, 0, 0, None)
+    if delay_ms > max_delay_ms:
+        raise ValidationError(
+            field_name, f"{delay_ms} ms is more than the maximum delay of {max_delay_ms} ms"
+        )
+    if delay_ms == 0:
+        return Schedule(NO_LANE, 0, 0, None)
+    level = levels.level_for_delay_ms(delay_ms)
+    if level is not None:
+        return Schedule(level, level, delay_ms, None)
+    return Schedule(TIMER_LANE, None, delay_ms, None)
+
+
+def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Schedule:
+    if not isinstance(deliver_at, datetime):
+        raise ValidationError("deliver_at", f"must be a datetime, got {deliver_at!r}")
+    if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
+        raise ValidationError(
+            "deliver_at", "must be timezone-aware (a naive datetime is ambiguous); add tzinfo"
+        )
+    if deliver_at - now > timedelta(milliseconds=max_delay_ms):
+        raise ValidationError(
+            "deliver_at", f"{deliver_at.isoformat()} is more than {max_delay_ms} ms ahead"
+        )
+    return Schedule(TIMER_LANE, None, None, deliver_at)
+
+
+class Producer:
+    """Validates and stores messages. Build one per process with the settings and an engine."""
+
+    def __init__(self, settings: Settings, engine: Engine):
+        self.settings = settings
+        self.engine = engine
+
+    # -- building -------------------------------------------------------------
+
+    def prepare(
+        self,
+        topic: str,
+        body: Any,
+        *,
+        delay_level: int | None = None,
+        delay: str | None = None,
+        delay_ms: int | None = None,
+        deliver_at: datetime | None = None,
+        key: str | None = None,
+        tags: Sequence[str] | None = None,
+        properties: Mapping[str, str] | None = None,
+        now: datetime | None = None,
+    ) -> store.NewMessage:
+        """Validate everything and decide the lane; nothing is written."""
+        topic = validate_topic(topic)
+        data, is_json = encode_body(body, self.settings.max_body_bytes)
+        schedule = resolve_schedule(
+            self.settings.levels,
+            delay_level=delay_level,
+            delay=delay,
+            delay_ms=delay_ms,
+            deliver_at=deliver_at,
+            default_delay_ms=self.settings.default_delays_ms.get(topic),
+            max_delay_ms=self.settings.max_delay_ms,
+            now=now or datetime.now().astimezone(),
+        )
+        return store.NewMessage(
+            topic=topic,
+            body=data,
+            body_is_json=is_json,
+            lane=schedule.lane,
+            delay_level=schedule.delay_level,
+            delay_ms=schedule.delay_ms,
+            deliver_at=schedule.deliver_at,
+            key=validate_key(key),
+            tags=validate_tags(list(tags) if isinstance(tags, tuple) else tags),
+            properties=validate_properties(
+                dict(properties) if isinstance(properties, Mapping) else properties
+            ),
+        )
+
+    # -- writing --------------------------------------------------------------
+
+    def send(self, topic: str, body: Any, *, connection: Joinable | None = None,
+             **options: Any) -> Message:
+        new = self.prepare(topic, body, **options)
+        with self._connection(connection) as conn:
+            row, created = store.insert_message(conn, new)
+        message = Message.from_row(row, created)
+        log.info(
+            "message.sent" if created else "message.duplicate_key",
+            extra={"message_id": message.id, "topic": message.topic, "lane": new.lane},
+        )
+        return message
+
+    def send_batch(
+        self, messages: Sequence[Mapping[str, Any]], *, connection: Joinable | None = None
+    ) -> list[Message]:
+        """Store all of them or none: each item is `send`'s keyword arguments as a mapping
+        (`{"topic": ..., "body": ..., "delay": "5m"}`). Item errors name the item's index."""
+        if not messages:
+            return []
+        if len(messages) > MAX_BATCH:
+            raise ValidationError("messages", f"{len(messages)} items, at most {MAX_BATCH}")
+        prepared = []
+        for index, item in enumerate(messages):
+            try:
+                prepared.append(self._prepare_item(item))
+            except ValidationError as exc:
+                raise type(exc)(f"messages[{index}].{exc.field}", str(exc).split(": ", 1)[1])
+        with self._connection(connection) as conn:
+            results = store.insert_messages(conn, prepared)
+        log.info("messages.sent", extra={"count": len(results)})
+        return [Message.from_row(row, created) for row, created in results]
+
+    def _prepare_item(self, item: Mapping[str, Any]) -> store.NewMessage:
+        if not isinstance(item, Mapping):
+            raise ValidationError("item", "must be an object with topic and body")
+        allowed = {"topic", "body", "delay_level", "delay", "delay_ms", "deliver_at", "key",
+                   "tags", "properties"}
+        unknown = sorted(set(item) - allowed)
+        if unknown:
+            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(allowed)}")
+        if "topic" not in item or "body" not in item:
+            raise ValidationError("topic" if "topic" not in item else "body", "is required")
+        options = {k: v for k, v in item.items() if k not in ("topic", "body")}
+        return self.prepare(item["topic"], item["body"], **options)
+
+    def cancel(
+        self,
+        message_id: int | None = None,
+        *,
+        topic: str | None = None,
+        key: str | None = None,
+        connection: Joinable | None = None,
+    ) -> Message:
+        """Cancel a scheduled, retrying or ready message; it will never run. Running or
+        finished -> NotCancellable; unknown -> NotFound."""
+        with self._connection(connection) as conn:
+            return Message.from_row(self._cancel(conn, message_id, topic, key))
+
+    def _cancel(self, conn: Connection, message_id: int | None, topic: str | None,
+                key: str | None) -> Any:
+        for _ in range(5):
+            row = self._locate(conn, message_id, topic, key)
+            if row.status in WAITING:
+                taken = store.take_out_of_lane(conn, row.lane, row.queue_offset, row.deliver_ts)
+            elif row.status == "ready":
+                taken = store.take_out_of_topic_queue(conn, row.id)
+            else:
+                raise NotCancellable(f"message {row.id} is {row.status}; it cannot be cancelled")
+            if taken:
+                cancelled = store.mark_cancelled(conn, row.id)
+                log.info("message.cancelled", extra={"message_id": row.id})
+                return cancelled
+            # It moved on between reading and deleting: read its new state and try again.
+        raise NotCancellable(f"message {row.id} is changing state; try again")
+
+    def get(self, message_id: int, *, connection: Joinable | None = None) -> Message:
+        with self._connection(connection) as conn:
+            row = store.get_message(conn, message_id)
+        if row is None:
+            raise NotFound(f"no message with id {message_id}")
+        return Message.from_row(row)
+
+    def find(self, topic: str, key: str, *, connection: Joinable | None = None) -> Message:
+        with self._connection(connection) as conn:
+            row = store.find_message_by_key(conn, validate_topic(topic), key)
+        if row is None:
+            raise NotFound(f"no message with topic {topic!r} and key {key!r}")
+        return Message.from_row(row)
+
+    @staticmethod
+    def _locate(conn: Connection, message_id: int | None, topic: str | None,
+                key: str | None) -> Any:
+        if message_id is not None:
+            row = store.get_message(conn, message_id)
+            if row is None:
+                raise NotFound(f"no message with id {message_id}")
+            return row
+        if topic is None or key is None:
+            raise ValidationError("id", "give a message id, or both topic and key")
+        row = store.find_message_by_key(conn, validate_topic(topic), key)
+        if row is None:
+            raise NotFound(f"no message with topic {topic!r} and key {key!r}")
+        return row
+
+    @contextmanager
+    def _connection(self, joined: Joinable | None) -> Iterator[Connection]:
+        """The caller's connection (their transaction, their commit) or a fresh transaction."""
+        if isinstance(joined, Session):
+            yield joined.connection()
+        elif joined is not None:
+            yield joined
+        else:
+            try:
+                with self.engine.begin() as conn:
+                    yield conn
+            except IntegrityError as exc:
+                if store.unique_violation(exc, "uq_commit_log_topic_key"):
+                    raise DuplicateKey(str(exc.orig)) from None
+                raise

@@ -1,0 +1,193 @@
+"""The tables, as SQLAlchemy Core metadata. Alembic migrations create them; a test checks that the
+migrated schema matches this file.
+
+Hot tables (commit_log, consume_queue_*, timer_queue, topic_queue) have no foreign keys and no
+triggers, tuned autovacuum, and every statement on them goes through an index that puts the
+head first, so dead tuples left by churn are not walked (see README, "How queues stay small").
+
+Lanes: a message waits in exactly one lane until it is delivered. Lane N (1..max level) is the
+FIFO consume queue of delay level N, a partition `consume_queue_N` of `consume_queue` ordered by
+`queue_offset`; lane 0 is the timer lane for arbitrary delays, ordered by `deliver_ts`.
+"""
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Sequence,
+    SmallInteger,
+    Table,
+    Text,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
+
+metadata = MetaData()
+Timestamp = TIMESTAMP(timezone=True)
+
+TIMER_LANE = 0
+NO_LANE = -1
+STATUSES = ("scheduled", "ready", "running", "retrying", "succeeded", "dead", "cancelled")
+WAITING = ("scheduled", "retrying")
+FINISHED = ("succeeded", "dead", "cancelled")
+HOT_TABLE_STORAGE = {
+    "autovacuum_vacuum_scale_factor": "0.01",
+    "autovacuum_vacuum_insert_scale_factor": "0.01",
+    "autovacuum_vacuum_cost_delay": "0",
+}
+
+
+def _status_check() -> CheckConstraint:
+    listed = ", ".join(f"'{s}'" for s in STATUSES)
+    return CheckConstraint(f"status IN ({listed})", name="ck_commit_log_status")
+
+
+commit_log = Table(
+    "commit_log",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("topic", Text, nullable=False),
+    Column("key", Text),
+    Column("tags", ARRAY(Text)),
+    Column("body", LargeBinary, nullable=False),
+    Column("body_is_json", Boolean, nullable=False),
+    Column("properties", JSONB),
+    Column("delay_level", SmallInteger),
+    Column("lane", SmallInteger, nullable=False),
+    Column("queue_offset", BigInteger),
+    Column("status", Text, nullable=False),
+    Column("stored_at", Timestamp, nullable=False, server_default=text("now()")),
+    Column("deliver_ts", Timestamp, nullable=False),
+    Column("delivered_at", Timestamp),
+    Column("started_at", Timestamp),
+    Column("finished_at", Timestamp),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("duration_ms", Integer),
+    Column("lease_until", Timestamp),
+    Column("last_error", Text),
+    Column("errors", JSONB),
+    _status_check(),
+    Index(
+        "uq_commit_log_topic_key",
+        "topic",
+        "key",
+        unique=True,
+        postgresql_where=text("key IS NOT NULL AND finished_at IS NULL"),
+    ),
+    Index(
+        "ix_commit_log_running_lease", "lease_until", postgresql_where=text("status = 'running'")
+    ),
+    postgresql_with={"fillfactor": "85", **HOT_TABLE_STORAGE},
+)
+
+consume_queue = Table(
+    "consume_queue",
+    metadata,
+    Column("level", SmallInteger, primary_key=True),
+    Column("queue_offset", BigInteger, primary_key=True),
+    Column("message_id", BigInteger, nullable=False),
+    Column("topic", Text, nullable=False),
+    Column("deliver_ts", Timestamp, nullable=False),
+    postgresql_partition_by="LIST (level)",
+)
+
+timer_queue_seq = Sequence("timer_queue_seq", metadata=metadata)
+timer_queue = Table(
+    "timer_queue",
+    metadata,
+    Column("deliver_ts", Timestamp, primary_key=True),
+    Column("queue_offset", BigInteger, primary_key=True),
+    Column("message_id", BigInteger, nullable=False),
+    Column("topic", Text, nullable=False),
+    postgresql_with=HOT_TABLE_STORAGE,
+)
+
+topic_queue_seq = Sequence("topic_queue_seq", metadata=metadata)
+topic_queue = Table(
+    "topic_queue",
+    metadata,
+    Column("message_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("seq", BigInteger, nullable=False, server_default=text("nextval('topic_queue_seq')")),
+    Column("topic", Text, nullable=False),
+    Column("deliver_ts", Timestamp, nullable=False),
+    Column("enqueued_at", Timestamp, nullable=False, server_default=text("now()")),
+    Index("ix_topic_queue_topic_seq", "topic", "seq"),
+    postgresql_with=HOT_TABLE_STORAGE,
+)
+
+schedule_offset = Table(
+    "schedule_offset",
+    metadata,
+    Column("lane", SmallInteger, primary_key=True, autoincrement=False),
+    Column("delay_ms", BigInteger, nullable=False),
+    Column("schedule_offset", BigInteger, nullable=False, server_default=text("0")),
+    Column("moved_total", BigInteger, nullable=False, server_default=text("0")),
+    Column("early_total", BigInteger, nullable=False, server_default=text("0")),
+    Column("last_moved_at", Timestamp),
+    Column("stuck_offset", BigInteger),
+    Column("stuck_error", Text),
+    Column("stuck_since", Timestamp),
+    postgresql_with={"fillfactor": "50"},
+)
+
+dead_letter = Table(
+    "dead_letter",
+    metadata,
+    Column("message_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("topic", Text, nullable=False),
+    Column("died_at", Timestamp, nullable=False, server_default=text("now()")),
+    Column("reason", Text, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Index("ix_dead_letter_topic_died_at", "topic", "died_at"),
+)
+
+topic_state = Table(
+    "topic_state",
+    metadata,
+    Column("topic", Text, primary_key=True),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    Column("updated_at", Timestamp, nullable=False, server_default=text("now()")),
+)
+
+api_token = Table(
+    "api_token",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("token_hash", Text, nullable=False, unique=True),
+    Column("scope", Text, nullable=False),
+    Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
+    Column("revoked_at", Timestamp),
+    CheckConstraint("scope IN ('send', 'admin')", name="ck_api_token_scope"),
+)
+
+dashboard_user = Table(
+    "dashboard_user",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("password_hash", Text, nullable=False),
+    Column("role", Text, nullable=False),
+    Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
+    Column("failed_logins", Integer, nullable=False, server_default=text("0")),
+    Column("locked_until", Timestamp),
+    CheckConstraint("role IN ('admin', 'viewer')", name="ck_dashboard_user_role"),
+)
+
+
+def level_partition(level: int) -> str:
+    return f"consume_queue_{int(level)}"
+
+
+def level_sequence(level: int) -> str:
+    return f"consume_queue_{int(level)}_seq"
+
+
+def is_level_partition(name: str) -> bool:
+    prefix = "consume_queue_"
+    return name.startswith(prefix) and name[len(prefix) :].isdigit()

@@ -1,0 +1,184 @@
+"""All configuration in one typed object, read from `DELAYSVC_*` variables at the edge.
+
+Library code never reads the environment: the CLI, the Flask app factory and the Celery app
+build a `Settings` (`Settings.from_env()`) and pass it down. Validation happens here, as a whole,
+so a bad value stops start-up with a message that names the variable and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from delaysvc.errors import ConfigError
+from delaysvc.errors import ValidationError as DelaysvcValidationError
+from delaysvc.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
+from delaysvc.validation import validate_topic
+
+CapPolicy = Literal["reject", "deliver-early"]
+
+
+@dataclass(frozen=True)
+class BacklogCap:
+    """At most `limit` pending messages in a level (`scope="level"`) or a topic."""
+
+    scope: Literal["level", "topic"]
+    target: str
+    limit: int
+    policy: CapPolicy
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    database_url: str | None = None
+    """SQLAlchemy URL of PostgreSQL; unset -> an embedded PostgreSQL under `var_dir`."""
+    broker_url: str | None = None
+    """Celery broker (redis://, amqp://); unset -> a filesystem broker under `var_dir`."""
+    delay_levels: str = DEFAULT_LEVELS
+    handlers: str = ""
+    """Comma-separated modules that register handlers with `@handler`."""
+    topic_delays: str = ""
+    """Per-topic default delays, `order.cancel=30m,sms.send=2h` (RabbitMQ's queue TTL)."""
+    topic_tasks: str = ""
+    """Topics bound to existing Celery tasks, `report.build=app.tasks.build_report`."""
+    backlog_caps: str = ""
+    """`level:16=100000:reject,topic:sms.send=5000:deliver-early`."""
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_delay: str = "400d"
+    max_retries: int = Field(default=16, ge=0, le=1000)
+    lease_seconds: int = Field(default=300, gt=0)
+    delivery_batch: int = Field(default=1000, gt=0, le=100_000)
+    consume_batch: int = Field(default=100, gt=0, le=10_000)
+    idle_poll_ms: int = Field(default=100, ge=10, le=60_000)
+    lane_budget_seconds: float = Field(default=5.0, gt=0, le=300)
+    var_dir: Path = Path("var")
+    secret_key: str | None = None
+    statement_timeout_ms: int = Field(default=5_000, gt=0)
+
+    @field_validator("delay_levels")
+    @classmethod
+    def _levels_parse(cls, value: str) -> str:
+        try:
+            DelayLevels.parse(value)
+        except ConfigError as exc:
+            raise ConfigError(f"DELAYSVC_DELAY_LEVELS={value!r}: {exc}") from None
+        return value
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: object) -> Settings:
+        """Read and validate; any problem becomes one ConfigError naming the variable."""
+        env = os.environ if environ is None else environ
+        known = set(cls.model_fields)
+        values: dict[str, object] = {
+            key[len("DELAYSVC_") :].lower(): value
+            for key, value in env.items()
+            if key.startswith("DELAYSVC_")
+            and value != ""
+            and key[len("DELAYSVC_") :].lower() in known
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            settings = cls.model_validate(values)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Cross-field validation; touching each derived property parses it."""
+        _ = (self.levels, self.handler_modules, self.default_delays_ms, self.task_topics)
+        _ = (self.caps, self.max_delay_ms)
+        for cap in self.caps:
+            if cap.scope == "level" and not 1 <= int(cap.target) <= self.levels.max_level:
+                raise ConfigError(
+                    f"DELAYSVC_BACKLOG_CAPS: level {cap.target} does not exist; "
+                    f"levels are 1..{self.levels.max_level}"
+                )
+
+    @cached_property
+    def levels(self) -> DelayLevels:
+        return DelayLevels.parse(self.delay_levels)
+
+    @cached_property
+    def handler_modules(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.handlers.split(",") if m.strip())
+
+    @cached_property
+    def max_delay_ms(self) -> int:
+        return _config_duration("DELAYSVC_MAX_DELAY", self.max_delay)
+
+    @cached_property
+    def default_delays_ms(self) -> dict[str, int]:
+        return {
+            topic: _config_duration(f"DELAYSVC_TOPIC_DELAYS ({topic})", value)
+            for topic, value in _pairs("DELAYSVC_TOPIC_DELAYS", self.topic_delays).items()
+        }
+
+    @cached_property
+    def task_topics(self) -> dict[str, str]:
+        return _pairs("DELAYSVC_TOPIC_TASKS", self.topic_tasks)
+
+    @cached_property
+    def caps(self) -> tuple[BacklogCap, ...]:
+        return tuple(_parse_cap(item) for item in _items(self.backlog_caps))
+
+    @property
+    def embedded_database(self) -> bool:
+        return self.database_url is None
+
+
+def _items(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _pairs(variable: str, text: str) -> dict[str, str]:
+    pairs: dict[str, str] = {}
+    for item in _items(text):
+        topic, sep, value = item.partition("=")
+        if not sep or not value.strip():
+            raise ConfigError(f"{variable}: {item!r} is not topic=value")
+        try:
+            validate_topic(topic.strip())
+        except DelaysvcValidationError as exc:
+            raise ConfigError(f"{variable}: {exc}") from None
+        pairs[topic.strip()] = value.strip()
+    return pairs
+
+
+def _config_duration(variable: str, text: str) -> int:
+    try:
+        return parse_duration_ms(text)
+    except DelaysvcValidationError as exc:
+        raise ConfigError(f"{variable}: {exc}") from None
+
+
+def _parse_cap(item: str) -> BacklogCap:
+    usage = "use level:N=LIMIT:POLICY or topic:NAME=LIMIT:POLICY, POLICY reject or deliver-early"
+    scope, _, rest = item.partition(":")
+    target, _, rest = rest.partition("=")
+    limit, _, policy = rest.partition(":")
+    if scope not in ("level", "topic") or not target or not limit.isdigit():
+        raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: {item!r} is malformed; {usage}")
+    if policy not in ("reject", "deliver-early"):
+        raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: policy {policy!r} in {item!r}; {usage}")
+    if scope == "level" and not target.isdigit():
+        raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: level {target!r} is not a number; {usage}")
+    if int(limit) <= 0:
+        raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: limit in {item!r} must be positive")
+    return BacklogCap(scope, target, int(limit), policy)  # type: ignore[arg-type]
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "settings"
+        cause = error.get("ctx", {}).get("error")
+        message = str(cause) if isinstance(cause, ConfigError) else error["msg"]
+        problems.append(f"DELAYSVC_{field.upper()}: {message}")
+    return "; ".join(problems)

@@ -1,0 +1,510 @@
+"""Every statement the service runs, each named for what it does.
+
+Callers pass a SQLAlchemy `Connection` and own the transaction; nothing here commits. "Now" is
+the database clock (`statement_timestamp()`) unless a test passes `now=`.
+
+Lanes (see `delaysvc.schema`): a waiting message sits in lane N >= 1 (consume queue of level N,
+FIFO by offset) or lane 0 (the timer lane, by deliver_ts); lane -1 means it is in its topic's
+queue (or beyond). `_NEXT_OFFSET` and `_ENQUEUE_FROM` are the two pieces every write that puts a
+message into a lane shares (send, batch send, retry, redrive).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, text
+from sqlalchemy.exc import IntegrityError
+
+from delaysvc.errors import DuplicateKey, SchemaNotReady
+from delaysvc.levels import DelayLevels
+from delaysvc.schema import TIMER_LANE, level_partition, level_sequence
+
+NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
+
+_NEXT_OFFSET = """CASE WHEN {lane} > 0
+        THEN nextval(format('consume_queue_%s_seq', {lane})::regclass)
+        WHEN {lane} = 0 THEN nextval('timer_queue_seq') END"""
+
+_ENQUEUE_FROM = """
+, level_rows AS (
+    INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts)
+    SELECT lane, queue_offset, id, topic, deliver_ts FROM {src} WHERE lane > 0
+), timer_rows AS (
+    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    SELECT deliver_ts, queue_offset, id, topic FROM {src} WHERE lane = 0
+), ready_rows AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    SELECT id, topic, deliver_ts FROM {src} WHERE lane < 0 ORDER BY id
+)"""
+
+MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
+    queue_offset, status, stored_at, deliver_ts, delivered_at, started_at, finished_at,
+    attempts, duration_ms, last_error, errors"""
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """A validated message ready to store. Exactly one of delay_ms / deliver_at is set."""
+
+    topic: str
+    body: bytes
+    body_is_json: bool
+    lane: int
+    delay_level: int | None
+    delay_ms: int | None
+    deliver_at: datetime | None
+    key: str | None = None
+    tags: list[str] | None = None
+    properties: dict[str, str] | None = None
+
+
+# ---------------------------------------------------------------- levels and lanes
+
+
+def ensure_levels(conn: Connection, levels: DelayLevels) -> None:
+    """Create the consume-queue partition, offset sequence and schedule_offset row of every
+    configured level (and the timer lane's row). Refuses to forget a level that still holds
+    messages; drops empty ones no longer configured."""
+    conn.execute(
+        text(
+            "INSERT INTO schedule_offset (lane, delay_ms) VALUES (:lane, 0) "
+            "ON CONFLICT (lane) DO NOTHING"
+        ),
+        {"lane": TIMER_LANE},
+    )
+    for level in range(1, levels.max_level + 1):
+        partition, sequence = level_partition(level), level_sequence(level)
+        conn.execute(text(f"CREATE SEQUENCE IF NOT EXISTS {sequence}"))
+        conn.execute(
+            text(
+                f"CREATE TABLE IF NOT EXISTS {partition} PARTITION OF consume_queue "
+                f"FOR VALUES IN ({level}) WITH (autovacuum_vacuum_scale_factor = 0.01, "
+                "autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_cost_delay = 0)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO schedule_offset (lane, delay_ms) VALUES (:lane, :delay_ms) "
+                "ON CONFLICT (lane) DO UPDATE SET delay_ms = EXCLUDED.delay_ms"
+            ),
+            {"lane": level, "delay_ms": levels.delay_ms(level)},
+        )
+    for lane in existing_level_lanes(conn):
+        if lane > levels.max_level:
+            _drop_level(conn, lane, levels)
+
+
+def existing_level_lanes(conn: Connection) -> list[int]:
+    rows = conn.execute(text("SELECT lane FROM schedule_offset WHERE lane > 0 ORDER BY lane"))
+    return [row.lane for row in rows]
+
+
+def _drop_level(conn: Connection, level: int, levels: DelayLevels) -> None:
+    waiting = conn.execute(
+        text("SELECT count(*) FROM consume_queue WHERE level = :level"), {"level": level}
+    ).scalar_one()
+    if waiting:
+        raise SchemaNotReady(
+            f"level {level} is no longer configured (there are {levels.max_level} levels now) "
+            f"but {waiting} messages wait in it; keep the level until they are delivered"
+        )
+    conn.execute(text(f"DROP TABLE IF EXISTS {level_partition(level)}"))
+    conn.execute(text(f"DROP SEQUENCE IF EXISTS {level_sequence(level)}"))
+    conn.execute(text("DELETE FROM schedule_offset WHERE lane = :lane"), {"lane": level})
+
+
+def check_levels(conn: Connection, levels: DelayLevels) -> None:
+    """SchemaNotReady unless the database has every configured level with the same delays."""
+    try:
+        rows = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset WHERE lane > 0"))
+        stored = {row.lane: row.delay_ms for row in rows}
+    except Exception as exc:  # the table itself is missing: never migrated
+        raise SchemaNotReady("the database is not migrated; run `delaysvc migrate`") from exc
+    wanted = {level: levels.delay_ms(level) for level in range(1, levels.max_level + 1)}
+    if stored != wanted:
+        raise SchemaNotReady(
+            "the database's delay levels differ from DELAYSVC_DELAY_LEVELS "
+            f"({levels}); run `delaysvc migrate` to create or update them"
+        )
+
+
+# ---------------------------------------------------------------- producing
+
+_INSERT_ONE = f"""
+WITH msg AS (
+    INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
+        lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    VALUES (:topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
+        CAST(:properties AS jsonb), :delay_level, :lane,
+        {_NEXT_OFFSET.format(lane="CAST(:lane AS int)")},
+        CASE WHEN :lane < 0 THEN 'ready' ELSE 'scheduled' END,
+        statement_timestamp(),
+        COALESCE(CAST(:deliver_at AS timestamptz),
+                 statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
+        CASE WHEN :lane < 0 THEN statement_timestamp() END)
+    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
+    RETURNING {MESSAGE_COLUMNS}
+){_ENQUEUE_FROM.format(src="msg")}
+SELECT * FROM msg
+"""
+
+_INSERT_MANY = f"""
+WITH input AS (
+    SELECT * FROM unnest(CAST(:topic AS text[]), CAST(:key AS text[]), CAST(:tags AS text[]),
+        CAST(:body AS bytea[]), CAST(:body_is_json AS boolean[]), CAST(:properties AS jsonb[]),
+        CAST(:delay_level AS smallint[]), CAST(:lane AS smallint[]),
+        CAST(:delay_ms AS bigint[]), CAST(:deliver_at AS timestamptz[]))
+        WITH ORDINALITY AS t(topic, key, tags, body, body_is_json, properties, delay_level,
+                             lane, delay_ms, deliver_at, ord)
+), msg AS (
+    INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
+        lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    SELECT topic, key,
+        CASE WHEN tags IS NOT NULL THEN ARRAY(SELECT json_array_elements_text(tags::json)) END,
+        body, body_is_json, properties, delay_level, lane,
+        {_NEXT_OFFSET.format(lane="lane")},
+        CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
+        statement_timestamp(),
+        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
+        CASE WHEN lane < 0 THEN statement_timestamp() END
+    FROM input ORDER BY ord
+    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
+    RETURNING {MESSAGE_COLUMNS}
+){_ENQUEUE_FROM.format(src="msg")}
+SELECT * FROM msg ORDER BY id
+"""
+
+
+def _message_params(message: NewMessage) -> dict[str, Any]:
+    return {
+        "topic": message.topic,
+        "key": message.key,
+        "tags": message.tags,
+        "body": message.body,
+        "body_is_json": message.body_is_json,
+        "properties": json.dumps(message.properties) if message.properties is not None else None,
+        "delay_level": message.delay_level,
+        "lane": message.lane,
+        "delay_ms": message.delay_ms,
+        "deliver_at": message.deliver_at,
+    }
+
+
+def insert_message(conn: Connection, message: NewMessage) -> tuple[Any, bool]:
+    """Store one message and put it in its lane. -> (row, created). A key already held by an
+    unfinished message of the topic returns that message with created=False."""
+    for _ in range(5):
+        row = conn.execute(text(_INSERT_ONE), _message_params(message)).first()
+        if row is not None:
+            return row, True
+        existing = find_unfinished_by_key(conn, message.topic, message.key)
+        if existing is not None:
+            return existing, False
+        # The holder of the key finished between the two statements: try again.
+    raise DuplicateKey(f"key {message.key!r} of topic {message.topic!r} is changing hands; retry")
+
+
+def insert_messages(conn: Connection, messages: Sequence[NewMessage]) -> list[tuple[Any, bool]]:
+    """Store many messages in one statement. -> [(row, created)] in input order."""
+    columns: dict[str, list[Any]] = {name: [] for name in _message_params(messages[0])}
+    for message in messages:
+        for name, value in _message_params(message).items():
+            columns[name].append(value)
+    columns["tags"] = [json.dumps(t) if t is not None else None for t in columns["tags"]]
+    inserted = list(conn.execute(text(_INSERT_MANY), columns))
+    by_key = {(row.topic, row.key): row for row in inserted if row.key is not None}
+    unkeyed = iter(row for row in inserted if row.key is None)
+    results: list[tuple[Any, bool]] = []
+    seen_keys: set[tuple[str, str]] = set()
+    for message in messages:
+        if message.key is None:
+            results.append((next(unkeyed), True))
+            continue
+        pair = (message.topic, message.key)
+        row = by_key.get(pair)
+        if row is not None and pair not in seen_keys:
+            seen_keys.add(pair)
+            results.append((row, True))
+            continue
+        existing = row or find_unfinished_by_key(conn, message.topic, message.key)
+        if existing is None:
+            raise DuplicateKey(
+                f"key {message.key!r} of topic {message.topic!r} is changing hands; retry"
+            )
+        results.append((existing, False))
+    return results
+
+
+def find_unfinished_by_key(conn: Connection, topic: str, key: str | None) -> Any:
+    if key is None:
+        return None
+    return conn.execute(
+        text(
+            f"SELECT {MESSAGE_COLUMNS} FROM commit_log "
+            "WHERE topic = :topic AND key = :key AND finished_at IS NULL"
+        ),
+        {"topic": topic, "key": key},
+    ).first()
+
+
+def get_message(conn: Connection, message_id: int) -> Any:
+    return conn.execute(
+        text(f"SELECT {MESSAGE_COLUMNS} FROM commit_log WHERE id = :id"), {"id": message_id}
+    ).first()
+
+
+def find_message_by_key(conn: Connection, topic: str, key: str) -> Any:
+    """The unfinished message holding the key, else the newest finished one."""
+    return conn.execute(
+        text(
+            f"SELECT {MESSAGE_COLUMNS} FROM commit_log WHERE topic = :topic AND key = :key "
+            "ORDER BY finished_at IS NULL DESC, id DESC LIMIT 1"
+        ),
+        {"topic": topic, "key": key},
+    ).first()
+
+
+# ---------------------------------------------------------------- cancelling
+
+
+def take_out_of_lane(conn: Connection, lane: int, offset: int, deliver_ts: datetime) -> bool:
+    """Delete a waiting message's lane row. False when it is not there any more (moved)."""
+    if lane > 0:
+        statement = "DELETE FROM consume_queue WHERE level = :lane AND queue_offset = :offset"
+    elif lane == TIMER_LANE:
+        statement = "DELETE FROM timer_queue WHERE deliver_ts = :ts AND queue_offset = :offset"
+    else:
+        return False
+    params = {"lane": lane, "offset": offset, "ts": deliver_ts}
+    return conn.execute(text(statement), params).rowcount == 1
+
+
+def take_out_of_topic_queue(conn: Connection, message_id: int) -> bool:
+    result = conn.execute(
+        text("DELETE FROM topic_queue WHERE message_id = :id"), {"id": message_id}
+    )
+    return result.rowcount == 1
+
+
+def mark_cancelled(conn: Connection, message_id: int) -> Any:
+    return conn.execute(
+        text(
+            "UPDATE commit_log SET status = 'cancelled', finished_at = statement_timestamp(), "
+            f"lane = -1, queue_offset = NULL WHERE id = :id RETURNING {MESSAGE_COLUMNS}"
+        ),
+        {"id": message_id},
+    ).one()
+
+
+# ---------------------------------------------------------------- delivery
+
+
+def lock_lane(conn: Connection, lane: int) -> Any:
+    """Lock the lane's schedule_offset row for this transaction, or None if another mover
+    holds it. Movers of one lane never overlap, so offsets advance in order."""
+    return conn.execute(
+        text(
+            "SELECT lane, delay_ms, schedule_offset FROM schedule_offset "
+            "WHERE lane = :lane FOR UPDATE SKIP LOCKED"
+        ),
+        {"lane": lane},
+    ).first()
+
+
+_MOVED_TO_TOPIC = f"""
+, ready AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    SELECT message_id, topic, deliver_ts FROM moved ORDER BY queue_offset
+), marked AS (
+    UPDATE commit_log c SET status = 'ready', delivered_at = clock_timestamp(),
+        lane = -1, queue_offset = NULL
+    FROM moved WHERE c.id = moved.message_id
+), advanced AS (
+    UPDATE schedule_offset SET
+        schedule_offset = GREATEST(schedule_offset,
+            CASE WHEN lane > 0 THEN (SELECT max(queue_offset) FROM moved) ELSE 0 END),
+        moved_total = moved_total + (SELECT count(*) FROM moved),
+        last_moved_at = {NOW},
+        stuck_offset = NULL, stuck_error = NULL, stuck_since = NULL
+    WHERE lane = :lane AND EXISTS (SELECT 1 FROM moved)
+)
+SELECT count(*) AS moved, max(queue_offset) AS max_offset,
+       array_agg(DISTINCT topic) AS topics,
+       max(extract(epoch FROM ({NOW} - deliver_ts)) * 1000) AS max_lateness_ms
+FROM moved
+"""
+
+_MOVE_DUE_LEVEL = f"""
+WITH head AS (
+    SELECT queue_offset, deliver_ts FROM consume_queue
+    WHERE level = :lane ORDER BY queue_offset LIMIT :batch
+), due AS (
+    -- the longest due prefix of the head, so topic order stays send order; a head more than
+    -- one level-delay in the future means the clock went back: deliver it now (RocketMQ's
+    -- correctDeliverTimestamp)
+    SELECT queue_offset FROM (
+        SELECT queue_offset, bool_and(deliver_ts <= {NOW}
+            OR deliver_ts > {NOW} + :delay_ms * interval '1 millisecond')
+            OVER (ORDER BY queue_offset) AS in_prefix
+        FROM head) h
+    WHERE in_prefix
+), locked AS (
+    SELECT queue_offset FROM consume_queue
+    WHERE level = :lane AND queue_offset IN (SELECT queue_offset FROM due)
+    FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM consume_queue q USING locked
+    WHERE q.level = :lane AND q.queue_offset = locked.queue_offset
+    RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
+){_MOVED_TO_TOPIC}"""
+
+_MOVE_DUE_TIMER = f"""
+WITH due AS (
+    SELECT deliver_ts, queue_offset FROM timer_queue WHERE deliver_ts <= {NOW}
+    ORDER BY deliver_ts, queue_offset LIMIT :batch FOR UPDATE SKIP LOCKED
+), moved AS (
+    DELETE FROM timer_queue t USING due
+    WHERE t.deliver_ts = due.deliver_ts AND t.queue_offset = due.queue_offset
+    RETURNING t.queue_offset, t.message_id, t.topic, t.deliver_ts
+){_MOVED_TO_TOPIC}"""
+
+
+@dataclass(frozen=True)
+class Moved:
+    count: int
+    max_offset: int | None
+    topics: tuple[str, ...]
+    max_lateness_ms: float | None
+
+
+def move_due(
+    conn: Connection, lane: int, delay_ms: int, batch: int, now: datetime | None = None
+) -> Moved:
+    """Move the due head of a lane into the topics' queues and advance its schedule_offset,
+    in the caller's transaction (which must hold `lock_lane`)."""
+    statement = _MOVE_DUE_TIMER if lane == TIMER_LANE else _MOVE_DUE_LEVEL
+    row = conn.execute(
+        text(statement), {"lane": lane, "delay_ms": delay_ms, "batch": batch, "now": now}
+    ).one()
+    return Moved(
+        row.moved,
+        row.max_offset,
+        tuple(t for t in (row.topics or ()) if t is not None),
+        float(row.max_lateness_ms) if row.max_lateness_ms is not None else None,
+    )
+
+
+def lane_head(conn: Connection, lane: int) -> Any:
+    """The first waiting row of a lane (offset, deliver_ts, message_id) or None."""
+    if lane == TIMER_LANE:
+        statement = (
+            "SELECT queue_offset, deliver_ts, message_id FROM timer_queue "
+            "ORDER BY deliver_ts, queue_offset LIMIT 1"
+        )
+    else:
+        statement = (
+            "SELECT queue_offset, deliver_ts, message_id FROM consume_queue "
+            "WHERE level = :lane ORDER BY queue_offset LIMIT 1"
+        )
+    return conn.execute(text(statement), {"lane": lane}).first()
+
+
+def database_now(conn: Connection) -> datetime:
+    return conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+
+
+def mark_stuck(conn: Connection, lane: int, offset: int | None, error: str) -> None:
+    conn.execute(
+        text(
+            "UPDATE schedule_offset SET stuck_offset = :offset, stuck_error = :error, "
+            "stuck_since = COALESCE(stuck_since, statement_timestamp()) WHERE lane = :lane"
+        ),
+        {"lane": lane, "offset": offset, "error": error[:2000]},
+    )
+
+
+def skip_stuck_head(conn: Connection, lane: int) -> int | None:
+    """Operator action: move the lane's head message to the dead letters. -> its id."""
+    head = lane_head(conn, lane)
+    if head is None:
+        return None
+    locked = lock_lane(conn, lane)
+    if locked is None:
+        raise SchemaNotReady(f"lane {lane} is being delivered right now; try again")
+    row = conn.execute(
+        text("SELECT stuck_error FROM schedule_offset WHERE lane = :lane"), {"lane": lane}
+    ).one()
+    take_out_of_lane(conn, lane, head.queue_offset, head.deliver_ts)
+    reason = f"skipped by an operator: {row.stuck_error or 'head could not be moved'}"
+    conn.execute(
+        text(
+            "UPDATE commit_log SET status = 'dead', finished_at = statement_timestamp(), "
+            "lane = -1, queue_offset = NULL, last_error = :reason WHERE id = :id"
+        ),
+        {"id": head.message_id, "reason": reason},
+    )
+    conn.execute(
+        text(
+            "INSERT INTO dead_letter (message_id, topic, reason, attempts) "
+            "SELECT id, topic, :reason, attempts FROM commit_log WHERE id = :id "
+            "ON CONFLICT (message_id) DO NOTHING"
+        ),
+        {"id": head.message_id, "reason": reason},
+    )
+    conn.execute(
+        text(
+            "UPDATE schedule_offset SET stuck_offset = NULL, stuck_error = NULL, "
+            "stuck_since = NULL, schedule_offset = GREATEST(schedule_offset, :offset) "
+            "WHERE lane = :lane"
+        ),
+        {"lane": lane, "offset": head.queue_offset if lane > 0 else 0},
+    )
+    return int(head.message_id)
+
+
+# ---------------------------------------------------------------- observing
+
+
+def lane_stats(conn: Connection) -> list[Any]:
+    """Per lane, in O(1) per lane (no COUNT(*)): pending is max offset - schedule offset for
+    levels (RocketMQ's definition) and the planner's live-row estimate for the timer lane."""
+    return list(
+        conn.execute(
+            text(
+                """
+SELECT s.lane, s.delay_ms, s.schedule_offset, s.moved_total, s.early_total, s.last_moved_at,
+       s.stuck_offset, s.stuck_error, s.stuck_since,
+       CASE WHEN s.lane > 0 THEN COALESCE(seq.last_value, 0) END AS max_offset,
+       CASE WHEN s.lane > 0 THEN GREATEST(COALESCE(seq.last_value, 0) - s.schedule_offset, 0)
+            ELSE (SELECT GREATEST(n_live_tup, 0) FROM pg_stat_user_tables
+                  WHERE relid = 'timer_queue'::regclass) END AS pending,
+       head.deliver_ts AS next_due,
+       clock_timestamp() AS now
+FROM schedule_offset s
+LEFT JOIN pg_sequences seq
+       ON seq.schemaname = current_schema()
+      AND seq.sequencename = format('consume_queue_%s_seq', s.lane)
+LEFT JOIN LATERAL (
+    SELECT q.deliver_ts FROM consume_queue q WHERE s.lane > 0 AND q.level = s.lane
+    ORDER BY q.queue_offset LIMIT 1
+) lh ON true
+LEFT JOIN LATERAL (
+    SELECT t.deliver_ts FROM timer_queue t WHERE s.lane = 0
+    ORDER BY t.deliver_ts, t.queue_offset LIMIT 1
+) th ON true
+CROSS JOIN LATERAL (SELECT COALESCE(lh.deliver_ts, th.deliver_ts) AS deliver_ts) head
+ORDER BY s.lane = 0, s.lane
+"""
+            )
+        )
+    )
+
+
+def unique_violation(exc: IntegrityError, constraint: str) -> bool:
+    diag = getattr(exc.orig, "diag", None)
+    return getattr(diag, "constraint_name", None) == constraint

