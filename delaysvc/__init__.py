@@ -1,11 +1,11 @@
 """delaysvc: durable delayed jobs on PostgreSQL.
 
-    from delaysvc import handler, send, DeadLetter, RetryLater
+from delaysvc import handler, send, DeadLetter, RetryLater
 
-    send("order.cancel", {"order_id": 42}, delay="30m", key="order-42", connection=conn)
+send("order.cancel", {"order_id": 42}, delay="30m", key="order-42", connection=conn)
 
-    @handler("order.cancel", max_retries=16)
-    def cancel_order(message): ...
+@handler("order.cancel", max_retries=16)
+def cancel_order(message): ...
 """
 
 from __future__ import annotations

@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Engine
+
+from delaysvc import store
+from delaysvc.errors import DeadLetter, RetryLater, ValidationError
+from delaysvc.schema import NO_LANE, TIMER_LANE
+from delaysvc.validation import decode_body, validate_topic
+
+if TYPE_CHECKING:
+    from delaysvc.producer import Schedule
+    from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +46,6 @@ def handler(topic: str, *, max_retries: int | None = None) -> Callable[[HandlerF
     is retried at level 3, 4, ... (10s, 30s, 1m ...) until `max_retries` (default 16) is spent,
     then the message is dead-lettered. Raise `RetryLater(delay=...)` or `DeadLetter(reason)`
     to decide yourself."""
-    from delaysvc.validation import validate_topic
-
     validate_topic(topic)
     if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
         raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
@@ -57,3 +69,224 @@ def load_handler_modules(modules: tuple[str, ...]) -> None:
     for module in modules:
         importlib.import_module(module)
         log.info("handlers.loaded", extra={"module": module})
+
+
+# ---------------------------------------------------------------- running jobs
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a handler receives."""
+
+    id: int
+    topic: str
+    key: str | None
+    body: Any
+    attempts: int
+    properties: dict[str, str]
+    tags: list[str]
+    deliver_at: datetime
+    stored_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Any) -> Job:
+        return cls(
+            id=row.id,
+            topic=row.topic,
+            key=row.key,
+            body=decode_body(row.body, row.body_is_json),
+            attempts=row.attempts,
+            properties=row.properties or {},
+            tags=row.tags or [],
+            deliver_at=row.deliver_ts,
+            stored_at=row.stored_at,
+        )
+
+
+@dataclass
+class ConsumeResult:
+    topic: str
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    dead: int = 0
+    dispatched: int = 0
+
+
+Dispatch = Callable[[str, Job], None]
+"""Sends a job of a Celery-task topic to that task (see `tasks.consume`)."""
+
+
+class Consumer:
+    """Claims ready jobs of a topic in batches, runs them, records every outcome."""
+
+    def __init__(self, settings: Settings, engine: Engine, dispatch: Dispatch | None = None):
+        self.settings = settings
+        self.engine = engine
+        self.dispatch = dispatch
+
+    def can_run(self, topic: str) -> bool:
+        """A topic with no handler and no bound task is left waiting, visibly, in its queue."""
+        return registered(topic) is not None or topic in self.settings.task_topics
+
+    def max_retries(self, topic: str) -> int:
+        found = registered(topic)
+        if found is not None and found.max_retries is not None:
+            return found.max_retries
+        return self.settings.max_retries
+
+    def run_once(self, topic: str, limit: int | None = None) -> ConsumeResult:
+        """Claim up to `limit` jobs (one transaction), run them with no transaction open, then
+        record the outcomes (one statement for all successes)."""
+        result = ConsumeResult(topic)
+        if not self.can_run(topic):
+            return result
+        with self.engine.begin() as conn:
+            rows = store.claim_ready(
+                conn, topic, limit or self.settings.consume_batch, self.settings.lease_seconds
+            )
+        result.claimed = len(rows)
+        if not rows:
+            return result
+        jobs = [Job.from_row(row) for row in rows]
+        task_name = self.settings.task_topics.get(topic)
+        if task_name is not None and registered(topic) is None:
+            return self._dispatch_all(task_name, jobs, result)
+        succeeded: list[tuple[int, int, int]] = []
+        failed: list[tuple[Job, BaseException, int]] = []
+        for job in jobs:
+            error, duration_ms = self._run(job)
+            if error is None:
+                succeeded.append((job.id, job.attempts, duration_ms))
+            else:
+                failed.append((job, error, duration_ms))
+        with self.engine.begin() as conn:
+            result.succeeded = store.finish_succeeded(conn, succeeded)
+            for job, error, duration_ms in failed:
+                if self._record_failure(conn, job, error, duration_ms):
+                    result.dead += 1
+                else:
+                    result.retried += 1
+        log.info(
+            "consume.batch",
+            extra={
+                "topic": topic,
+                "claimed": result.claimed,
+                "succeeded": result.succeeded,
+                "retried": result.retried,
+                "dead": result.dead,
+            },
+        )
+        return result
+
+    def _run(self, job: Job) -> tuple[BaseException | None, int]:
+        found = registered(job.topic)
+        assert found is not None
+        if job.attempts > self.max_retries(job.topic) + 1:
+            return DeadLetter(f"out of retries after {job.attempts - 1} attempts"), 0
+        started = time.perf_counter()
+        try:
+            found.func(job)
+        except Exception as exc:  # a handler's failure is data, not a crash of the worker
+            return exc, _ms_since(started)
+        return None, _ms_since(started)
+
+    def _dispatch_all(
+        self, task_name: str, jobs: list[Job], result: ConsumeResult
+    ) -> ConsumeResult:
+        assert self.dispatch is not None, "Celery-task topics need a dispatcher (tasks.consume)"
+        for job in jobs:
+            self.dispatch(task_name, job)
+        result.dispatched = len(jobs)
+        return result
+
+    # -- outcomes -------------------------------------------------------------
+
+    def record_success(self, message_id: int, attempt: int, duration_ms: int) -> bool:
+        with self.engine.begin() as conn:
+            return store.finish_succeeded(conn, [(message_id, attempt, duration_ms)]) == 1
+
+    def record_failure_of(self, job: Job, error: BaseException, duration_ms: int) -> bool:
+        """-> True if the job is now dead."""
+        with self.engine.begin() as conn:
+            return self._record_failure(conn, job, error, duration_ms)
+
+    def _record_failure(
+        self, conn: Connection, job: Job, error: BaseException, duration_ms: int
+    ) -> bool:
+        failure = store.Failure(
+            message_id=job.id,
+            attempt=job.attempts,
+            error=f"{type(error).__name__}: {error}",
+            traceback="".join(traceback.format_exception(error)[-8:]),
+            duration_ms=duration_ms,
+        )
+        retries_used = job.attempts - 1
+        if isinstance(error, DeadLetter):
+            dead_reason: str | None = error.reason
+        elif retries_used >= self.max_retries(job.topic):
+            dead_reason = f"out of retries: {job.attempts} attempts failed"
+        else:
+            dead_reason = None
+        if dead_reason is not None:
+            store.bury(conn, failure, dead_reason)
+            log.warning(
+                "consume.dead",
+                extra={"message_id": job.id, "topic": job.topic, "attempts": job.attempts},
+            )
+            return True
+        schedule = self._retry_schedule(job, error)
+        store.schedule_retry(
+            conn,
+            failure,
+            lane=schedule.lane,
+            delay_level=schedule.delay_level,
+            delay_ms=schedule.delay_ms,
+            deliver_at=schedule.deliver_at,
+        )
+        log.info(
+            "consume.retry",
+            extra={
+                "message_id": job.id,
+                "topic": job.topic,
+                "attempts": job.attempts,
+                "lane": schedule.lane,
+            },
+        )
+        return False
+
+    def _retry_schedule(self, job: Job, error: BaseException) -> Schedule:
+        from delaysvc.producer import Schedule, resolve_schedule
+
+        levels = self.settings.levels
+        if isinstance(error, RetryLater):
+            try:
+                schedule = resolve_schedule(
+                    levels,
+                    delay=error.delay,
+                    delay_ms=error.delay_ms,
+                    max_delay_ms=self.settings.max_delay_ms,
+                    now=datetime.now().astimezone(),
+                )
+            except ValidationError:
+                log.warning("consume.bad_retry_later", extra={"message_id": job.id})
+            else:
+                if schedule.lane != NO_LANE:
+                    return schedule
+                return Schedule(TIMER_LANE, None, 0, None)
+        level = levels.retry_level(job.attempts)
+        return Schedule(level, level, levels.delay_ms(level), None)
+
+    # -- housekeeping ---------------------------------------------------------
+
+    def rescue_once(self, limit: int = 1000) -> list[Any]:
+        """Put jobs whose lease expired back in their queues. -> rescued (id, topic) rows."""
+        with self.engine.begin() as conn:
+            rescued = store.rescue_expired_leases(conn, limit)
+        if rescued:
+            log.warning("consume.leases_rescued", extra={"count": len(rescued)})
+        return rescued
+
+
+def _ms_since(started: float) -> int:
+    return int((time.perf_counter() - started) * 1000)

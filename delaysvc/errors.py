@@ -25,6 +25,7 @@ class ValidationError(DelaysvcError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.detail = message
 
 
 class TooLarge(ValidationError):

@@ -226,8 +226,9 @@ class Producer:
 
     # -- writing --------------------------------------------------------------
 
-    def send(self, topic: str, body: Any, *, connection: Joinable | None = None,
-             **options: Any) -> Message:
+    def send(
+        self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
+    ) -> Message:
         new = self.prepare(topic, body, **options)
         with self._connection(connection) as conn:
             row, created = store.insert_message(conn, new)
@@ -252,7 +253,7 @@ class Producer:
             try:
                 prepared.append(self._prepare_item(item))
             except ValidationError as exc:
-                raise type(exc)(f"messages[{index}].{exc.field}", str(exc).split(": ", 1)[1])
+                raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
         with self._connection(connection) as conn:
             results = store.insert_messages(conn, prepared)
         log.info("messages.sent", extra={"count": len(results)})
@@ -261,8 +262,17 @@ class Producer:
     def _prepare_item(self, item: Mapping[str, Any]) -> store.NewMessage:
         if not isinstance(item, Mapping):
             raise ValidationError("item", "must be an object with topic and body")
-        allowed = {"topic", "body", "delay_level", "delay", "delay_ms", "deliver_at", "key",
-                   "tags", "properties"}
+        allowed = {
+            "topic",
+            "body",
+            "delay_level",
+            "delay",
+            "delay_ms",
+            "deliver_at",
+            "key",
+            "tags",
+            "properties",
+        }
         unknown = sorted(set(item) - allowed)
         if unknown:
             raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(allowed)}")
@@ -284,8 +294,9 @@ class Producer:
         with self._connection(connection) as conn:
             return Message.from_row(self._cancel(conn, message_id, topic, key))
 
-    def _cancel(self, conn: Connection, message_id: int | None, topic: str | None,
-                key: str | None) -> Any:
+    def _cancel(
+        self, conn: Connection, message_id: int | None, topic: str | None, key: str | None
+    ) -> Any:
         for _ in range(5):
             row = self._locate(conn, message_id, topic, key)
             if row.status in WAITING:
@@ -316,8 +327,9 @@ class Producer:
         return Message.from_row(row)
 
     @staticmethod
-    def _locate(conn: Connection, message_id: int | None, topic: str | None,
-                key: str | None) -> Any:
+    def _locate(
+        conn: Connection, message_id: int | None, topic: str | None, key: str | None
+    ) -> Any:
         if message_id is not None:
             row = store.get_message(conn, message_id)
             if row is None:

@@ -508,3 +508,291 @@ ORDER BY s.lane = 0, s.lane
 def unique_violation(exc: IntegrityError, constraint: str) -> bool:
     diag = getattr(exc.orig, "diag", None)
     return getattr(diag, "constraint_name", None) == constraint
+
+
+# ---------------------------------------------------------------- consuming
+
+_CLAIM_READY = """
+WITH claimed AS (
+    DELETE FROM topic_queue WHERE message_id IN (
+        SELECT message_id FROM topic_queue WHERE topic = :topic
+        ORDER BY seq LIMIT :limit FOR UPDATE SKIP LOCKED)
+    AND NOT EXISTS (SELECT 1 FROM topic_state WHERE topic = :topic AND paused)
+    RETURNING message_id, seq
+)
+UPDATE commit_log c SET status = 'running', started_at = clock_timestamp(),
+    attempts = c.attempts + 1,
+    lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
+FROM claimed WHERE c.id = claimed.message_id
+RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.attempts,
+    c.deliver_ts, c.stored_at, c.started_at, claimed.seq
+"""
+
+
+def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) -> list[Any]:
+    """Take up to `limit` ready jobs of a topic in queue order and lease them: they are
+    `running` once the caller commits. Nothing is held open while they run."""
+    rows = conn.execute(
+        text(_CLAIM_READY), {"topic": topic, "limit": limit, "lease_seconds": lease_seconds}
+    )
+    return sorted(rows, key=lambda row: row.seq)
+
+
+def finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) -> int:
+    """Mark (id, attempt, duration_ms) succeeded. A job whose lease was lost and taken again
+    (its attempt number moved on) is left to the new owner."""
+    if not jobs:
+        return 0
+    ids, attempts, durations = (list(column) for column in zip(*jobs, strict=True))
+    result = conn.execute(
+        text(
+            "UPDATE commit_log c SET status = 'succeeded', finished_at = clock_timestamp(), "
+            "lease_until = NULL, duration_ms = v.duration_ms "
+            "FROM unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[]), "
+            "CAST(:durations AS int[])) AS v(id, attempt, duration_ms) "
+            "WHERE c.id = v.id AND c.status = 'running' AND c.attempts = v.attempt"
+        ),
+        {"ids": ids, "attempts": attempts, "durations": durations},
+    )
+    return result.rowcount
+
+
+_ERROR_ENTRY = """jsonb_build_object('attempt', c.attempts, 'at', clock_timestamp(),
+    'error', CAST(:error AS text), 'traceback', CAST(:traceback AS text))"""
+_KEEP_ERRORS = 20
+
+_SCHEDULE_RETRY = f"""
+WITH again AS (
+    UPDATE commit_log c SET status = 'retrying', lane = :lane, delay_level = :delay_level,
+        queue_offset = {_NEXT_OFFSET.format(lane="CAST(:lane AS int)")},
+        deliver_ts = COALESCE(CAST(:deliver_at AS timestamptz),
+            clock_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
+        lease_until = NULL, duration_ms = :duration_ms, last_error = :error,
+        errors = (SELECT jsonb_agg(e) FROM (
+            SELECT e FROM jsonb_array_elements(COALESCE(c.errors, '[]') || {_ERROR_ENTRY}) e
+            OFFSET GREATEST(jsonb_array_length(COALESCE(c.errors, '[]')) + 1 - {_KEEP_ERRORS}, 0)
+        ) kept)
+    WHERE c.id = :id AND c.status = 'running' AND c.attempts = :attempt
+    RETURNING c.id, c.topic, c.lane, c.queue_offset, c.deliver_ts
+){_ENQUEUE_FROM.format(src="again")}
+SELECT count(*) FROM again
+"""
+
+_BURY = f"""
+WITH buried AS (
+    UPDATE commit_log c SET status = 'dead', finished_at = clock_timestamp(), lane = -1,
+        queue_offset = NULL, lease_until = NULL, duration_ms = :duration_ms,
+        last_error = :error,
+        errors = (SELECT jsonb_agg(e) FROM (
+            SELECT e FROM jsonb_array_elements(COALESCE(c.errors, '[]') || {_ERROR_ENTRY}) e
+            OFFSET GREATEST(jsonb_array_length(COALESCE(c.errors, '[]')) + 1 - {_KEEP_ERRORS}, 0)
+        ) kept)
+    WHERE c.id = :id AND c.status = 'running' AND c.attempts = :attempt
+    RETURNING c.id, c.topic, c.attempts
+)
+INSERT INTO dead_letter (message_id, topic, reason, attempts)
+SELECT id, topic, :reason, attempts FROM buried
+ON CONFLICT (message_id) DO UPDATE SET reason = EXCLUDED.reason, died_at = now(),
+    attempts = EXCLUDED.attempts
+"""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed attempt leaves behind."""
+
+    message_id: int
+    attempt: int
+    error: str
+    traceback: str
+    duration_ms: int
+
+
+def schedule_retry(
+    conn: Connection,
+    failure: Failure,
+    *,
+    lane: int,
+    delay_level: int | None,
+    delay_ms: int | None,
+    deliver_at: datetime | None = None,
+) -> bool:
+    """Put a failed job back in a lane as `retrying`; it is an ordinary delayed message."""
+    count = conn.execute(
+        text(_SCHEDULE_RETRY),
+        {
+            "id": failure.message_id,
+            "attempt": failure.attempt,
+            "error": failure.error[:4000],
+            "traceback": failure.traceback[-4000:],
+            "duration_ms": failure.duration_ms,
+            "lane": lane,
+            "delay_level": delay_level,
+            "delay_ms": delay_ms,
+            "deliver_at": deliver_at,
+        },
+    ).scalar_one()
+    return count == 1
+
+
+def bury(conn: Connection, failure: Failure, reason: str) -> bool:
+    """Move a running job to the dead letters, keeping its last error."""
+    result = conn.execute(
+        text(_BURY),
+        {
+            "id": failure.message_id,
+            "attempt": failure.attempt,
+            "error": failure.error[:4000],
+            "traceback": failure.traceback[-4000:],
+            "duration_ms": failure.duration_ms,
+            "reason": reason[:4000],
+        },
+    )
+    return result.rowcount == 1
+
+
+def release_running(conn: Connection, jobs: Sequence[tuple[int, int]]) -> int:
+    """Give (id, attempt) jobs back to their topic queue untouched (graceful shutdown)."""
+    if not jobs:
+        return 0
+    ids, attempts = (list(column) for column in zip(*jobs, strict=True))
+    return conn.execute(
+        text(
+            """
+WITH back AS (
+    UPDATE commit_log c SET status = 'ready', lease_until = NULL, attempts = c.attempts - 1
+    FROM unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[])) AS v(id, attempt)
+    WHERE c.id = v.id AND c.status = 'running' AND c.attempts = v.attempt
+    RETURNING c.id, c.topic, c.deliver_ts
+)
+INSERT INTO topic_queue (message_id, topic, deliver_ts) SELECT id, topic, deliver_ts FROM back
+"""
+        ),
+        {"ids": ids, "attempts": attempts},
+    ).rowcount
+
+
+def rescue_expired_leases(conn: Connection, limit: int) -> list[Any]:
+    """Jobs whose worker vanished (lease expired) go back to their topic queue; the attempt
+    counts. -> the rescued (id, topic)."""
+    return list(
+        conn.execute(
+            text(
+                """
+WITH expired AS (
+    SELECT id FROM commit_log WHERE status = 'running' AND lease_until < clock_timestamp()
+    ORDER BY lease_until LIMIT :limit FOR UPDATE SKIP LOCKED
+), back AS (
+    UPDATE commit_log c SET status = 'ready', lease_until = NULL,
+        last_error = 'lease expired: the worker running attempt ' || c.attempts || ' was lost'
+    FROM expired WHERE c.id = expired.id
+    RETURNING c.id, c.topic, c.deliver_ts
+), queued AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    SELECT id, topic, deliver_ts FROM back
+)
+SELECT id, topic FROM back
+"""
+            ),
+            {"limit": limit},
+        )
+    )
+
+
+def topics_with_ready(conn: Connection) -> list[str]:
+    """Distinct topics in topic_queue by a loose index scan (one probe per topic)."""
+    return list(
+        conn.execute(
+            text(
+                """
+WITH RECURSIVE t AS (
+    (SELECT topic FROM topic_queue ORDER BY topic LIMIT 1)
+    UNION ALL
+    SELECT (SELECT topic FROM topic_queue WHERE topic > t.topic ORDER BY topic LIMIT 1)
+    FROM t WHERE t.topic IS NOT NULL
+)
+SELECT topic FROM t WHERE topic IS NOT NULL
+"""
+            )
+        ).scalars()
+    )
+
+
+def set_paused(conn: Connection, topic: str, paused: bool) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO topic_state (topic, paused) VALUES (:topic, :paused) "
+            "ON CONFLICT (topic) DO UPDATE SET paused = EXCLUDED.paused, updated_at = now()"
+        ),
+        {"topic": topic, "paused": paused},
+    )
+
+
+# ---------------------------------------------------------------- dead letters
+
+
+def list_dead(
+    conn: Connection, topic: str | None = None, after_id: int | None = None, limit: int = 100
+) -> list[Any]:
+    """Dead letters newest first, keyset-paginated on message id."""
+    return list(
+        conn.execute(
+            text(
+                "SELECT d.message_id, d.topic, d.died_at, d.reason, d.attempts, c.key, "
+                "c.last_error FROM dead_letter d JOIN commit_log c ON c.id = d.message_id "
+                "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
+                "AND (CAST(:after AS bigint) IS NULL OR d.message_id < :after) "
+                "ORDER BY d.message_id DESC LIMIT :limit"
+            ),
+            {"topic": topic, "after": after_id, "limit": limit},
+        )
+    )
+
+
+def redrive_dead(conn: Connection, message_id: int) -> Any:
+    """A dead message runs again now, with a fresh retry budget. -> its row, or None."""
+    return conn.execute(
+        text(
+            f"""
+WITH revived AS (
+    DELETE FROM dead_letter WHERE message_id = :id RETURNING message_id
+), again AS (
+    UPDATE commit_log c SET status = 'ready', finished_at = NULL, attempts = 0,
+        lane = -1, queue_offset = NULL, deliver_ts = clock_timestamp(),
+        delivered_at = clock_timestamp()
+    FROM revived WHERE c.id = revived.message_id AND c.status = 'dead'
+    RETURNING c.*
+), queued AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    SELECT id, topic, deliver_ts FROM again
+)
+SELECT {MESSAGE_COLUMNS} FROM again
+"""
+        ),
+        {"id": message_id},
+    ).first()
+
+
+def dead_ids(
+    conn: Connection, topic: str | None, error_contains: str | None, limit: int
+) -> list[int]:
+    return list(
+        conn.execute(
+            text(
+                "SELECT d.message_id FROM dead_letter d JOIN commit_log c ON c.id = d.message_id "
+                "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
+                "AND (CAST(:pattern AS text) IS NULL OR "
+                "     strpos(coalesce(c.last_error, '') || ' ' || d.reason, :pattern) > 0) "
+                "ORDER BY d.message_id LIMIT :limit"
+            ),
+            {"topic": topic, "pattern": error_contains, "limit": limit},
+        ).scalars()
+    )
+
+
+def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
+    """Forget dead letters (their commit_log rows stay `dead` until archived)."""
+    return conn.execute(
+        text("DELETE FROM dead_letter WHERE message_id = ANY(CAST(:ids AS bigint[]))"),
+        {"ids": list(ids)},
+    ).rowcount

@@ -42,8 +42,12 @@ class Server:
 
     def janitor(self, dbname: str, **options: object) -> DatabaseJanitor:
         return DatabaseJanitor(
-            user=self.user, host=self.host, port=self.port, password=self.password,
-            dbname=dbname, **options,  # type: ignore[arg-type]
+            user=self.user,
+            host=self.host,
+            port=self.port,
+            password=self.password,
+            dbname=dbname,
+            **options,  # type: ignore[arg-type]
         )
 
 

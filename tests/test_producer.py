@@ -57,8 +57,9 @@ def test_deliver_at_a_year_ahead(producer):
 
 
 def test_topic_default_delay(database_url, engine):
-    settings = Settings(database_url=database_url, delay_levels="1s 2s 3s 5s 8s",
-                        topic_delays="order.cancel=3s")
+    settings = Settings(
+        database_url=database_url, delay_levels="1s 2s 3s 5s 8s", topic_delays="order.cancel=3s"
+    )
     producer = Producer(settings, engine)
     assert producer.send("order.cancel", {}).delay_level == 3
     assert producer.send("other", {}).status == "ready"
@@ -121,8 +122,13 @@ def test_batch_keeps_order_lanes_and_keys(producer, engine):
             {"topic": "t", "body": 1, "delay_level": 1},
             {"topic": "t", "body": 2, "delay": "7s"},
             {"topic": "t", "body": 3, "key": "dup"},
-            {"topic": "t", "body": b"\x00\xff", "key": "new", "tags": ["a", "b"],
-             "properties": {"p": "v"}},
+            {
+                "topic": "t",
+                "body": b"\x00\xff",
+                "key": "new",
+                "tags": ["a", "b"],
+                "properties": {"p": "v"},
+            },
             {"topic": "t", "body": 5, "key": "new"},
             {"topic": "u", "body": 6},
         ]
@@ -159,8 +165,9 @@ def test_cancel_scheduled_and_ready_and_by_key(producer, engine):
 def test_running_message_is_not_cancellable(producer, engine):
     message = producer.send("t", 1)
     with engine.begin() as conn:
-        conn.execute(text("UPDATE commit_log SET status = 'running' WHERE id = :id"),
-                     {"id": message.id})
+        conn.execute(
+            text("UPDATE commit_log SET status = 'running' WHERE id = :id"), {"id": message.id}
+        )
         conn.execute(text("DELETE FROM topic_queue"))
     with pytest.raises(NotCancellable, match="running"):
         producer.cancel(message.id)
@@ -190,8 +197,10 @@ def test_bad_input_is_refused_and_nothing_is_stored(producer, engine, topic, bod
 
 
 def test_body_size_limit(database_url, engine):
-    producer = Producer(Settings(database_url=database_url, delay_levels="1s 2s 3s 5s 8s",
-                                 max_body_bytes=100), engine)
+    producer = Producer(
+        Settings(database_url=database_url, delay_levels="1s 2s 3s 5s 8s", max_body_bytes=100),
+        engine,
+    )
     producer.send("t", "x" * 98)  # 100 bytes with the JSON quotes
     with pytest.raises(TooLarge, match="101 bytes"):
         producer.send("t", "x" * 99)

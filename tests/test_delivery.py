@@ -1,0 +1,172 @@
+"""The delivery engine, driven through run_once with an injected clock (no sleeping)."""
+
+import threading
+from datetime import timedelta
+
+from sqlalchemy import text
+
+from delaysvc import delivery, store
+from delaysvc.schema import TIMER_LANE
+
+
+def topic_queue(engine):
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT message_id FROM topic_queue ORDER BY seq")).scalars().all()
+
+
+def offsets(engine):
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT lane, schedule_offset FROM schedule_offset"))
+        return {row.lane: row.schedule_offset for row in rows}
+
+
+def tick(engine, lane, now, batch=1000, delay_ms=None):
+    delay = delay_ms if delay_ms is not None else dict(delivery.lanes(engine))[lane]
+    with engine.connect() as conn:
+        return delivery.run_once(conn, lane, delay, batch, now)
+
+
+def db_now(engine):
+    with engine.connect() as conn:
+        return store.database_now(conn)
+
+
+def test_a_level_message_is_not_delivered_before_its_time_and_is_after(producer, engine):
+    # RocketMQ's ScheduleMessageServiceTest with levels "1s 2s ...": level 2 = 2 s.
+    message = producer.send("order.cancel", {"id": 1}, delay_level=2)
+    due = message.deliver_at
+    assert tick(engine, 2, due - timedelta(milliseconds=1)).moved == 0
+    assert topic_queue(engine) == []
+    result = tick(engine, 2, due)
+    assert (result.moved, result.topics) == (1, ("order.cancel",))
+    assert topic_queue(engine) == [message.id]
+    stored = producer.get(message.id)
+    assert stored.status == "ready"
+    assert stored.delivered_at is not None
+
+
+def test_order_within_a_level_is_send_order_and_offset_advances(producer, engine):
+    sent = [producer.send("t", i, delay_level=1).id for i in range(25)]
+    now = db_now(engine) + timedelta(seconds=2)
+    for _ in range(5):
+        assert tick(engine, 1, now, batch=5).moved == 5
+    assert tick(engine, 1, now, batch=5).moved == 0
+    assert topic_queue(engine) == sent
+    assert offsets(engine)[1] == 25
+
+
+def test_only_the_due_prefix_moves(producer, engine):
+    first = producer.send("t", 1, delay_level=3)
+    now = first.deliver_at
+    second = producer.send("t", 2, delay_level=3)  # due later than `now`
+    assert tick(engine, 3, now).moved == 1
+    assert topic_queue(engine) == [first.id]
+    assert tick(engine, 3, second.deliver_at).moved == 1
+
+
+def test_clock_moved_back_delivers_a_head_beyond_one_level_delay(producer, engine):
+    message = producer.send("t", 1, delay_level=1)  # due in 1 s
+    # The database clock "goes back" 10 minutes: the head is now 10 min + 1 s ahead,
+    # more than one level delay, so it must not block the level.
+    result = tick(engine, 1, message.stored_at - timedelta(minutes=10))
+    assert result.moved == 1
+    assert topic_queue(engine) == [message.id]
+
+
+def test_head_within_one_delay_still_waits(producer, engine):
+    message = producer.send("t", 1, delay_level=4)  # 5 s
+    assert tick(engine, 4, message.deliver_at - timedelta(seconds=4)).moved == 0
+
+
+def test_timer_lane_is_delivered_in_due_order(producer, engine):
+    late = producer.send("t", "late", delay="7s")
+    early = producer.send("t", "early", delay="4s")
+    assert tick(engine, TIMER_LANE, early.deliver_at).moved == 1
+    assert tick(engine, TIMER_LANE, late.deliver_at).moved == 1
+    assert topic_queue(engine) == [early.id, late.id]
+
+
+def test_cancelled_messages_are_never_delivered(producer, engine):
+    keep = producer.send("t", 1, delay_level=1)
+    drop = producer.send("t", 2, delay_level=1)
+    producer.cancel(drop.id)
+    tick(engine, 1, keep.deliver_at + timedelta(seconds=5))
+    assert topic_queue(engine) == [keep.id]
+    assert producer.get(drop.id).status == "cancelled"
+
+
+def test_concurrent_movers_move_each_message_once_in_order(producer, engine):
+    sent = [m.id for m in producer.send_batch([{"topic": "t", "body": i, "delay_level": 1}
+                                               for i in range(2000)])]
+    now = db_now(engine) + timedelta(seconds=2)
+    errors = []
+
+    def mover():
+        try:
+            for _ in range(200):
+                tick(engine, 1, now, batch=50)
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=mover) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert topic_queue(engine) == sent
+    assert offsets(engine)[1] == 2000
+
+
+def test_a_head_that_cannot_be_moved_is_retried_marked_stuck_and_skippable(producer, engine):
+    bad = producer.send("t", 1, delay_level=1)
+    good = producer.send("t", 2, delay_level=1)
+    with engine.begin() as conn:  # a row already in the topic queue makes the move fail
+        conn.execute(text("INSERT INTO topic_queue (message_id, topic, deliver_ts) "
+                          "VALUES (:id, 'x', now())"), {"id": bad.id})
+    now = good.deliver_at
+    for _ in range(2):
+        result = tick(engine, 1, now)
+        assert result.stuck and result.moved == 0
+    with engine.connect() as conn:
+        lane = next(s for s in store.lane_stats(conn) if s.lane == 1)
+        head = store.lane_head(conn, 1)
+    assert lane.stuck_offset == head.queue_offset
+    assert "UniqueViolation" in lane.stuck_error
+    assert head.message_id == bad.id  # never skipped, never dropped
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM topic_queue"))
+        assert store.skip_stuck_head(conn, 1) == bad.id
+    assert producer.get(bad.id).status == "dead"
+    assert tick(engine, 1, now).moved == 1
+    assert topic_queue(engine) == [good.id]
+    with engine.connect() as conn:
+        lane = next(s for s in store.lane_stats(conn) if s.lane == 1)
+    assert lane.stuck_offset is None
+
+
+def test_lane_stats_pending_is_max_offset_minus_schedule_offset(producer, engine):
+    for i in range(7):
+        producer.send("t", i, delay_level=2)
+    producer.send("t", "x", delay="9s")
+    with engine.connect() as conn:
+        stats = {s.lane: s for s in store.lane_stats(conn)}
+    assert stats[2].pending == 7 and stats[2].max_offset == 7
+    assert stats[2].next_due is not None
+    assert stats[1].pending == 0 and stats[1].next_due is None
+    tick(engine, 2, db_now(engine) + timedelta(seconds=3), batch=3)
+    with engine.connect() as conn:
+        stats = {s.lane: s for s in store.lane_stats(conn)}
+    assert (stats[2].pending, stats[2].schedule_offset, stats[2].moved_total) == (4, 3, 3)
+
+
+def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
+    message = producer.send("t", 1, delay="300ms")
+    woken = []
+    runner = delivery.LaneRunner(engine, TIMER_LANE, 0, 100, 0.05, on_moved=woken.append)
+    runner.run(budget_seconds=1.0)
+    assert runner.moved_total == 1
+    assert woken == [("t",)]
+    stored = producer.get(message.id)
+    lateness = (stored.delivered_at - stored.deliver_at).total_seconds()
+    assert 0 <= lateness < 0.2
