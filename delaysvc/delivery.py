@@ -110,6 +110,7 @@ class LaneRunner:
     on_moved: Callable[[tuple[str, ...]], None] = lambda topics: None
     stop: threading.Event = field(default_factory=threading.Event)
     moved_total: int = 0
+    held_lane: bool = False
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -118,6 +119,7 @@ class LaneRunner:
         with self.engine.connect() as conn:
             if not self._try_lock(conn):
                 return 0
+            self.held_lane = True
             try:
                 self._loop(conn, deadline)
             finally:

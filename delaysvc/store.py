@@ -796,3 +796,97 @@ def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
         text("DELETE FROM dead_letter WHERE message_id = ANY(CAST(:ids AS bigint[]))"),
         {"ids": list(ids)},
     ).rowcount
+
+
+# ---------------------------------------------------------------- tokens and users
+
+
+def insert_token(conn: Connection, name: str, token_hash: str, scope: str) -> None:
+    conn.execute(
+        text("INSERT INTO api_token (name, token_hash, scope) VALUES (:name, :hash, :scope)"),
+        {"name": name, "hash": token_hash, "scope": scope},
+    )
+
+
+def find_token(conn: Connection, token_hash: str) -> Any:
+    return conn.execute(
+        text(
+            "SELECT id, name, scope FROM api_token WHERE token_hash = :hash AND revoked_at IS NULL"
+        ),
+        {"hash": token_hash},
+    ).first()
+
+
+def revoke_token(conn: Connection, name: str) -> bool:
+    result = conn.execute(
+        text("UPDATE api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"),
+        {"name": name},
+    )
+    return result.rowcount == 1
+
+
+def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO dashboard_user (name, password_hash, role) VALUES (:name, :hash, :role) "
+            "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
+            "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL"
+        ),
+        {"name": name, "hash": password_hash, "role": role},
+    )
+
+
+def find_user(conn: Connection, name: str) -> Any:
+    return conn.execute(
+        text(
+            "SELECT id, name, password_hash, role, failed_logins, locked_until, "
+            "locked_until > now() AS locked FROM dashboard_user WHERE name = :name"
+        ),
+        {"name": name},
+    ).first()
+
+
+def record_login(
+    conn: Connection, name: str, ok: bool, max_failures: int, lockout_seconds: int
+) -> None:
+    if ok:
+        statement = "UPDATE dashboard_user SET failed_logins = 0, locked_until = NULL"
+    else:
+        statement = (
+            "UPDATE dashboard_user SET failed_logins = failed_logins + 1, locked_until = "
+            "CASE WHEN failed_logins + 1 >= :max THEN now() + :lock * interval '1 second' "
+            "ELSE locked_until END"
+        )
+    conn.execute(
+        text(statement + " WHERE name = :name"),
+        {"name": name, "max": max_failures, "lock": lockout_seconds},
+    )
+
+
+def topic_stats(conn: Connection, limit_count: int = 100_000) -> list[Any]:
+    """Per topic: ready (counted up to `limit_count`, through the topic index), running (the
+    small lease index), dead letters, paused. Never a full COUNT(*) of a hot table."""
+    return list(
+        conn.execute(
+            text(
+                """
+WITH topics AS (
+    SELECT topic FROM topic_state
+    UNION SELECT topic FROM dead_letter
+    UNION SELECT topic FROM commit_log WHERE status = 'running'
+    UNION SELECT unnest(CAST(:ready_topics AS text[]))
+)
+SELECT t.topic,
+    (SELECT count(*) FROM (SELECT 1 FROM topic_queue q WHERE q.topic = t.topic
+                           LIMIT :cap) x) AS ready,
+    (SELECT count(*) FROM commit_log c WHERE c.status = 'running' AND c.topic = t.topic)
+        AS running,
+    (SELECT count(*) FROM (SELECT 1 FROM dead_letter d WHERE d.topic = t.topic
+                           LIMIT :cap) y) AS dead,
+    COALESCE((SELECT paused FROM topic_state s WHERE s.topic = t.topic), false) AS paused
+FROM topics t ORDER BY t.topic
+"""
+            ),
+            {"ready_topics": topics_with_ready(conn), "cap": limit_count},
+        )
+    )

@@ -96,8 +96,12 @@ def test_cancelled_messages_are_never_delivered(producer, engine):
 
 
 def test_concurrent_movers_move_each_message_once_in_order(producer, engine):
-    sent = [m.id for m in producer.send_batch([{"topic": "t", "body": i, "delay_level": 1}
-                                               for i in range(2000)])]
+    sent = [
+        m.id
+        for m in producer.send_batch(
+            [{"topic": "t", "body": i, "delay_level": 1} for i in range(2000)]
+        )
+    ]
     now = db_now(engine) + timedelta(seconds=2)
     errors = []
 
@@ -122,8 +126,12 @@ def test_a_head_that_cannot_be_moved_is_retried_marked_stuck_and_skippable(produ
     bad = producer.send("t", 1, delay_level=1)
     good = producer.send("t", 2, delay_level=1)
     with engine.begin() as conn:  # a row already in the topic queue makes the move fail
-        conn.execute(text("INSERT INTO topic_queue (message_id, topic, deliver_ts) "
-                          "VALUES (:id, 'x', now())"), {"id": bad.id})
+        conn.execute(
+            text(
+                "INSERT INTO topic_queue (message_id, topic, deliver_ts) VALUES (:id, 'x', now())"
+            ),
+            {"id": bad.id},
+        )
     now = good.deliver_at
     for _ in range(2):
         result = tick(engine, 1, now)

@@ -1,0 +1,70 @@
+"""API tokens and dashboard users: secrets are stored only as hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import Any
+
+from sqlalchemy import Engine
+from werkzeug.security import check_password_hash, generate_password_hash
+
+from delaysvc import store
+from delaysvc.errors import ValidationError
+
+SCOPES = ("send", "admin")
+ROLES = ("admin", "viewer")
+TOKEN_PREFIX = "dsvc_"
+MAX_FAILED_LOGINS = 5
+LOCKOUT_SECONDS = 300
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def create_token(engine: Engine, name: str, scope: str = "send") -> str:
+    """-> the new token (shown once; only its hash is stored)."""
+    if scope not in SCOPES:
+        raise ValidationError("scope", f"{scope!r} is not a scope; use one of {SCOPES}")
+    if not name or len(name) > 100:
+        raise ValidationError("name", "must be 1-100 characters")
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    with engine.begin() as conn:
+        store.insert_token(conn, name, _hash_token(token), scope)
+    return token
+
+
+def authenticate_token(engine: Engine, token: str) -> Any:
+    """-> the token row (name, scope) or None."""
+    digest = _hash_token(token)
+    with engine.connect() as conn:
+        row = store.find_token(conn, digest)
+    if row is None:
+        return None
+    return row if hmac.compare_digest(digest, _hash_token(token)) else None
+
+
+def create_user(engine: Engine, name: str, password: str, role: str = "viewer") -> None:
+    if role not in ROLES:
+        raise ValidationError("role", f"{role!r} is not a role; use one of {ROLES}")
+    if len(password) < 8:
+        raise ValidationError("password", "must be at least 8 characters")
+    with engine.begin() as conn:
+        store.upsert_user(conn, name, generate_password_hash(password), role)
+
+
+def check_login(engine: Engine, name: str, password: str) -> Any:
+    """-> the user row if the password is right and the account is not locked, else None.
+    Repeated failures lock the account for LOCKOUT_SECONDS."""
+    with engine.begin() as conn:
+        user = store.find_user(conn, name)
+        if user is None:
+            check_password_hash(generate_password_hash("x"), password)  # same work either way
+            return None
+        if user.locked:
+            return None
+        ok = check_password_hash(user.password_hash, password)
+        store.record_login(conn, name, ok, MAX_FAILED_LOGINS, LOCKOUT_SECONDS)
+    return user if ok else None

@@ -1,0 +1,397 @@
+"""The `delaysvc` command. Settings are read here, once, from `DELAYSVC_*`; a user mistake
+prints one line and exits non-zero, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import datetime
+from functools import cached_property
+from typing import Any
+
+import click
+from sqlalchemy import Engine
+
+from delaysvc import store
+from delaysvc.errors import DelaysvcError, ValidationError
+from delaysvc.levels import format_ms
+from delaysvc.settings import Settings
+
+
+class Context:
+    """Built lazily so `--help` and `levels` need no database."""
+
+    @cached_property
+    def settings(self) -> Settings:
+        return Settings.from_env()
+
+    @cached_property
+    def engine(self) -> Engine:
+        from delaysvc.db import make_engine
+
+        return make_engine(self.settings)
+
+    @cached_property
+    def producer(self):  # type: ignore[no-untyped-def]
+        from delaysvc.producer import Producer
+
+        return Producer(self.settings, self.engine)
+
+
+pass_ctx = click.make_pass_decorator(Context, ensure=True)
+
+
+class Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DelaysvcError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2 if exc.code in ("config_error", "invalid", "too_large") else 1)
+        except Exception as exc:
+            from sqlalchemy.exc import OperationalError
+
+            if isinstance(exc, OperationalError):
+                click.echo(f"error: database unreachable: {exc.orig}", err=True)
+                sys.exit(1)
+            raise
+
+
+@click.group(cls=Group)
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO.")
+def cli(verbose: bool) -> None:
+    """delaysvc: durable delayed jobs on PostgreSQL."""
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+
+
+def main() -> None:
+    cli(prog_name="delaysvc")
+
+
+# ---------------------------------------------------------------- schema and levels
+
+
+@cli.command()
+@pass_ctx
+def migrate(ctx: Context) -> None:
+    """Upgrade the schema and create one consume queue per configured level."""
+    from delaysvc.migrate import upgrade
+
+    upgrade(ctx.engine, ctx.settings.levels)
+    click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
+
+
+@cli.command()
+@click.option("--no-db", is_flag=True, help="Only the configured levels, no pending counts.")
+@pass_ctx
+def levels(ctx: Context, no_db: bool) -> None:
+    """Table of delay levels: level, delay, pending."""
+    configured = ctx.settings.levels
+    pending: dict[int, int] = {}
+    if not no_db:
+        with ctx.engine.connect() as conn:
+            pending = {row.lane: row.pending for row in store.lane_stats(conn)}
+    click.echo(f"{'level':>5}  {'delay':>6}  {'pending':>9}")
+    for level in range(1, configured.max_level + 1):
+        count = pending.get(level)
+        shown = "-" if count is None else str(count)
+        click.echo(f"{level:>5}  {format_ms(configured.delay_ms(level)):>6}  {shown:>9}")
+    if not no_db:
+        click.echo(f"{'timer':>5}  {'any':>6}  {pending.get(0, 0):>9}")
+
+
+@cli.command()
+@pass_ctx
+def stats(ctx: Context) -> None:
+    """Per lane: pending, next due, lateness, offsets, stuck heads; per topic: ready, running,
+    dead."""
+    with ctx.engine.connect() as conn:
+        lanes = store.lane_stats(conn)
+        topics = store.topic_stats(conn)
+    click.echo(
+        f"{'lane':>5} {'delay':>6} {'pending':>9} {'offset':>9} {'max':>9} {'moved':>10} "
+        f"{'next due in':>12}  state"
+    )
+    for lane in lanes:
+        name = "timer" if lane.lane == 0 else str(lane.lane)
+        due = "-"
+        if lane.next_due is not None:
+            due = f"{(lane.next_due - lane.now).total_seconds():.3f}s"
+        state = f"STUCK at {lane.stuck_offset}: {lane.stuck_error}" if lane.stuck_error else "ok"
+        click.echo(
+            f"{name:>5} {format_ms(lane.delay_ms) if lane.lane else 'any':>6} {lane.pending:>9} "
+            f"{lane.schedule_offset:>9} {lane.max_offset if lane.lane else '-':>9} "
+            f"{lane.moved_total:>10} {due:>12}  {state}"
+        )
+    click.echo("")
+    click.echo(f"{'topic':<40} {'ready':>8} {'running':>8} {'dead':>8}  handler")
+    from delaysvc.consumption import load_handler_modules, registered
+
+    load_handler_modules(ctx.settings.handler_modules)
+    for topic in topics:
+        bound = (
+            "yes"
+            if registered(topic.topic)
+            else f"task {ctx.settings.task_topics[topic.topic]}"
+            if topic.topic in ctx.settings.task_topics
+            else "NONE (waiting)"
+        )
+        paused = " (paused)" if topic.paused else ""
+        click.echo(
+            f"{topic.topic:<40} {topic.ready:>8} {topic.running:>8} {topic.dead:>8}  "
+            f"{bound}{paused}"
+        )
+
+
+# ---------------------------------------------------------------- producing
+
+
+def _parse_body(text: str) -> Any:
+    """BODY is JSON when it parses as JSON, else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@cli.command()
+@click.argument("topic")
+@click.argument("body")
+@click.option("--delay", help="Duration such as 30m, 1h30m, 250ms.")
+@click.option("--level", "delay_level", type=int, help="Delay level (1..max; <=0 = now).")
+@click.option("--at", "deliver_at", help="ISO 8601 time with a timezone.")
+@click.option("--key", help="Unique among unfinished messages of the topic.")
+@click.option("--tag", "tags", multiple=True, help="Repeatable.")
+@click.option("--property", "properties", multiple=True, help="NAME=VALUE, repeatable.")
+@pass_ctx
+def send(
+    ctx: Context,
+    topic: str,
+    body: str,
+    delay: str | None,
+    delay_level: int | None,
+    deliver_at: str | None,
+    key: str | None,
+    tags: tuple[str, ...],
+    properties: tuple[str, ...],
+) -> None:
+    """Schedule BODY (JSON, or plain text) for TOPIC."""
+    at = None
+    if deliver_at is not None:
+        try:
+            at = datetime.fromisoformat(deliver_at)
+        except ValueError:
+            raise ValidationError("--at", f"{deliver_at!r} is not an ISO 8601 time") from None
+    props = {}
+    for item in properties:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValidationError("--property", f"{item!r} is not NAME=VALUE")
+        props[name] = value
+    message = ctx.producer.send(
+        topic,
+        _parse_body(body),
+        delay=delay,
+        delay_level=delay_level,
+        deliver_at=at,
+        key=key,
+        tags=list(tags) or None,
+        properties=props or None,
+    )
+    verb = "sent" if message.created else "exists (same topic and key)"
+    click.echo(
+        f"{verb}: id={message.id} status={message.status} level={message.delay_level} "
+        f"deliver_at={message.deliver_at.isoformat()}"
+    )
+
+
+@cli.command()
+@click.argument("message_id", type=int, required=False)
+@click.option("--topic")
+@click.option("--key")
+@pass_ctx
+def cancel(ctx: Context, message_id: int | None, topic: str | None, key: str | None) -> None:
+    """Cancel a message by ID, or by --topic and --key, while it is not yet running."""
+    message = ctx.producer.cancel(message_id, topic=topic, key=key)
+    click.echo(f"cancelled: id={message.id}")
+
+
+@cli.command()
+@click.argument("message_id", type=int)
+@pass_ctx
+def show(ctx: Context, message_id: int) -> None:
+    """Print a message as JSON."""
+    from delaysvc.serialize import message_json
+
+    click.echo(json.dumps(message_json(ctx.producer.get(message_id), body=True), indent=2))
+
+
+# ---------------------------------------------------------------- dead letters
+
+
+@cli.group()
+def dead() -> None:
+    """List, inspect, redrive and purge dead letters."""
+
+
+@dead.command("list")
+@click.option("--topic")
+@click.option("--limit", default=50, show_default=True)
+@pass_ctx
+def dead_list(ctx: Context, topic: str | None, limit: int) -> None:
+    from delaysvc.dead_letters import DeadLetters
+
+    for row in DeadLetters(ctx.engine).list(topic=topic, limit=limit):
+        click.echo(
+            f"{row.message_id:>10} {row.topic:<30} {row.died_at:%Y-%m-%d %H:%M:%S} "
+            f"attempts={row.attempts} {row.reason} | {row.last_error or ''}"
+        )
+
+
+@dead.command("redrive")
+@click.argument("message_ids", type=int, nargs=-1)
+@click.option("--topic", help="All dead letters of a topic ...")
+@click.option("--error-contains", help="... whose error contains this text.")
+@pass_ctx
+def dead_redrive(
+    ctx: Context, message_ids: tuple[int, ...], topic: str | None, error_contains: str | None
+) -> None:
+    """Run dead messages again now, by id or by filter."""
+    from delaysvc.dead_letters import DeadLetters
+
+    letters = DeadLetters(ctx.engine)
+    if message_ids:
+        count = sum(1 for i in message_ids if letters.redrive(i))
+    elif topic or error_contains:
+        count = letters.redrive_matching(topic=topic, error_contains=error_contains)
+    else:
+        raise ValidationError("ids", "give message ids, --topic or --error-contains")
+    click.echo(f"redriven: {count}")
+
+
+@dead.command("purge")
+@click.argument("message_ids", type=int, nargs=-1)
+@click.option("--topic")
+@click.option("--error-contains")
+@pass_ctx
+def dead_purge(
+    ctx: Context, message_ids: tuple[int, ...], topic: str | None, error_contains: str | None
+) -> None:
+    """Forget dead letters, by id or by filter."""
+    from delaysvc.dead_letters import DeadLetters
+
+    letters = DeadLetters(ctx.engine)
+    if message_ids:
+        count = letters.purge(list(message_ids))
+    elif topic or error_contains:
+        count = letters.purge_matching(topic=topic, error_contains=error_contains)
+    else:
+        raise ValidationError("ids", "give message ids, --topic or --error-contains")
+    click.echo(f"purged: {count}")
+
+
+@cli.command("skip-head")
+@click.argument("lane", type=int)
+@pass_ctx
+def skip_head(ctx: Context, lane: int) -> None:
+    """Move the head of a stuck LANE to the dead letters so the lane moves on."""
+    with ctx.engine.begin() as conn:
+        skipped = store.skip_stuck_head(conn, lane)
+    click.echo(f"skipped message {skipped}" if skipped else f"lane {lane} is empty")
+
+
+@cli.command()
+@click.argument("topic")
+@click.option("--resume", is_flag=True)
+@pass_ctx
+def pause(ctx: Context, topic: str, resume: bool) -> None:
+    """Pause (or --resume) consumption of TOPIC; delivery into its queue goes on."""
+    from delaysvc.validation import validate_topic
+
+    with ctx.engine.begin() as conn:
+        store.set_paused(conn, validate_topic(topic), not resume)
+    click.echo(f"{topic}: {'resumed' if resume else 'paused'}")
+
+
+# ---------------------------------------------------------------- access
+
+
+@cli.command("create-token")
+@click.argument("name")
+@click.option("--scope", type=click.Choice(["send", "admin"]), default="send", show_default=True)
+@pass_ctx
+def create_token(ctx: Context, name: str, scope: str) -> None:
+    """Create an API token; it is printed once, alone on the last line."""
+    from delaysvc.auth import create_token as make
+
+    token = make(ctx.engine, name, scope)
+    click.echo(f"token {name!r} created with scope {scope}; it is shown only now:")
+    click.echo(token)
+
+
+@cli.command("create-user")
+@click.argument("name")
+@click.option("--role", type=click.Choice(["admin", "viewer"]), default="admin", show_default=True)
+@click.password_option(envvar="DELAYSVC_NEW_USER_PASSWORD")
+@pass_ctx
+def create_user(ctx: Context, name: str, role: str, password: str) -> None:
+    """Create (or reset) a dashboard user."""
+    from delaysvc.auth import create_user as make
+
+    make(ctx.engine, name, password, role)
+    click.echo(f"user {name!r} ready with role {role}")
+
+
+# ---------------------------------------------------------------- running
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@pass_ctx
+def up(ctx: Context, host: str, port: int) -> None:
+    """All in one: (embedded) PostgreSQL, migrations, web app, workers and beat."""
+    from delaysvc.up import run_all
+
+    sys.exit(run_all(ctx.settings, host, port))
+
+
+@cli.command()
+@click.option("--delivery/--no-delivery", default=True, help="Serve the delivery queue.")
+@click.option("--consume/--no-consume", default=True, help="Serve the consume queue.")
+@click.option("--concurrency", "-c", type=int, help="Consumer processes (default: cores).")
+@pass_ctx
+def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None) -> None:
+    """Run Celery workers (delivery: threads, one per lane; consume: processes)."""
+    from delaysvc.up import run_processes, worker_commands
+
+    sys.exit(run_processes(worker_commands(ctx.settings, delivery, consume, concurrency)))
+
+
+@cli.command()
+@pass_ctx
+def beat(ctx: Context) -> None:
+    """Run Celery beat (fires every lane's delivery task, the consume sweep, lease rescue)."""
+    from delaysvc.up import beat_command, run_processes
+
+    sys.exit(run_processes([beat_command(ctx.settings)]))
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@click.option("--workers", default=2, show_default=True)
+@pass_ctx
+def web(ctx: Context, host: str, port: int, workers: int) -> None:
+    """Serve the HTTP API and dashboard with gunicorn."""
+    from delaysvc.up import run_processes, web_command
+
+    sys.exit(run_processes([web_command(host, port, workers)]))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,76 @@
+"""Dead letters: list, inspect, redrive (one or all matching) and purge."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import IntegrityError
+
+from delaysvc import store
+from delaysvc.errors import DuplicateKey, NotFound
+from delaysvc.producer import Message
+
+log = logging.getLogger(__name__)
+BATCH = 500
+
+
+class DeadLetters:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def list(
+        self, topic: str | None = None, after_id: int | None = None, limit: int = 100
+    ) -> list[Any]:
+        with self.engine.connect() as conn:
+            return store.list_dead(conn, topic, after_id, limit)
+
+    def redrive(self, message_id: int) -> Message:
+        """Run a dead message again now with a fresh retry budget."""
+        try:
+            with self.engine.begin() as conn:
+                row = store.redrive_dead(conn, message_id)
+        except IntegrityError as exc:
+            if store.unique_violation(exc, "uq_commit_log_topic_key"):
+                raise DuplicateKey(
+                    f"message {message_id}: its key is held by a newer unfinished message"
+                ) from None
+            raise
+        if row is None:
+            raise NotFound(f"message {message_id} is not a dead letter")
+        log.info("dead.redriven", extra={"message_id": message_id})
+        return Message.from_row(row)
+
+    def redrive_matching(self, topic: str | None = None, error_contains: str | None = None) -> int:
+        """Redrive every dead letter matching the filter, in bounded batches; letters whose key
+        is taken by a newer message stay dead. -> how many were redriven."""
+        done, skipped = 0, set()
+        while True:
+            with self.engine.connect() as conn:
+                ids = [
+                    i
+                    for i in store.dead_ids(conn, topic, error_contains, BATCH + len(skipped))
+                    if i not in skipped
+                ]
+            if not ids:
+                return done
+            for message_id in ids:
+                try:
+                    self.redrive(message_id)
+                    done += 1
+                except (DuplicateKey, NotFound):
+                    skipped.add(message_id)
+
+    def purge(self, message_ids: list[int]) -> int:
+        with self.engine.begin() as conn:
+            return store.purge_dead(conn, message_ids)
+
+    def purge_matching(self, topic: str | None = None, error_contains: str | None = None) -> int:
+        total = 0
+        while True:
+            with self.engine.begin() as conn:
+                ids = store.dead_ids(conn, topic, error_contains, BATCH)
+                if not ids:
+                    return total
+                total += store.purge_dead(conn, ids)

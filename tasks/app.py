@@ -1,0 +1,120 @@
+"""The Celery app, built by a function from the settings (the edge), and the per-process
+runtime the task wrappers share (engine, consumer). Queues:
+
+- `delaysvc.delivery`: one long-ish task per lane at a time; serve it with a thread pool
+  (`-P threads -c <lanes + 2>`): the tasks wait on the database and on the clock, not the CPU.
+- `delaysvc.consume`: consumer batches; serve it with the default prefork pool.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import cached_property
+
+from celery import Celery
+from sqlalchemy import Engine
+
+from delaysvc.consumption import Consumer, load_handler_modules
+from delaysvc.db import make_engine
+from delaysvc.settings import Settings
+
+DELIVERY_QUEUE = "delaysvc.delivery"
+CONSUME_QUEUE = "delaysvc.consume"
+SWEEP_SECONDS = 1.0
+RESCUE_SECONDS = 10.0
+
+
+def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
+    """The configured broker, or the filesystem broker under var/ for the embedded mode: it
+    needs no server, and kombu deletes each message file once it is consumed, so it does not
+    grow (its limit: one machine, and it polls every 20 ms)."""
+    if settings.broker_url:
+        return settings.broker_url, {}
+    folder = (settings.var_dir / "broker").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    return "filesystem://", {
+        "data_folder_in": str(folder),
+        "data_folder_out": str(folder),
+        "store_processed": False,
+        "polling_interval": 0.02,
+    }
+
+
+def create_celery_app(settings: Settings | None = None) -> Celery:
+    settings = settings or Settings.from_env()
+    broker, transport_options = broker_options(settings)
+    app = Celery("delaysvc", broker=broker, include=["tasks.delivery", "tasks.consume"])
+    budget = settings.lane_budget_seconds
+    app.conf.update(
+        broker_transport_options=transport_options,
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+        task_routes={
+            "delaysvc.deliver_lane": {"queue": DELIVERY_QUEUE},
+            "delaysvc.*": {"queue": CONSUME_QUEUE},
+        },
+        task_default_queue=CONSUME_QUEUE,
+        task_time_limit=settings.lease_seconds,
+        beat_schedule={
+            **{
+                f"deliver-lane-{lane}": {
+                    "task": "delaysvc.deliver_lane",
+                    "schedule": timedelta(seconds=budget),
+                    "args": (lane,),
+                    "options": {"expires": budget},
+                }
+                for lane in range(0, settings.levels.max_level + 1)
+            },
+            "consume-sweep": {
+                "task": "delaysvc.consume_sweep",
+                "schedule": timedelta(seconds=SWEEP_SECONDS),
+                "options": {"expires": SWEEP_SECONDS},
+            },
+            "rescue-leases": {
+                "task": "delaysvc.rescue_leases",
+                "schedule": timedelta(seconds=RESCUE_SECONDS),
+                "options": {"expires": RESCUE_SECONDS},
+            },
+        },
+    )
+    if not settings.broker_url:
+        app.conf.worker_enable_remote_control = False
+    app.conf.delaysvc_settings = settings
+    return app
+
+
+@dataclass
+class Runtime:
+    """What tasks in one worker process share; built lazily after the pool forks."""
+
+    settings: Settings
+    pid: int
+
+    @cached_property
+    def engine(self) -> Engine:
+        return make_engine(self.settings, pool_size=max(5, self.settings.levels.max_level + 3))
+
+    @cached_property
+    def consumer(self) -> Consumer:
+        from tasks.consume import dispatch_to_celery
+
+        load_handler_modules(self.settings.handler_modules)
+        return Consumer(self.settings, self.engine, dispatch_to_celery)
+
+
+_runtime: Runtime | None = None
+
+
+def runtime() -> Runtime:
+    global _runtime
+    if _runtime is None or _runtime.pid != os.getpid():
+        from celery import current_app
+
+        _runtime = Runtime(current_app.conf.delaysvc_settings, os.getpid())
+    return _runtime

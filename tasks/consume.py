@@ -1,0 +1,84 @@
+"""Consumer tasks: thin wrappers around `delaysvc.consumption.Consumer`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from celery import current_app, shared_task
+
+from delaysvc.consumption import Job
+from tasks.app import runtime
+
+
+@shared_task(name="delaysvc.consume", ignore_result=True)
+def consume(topic: str) -> int:
+    """Run one batch of `topic`; while batches come back full, queue the next one."""
+    rt = runtime()
+    result = rt.consumer.run_once(topic)
+    if result.claimed >= rt.settings.consume_batch:
+        consume.apply_async((topic,), expires=60)
+    return result.claimed
+
+
+@shared_task(name="delaysvc.consume_sweep", ignore_result=True)
+def consume_sweep() -> int:
+    """Safety net: wake the consumer of every topic that has ready jobs."""
+    from delaysvc import store
+
+    rt = runtime()
+    with rt.engine.connect() as conn:
+        topics = store.topics_with_ready(conn)
+    for topic in topics:
+        consume.apply_async((topic,), expires=60)
+    return len(topics)
+
+
+@shared_task(name="delaysvc.rescue_leases", ignore_result=True)
+def rescue_leases() -> int:
+    rescued = runtime().consumer.rescue_once()
+    for topic in {row.topic for row in rescued}:
+        consume.apply_async((topic,), expires=60)
+    return len(rescued)
+
+
+# -- topics bound to existing Celery tasks ---------------------------------------------------
+
+
+def dispatch_to_celery(task_name: str, job: Job) -> None:
+    """Send a due job to its Celery task now (no ETA, no countdown); the outcome comes back
+    through the link callbacks into the same retry / dead-letter path as handlers."""
+    current_app.send_task(
+        task_name,
+        args=[job.body],
+        kwargs={},
+        headers={"delaysvc_message_id": job.id, "delaysvc_attempt": job.attempts},
+        link=task_succeeded.s(job.id, job.attempts, time.time()),
+        link_error=task_failed.s(job.id, job.attempts, time.time()),
+    )
+
+
+@shared_task(name="delaysvc.task_succeeded", ignore_result=True)
+def task_succeeded(_result: Any, message_id: int, attempt: int, sent_at: float) -> bool:
+    return runtime().consumer.record_success(message_id, attempt, _elapsed_ms(sent_at))
+
+
+@shared_task(name="delaysvc.task_failed", ignore_result=True)
+def task_failed(
+    request: Any, exc: BaseException, _traceback: Any, message_id: int, attempt: int, sent_at: float
+) -> bool:
+    rt = runtime()
+    with rt.engine.connect() as conn:
+        from delaysvc import store
+
+        row = store.get_message(conn, message_id)
+    if row is None or row.status != "running" or row.attempts != attempt:
+        return False
+    job = Job.from_row(row)
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(str(exc))
+    return rt.consumer.record_failure_of(job, exc, _elapsed_ms(sent_at))
+
+
+def _elapsed_ms(sent_at: float) -> int:
+    return max(0, int((time.time() - sent_at) * 1000))

@@ -1,0 +1,197 @@
+"""Consumption through Consumer.run_once: claims, outcomes, retries, dead letters, leases."""
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import text
+
+from delaysvc import consumption, store
+from delaysvc.consumption import Consumer, handler
+from delaysvc.errors import DeadLetter, RetryLater
+from delaysvc.schema import TIMER_LANE
+
+
+@pytest.fixture(autouse=True)
+def clean_registry():
+    saved = dict(consumption._registry)
+    consumption._registry.clear()
+    yield
+    consumption._registry.clear()
+    consumption._registry.update(saved)
+
+
+@pytest.fixture
+def consumer(settings, engine):
+    return Consumer(settings, engine)
+
+
+def make_ready(engine, message_id):
+    """Deliver a waiting message now, whatever its lane (a retry skips its wait)."""
+    with engine.begin() as conn:
+        row = store.get_message(conn, message_id)
+        store.take_out_of_lane(conn, row.lane, row.queue_offset, row.deliver_ts)
+        conn.execute(
+            text("UPDATE commit_log SET status='ready', lane=-1 WHERE id=:id"), {"id": message_id}
+        )
+        conn.execute(
+            text(
+                "INSERT INTO topic_queue (message_id, topic, deliver_ts) "
+                "VALUES (:id, :topic, now())"
+            ),
+            {"id": message_id, "topic": row.topic},
+        )
+
+
+def test_success_records_timings(producer, consumer):
+    seen = []
+    handler("order.cancel")(lambda message: seen.append((message.body, message.attempts)))
+    message = producer.send("order.cancel", {"id": 42}, key="order-42")
+    result = consumer.run_once("order.cancel")
+    assert (result.claimed, result.succeeded) == (1, 1)
+    assert seen == [({"id": 42}, 1)]
+    done = producer.get(message.id)
+    assert done.status == "succeeded"
+    assert done.started_at <= done.finished_at
+    assert done.duration_ms is not None and done.duration_ms >= 0
+
+
+def test_fails_twice_then_succeeds_with_three_attempts_and_two_errors(producer, consumer, engine):
+    calls = []
+
+    @handler("flaky")
+    def flaky(message):
+        calls.append(message.attempts)
+        if message.attempts < 3:
+            raise ValueError(f"boom {message.attempts}")
+
+    message = producer.send("flaky", {})
+    consumer.run_once("flaky")
+    first_retry = producer.get(message.id)
+    assert first_retry.status == "retrying"
+    assert first_retry.delay_level == 3  # first retry goes to level 3
+    make_ready(engine, message.id)
+    consumer.run_once("flaky")
+    second_retry = producer.get(message.id)
+    assert second_retry.delay_level == 4
+    make_ready(engine, message.id)
+    consumer.run_once("flaky")
+    done = producer.get(message.id)
+    assert calls == [1, 2, 3]
+    assert (done.status, done.attempts) == ("succeeded", 3)
+    assert [e["error"] for e in done.errors] == ["ValueError: boom 1", "ValueError: boom 2"]
+    assert "boom 2" in done.last_error
+    assert "ValueError" in done.errors[1]["traceback"]
+
+
+def test_out_of_retries_goes_to_the_dead_letters_and_redrive_runs_again(producer, consumer, engine):
+    fail = {"on": True}
+
+    @handler("doomed", max_retries=2)
+    def doomed(message):
+        if fail["on"]:
+            raise RuntimeError("always")
+
+    message = producer.send("doomed", {})
+    for _ in range(3):
+        consumer.run_once("doomed")
+        if producer.get(message.id).status == "retrying":
+            make_ready(engine, message.id)
+    dead = producer.get(message.id)
+    assert (dead.status, dead.attempts) == ("dead", 3)
+    with engine.connect() as conn:
+        letters = store.list_dead(conn)
+    assert [(d.message_id, d.attempts) for d in letters] == [(message.id, 3)]
+    assert "out of retries" in letters[0].reason
+    with engine.begin() as conn:
+        store.redrive_dead(conn, message.id)
+    fail["on"] = False
+    assert consumer.run_once("doomed").succeeded == 1
+    assert producer.get(message.id).status == "succeeded"
+
+
+def test_handler_can_dead_letter_now_or_retry_later(producer, consumer):
+    @handler("explicit")
+    def explicit(message):
+        if message.body == "dead":
+            raise DeadLetter("bad order")
+        raise RetryLater(delay="45s")
+
+    dead = producer.send("explicit", "dead")
+    later = producer.send("explicit", "later")
+    result = consumer.run_once("explicit")
+    assert (result.dead, result.retried) == (1, 1)
+    assert producer.get(dead.id).status == "dead"
+    again = producer.get(later.id)
+    assert again.status == "retrying"
+    with consumer.engine.connect() as conn:
+        row = store.get_message(conn, later.id)
+    assert row.lane == TIMER_LANE
+    assert timedelta(seconds=44) < row.deliver_ts - row.started_at < timedelta(seconds=46)
+
+
+def test_topic_without_handler_waits_visibly(producer, consumer, engine):
+    message = producer.send("nobody.listens", {})
+    assert consumer.run_once("nobody.listens").claimed == 0
+    assert producer.get(message.id).status == "ready"
+    with engine.connect() as conn:
+        assert store.topics_with_ready(conn) == ["nobody.listens"]
+
+
+def test_cancelled_messages_never_run(producer, consumer):
+    ran = []
+    handler("t")(lambda m: ran.append(m.id))
+    cancelled = producer.send("t", 1)
+    kept = producer.send("t", 2)
+    producer.cancel(cancelled.id)
+    consumer.run_once("t")
+    assert ran == [kept.id]
+
+
+def test_expired_lease_is_rescued_and_counts_as_an_attempt(producer, consumer, engine):
+    handler("t")(lambda m: None)
+    message = producer.send("t", 1)
+    with engine.begin() as conn:  # a worker claims the job and dies
+        store.claim_ready(conn, "t", 10, lease_seconds=60)
+        conn.execute(text("UPDATE commit_log SET lease_until = now() - interval '1 second'"))
+    assert [r.id for r in consumer.rescue_once()] == [message.id]
+    assert producer.get(message.id).status == "ready"
+    assert consumer.run_once("t").succeeded == 1
+    done = producer.get(message.id)
+    assert (done.status, done.attempts) == ("succeeded", 2)
+
+
+def test_a_zombie_worker_cannot_finish_a_job_taken_over(producer, consumer, engine):
+    handler("t")(lambda m: None)
+    message = producer.send("t", 1)
+    with engine.begin() as conn:
+        store.claim_ready(conn, "t", 10, lease_seconds=60)
+        conn.execute(text("UPDATE commit_log SET lease_until = now() - interval '1 second'"))
+    consumer.rescue_once()
+    with engine.begin() as conn:
+        store.claim_ready(conn, "t", 10, lease_seconds=60)  # attempt 2 is running
+    assert consumer.record_success(message.id, attempt=1, duration_ms=5) is False
+    assert producer.get(message.id).status == "running"
+
+
+def test_paused_topic_is_not_claimed(producer, consumer, engine):
+    handler("t")(lambda m: None)
+    producer.send("t", 1)
+    with engine.begin() as conn:
+        store.set_paused(conn, "t", True)
+    assert consumer.run_once("t").claimed == 0
+    with engine.begin() as conn:
+        store.set_paused(conn, "t", False)
+    assert consumer.run_once("t").claimed == 1
+
+
+def test_purge_and_redrive_by_filter(producer, consumer, engine):
+    @handler("d", max_retries=0)
+    def always(message):
+        raise KeyError(message.body)
+
+    ids = [producer.send("d", f"m{i}").id for i in range(4)]
+    consumer.run_once("d")
+    with engine.begin() as conn:
+        assert store.dead_ids(conn, "d", "m1", 100) == [ids[1]]
+        assert store.purge_dead(conn, [ids[0]]) == 1
+        assert sorted(store.dead_ids(conn, "d", None, 100)) == ids[1:]

@@ -1,0 +1,216 @@
+"""The HTTP API: JSON in, JSON out, `Authorization: Bearer <token>`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import datetime
+from functools import wraps
+from typing import Any
+
+from flask import Blueprint, current_app, g, jsonify, request
+from sqlalchemy import text
+
+from delaysvc import store
+from delaysvc.auth import authenticate_token
+from delaysvc.dead_letters import DeadLetters
+from delaysvc.errors import ValidationError
+from delaysvc.levels import format_ms
+from delaysvc.serialize import iso, message_json
+from web.errors import error_response
+
+api = Blueprint("api", __name__)
+
+
+def services() -> dict[str, Any]:
+    return current_app.extensions["delaysvc"]
+
+
+def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """`send` tokens may enqueue, read and cancel; `admin` tokens may do everything."""
+
+    def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
+        @wraps(view)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            header = request.headers.get("Authorization", "")
+            if not header.startswith("Bearer "):
+                return error_response(401, "unauthorized", "send Authorization: Bearer <token>")
+            token = authenticate_token(services()["engine"], header[len("Bearer ") :].strip())
+            if token is None:
+                return error_response(401, "unauthorized", "unknown or revoked token")
+            if scope == "admin" and token.scope != "admin":
+                return error_response(403, "forbidden", "this needs a token with scope admin")
+            g.token = token
+            return view(*args, **kwargs)
+
+        guarded.required_scope = scope  # type: ignore[attr-defined]
+        return guarded
+
+    return decorate
+
+
+def json_body() -> dict[str, Any]:
+    if not request.is_json:
+        return _raise_unsupported()
+    data = request.get_json(silent=True)
+    if not isinstance(data, dict):
+        raise ValidationError("body", "the request body must be a JSON object")
+    return data
+
+
+def _raise_unsupported() -> dict[str, Any]:
+    from werkzeug.exceptions import UnsupportedMediaType
+
+    raise UnsupportedMediaType("send Content-Type: application/json")
+
+
+def message_options(item: dict[str, Any]) -> dict[str, Any]:
+    """The JSON fields of one message, with deliver_at parsed from ISO 8601."""
+    options = dict(item)
+    at = options.get("deliver_at")
+    if at is not None:
+        if not isinstance(at, str):
+            raise ValidationError("deliver_at", "must be an ISO 8601 string with a timezone")
+        try:
+            options["deliver_at"] = datetime.fromisoformat(at)
+        except ValueError:
+            raise ValidationError("deliver_at", f"{at!r} is not an ISO 8601 time") from None
+    return options
+
+
+@api.post("/messages")
+@requires("send")
+def send_message():  # type: ignore[no-untyped-def]
+    options = message_options(json_body())
+    producer = services()["producer"]
+    [message] = producer.send_batch([options])
+    return jsonify(message_json(message, full=False)), 201 if message.created else 200
+
+
+@api.post("/messages/batch")
+@requires("send")
+def send_messages():  # type: ignore[no-untyped-def]
+    items = json_body().get("messages")
+    if not isinstance(items, list) or not items:
+        raise ValidationError("messages", "must be a non-empty list of messages")
+    options = []
+    for index, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValidationError(f"messages[{index}]", "must be an object")
+        try:
+            options.append(message_options(item))
+        except ValidationError as exc:
+            raise ValidationError(f"messages[{index}].{exc.field}", exc.detail) from None
+    messages = services()["producer"].send_batch(options)
+    return jsonify(
+        {"messages": [message_json(m, full=False) | {"created": m.created} for m in messages]}
+    ), 201
+
+
+@api.get("/messages")
+@requires("send")
+def find_message():  # type: ignore[no-untyped-def]
+    topic, key = request.args.get("topic"), request.args.get("key")
+    if not topic or not key:
+        raise ValidationError("topic", "look up a message with ?topic=...&key=...")
+    return jsonify(message_json(services()["producer"].find(topic, key)))
+
+
+@api.get("/messages/<int:message_id>")
+@requires("send")
+def get_message(message_id: int):  # type: ignore[no-untyped-def]
+    return jsonify(message_json(services()["producer"].get(message_id)))
+
+
+@api.delete("/messages/<int:message_id>")
+@requires("send")
+def cancel_message(message_id: int):  # type: ignore[no-untyped-def]
+    return jsonify(message_json(services()["producer"].cancel(message_id)))
+
+
+@api.get("/levels")
+@requires("send")
+def levels():  # type: ignore[no-untyped-def]
+    with services()["engine"].connect() as conn:
+        rows = store.lane_stats(conn)
+    return jsonify({"levels": [lane_json(row) for row in rows]})
+
+
+def lane_json(row: Any) -> dict[str, Any]:
+    lateness = None
+    if row.next_due is not None and row.next_due < row.now:
+        lateness = round((row.now - row.next_due).total_seconds() * 1000, 1)
+    return {
+        "level": row.lane if row.lane else None,
+        "lane": "timer" if row.lane == 0 else f"level-{row.lane}",
+        "delay": format_ms(row.delay_ms) if row.lane else None,
+        "delay_ms": row.delay_ms if row.lane else None,
+        "pending": row.pending,
+        "schedule_offset": row.schedule_offset,
+        "max_offset": row.max_offset,
+        "moved_total": row.moved_total,
+        "next_due": iso(row.next_due),
+        "lateness_ms": lateness,
+        "stuck": None
+        if row.stuck_error is None
+        else {"offset": row.stuck_offset, "error": row.stuck_error, "since": iso(row.stuck_since)},
+    }
+
+
+@api.get("/topics")
+@requires("send")
+def topics():  # type: ignore[no-untyped-def]
+    with services()["engine"].connect() as conn:
+        rows = store.topic_stats(conn)
+    return jsonify(
+        {
+            "topics": [
+                {
+                    "topic": r.topic,
+                    "ready": r.ready,
+                    "running": r.running,
+                    "dead": r.dead,
+                    "paused": r.paused,
+                }
+                for r in rows
+            ]
+        }
+    )
+
+
+@api.get("/dead")
+@requires("admin")
+def dead_letters():  # type: ignore[no-untyped-def]
+    after = request.args.get("after", type=int)
+    limit = min(request.args.get("limit", default=100, type=int) or 100, 1000)
+    rows = DeadLetters(services()["engine"]).list(request.args.get("topic"), after, limit)
+    return jsonify(
+        {
+            "dead": [
+                {
+                    "id": r.message_id,
+                    "topic": r.topic,
+                    "key": r.key,
+                    "died_at": iso(r.died_at),
+                    "reason": r.reason,
+                    "attempts": r.attempts,
+                    "last_error": r.last_error,
+                }
+                for r in rows
+            ]
+        }
+    )
+
+
+@api.post("/dead/<int:message_id>/redrive")
+@requires("admin")
+def redrive(message_id: int):  # type: ignore[no-untyped-def]
+    return jsonify(message_json(DeadLetters(services()["engine"]).redrive(message_id)))
+
+
+def database_ok() -> bool:
+    try:
+        with services()["engine"].connect() as conn:
+            conn.execute(text("SELECT 1"))
+        return True
+    except Exception:
+        return False

@@ -1,0 +1,23 @@
+"""The operator dashboard (server-rendered, no CDN), health and metrics."""
+
+from __future__ import annotations
+
+from flask import Blueprint, jsonify, render_template
+
+from delaysvc import store
+from web.api import database_ok, lane_json, services
+
+dashboard = Blueprint("dashboard", __name__)
+
+
+@dashboard.get("/")
+def overview():  # type: ignore[no-untyped-def]
+    with services()["engine"].connect() as conn:
+        lanes = [lane_json(row) for row in store.lane_stats(conn)]
+    return render_template("overview.html", lanes=lanes)
+
+
+@dashboard.get("/healthz")
+def healthz():  # type: ignore[no-untyped-def]
+    ok = database_ok()
+    return jsonify({"status": "ok" if ok else "degraded", "database": ok}), 200 if ok else 503

@@ -1,0 +1,46 @@
+"""Domain errors -> HTTP status codes, in one place. Every error body is
+`{"error": {"code": ..., "message": ...}}`."""
+
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from delaysvc.errors import DelaysvcError
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    "invalid": 400,
+    "too_large": 413,
+    "not_found": 404,
+    "not_cancellable": 409,
+    "duplicate_key": 409,
+    "backlog_full": 429,
+    "schema_not_ready": 503,
+    "config_error": 500,
+}
+
+
+def error_response(status: int, code: str, message: str):  # type: ignore[no-untyped-def]
+    response = jsonify({"error": {"code": code, "message": message}})
+    response.status_code = status
+    return response
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(DelaysvcError)
+    def domain_error(exc: DelaysvcError):  # type: ignore[no-untyped-def]
+        return error_response(STATUS.get(exc.code, 400), exc.code, str(exc))
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
+        code = (exc.name or "error").lower().replace(" ", "_")
+        return error_response(exc.code or 500, code, exc.description or exc.name)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):  # type: ignore[no-untyped-def]
+        log.exception("web.unexpected_error")
+        return error_response(500, "internal", "internal error; see the server log")
