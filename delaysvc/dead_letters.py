@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Engine
@@ -45,7 +46,7 @@ class DeadLetters:
     def redrive_matching(self, topic: str | None = None, error_contains: str | None = None) -> int:
         """Redrive every dead letter matching the filter, in bounded batches; letters whose key
         is taken by a newer message stay dead. -> how many were redriven."""
-        done, skipped = 0, set()
+        done, skipped = 0, set[int]()
         while True:
             with self.engine.connect() as conn:
                 ids = [
@@ -62,7 +63,7 @@ class DeadLetters:
                 except (DuplicateKey, NotFound):
                     skipped.add(message_id)
 
-    def purge(self, message_ids: list[int]) -> int:
+    def purge(self, message_ids: Sequence[int]) -> int:
         with self.engine.begin() as conn:
             return store.purge_dead(conn, message_ids)
 

@@ -139,24 +139,25 @@ def resolve_schedule(
         return _absolute(deliver_at, max_delay_ms, now)
     field_name = "delay" if delay is not None else "delay_ms"
     if delay is not None:
-        delay_ms = parse_duration_ms(delay)
+        ms = parse_duration_ms(delay)
     elif delay_ms is not None:
         if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0:
             raise ValidationError("delay_ms", f"must be a whole number >= 0, got {delay_ms!r}")
+        ms = delay_ms
     elif default_delay_ms is not None:
-        delay_ms = default_delay_ms
+        ms = default_delay_ms
     else:
         return Schedule(NO_LANE, 0, 0, None)
-    if delay_ms > max_delay_ms:
+    if ms > max_delay_ms:
         raise ValidationError(
-            field_name, f"{delay_ms} ms is more than the maximum delay of {max_delay_ms} ms"
+            field_name, f"{ms} ms is more than the maximum delay of {max_delay_ms} ms"
         )
-    if delay_ms == 0:
+    if ms == 0:
         return Schedule(NO_LANE, 0, 0, None)
-    level = levels.level_for_delay_ms(delay_ms)
-    if level is not None:
-        return Schedule(level, level, delay_ms, None)
-    return Schedule(TIMER_LANE, None, delay_ms, None)
+    exact_level = levels.level_for_delay_ms(ms)
+    if exact_level is not None:
+        return Schedule(exact_level, exact_level, ms, None)
+    return Schedule(TIMER_LANE, None, ms, None)
 
 
 def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Schedule:

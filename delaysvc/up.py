@@ -113,9 +113,14 @@ def run_processes(
         if on_started is not None:
             on_started()
         while not stopping["signal"]:
-            exited = [c for c in children if c.poll() is not None]
+            running = zip(children, commands, strict=True)
+            exited = [(c, command) for c, command in running if c.poll() is not None]
             if exited:
-                click.echo(f"a process exited ({exited[0].args[:5]}...); stopping", err=True)
+                child, command = exited[0]
+                click.echo(
+                    f"exited with {child.returncode}: {' '.join(command[:6])}...; stopping all",
+                    err=True,
+                )
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:

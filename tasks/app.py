@@ -19,6 +19,7 @@ from sqlalchemy import Engine
 from delaysvc.consumption import Consumer, load_handler_modules
 from delaysvc.db import make_engine
 from delaysvc.settings import Settings
+from tasks import broker
 
 DELIVERY_QUEUE = "delaysvc.delivery"
 CONSUME_QUEUE = "delaysvc.consume"
@@ -28,13 +29,13 @@ RESCUE_SECONDS = 10.0
 
 def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
     """The configured broker, or the filesystem broker under var/ for the embedded mode: it
-    needs no server, and kombu deletes each message file once it is consumed, so it does not
-    grow (its limit: one machine, and it polls every 20 ms)."""
+    needs no server, and each message file is deleted once consumed, so it does not grow (its
+    limits: one machine, and consumers poll the folder every 20 ms)."""
     if settings.broker_url:
         return settings.broker_url, {}
     folder = (settings.var_dir / "broker").resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    return "filesystem://", {
+    return f"{broker.SCHEME}://localhost//", {
         "data_folder_in": str(folder),
         "data_folder_out": str(folder),
         "store_processed": False,
@@ -44,8 +45,8 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
 
 def create_celery_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
-    broker, transport_options = broker_options(settings)
-    app = Celery("delaysvc", broker=broker, include=["tasks.delivery", "tasks.consume"])
+    broker_url, transport_options = broker_options(settings)
+    app = Celery("delaysvc", broker=broker_url, include=["tasks.delivery", "tasks.consume"])
     budget = settings.lane_budget_seconds
     app.conf.update(
         broker_transport_options=transport_options,

@@ -79,7 +79,7 @@ def message_options(item: dict[str, Any]) -> dict[str, Any]:
 
 @api.post("/messages")
 @requires("send")
-def send_message():  # type: ignore[no-untyped-def]
+def send_message():
     options = message_options(json_body())
     producer = services()["producer"]
     [message] = producer.send_batch([options])
@@ -88,7 +88,7 @@ def send_message():  # type: ignore[no-untyped-def]
 
 @api.post("/messages/batch")
 @requires("send")
-def send_messages():  # type: ignore[no-untyped-def]
+def send_messages():
     items = json_body().get("messages")
     if not isinstance(items, list) or not items:
         raise ValidationError("messages", "must be a non-empty list of messages")
@@ -108,7 +108,7 @@ def send_messages():  # type: ignore[no-untyped-def]
 
 @api.get("/messages")
 @requires("send")
-def find_message():  # type: ignore[no-untyped-def]
+def find_message():
     topic, key = request.args.get("topic"), request.args.get("key")
     if not topic or not key:
         raise ValidationError("topic", "look up a message with ?topic=...&key=...")
@@ -117,19 +117,19 @@ def find_message():  # type: ignore[no-untyped-def]
 
 @api.get("/messages/<int:message_id>")
 @requires("send")
-def get_message(message_id: int):  # type: ignore[no-untyped-def]
+def get_message(message_id: int):
     return jsonify(message_json(services()["producer"].get(message_id)))
 
 
 @api.delete("/messages/<int:message_id>")
 @requires("send")
-def cancel_message(message_id: int):  # type: ignore[no-untyped-def]
+def cancel_message(message_id: int):
     return jsonify(message_json(services()["producer"].cancel(message_id)))
 
 
 @api.get("/levels")
 @requires("send")
-def levels():  # type: ignore[no-untyped-def]
+def levels():
     with services()["engine"].connect() as conn:
         rows = store.lane_stats(conn)
     return jsonify({"levels": [lane_json(row) for row in rows]})
@@ -158,7 +158,7 @@ def lane_json(row: Any) -> dict[str, Any]:
 
 @api.get("/topics")
 @requires("send")
-def topics():  # type: ignore[no-untyped-def]
+def topics():
     with services()["engine"].connect() as conn:
         rows = store.topic_stats(conn)
     return jsonify(
@@ -179,7 +179,7 @@ def topics():  # type: ignore[no-untyped-def]
 
 @api.get("/dead")
 @requires("admin")
-def dead_letters():  # type: ignore[no-untyped-def]
+def dead_letters():
     after = request.args.get("after", type=int)
     limit = min(request.args.get("limit", default=100, type=int) or 100, 1000)
     rows = DeadLetters(services()["engine"]).list(request.args.get("topic"), after, limit)
@@ -203,7 +203,7 @@ def dead_letters():  # type: ignore[no-untyped-def]
 
 @api.post("/dead/<int:message_id>/redrive")
 @requires("admin")
-def redrive(message_id: int):  # type: ignore[no-untyped-def]
+def redrive(message_id: int):
     return jsonify(message_json(DeadLetters(services()["engine"]).redrive(message_id)))
 
 

@@ -11,13 +11,13 @@ dashboard = Blueprint("dashboard", __name__)
 
 
 @dashboard.get("/")
-def overview():  # type: ignore[no-untyped-def]
+def overview():
     with services()["engine"].connect() as conn:
         lanes = [lane_json(row) for row in store.lane_stats(conn)]
     return render_template("overview.html", lanes=lanes)
 
 
 @dashboard.get("/healthz")
-def healthz():  # type: ignore[no-untyped-def]
+def healthz():
     ok = database_ok()
     return jsonify({"status": "ok" if ok else "degraded", "database": ok}), 200 if ok else 503

@@ -24,7 +24,7 @@ STATUS = {
 }
 
 
-def error_response(status: int, code: str, message: str):  # type: ignore[no-untyped-def]
+def error_response(status: int, code: str, message: str):
     response = jsonify({"error": {"code": code, "message": message}})
     response.status_code = status
     return response
@@ -32,15 +32,15 @@ def error_response(status: int, code: str, message: str):  # type: ignore[no-unt
 
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(DelaysvcError)
-    def domain_error(exc: DelaysvcError):  # type: ignore[no-untyped-def]
+    def domain_error(exc: DelaysvcError):
         return error_response(STATUS.get(exc.code, 400), exc.code, str(exc))
 
     @app.errorhandler(HTTPException)
-    def http_error(exc: HTTPException):  # type: ignore[no-untyped-def]
+    def http_error(exc: HTTPException):
         code = (exc.name or "error").lower().replace(" ", "_")
         return error_response(exc.code or 500, code, exc.description or exc.name)
 
     @app.errorhandler(Exception)
-    def unexpected(exc: Exception):  # type: ignore[no-untyped-def]
+    def unexpected(exc: Exception):
         log.exception("web.unexpected_error")
         return error_response(500, "internal", "internal error; see the server log")

@@ -1,0 +1,43 @@
+"""The broker of the embedded mode: kombu's filesystem transport, made safe for several
+processes.
+
+kombu's own `_put` creates the message file and then writes it, so a consumer polling the
+folder can take the file while it is still empty and crash on the empty JSON. Here a message
+is written under a temporary name the consumers ignore and renamed into place: a rename within
+one folder is atomic, so a consumer sees a whole message or none. Each consumed file is
+deleted, so the folder does not grow.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from time import monotonic
+
+from kombu.transport import TRANSPORT_ALIASES, filesystem
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
+
+SCHEME = "delaysvc-fs"
+
+
+class Channel(filesystem.Channel):
+    def _put(self, queue: str, payload: dict, **kwargs: object) -> None:  # type: ignore[override]
+        name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
+        fd, partial = tempfile.mkstemp(prefix=".partial-", dir=self.data_folder_out)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(str_to_bytes(dumps(payload)))
+            os.replace(partial, os.path.join(self.data_folder_out, name))
+        except BaseException:
+            if os.path.exists(partial):
+                os.unlink(partial)
+            raise
+
+
+class Transport(filesystem.Transport):
+    Channel = Channel
+
+
+TRANSPORT_ALIASES[SCHEME] = "tasks.broker:Transport"
