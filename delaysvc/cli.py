@@ -53,7 +53,8 @@ class Group(click.Group):
             from sqlalchemy.exc import OperationalError
 
             if isinstance(exc, OperationalError):
-                click.echo(f"error: database unreachable: {exc.orig}", err=True)
+                reason = " ".join(str(exc.orig).split())
+                click.echo(f"error: database unreachable: {reason}", err=True)
                 sys.exit(1)
             raise
 

@@ -1,0 +1,208 @@
+"""The `delaysvc` command, run as a user runs it: the installed console script in a subprocess,
+configured by `DELAYSVC_*` variables only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import Engine
+
+from delaysvc import auth
+from delaysvc.consumption import Consumer, handler
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+
+DEFAULT_DELAYS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h".split()
+
+Run = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def _clean_env(**variables: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env.update(variables)
+    return env
+
+
+def _run(args: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "delaysvc", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def delaysvc(database_url: str) -> Run:
+    """`delaysvc ARGS...` against this test's database with the test levels."""
+
+    def run(*args: str, **variables: str) -> subprocess.CompletedProcess[str]:
+        env = _clean_env(
+            DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s"
+        )
+        env.update(variables)
+        return _run(args, env)
+
+    return run
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess[str], exit_code: int) -> str:
+    assert result.returncode == exit_code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_levels_prints_the_18_default_levels_without_a_database() -> None:
+    result = _run(("levels", "--no-db"), _clean_env())
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == [str(n) for n in range(1, 19)]
+    assert [row[1] for row in rows] == DEFAULT_DELAYS
+
+
+def test_levels_with_the_database_shows_pending_per_level(delaysvc: Run) -> None:
+    defaults = {"DELAYSVC_DELAY_LEVELS": " ".join(DEFAULT_DELAYS)}
+    assert delaysvc("migrate", **defaults).returncode == 0
+    assert delaysvc("send", "order.cancel", '{"id": 1}', "--level", "2", **defaults).returncode == 0
+    assert delaysvc("send", "order.cancel", '{"id": 2}', "--level", "2", **defaults).returncode == 0
+    assert delaysvc("send", "sms.send", '"hi"', "--delay", "45m", **defaults).returncode == 0
+    result = delaysvc("levels", **defaults)
+    assert result.returncode == 0, result.stderr
+    rows = {row[0]: row[1:] for row in (line.split() for line in result.stdout.splitlines()[1:])}
+    assert len(rows) == 19  # 18 levels and the timer lane
+    assert rows["2"] == ["5s", "2"]
+    assert rows["1"] == ["1s", "0"]
+    assert rows["timer"] == ["any", "1"]
+
+
+@pytest.mark.parametrize(
+    ("levels", "bad"),
+    [("1s 5x", "'5x'"), ("1s 1.5m", "'1.5m'"), ("1s  5s", "empty"), ("5s 1s", "'1s'")],
+)
+def test_a_malformed_level_string_exits_non_zero_naming_the_token(levels: str, bad: str) -> None:
+    result = _run(("levels",), _clean_env(DELAYSVC_DELAY_LEVELS=levels))
+    line = _assert_one_line_error(result, 2)
+    assert "DELAYSVC_DELAY_LEVELS" in line
+    assert bad in line
+
+
+def test_send_show_and_cancel(delaysvc: Run) -> None:
+    sent = delaysvc("send", "order.cancel", '{"order_id": 42}', "--delay", "30m", "--key", "o-42")
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.startswith("sent: id=")
+    message_id = sent.stdout.split("id=")[1].split()[0]
+
+    again = delaysvc("send", "order.cancel", '{"order_id": 42}', "--delay", "30m", "--key", "o-42")
+    assert again.stdout.startswith(f"exists (same topic and key): id={message_id} ")
+
+    shown = json.loads(delaysvc("show", message_id).stdout)
+    assert shown["status"] == "scheduled"
+    assert shown["body"] == {"order_id": 42}
+    assert shown["key"] == "o-42"
+
+    assert delaysvc("cancel", message_id).stdout.strip() == f"cancelled: id={message_id}"
+    assert json.loads(delaysvc("show", message_id).stdout)["status"] == "cancelled"
+    line = _assert_one_line_error(delaysvc("cancel", message_id), 1)
+    assert "cancelled" in line
+
+
+def test_cancel_by_topic_and_key(delaysvc: Run) -> None:
+    delaysvc("send", "order.cancel", "{}", "--level", "3", "--key", "k1")
+    result = delaysvc("cancel", "--topic", "order.cancel", "--key", "k1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("cancelled: id=")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (("send", "bad topic!", "{}"), "topic"),
+        (("send", "t.ok", "{}", "--delay", "5 minutes"), "delay"),
+        (("send", "t.ok", "{}", "--at", "2030-01-01T00:00:00"), "deliver_at"),
+        (("send", "t.ok", "{}", "--at", "tomorrow"), "--at"),
+        (("send", "t.ok", "{}", "--level", "2", "--delay", "5s"), "at most one"),
+        (("send", "t.ok", "{}", "--property", "novalue"), "--property"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_stores_nothing(
+    delaysvc: Run, engine: Engine, args: tuple[str, ...], named: str
+) -> None:
+    line = _assert_one_line_error(delaysvc(*args), 2)
+    assert named in line
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one() == 0
+
+
+def test_unknown_message_is_not_found(delaysvc: Run) -> None:
+    line = _assert_one_line_error(delaysvc("show", "999999"), 1)
+    assert "999999" in line
+
+
+def test_an_unreachable_database_is_one_line() -> None:
+    env = _clean_env(DELAYSVC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
+    line = _assert_one_line_error(_run(("stats",), env), 1)
+    assert "database unreachable" in line
+
+
+def test_create_token_prints_the_token_alone_on_the_last_line(
+    delaysvc: Run, engine: Engine
+) -> None:
+    result = delaysvc("create-token", "shop", "--scope", "admin")
+    assert result.returncode == 0, result.stderr
+    token = result.stdout.strip().splitlines()[-1]
+    assert " " not in token and len(token) >= 32
+    found = auth.authenticate_token(engine, token)
+    assert found is not None
+    assert (found.name, found.scope) == ("shop", "admin")
+
+
+def test_stats_shows_lanes_and_topics_waiting_for_a_handler(
+    delaysvc: Run, producer: Producer
+) -> None:
+    producer.send("nobody.handles", {"n": 1})
+    result = delaysvc("stats")
+    assert result.returncode == 0, result.stderr
+    lanes = [line.split() for line in result.stdout.split("\n\n")[0].splitlines()[1:]]
+    assert [lane[0] for lane in lanes] == ["1", "2", "3", "4", "5", "timer"]
+    topic_line = next(line for line in result.stdout.splitlines() if "nobody.handles" in line)
+    assert topic_line.split()[:4] == ["nobody.handles", "1", "0", "0"]
+    assert "NONE (waiting)" in topic_line
+
+
+def test_dead_letters_list_redrive_and_purge(
+    delaysvc: Run, settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    @handler("cli.always.fails", max_retries=0)
+    def always_fails(message):  # type: ignore[no-untyped-def]
+        raise RuntimeError(f"boom {message.body['n']}")
+
+    ids = [producer.send("cli.always.fails", {"n": n}).id for n in range(3)]
+    consumer = Consumer(settings, engine)
+    assert consumer.run_once("cli.always.fails").claimed == 3
+
+    listed = delaysvc("dead", "list", "--topic", "cli.always.fails")
+    assert listed.returncode == 0, listed.stderr
+    for message_id in ids:
+        assert str(message_id) in listed.stdout
+    assert "boom 1" in listed.stdout
+
+    redriven = delaysvc("dead", "redrive", str(ids[0]))
+    assert redriven.returncode == 0, redriven.stderr
+    assert producer.get(ids[0]).status == "ready"
+
+    purged = delaysvc("dead", "purge", "--topic", "cli.always.fails")
+    assert purged.returncode == 0, purged.stderr
+    assert producer.get(ids[1]).status == "dead"  # purge drops the letter, keeps the history
+    after = delaysvc("dead", "list", "--topic", "cli.always.fails")
+    assert str(ids[1]) not in after.stdout

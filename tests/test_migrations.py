@@ -1,0 +1,164 @@
+"""Migrations: one head, upgrade from an empty database, the migrated schema matches the models,
+downgrade removes everything, and the level partitions follow the configured levels."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import Engine, inspect, text
+from sqlalchemy.pool import NullPool
+
+from delaysvc import store
+from delaysvc.db import make_engine
+from delaysvc.errors import SchemaNotReady
+from delaysvc.levels import DelayLevels
+from delaysvc.migrate import downgrade, heads, upgrade
+from delaysvc.producer import Producer
+from delaysvc.schema import is_level_partition, metadata
+from delaysvc.settings import Settings
+from tests.conftest import TEST_LEVELS, Server
+
+_names = itertools.count()
+TABLES = {
+    "commit_log",
+    "consume_queue",
+    "timer_queue",
+    "topic_queue",
+    "schedule_offset",
+    "dead_letter",
+    "topic_state",
+    "api_token",
+    "dashboard_user",
+}
+
+
+@pytest.fixture
+def empty_engine(pg_server: Server) -> Iterator[Engine]:
+    """A database with nothing in it, not cloned from the migrated template."""
+    name = f"delaysvc_empty{os.getpid()}_{next(_names)}"
+    with pg_server.janitor(name):
+        engine = make_engine(Settings(), pg_server.url(name), poolclass=NullPool)
+        yield engine
+        engine.dispose()
+
+
+def _levels(text_: str) -> DelayLevels:
+    return Settings(delay_levels=text_).levels
+
+
+def _tables(engine: Engine) -> set[str]:
+    return set(inspect(engine).get_table_names())
+
+
+def _partitions(engine: Engine) -> list[str]:
+    found = [t for t in _tables(engine) if is_level_partition(t)]
+    return sorted(found, key=lambda name: int(name.rsplit("_", 1)[1]))
+
+
+def _sequences(engine: Engine) -> set[str]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT sequence_name FROM information_schema.sequences"))
+        return {row.sequence_name for row in rows}
+
+
+def test_there_is_exactly_one_head() -> None:
+    assert len(heads()) == 1
+
+
+def test_upgrade_from_empty_creates_every_table_and_level(empty_engine: Engine) -> None:
+    assert _tables(empty_engine) == set()
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    tables = _tables(empty_engine)
+    assert TABLES <= tables
+    assert _partitions(empty_engine) == [f"consume_queue_{n}" for n in range(1, 6)]
+    with empty_engine.connect() as conn:
+        version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
+        lanes = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset ORDER BY lane"))
+        assert [tuple(row) for row in lanes] == [
+            (0, 0),
+            (1, 1000),
+            (2, 2000),
+            (3, 3000),
+            (4, 5000),
+            (5, 8000),
+        ]
+    assert [version] == heads()
+
+
+def test_migrated_schema_matches_the_models(empty_engine: Engine) -> None:
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+
+    def include(obj, name, type_, reflected, compare_to) -> bool:  # type: ignore[no-untyped-def]
+        return not (type_ == "table" and (is_level_partition(name) or name == "alembic_version"))
+
+    with empty_engine.connect() as conn:
+        context = MigrationContext.configure(
+            conn, opts={"compare_type": True, "include_object": include}
+        )
+        differences = compare_metadata(context, metadata)
+    assert differences == []
+
+
+def test_downgrade_to_base_removes_everything_and_upgrade_works_again(
+    empty_engine: Engine,
+) -> None:
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    downgrade(empty_engine, "base")
+    assert _tables(empty_engine) <= {"alembic_version"}
+    assert _sequences(empty_engine) == set()
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    assert TABLES <= _tables(empty_engine)
+
+
+def test_upgrade_is_idempotent_and_safe_from_several_processes_at_once(
+    empty_engine: Engine,
+) -> None:
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            upgrade(empty_engine, _levels(TEST_LEVELS))
+        except BaseException as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=migrate) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    assert len(_partitions(empty_engine)) == 5
+
+
+def test_added_levels_get_their_queues_and_empty_removed_ones_go(engine: Engine) -> None:
+    upgrade(engine, _levels(TEST_LEVELS + " 13s 21s"))
+    assert len(_partitions(engine)) == 7
+    upgrade(engine, _levels("1s 2s 3s"))
+    assert _partitions(engine) == ["consume_queue_1", "consume_queue_2", "consume_queue_3"]
+    with engine.connect() as conn:
+        assert store.existing_level_lanes(conn) == [1, 2, 3]
+
+
+def test_a_level_still_holding_messages_is_not_dropped(
+    engine: Engine, producer: Producer
+) -> None:
+    producer.send("t.keep", {"n": 1}, delay_level=5)
+    with pytest.raises(SchemaNotReady, match="level 5 is no longer configured.*1 messages wait"):
+        upgrade(engine, _levels("1s 2s 3s"))
+    assert len(_partitions(engine)) == 5  # the failed upgrade changed nothing
+
+
+def test_changed_levels_are_detected_until_migrated(engine: Engine) -> None:
+    changed = _levels("1s 2s 4s 5s 8s")
+    with engine.connect() as conn, pytest.raises(SchemaNotReady, match="delaysvc migrate"):
+        store.check_levels(conn, changed)
+    upgrade(engine, changed)
+    with engine.connect() as conn:
+        store.check_levels(conn, changed)
