@@ -113,6 +113,32 @@ class ConsumeResult:
     dispatched: int = 0
 
 
+FLUSH_SECONDS = 0.25
+"""Outcomes of a batch are written at least this often, so a crash late in a batch of slow
+jobs reruns only the jobs of the last quarter second, not the whole batch."""
+
+
+class _Outcomes:
+    """Outcomes of a batch not yet written."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.since = time.monotonic()
+        self.succeeded: list[tuple[int, int, int]] = []
+        self.failed: list[tuple[Job, BaseException, int]] = []
+
+    def add(self, job: Job, error: BaseException | None, duration_ms: int) -> None:
+        if error is None:
+            self.succeeded.append((job.id, job.attempts, duration_ms))
+        else:
+            self.failed.append((job, error, duration_ms))
+
+    def age(self) -> float:
+        return time.monotonic() - self.since
+
+
 Dispatch = Callable[[str, Job], None]
 """Sends a job of a Celery-task topic to that task (see `tasks.consume`)."""
 
@@ -136,8 +162,9 @@ class Consumer:
         return self.settings.max_retries
 
     def run_once(self, topic: str, limit: int | None = None) -> ConsumeResult:
-        """Claim up to `limit` jobs (one transaction), run them with no transaction open, then
-        record the outcomes (one statement for all successes)."""
+        """Claim up to `limit` jobs (one transaction), run them with no transaction open, and
+        record their outcomes every FLUSH_SECONDS and at the end (one statement for all
+        successes)."""
         result = ConsumeResult(topic)
         if not self.can_run(topic):
             return result
@@ -152,21 +179,13 @@ class Consumer:
         task_name = self.settings.task_topics.get(topic)
         if task_name is not None and registered(topic) is None:
             return self._dispatch_all(task_name, jobs, result)
-        succeeded: list[tuple[int, int, int]] = []
-        failed: list[tuple[Job, BaseException, int]] = []
+        pending = _Outcomes()
         for job in jobs:
             error, duration_ms = self._run(job)
-            if error is None:
-                succeeded.append((job.id, job.attempts, duration_ms))
-            else:
-                failed.append((job, error, duration_ms))
-        with self.engine.begin() as conn:
-            result.succeeded = store.finish_succeeded(conn, succeeded)
-            for job, error, duration_ms in failed:
-                if self._record_failure(conn, job, error, duration_ms):
-                    result.dead += 1
-                else:
-                    result.retried += 1
+            pending.add(job, error, duration_ms)
+            if pending.age() >= FLUSH_SECONDS:
+                self._record(pending, result)
+        self._record(pending, result)
         log.info(
             "consume.batch",
             extra={
@@ -178,6 +197,19 @@ class Consumer:
             },
         )
         return result
+
+    def _record(self, outcomes: _Outcomes, result: ConsumeResult) -> None:
+        """Write the outcomes so far: all successes in one statement, then each failure."""
+        if not outcomes.succeeded and not outcomes.failed:
+            return
+        with self.engine.begin() as conn:
+            result.succeeded += store.finish_succeeded(conn, outcomes.succeeded)
+            for job, error, duration_ms in outcomes.failed:
+                if self._record_failure(conn, job, error, duration_ms):
+                    result.dead += 1
+                else:
+                    result.retried += 1
+        outcomes.clear()
 
     def _run(self, job: Job) -> tuple[BaseException | None, int]:
         found = registered(job.topic)

@@ -46,8 +46,13 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
 def create_celery_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     broker_url, transport_options = broker_options(settings)
-    app = Celery("delaysvc", broker=broker_url, include=["tasks.delivery", "tasks.consume"])
+    # handler modules are imported by every worker, so Celery tasks they define (topics bound
+    # with DELAYSVC_TOPIC_TASKS) are registered too
+    include = ["tasks.delivery", "tasks.consume", *settings.handler_modules]
+    app = Celery("delaysvc", broker=broker_url, include=include)
     budget = settings.lane_budget_seconds
+    # an expired lease is found within half a lease (and at least every RESCUE_SECONDS)
+    rescue_every = min(RESCUE_SECONDS, settings.lease_seconds / 2)
     app.conf.update(
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
@@ -79,8 +84,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             },
             "rescue-leases": {
                 "task": "delaysvc.rescue_leases",
-                "schedule": timedelta(seconds=RESCUE_SECONDS),
-                "options": {"expires": RESCUE_SECONDS},
+                "schedule": timedelta(seconds=rescue_every),
+                "options": {"expires": rescue_every},
             },
         },
     )

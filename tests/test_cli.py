@@ -43,9 +43,7 @@ def delaysvc(database_url: str) -> Run:
     """`delaysvc ARGS...` against this test's database with the test levels."""
 
     def run(*args: str, **variables: str) -> subprocess.CompletedProcess[str]:
-        env = _clean_env(
-            DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s"
-        )
+        env = _clean_env(DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s")
         env.update(variables)
         return _run(args, env)
 

@@ -1,0 +1,166 @@
+"""A real delaysvc deployment per test: Celery delivery and consume workers and beat as separate
+processes (the commands `delaysvc up` runs), on the test's own database, with Redis when
+`DELAYSVC_TEST_BROKER_URL` names it and the embedded filesystem broker otherwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+
+from delaysvc.settings import Settings
+from delaysvc.up import beat_command, worker_commands
+from tests.conftest import ROOT, TEST_LEVELS
+
+pytestmark = pytest.mark.e2e
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
+    """Poll `condition` until it returns something truthy; fail naming `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+        time.sleep(every)
+
+
+class Service:
+    def __init__(self, database_url: str, var_dir: Path, engine: Engine, **settings: str):
+        self.engine = engine
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+        self.env.update(
+            DELAYSVC_DATABASE_URL=database_url,
+            DELAYSVC_DELAY_LEVELS=TEST_LEVELS,
+            DELAYSVC_HANDLERS="tests.e2e.handlers",
+            DELAYSVC_VAR_DIR=str(var_dir),
+            DELAYSVC_LANE_BUDGET_SECONDS="2",
+            PYTHONPATH=str(ROOT),
+        )
+        broker = os.environ.get("DELAYSVC_TEST_BROKER_URL")
+        if broker:
+            self.env["DELAYSVC_BROKER_URL"] = broker
+        self.env.update({f"DELAYSVC_{k.upper()}": v for k, v in settings.items()})
+        self.settings = Settings.from_env(self.env)
+        self.var_dir = var_dir
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs = var_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def _start(self, command: list[str], name: str) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}-{len(self.processes)}.log", "wb")  # noqa: SIM115
+        process = subprocess.Popen(
+            command,
+            env=self.env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        return process
+
+    def delivery_worker(self, name: str = "delivery") -> subprocess.Popen[bytes]:
+        (command,) = worker_commands(self.settings, delivery=True, consume=False)
+        return self._start(_named(command, f"{name}{len(self.processes)}@%h"), name)
+
+    def consume_worker(self, concurrency: int = 1) -> subprocess.Popen[bytes]:
+        (command,) = worker_commands(
+            self.settings, delivery=False, consume=True, concurrency=concurrency
+        )
+        return self._start(_named(command, f"consume{len(self.processes)}@%h"), "consume")
+
+    def beat(self) -> subprocess.Popen[bytes]:
+        command = beat_command(self.settings)
+        schedule = self.var_dir / f"celerybeat-schedule-{len(self.processes)}"
+        command[command.index("-s") + 1] = str(schedule)
+        return self._start(command, "beat")
+
+    def kill(self, process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+        """Signal the process and its children (a prefork pool) at once, as a crash would."""
+        os.killpg(process.pid, sig)
+        process.wait(timeout=30)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        out = []
+        for path in sorted(self.logs.iterdir()):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    # -- what the tests look at ----------------------------------------------------
+
+    def scalar(self, sql: str, **params: Any) -> Any:
+        with self.engine.connect() as conn:
+            return conn.execute(text(sql), params).scalar()
+
+    def rows(self, sql: str, **params: Any) -> list[Any]:
+        with self.engine.connect() as conn:
+            return list(conn.execute(text(sql), params))
+
+    def count_status(self, status: str, topic: str | None = None) -> int:
+        return self.scalar(
+            "SELECT count(*) FROM commit_log WHERE status = :status "
+            "AND (CAST(:topic AS text) IS NULL OR topic = :topic)",
+            status=status,
+            topic=topic,
+        )
+
+
+def _named(command: list[str], name: str) -> list[str]:
+    command = list(command)
+    command[command.index("-n") + 1] = name
+    return command
+
+
+@pytest.fixture
+def service_factory(
+    database_url: str, engine: Engine, tmp_path: Path
+) -> Iterator[Callable[..., Service]]:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE e2e_run (message_id bigint, attempt int, pid int, note text, "
+                "at timestamptz DEFAULT clock_timestamp())"
+            )
+        )
+    broker = os.environ.get("DELAYSVC_TEST_BROKER_URL")
+    if broker and broker.startswith("redis://"):
+        import redis
+
+        redis.Redis.from_url(broker).flushdb()
+    made: list[Service] = []
+
+    def make(**settings: str) -> Service:
+        service = Service(database_url, tmp_path / f"var{len(made)}", engine, **settings)
+        made.append(service)
+        return service
+
+    yield make
+    for service in made:
+        service.stop()
+
+
+@pytest.fixture
+def service(service_factory: Callable[..., Service]) -> Service:
+    return service_factory()

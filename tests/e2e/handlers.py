@@ -1,0 +1,70 @@
+"""Handlers the end-to-end tests run in real Celery workers. Each run is recorded in the test's
+own database (table `e2e_run`, made by the test), so the test can count executions exactly."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psycopg
+from celery import shared_task
+
+from delaysvc import DeadLetter, handler
+from delaysvc.db import libpq_url
+
+_connection: psycopg.Connection | None = None
+
+
+def _record(message_id: int, attempt: int, note: str = "") -> None:
+    global _connection
+    if _connection is None or _connection.closed:
+        url = libpq_url(os.environ["DELAYSVC_DATABASE_URL"])
+        _connection = psycopg.connect(url, autocommit=True)
+    _connection.execute(
+        "INSERT INTO e2e_run (message_id, attempt, pid, note) VALUES (%s, %s, %s, %s)",
+        (message_id, attempt, os.getpid(), note),
+    )
+
+
+@handler("e2e.record")
+def record(message):  # type: ignore[no-untyped-def]
+    _record(message.id, message.attempts)
+
+
+@handler("e2e.flaky")
+def fails_twice(message):  # type: ignore[no-untyped-def]
+    _record(message.id, message.attempts)
+    if message.attempts < 3:
+        raise ConnectionError(f"flaky failure {message.attempts}")
+
+
+@handler("e2e.broken", max_retries=2)
+def always_fails(message):  # type: ignore[no-untyped-def]
+    _record(message.id, message.attempts)
+    if message.body.get("dead_now"):
+        raise DeadLetter("asked to give up")
+    raise ValueError("always broken")
+
+
+@handler("e2e.slow_first")
+def slow_first_attempt(message):  # type: ignore[no-untyped-def]
+    """The first attempt hangs (the test kills the worker meanwhile); later ones finish."""
+    _record(message.id, message.attempts, "start")
+    if message.attempts == 1:
+        time.sleep(message.body.get("sleep", 60))
+    _record(message.id, message.attempts, "done")
+
+
+def _header(name: str):  # type: ignore[no-untyped-def]
+    request = celery_task.request
+    return getattr(request, name, None) or (request.headers or {}).get(name)
+
+
+@shared_task(name="e2e.celery_task")
+def celery_task(body):  # type: ignore[no-untyped-def]
+    """A plain Celery task bound to topic e2e.task by DELAYSVC_TOPIC_TASKS."""
+    message_id, attempt = _header("delaysvc_message_id"), _header("delaysvc_attempt")
+    _record(message_id, attempt, "task")
+    if body.get("fail_first") and attempt == 1:
+        raise RuntimeError("task failed on its first attempt")
+    return body
