@@ -45,6 +45,7 @@ __all__ = [
     "ValidationError",
     "cancel",
     "configure",
+    "default_producer",
     "get",
     "handler",
     "send",
@@ -67,23 +68,25 @@ def configure(settings: Settings | None = None, engine: Engine | None = None) ->
     return _producer
 
 
-def _default() -> Producer:
+def default_producer() -> Producer:
+    """The module-level producer `send` and friends use (configured on first use); its
+    `.engine` is the engine it writes with."""
     return _producer or configure()
 
 
 def send(topic: str, body: Any, **options: Any) -> Message:
     """Schedule `body` for `topic`. Options: delay_level | delay | delay_ms | deliver_at, key,
     tags, properties, connection (join the caller's SQLAlchemy transaction)."""
-    return _default().send(topic, body, **options)
+    return default_producer().send(topic, body, **options)
 
 
 def send_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
-    return _default().send_batch(messages, **options)
+    return default_producer().send_batch(messages, **options)
 
 
 def cancel(message_id: int | None = None, **options: Any) -> Message:
-    return _default().cancel(message_id, **options)
+    return default_producer().cancel(message_id, **options)
 
 
 def get(message_id: int, **options: Any) -> Message:
-    return _default().get(message_id, **options)
+    return default_producer().get(message_id, **options)

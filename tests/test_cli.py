@@ -17,7 +17,8 @@ from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
-DEFAULT_DELAYS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h".split()
+DEFAULT_DELAYS = ["1s", "5s", "10s", "30s", "1m", "2m", "3m", "4m", "5m"]
+DEFAULT_DELAYS += ["6m", "7m", "8m", "9m", "10m", "20m", "30m", "1h", "2h"]
 
 Run = Callable[..., subprocess.CompletedProcess[str]]
 

@@ -91,9 +91,11 @@ class Service:
         process.wait(timeout=30)
 
     def stop(self) -> None:
+        """Warm shutdown, as `delaysvc up` does it: SIGTERM to each main process only (a
+        prefork pool whose children are signalled too hangs on shutdown)."""
         for process in self.processes:
             if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+                process.send_signal(signal.SIGTERM)
         for process in self.processes:
             try:
                 process.wait(timeout=20)

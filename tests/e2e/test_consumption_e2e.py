@@ -1,0 +1,137 @@
+"""Consumption with real Celery worker processes: retries like RocketMQ, dead letters and
+redrive, a worker killed mid-job, several consumers on one topic, Celery-task topics."""
+
+from __future__ import annotations
+
+import pytest
+
+from delaysvc.dead_letters import DeadLetters
+from delaysvc.producer import Producer
+from tests.e2e.conftest import Service, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def _runs(service: Service, message_id: int, note: str | None = None) -> list[int]:
+    return [
+        row.attempt
+        for row in service.rows(
+            "SELECT attempt FROM e2e_run WHERE message_id = :id "
+            "AND (CAST(:note AS text) IS NULL OR note = :note) ORDER BY at",
+            id=message_id,
+            note=note,
+        )
+    ]
+
+
+def _message(service: Service, message_id: int):  # type: ignore[no-untyped-def]
+    return service.rows("SELECT * FROM commit_log WHERE id = :id", id=message_id)[0]
+
+
+def _start(service: Service, consumers: int = 1, concurrency: int = 1) -> None:
+    service.delivery_worker()
+    for _ in range(consumers):
+        service.consume_worker(concurrency)
+    service.beat()
+
+
+def test_a_handler_failing_twice_then_succeeding_ends_succeeded_with_two_errors(
+    service: Service, producer: Producer
+) -> None:
+    _start(service)
+    sent = producer.send("e2e.flaky", {"n": 1})
+    wait_for(lambda: service.count_status("succeeded") == 1, 90, "the third attempt")
+    row = _message(service, sent.id)
+    assert row.attempts == 3
+    assert _runs(service, sent.id) == [1, 2, 3]
+    assert [e["attempt"] for e in row.errors] == [1, 2]
+    assert [e["error"] for e in row.errors] == [
+        "ConnectionError: flaky failure 1",
+        "ConnectionError: flaky failure 2",
+    ]
+    assert row.last_error == "ConnectionError: flaky failure 2"
+    # retried like RocketMQ: failure n goes to level 2 + n (3 s, then 5 s with "1s 2s 3s 5s 8s")
+    starts = [
+        r.at
+        for r in service.rows(
+            "SELECT at FROM e2e_run WHERE message_id = :id ORDER BY at", id=sent.id
+        )
+    ]
+    assert (starts[1] - starts[0]).total_seconds() >= 3.0
+    assert (starts[2] - starts[1]).total_seconds() >= 5.0
+
+
+def test_a_handler_that_always_fails_goes_dead_and_redrive_runs_it_again(
+    service: Service, producer: Producer
+) -> None:
+    _start(service)
+    sent = producer.send("e2e.broken", {"n": 1})  # max_retries=2: three attempts
+    now = producer.send("e2e.broken", {"dead_now": True})
+    wait_for(lambda: service.count_status("dead") == 2, 90, "both to be dead")
+    assert _runs(service, sent.id) == [1, 2, 3]
+    assert _runs(service, now.id) == [1]
+    letters = {row.message_id: row for row in DeadLetters(service.engine).list(topic="e2e.broken")}
+    assert letters[sent.id].reason == "out of retries: 3 attempts failed"
+    assert letters[now.id].reason == "asked to give up"
+
+    DeadLetters(service.engine).redrive(sent.id)
+    wait_for(lambda: len(_runs(service, sent.id)) == 4, 60, "the redriven run")
+    wait_for(lambda: _message(service, sent.id).status == "dead", 60, "it to die again")
+
+
+def test_kill_9_of_a_worker_mid_job_runs_the_job_again_after_its_lease(
+    service_factory,
+    producer: Producer,  # type: ignore[no-untyped-def]
+) -> None:
+    service = service_factory(lease_seconds="4")
+    service.delivery_worker()
+    victim = service.consume_worker()
+    service.beat()
+    sent = producer.send("e2e.slow_first", {"sleep": 60})
+    wait_for(lambda: _runs(service, sent.id, "start") == [1], 60, "the first attempt to start")
+    assert _message(service, sent.id).status == "running"
+    service.kill(victim)
+    service.consume_worker()
+    wait_for(lambda: service.count_status("succeeded") == 1, 60, "the rerun to finish")
+    assert _runs(service, sent.id, "start") == [1, 2]
+    assert _runs(service, sent.id, "done") == [2]
+    row = _message(service, sent.id)
+    assert row.attempts == 2
+    assert row.errors is None  # a lost lease is not the handler's failure ...
+    assert row.last_error == "lease expired: the worker running attempt 1 was lost"  # but told
+
+
+def test_four_consumers_on_one_topic_run_each_message_exactly_once(
+    service: Service, producer: Producer
+) -> None:
+    _start(service, consumers=2, concurrency=2)
+    total = 3000
+    ids = [
+        m.id
+        for start in range(0, total, 1000)
+        for m in producer.send_batch(
+            [{"topic": "e2e.record", "body": {"n": n}} for n in range(start, start + 1000)]
+        )
+    ]
+    wait_for(lambda: service.count_status("succeeded") == total, 180, f"{total} jobs to run")
+    runs = service.rows("SELECT message_id, count(*) AS n FROM e2e_run GROUP BY message_id")
+    assert sorted(r.message_id for r in runs) == ids
+    assert {r.n for r in runs} == {1}
+    pids = service.scalar("SELECT count(DISTINCT pid) FROM e2e_run")
+    assert pids >= 2, "the work was shared between consumer processes"
+
+
+def test_a_topic_bound_to_a_celery_task_runs_it_with_retries(
+    service_factory,
+    producer: Producer,  # type: ignore[no-untyped-def]
+) -> None:
+    service = service_factory(topic_tasks="e2e.task=e2e.celery_task")
+    _start(service)
+    ok = producer.send("e2e.task", {"n": 1})
+    flaky = producer.send("e2e.task", {"n": 2, "fail_first": True})
+    wait_for(lambda: service.count_status("succeeded") == 2, 90, "both tasks to succeed")
+    assert _runs(service, ok.id, "task") == [1]
+    assert _runs(service, flaky.id, "task") == [1, 2]
+    row = _message(service, flaky.id)
+    assert row.attempts == 2
+    assert row.last_error == "RuntimeError: task failed on its first attempt"

@@ -1,0 +1,150 @@
+"""`delaysvc up` as a new user runs it: in an empty folder, no database or broker configured.
+It starts its embedded PostgreSQL, migrates, serves the API, delivers a level-2 message after
+its 5 s, runs the README's order-cancellation example, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from delaysvc.db import make_engine, start_embedded
+from delaysvc.settings import Settings
+from tests.conftest import ROOT
+from tests.e2e.conftest import wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method)
+    request.add_header("Authorization", f"Bearer {token}")
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return response.status, json.loads(response.read())
+
+
+def _processes_in(folder: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if Path(os.readlink(entry / "cwd")) == folder:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env.update(PYTHONPATH=str(ROOT), DELAYSVC_HANDLERS="examples.shop", SHOP_CANCEL_AFTER="3s")
+    port = _free_port()
+    up = subprocess.Popen(
+        [sys.executable, "-m", "delaysvc", "up", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+
+    def read() -> None:
+        assert up.stdout is not None
+        for line in up.stdout:
+            output.append(line)
+            lines.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=120)
+            if "ready" in line:
+                break
+        assert f"http://127.0.0.1:{port}/" in line
+
+        def delaysvc(*args: str) -> str:
+            return subprocess.run(
+                [sys.executable, "-m", "delaysvc", *args],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            ).stdout
+
+        token = delaysvc("create-token", "tester", "--scope", "admin").strip().splitlines()[-1]
+        # the README's order-cancellation example against the same embedded database
+        url = start_embedded(tmp_path / "var")
+        shop_env = dict(env, DELAYSVC_DATABASE_URL=url)
+        subprocess.run(
+            [sys.executable, "-m", "examples.shop"],
+            cwd=tmp_path,
+            env=shop_env,
+            check=True,
+            timeout=60,
+        )
+        base = f"http://127.0.0.1:{port}/api/v1"
+        status, sent = _http(
+            "POST",
+            base + "/messages",
+            token,
+            {"topic": "order.cancel", "body": {"order_id": 0}, "delay_level": 2},
+        )
+        assert (status, sent["status"], sent["delay_level"]) == (201, "scheduled", 2)
+
+        def finished() -> dict[str, Any] | None:
+            message = _http("GET", f"{base}/messages/{sent['id']}", token)[1]
+            return message if message["status"] == "succeeded" else None
+
+        done = wait_for(finished, 60, "the level-2 message to run")
+        assert _seconds(done["delivered_at"]) >= _seconds(done["deliver_at"])  # never early
+        stored_to_due = _seconds(done["deliver_at"]) - _seconds(done["stored_at"])
+        assert stored_to_due == 5.0  # level 2 of the default levels
+
+        engine = make_engine(Settings(), url)
+
+        def statuses(sql: str) -> dict[str, str]:
+            with engine.connect() as conn:
+                return dict(conn.execute(text(sql)).all())
+
+        orders = "SELECT item, status FROM shop_order"
+        wait_for(lambda: statuses(orders).get("book") == "cancelled", 60, "the unpaid order")
+        assert statuses(orders) == {"book": "cancelled", "lamp": "paid"}
+        timers = statuses("SELECT key, status FROM commit_log WHERE key LIKE 'order-%'")
+        engine.dispose()
+        assert sorted(timers.values()) == ["cancelled", "succeeded"]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=90)
+    assert code == 0, "".join(output[-40:])
+    wait_for(lambda: _processes_in(tmp_path) == [], 30, "every child of up to exit")
+
+
+def _seconds(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
