@@ -8,6 +8,7 @@ import logging
 import sys
 from datetime import datetime
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import click
@@ -392,6 +393,34 @@ def web(ctx: Context, host: str, port: int, workers: int) -> None:
     from delaysvc.up import run_processes, web_command
 
     sys.exit(run_processes([web_command(host, port, workers)]))
+
+
+# ---------------------------------------------------------------- benchmarks
+
+
+@cli.command()
+@click.argument("suites", nargs=-1, type=click.Choice(["send", "delivery", "consume"]))
+@click.option("--out", type=click.Path(path_type=Path), help="Folder for results.json/.md/png.")
+@click.option("--seconds", default=5.0, show_default=True, help="Per send measurement.")
+@click.option("--batch-rows", default=200_000, show_default=True, help="send_batch vs COPY.")
+@click.option("--backlog", default=200_000, show_default=True, help="Due backlog to drain.")
+@click.option("--rate", default=5_000, show_default=True, help="Steady flow, msg/s.")
+@click.option("--flow-seconds", default=30.0, show_default=True, help="Steady flow duration.")
+@click.option("--jobs", default=100_000, show_default=True, help="Ready jobs to consume.")
+@click.option("--processes", default=2, show_default=True, help="Consumer processes.")
+@pass_ctx
+def bench(ctx: Context, suites: tuple[str, ...], out: Path | None, **sizes: float) -> None:
+    """Measure send, delivery and consume against this machine's raw PostgreSQL limits, in a
+    database of its own; write results.json, results.md and plots."""
+    from delaysvc.bench import SUITES, run
+
+    chosen = list(suites) or list(SUITES)
+    folder = out or Path("docs/benchmarks") / (
+        datetime.now().strftime("%Y-%m-%d-") + "-".join(chosen)
+    )
+    written = run(ctx.settings, chosen, folder, **sizes)
+    click.echo((written / "results.md").read_text())
+    click.echo(f"written to {written}/")
 
 
 if __name__ == "__main__":  # pragma: no cover

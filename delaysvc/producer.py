@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from delaysvc import store
+from delaysvc import caps, store
 from delaysvc.errors import DuplicateKey, NotCancellable, NotFound, ValidationError
 from delaysvc.levels import DelayLevels, parse_duration_ms
 from delaysvc.schema import NO_LANE, TIMER_LANE, WAITING
@@ -232,7 +232,7 @@ class Producer:
     ) -> Message:
         new = self.prepare(topic, body, **options)
         with self._connection(connection) as conn:
-            row, created = store.insert_message(conn, new)
+            ((row, created),) = self._store(conn, [new])
         message = Message.from_row(row, created)
         log.info(
             "message.sent" if created else "message.duplicate_key",
@@ -256,9 +256,24 @@ class Producer:
             except ValidationError as exc:
                 raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
         with self._connection(connection) as conn:
-            results = store.insert_messages(conn, prepared)
+            results = self._store(conn, prepared)
         log.info("messages.sent", extra={"count": len(results)})
         return [Message.from_row(row, created) for row, created in results]
+
+    def _store(
+        self, conn: Connection, messages: Sequence[store.NewMessage]
+    ) -> list[tuple[Any, bool]]:
+        """Insert, within the backlog caps (see `delaysvc.caps`)."""
+        capped = self.settings.caps
+        if capped:
+            caps.before_insert(conn, capped, messages)
+        if len(messages) == 1:
+            results = [store.insert_message(conn, messages[0])]
+        else:
+            results = store.insert_messages(conn, messages)
+        if capped:
+            caps.after_insert(conn, capped, messages)
+        return results
 
     def _prepare_item(self, item: Mapping[str, Any]) -> store.NewMessage:
         if not isinstance(item, Mapping):

@@ -82,6 +82,13 @@ commit_log = Table(
     Index(
         "ix_commit_log_running_lease", "lease_until", postgresql_where=text("status = 'running'")
     ),
+    # waiting messages of a topic, oldest first: backlog caps count and deliver early by it
+    Index(
+        "ix_commit_log_waiting_topic",
+        "topic",
+        "deliver_ts",
+        postgresql_where=text("status IN ('scheduled', 'retrying')"),
+    ),
     postgresql_with={"fillfactor": "85", **HOT_TABLE_STORAGE},
 )
 

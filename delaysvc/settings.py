@@ -171,6 +171,11 @@ def _parse_cap(item: str) -> BacklogCap:
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: level {target!r} is not a number; {usage}")
     if int(limit) <= 0:
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: limit in {item!r} must be positive")
+    if scope == "topic":
+        try:
+            validate_topic(target)
+        except DelaysvcValidationError as exc:
+            raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: {exc}") from None
     return BacklogCap(scope, target, int(limit), policy)  # type: ignore[arg-type]
 
 

@@ -467,6 +467,111 @@ def skip_stuck_head(conn: Connection, lane: int) -> int | None:
     return int(head.message_id)
 
 
+# ---------------------------------------------------------------- backlog caps
+
+CAP_LOCK_CLASS = 0x64656C43  # advisory locks (class, hashtext(target)) serialise capped sends
+
+
+def lock_cap(conn: Connection, target: str) -> None:
+    """Serialise sends to one capped level or topic until the transaction ends."""
+    conn.execute(
+        text("SELECT pg_advisory_xact_lock(:class, hashtext(:target))"),
+        {"class": CAP_LOCK_CLASS, "target": target},
+    )
+
+
+def level_pending_bound(conn: Connection, level: int) -> int:
+    """An upper bound of a level's waiting messages in O(1): every one of them has an offset
+    between the schedule offset and the sequence's last value."""
+    return conn.execute(
+        text(
+            "SELECT GREATEST(COALESCE(q.last_value, 0) - s.schedule_offset, 0) "
+            "FROM schedule_offset s LEFT JOIN pg_sequences q ON q.schemaname = current_schema()"
+            " AND q.sequencename = format('consume_queue_%s_seq', s.lane) WHERE s.lane = :lane"
+        ),
+        {"lane": level},
+    ).scalar_one()
+
+
+def level_pending(conn: Connection, level: int, up_to: int) -> int:
+    """Waiting messages of a level, counted exactly but never beyond `up_to` (O(up_to))."""
+    return conn.execute(
+        text(
+            "SELECT count(*) FROM (SELECT 1 FROM consume_queue WHERE level = :lane "
+            "LIMIT :up_to) w"
+        ),
+        {"lane": level, "up_to": up_to},
+    ).scalar_one()
+
+
+def topic_pending(conn: Connection, topic: str, up_to: int) -> int:
+    """Waiting (scheduled or retrying) messages of a topic, never counted beyond `up_to`."""
+    return conn.execute(
+        text(
+            "SELECT count(*) FROM (SELECT 1 FROM commit_log WHERE topic = :topic "
+            "AND status IN ('scheduled', 'retrying') LIMIT :up_to) w"
+        ),
+        {"topic": topic, "up_to": up_to},
+    ).scalar_one()
+
+
+def oldest_waiting_in_level(conn: Connection, level: int, count: int) -> list[int]:
+    rows = conn.execute(
+        text(
+            "SELECT message_id FROM consume_queue WHERE level = :lane "
+            "ORDER BY queue_offset LIMIT :count"
+        ),
+        {"lane": level, "count": count},
+    )
+    return [row.message_id for row in rows]
+
+
+def oldest_waiting_of_topic(conn: Connection, topic: str, count: int) -> list[int]:
+    rows = conn.execute(
+        text(
+            "SELECT id FROM commit_log WHERE topic = :topic "
+            "AND status IN ('scheduled', 'retrying') ORDER BY deliver_ts LIMIT :count"
+        ),
+        {"topic": topic, "count": count},
+    )
+    return [row.id for row in rows]
+
+
+_DELIVER_NOW = """
+WITH pick AS (
+    SELECT id, lane, queue_offset, deliver_ts FROM commit_log
+    WHERE id = ANY(CAST(:ids AS bigint[])) AND status IN ('scheduled', 'retrying')
+), from_levels AS (
+    DELETE FROM consume_queue q USING pick
+    WHERE pick.lane > 0 AND q.level = pick.lane AND q.queue_offset = pick.queue_offset
+    RETURNING q.message_id, q.topic, q.deliver_ts, CAST(q.level AS int) AS lane
+), from_timer AS (
+    DELETE FROM timer_queue t USING pick
+    WHERE pick.lane = 0 AND t.deliver_ts = pick.deliver_ts AND t.queue_offset = pick.queue_offset
+    RETURNING t.message_id, t.topic, t.deliver_ts, 0 AS lane
+), moved AS (
+    SELECT * FROM from_levels UNION ALL SELECT * FROM from_timer
+), ready AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    SELECT message_id, topic, deliver_ts FROM moved ORDER BY deliver_ts, message_id
+), marked AS (
+    UPDATE commit_log c SET status = 'ready', delivered_at = clock_timestamp(),
+        lane = -1, queue_offset = NULL
+    FROM moved WHERE c.id = moved.message_id
+), counted AS (
+    UPDATE schedule_offset s SET early_total = early_total + m.n
+    FROM (SELECT lane, count(*) AS n FROM moved GROUP BY lane) m WHERE s.lane = m.lane
+)
+SELECT count(*) FROM moved"""
+
+
+def deliver_now(conn: Connection, message_ids: Sequence[int]) -> int:
+    """Move waiting messages into their topics' queues before their time (a backlog cap's
+    overflow), counted per lane in `early_total`. -> how many moved (a message being moved
+    by its lane at the same moment is left to it)."""
+    return conn.execute(text(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
+
+
 # ---------------------------------------------------------------- observing
 
 

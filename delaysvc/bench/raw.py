@@ -1,0 +1,88 @@
+"""The raw PostgreSQL limits of this machine, measured in the same run as the service so each
+service figure can be shown as a ratio: one-row INSERT per transaction, COPY, and moving rows
+between two plain tables in batches (what a delivery does, without the service)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+
+from delaysvc.bench.progress import Progress
+
+_RAW_TABLE = """CREATE TABLE {name} (
+    id bigserial PRIMARY KEY, topic text NOT NULL, body bytea NOT NULL,
+    deliver_ts timestamptz NOT NULL DEFAULT now())"""
+BODY = b'{"order_id": 42, "action": "cancel"}'
+
+
+def _fresh(conn: psycopg.Connection, *names: str) -> None:
+    """Plain logged tables shaped like a narrow message row, as the service's are."""
+    for name in names:
+        conn.execute(f"DROP TABLE IF EXISTS {name}")
+        conn.execute(_RAW_TABLE.format(name=name))
+
+
+def insert_one_row_per_transaction(url: str, clients: int, seconds: float) -> float:
+    """Rows/s with `clients` connections each committing one INSERT at a time."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        _fresh(conn, "bench_raw_insert")
+    counts = [0] * clients
+    stop = time.monotonic() + seconds
+
+    def client(index: int) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            while time.monotonic() < stop:
+                conn.execute(
+                    "INSERT INTO bench_raw_insert (topic, body) VALUES (%s, %s)", ("t", BODY)
+                )
+                counts[index] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / seconds
+
+
+def copy_rows(url: str, rows: int) -> float:
+    """Rows/s of one COPY of `rows` rows."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        _fresh(conn, "bench_raw_copy")
+        started = time.perf_counter()
+        copy_in = "COPY bench_raw_copy (topic, body) FROM STDIN"
+        with conn.transaction(), conn.cursor() as cursor, cursor.copy(copy_in) as copy:
+            for _ in range(rows):
+                copy.write_row(("t", BODY))
+        return rows / (time.perf_counter() - started)
+
+
+def move_rows(url: str, rows: int, batch: int, progress: Progress) -> float:
+    """Rows/s moved from one plain table to another, `batch` rows per transaction, in id order
+    with FOR UPDATE SKIP LOCKED: the bare bones of a delivery."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        _fresh(conn, "bench_raw_src", "bench_raw_dst")
+        conn.execute(
+            "INSERT INTO bench_raw_src (topic, body) SELECT 't', %s FROM generate_series(1, %s)",
+            (BODY, rows),
+        )
+        conn.execute("VACUUM ANALYZE bench_raw_src")
+        moved = 0
+        started = time.perf_counter()
+        while moved < rows:
+            count = conn.execute(
+                """WITH m AS (
+                       DELETE FROM bench_raw_src WHERE id IN (
+                           SELECT id FROM bench_raw_src ORDER BY id LIMIT %s
+                           FOR UPDATE SKIP LOCKED)
+                       RETURNING *)
+                   INSERT INTO bench_raw_dst SELECT * FROM m""",
+                (batch,),
+            ).rowcount
+            if count == 0:
+                break
+            moved += count
+            progress.update(moved)
+        return moved / (time.perf_counter() - started)

@@ -1,0 +1,155 @@
+"""Benchmark output: results.json (everything), results.md (the table people read) and PNG
+plots (lateness distribution, backlog over time), with the command line and machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from delaysvc.bench.suites import Figures
+
+PG_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "max_connections", "work_mem")
+
+
+def machine_facts(engine: Engine) -> dict[str, Any]:
+    with engine.connect() as conn:
+        version = conn.execute(text("SHOW server_version")).scalar_one()
+        pg = {name: conn.execute(text(f"SHOW {name}")).scalar_one() for name in PG_SETTINGS}
+    memory_kb = 0
+    if Path("/proc/meminfo").exists():
+        first = Path("/proc/meminfo").read_text().splitlines()[0]
+        memory_kb = int(first.split()[1])
+    return {
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory_kb / 1024 / 1024, 1),
+        "cpu": _cpu_model(),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "postgresql": version,
+        "postgresql_settings": pg,
+    }
+
+
+def _cpu_model() -> str:
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def write(out: Path, figures: Figures, facts: dict[str, Any], started: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    command = "delaysvc " + " ".join(sys.argv[1:]) if sys.argv else "delaysvc bench"
+    document = {
+        "command": command,
+        "started": started,
+        "machine": facts,
+        "results": figures.results,
+        "series": figures.series,
+    }
+    (out / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    plots = _plots(out, figures)
+    (out / "results.md").write_text(_markdown(document, plots))
+
+
+def _markdown(document: dict[str, Any], plots: list[str]) -> str:
+    facts = document["machine"]
+    lines = [
+        f"# delaysvc bench — {document['started']}",
+        "",
+        f"Command: `{document['command']}`",
+        "",
+        f"Machine: {facts['cores']} cores ({facts['cpu']}), {facts['memory_gib']} GiB, "
+        f"{facts['os']}, Python {facts['python']}, PostgreSQL {facts['postgresql']} "
+        f"({', '.join(f'{k}={v}' for k, v in facts['postgresql_settings'].items())}).",
+        "",
+        "| measure | service | raw limit | ratio | target |",
+        "|---|---|---|---|---|",
+    ]
+    for name, result in document["results"].items():
+        lines.extend(_rows(name, result))
+    lines.append("")
+    lines.extend(f"![{plot}]({plot})" for plot in plots)
+    return "\n".join(lines) + "\n"
+
+
+def _rows(name: str, r: dict[str, Any]) -> list[str]:
+    def ratio_row(what: str, value: str, raw: str) -> str:
+        return (
+            f"| {name}: {what} | {value} | {raw} | {r['ratio']:.0%} | "
+            f">= {r['target_ratio']:.0%} of raw |"
+        )
+
+    if "raw_insert_per_s" in r:
+        return [ratio_row("msgs/s", f"{r['msgs_per_s']:,}", f"{r['raw_insert_per_s']:,} tx/s")]
+    if "raw_copy_per_s" in r:
+        return [ratio_row("msgs/s", f"{r['msgs_per_s']:,}", f"{r['raw_copy_per_s']:,} rows/s")]
+    if "raw_move_per_s" in r:
+        return [ratio_row("msgs/s", f"{r['msgs_per_s']:,}", f"{r['raw_move_per_s']:,} rows/s")]
+    if "jobs_per_s" in r:
+        return [
+            f"| {name}: jobs/s ({r['processes']} processes) | {r['jobs_per_s']:,} | - | - | "
+            f">= {r['target_jobs_per_s']:,}/s |"
+        ]
+    rows = []
+    if "lateness_ms" in r:
+        late = r["lateness_ms"]
+        rows.append(
+            f"| {name}: deliver_ts -> in topic queue at {r['rate_per_s']:,}/s "
+            f"({r['delivered']:,} msgs) | p50 {late.get('p50')} ms, p99 {late.get('p99')} ms, "
+            f"max {late.get('max')} ms | - | - | p99 <= {r['target_p99_ms']} ms |"
+        )
+    if "deliver_to_start_ms" in r:
+        start = r["deliver_to_start_ms"]
+        rows.append(
+            f"| {name}: deliver_ts -> handler started ({r['started']:,} jobs) | "
+            f"p50 {start.get('p50')} ms, p99 {start.get('p99')} ms, max {start.get('max')} ms "
+            f"| - | - | p99 <= {r['target_start_p99_ms']} ms |"
+        )
+    return rows
+
+
+def _plots(out: Path, figures: Figures) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    for name, title in (
+        ("lateness_ms", "deliver_ts -> in topic queue (ms)"),
+        ("start_latency_ms", "deliver_ts -> handler started (ms)"),
+    ):
+        values = figures.samples.get(name)
+        if not values:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.hist(values, bins=100, color="#3b6ea5")
+        ax.set_yscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("messages")
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=100)
+        plt.close(fig)
+        made.append(f"{name}.png")
+    backlog = figures.series.get("backlog")
+    if backlog:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([t for t, _ in backlog], [v for _, v in backlog], color="#a53b3b")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("pending messages")
+        ax.set_title("backlog during the steady flow")
+        fig.tight_layout()
+        fig.savefig(out / "backlog.png", dpi=100)
+        plt.close(fig)
+        made.append("backlog.png")
+    return made

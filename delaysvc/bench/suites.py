@@ -1,0 +1,372 @@
+"""The service's own figures, each measured beside the raw limit it is compared with.
+
+- send: `Producer.send` one message per transaction at several concurrencies (raw: one-row
+  INSERT per transaction at the same concurrency); `send_batch` of 1,000 (raw: COPY).
+- delivery: drain a due backlog through `delivery.run_once` (raw: moving rows between two plain
+  tables in batches of the same size); a steady flow at a fixed rate for a while, delivered by
+  `LaneRunner`s (what the Celery delivery task runs), reporting lateness = delivered_at -
+  deliver_ts (both on the database clock).
+- consume: a ready backlog of a no-op handler's jobs run by consumer processes calling
+  `Consumer.run_once` (what each Celery consume task runs): jobs/s through claim -> run ->
+  finish; in the steady flow, deliver_ts -> handler started.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from delaysvc import store
+from delaysvc.bench import raw
+from delaysvc.bench.progress import Progress, step
+from delaysvc.db import libpq_url, make_engine
+from delaysvc.delivery import LaneRunner, run_once
+from delaysvc.producer import Producer
+from delaysvc.schema import TIMER_LANE
+from delaysvc.settings import Settings
+
+NOOP_TOPIC = "bench.noop"
+FLOW_TOPIC = "bench.flow"
+BODY = {"order_id": 42, "action": "cancel"}
+
+
+@dataclass
+class Figures:
+    """What one suite measured: named results, time series for plots, raw samples."""
+
+    results: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    cuts = statistics.quantiles(ordered, n=100, method="inclusive") if len(ordered) > 1 else []
+
+    def q(p: int) -> float:
+        return round(cuts[p - 1] if cuts else ordered[0], 2)
+
+    return {"p50": q(50), "p95": q(95), "p99": q(99), "max": round(ordered[-1], 2)}
+
+
+def reset_tables(engine: Engine) -> None:
+    """Empty the service's tables between suites (the schema and levels stay)."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "TRUNCATE commit_log, consume_queue, timer_queue, topic_queue, dead_letter, "
+                "topic_state"
+            )
+        )
+        conn.execute(
+            text(
+                "UPDATE schedule_offset SET moved_total = 0, early_total = 0, stuck_offset = NULL,"
+                " stuck_error = NULL, stuck_since = NULL"
+            )
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+
+
+def _send_backlog(producer: Producer, count: int, label: str, **options: Any) -> None:
+    progress = Progress(label, count)
+    for start in range(0, count, 5000):
+        size = min(5000, count - start)
+        producer.send_batch([{"topic": NOOP_TOPIC, "body": BODY, **options}] * size)
+        progress.update(start + size)
+    progress.done()
+
+
+# ---------------------------------------------------------------- send
+
+
+def send_suite(
+    settings: Settings,
+    engine: Engine,
+    url: str,
+    seconds: float,
+    concurrencies: list[int],
+    batch_rows: int,
+) -> Figures:
+    figures = Figures()
+    producer = Producer(settings, engine)
+    for clients in concurrencies:
+        step(f"send: raw one-row INSERT per transaction, {clients} clients, {seconds:g}s")
+        raw_rate = raw.insert_one_row_per_transaction(libpq_url(url), clients, seconds)
+        step(f"send: Producer.send, {clients} clients, {seconds:g}s")
+        reset_tables(engine)
+        rate = _send_single(producer, clients, seconds)
+        figures.results[f"send_single_c{clients}"] = {
+            "msgs_per_s": round(rate),
+            "raw_insert_per_s": round(raw_rate),
+            "ratio": round(rate / raw_rate, 3),
+            "target_ratio": 0.5,
+        }
+    step(f"send: raw COPY of {batch_rows:,} rows")
+    raw_copy = raw.copy_rows(libpq_url(url), batch_rows)
+    reset_tables(engine)
+    step(f"send: send_batch of 1,000, {batch_rows:,} messages")
+    started = time.perf_counter()
+    progress = Progress("send_batch", batch_rows)
+    for done in range(0, batch_rows, 1000):
+        producer.send_batch([{"topic": NOOP_TOPIC, "body": BODY, "delay": "1h"}] * 1000)
+        progress.update(done + 1000)
+    progress.done()
+    rate = batch_rows / (time.perf_counter() - started)
+    figures.results["send_batch_1000"] = {
+        "msgs_per_s": round(rate),
+        "raw_copy_per_s": round(raw_copy),
+        "ratio": round(rate / raw_copy, 3),
+        "target_ratio": 0.5,
+    }
+    return figures
+
+
+def _send_single(producer: Producer, clients: int, seconds: float) -> float:
+    counts = [0] * clients
+    stop = time.monotonic() + seconds
+
+    def client(index: int) -> None:
+        while time.monotonic() < stop:
+            producer.send(NOOP_TOPIC, BODY, delay="1h")
+            counts[index] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(counts) / seconds
+
+
+# ---------------------------------------------------------------- delivery
+
+
+def delivery_suite(
+    settings: Settings, engine: Engine, url: str, backlog: int, rate: int, seconds: float
+) -> Figures:
+    figures = Figures()
+    batch = settings.delivery_batch
+    step(f"delivery: raw move of {backlog:,} rows in batches of {batch}")
+    raw_rate = raw.move_rows(libpq_url(url), backlog, batch, Progress("raw move", backlog))
+    reset_tables(engine)
+    step(f"delivery: drain a due backlog of {backlog:,} (level 1)")
+    _send_backlog(Producer(settings, engine), backlog, "fill level 1", delay_level=1)
+    time.sleep(settings.levels.delay_ms(1) / 1000 + 0.1)  # all due
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+    moved, started = 0, time.perf_counter()
+    progress = Progress("drain", backlog)
+    with engine.connect() as conn:
+        while moved < backlog:
+            result = run_once(conn, 1, settings.levels.delay_ms(1), batch)
+            if not result.moved:
+                break
+            moved += result.moved
+            progress.update(moved)
+    drain_rate = moved / (time.perf_counter() - started)
+    progress.done()
+    figures.results["delivery_drain"] = {
+        "messages": moved,
+        "msgs_per_s": round(drain_rate),
+        "raw_move_per_s": round(raw_rate),
+        "ratio": round(drain_rate / raw_rate, 3),
+        "target_ratio": 0.7,
+        "batch": batch,
+    }
+    reset_tables(engine)
+    flow = steady_flow(settings, engine, rate, seconds, consumers=0)
+    figures.results["delivery_flow"] = flow.results["flow"]
+    figures.series.update(flow.series)
+    figures.samples.update(flow.samples)
+    return figures
+
+
+def steady_flow(
+    settings: Settings, engine: Engine, rate: int, seconds: float, consumers: int
+) -> Figures:
+    """Send `rate` msg/s for `seconds` (half at level 1, half through the timer lane with a
+    1.5 s delay), deliver with one LaneRunner per lane; with `consumers`, run them too."""
+    step(f"flow: {rate:,} msg/s for {seconds:g}s, {consumers} consumer processes")
+    figures = Figures()
+    producer = Producer(settings, engine)
+    stop = threading.Event()
+    lanes = [(1, settings.levels.delay_ms(1)), (TIMER_LANE, 0)]
+    runners = [
+        LaneRunner(
+            engine, lane, delay_ms, settings.delivery_batch, settings.idle_poll_ms / 1000, stop=stop
+        )
+        for lane, delay_ms in lanes
+    ]
+    threads = [threading.Thread(target=_run_lane, args=(r, stop)) for r in runners]
+    workers = _start_consumers(settings, consumers, stop_after=None)
+    for thread in threads:
+        thread.start()
+    sent = _produce_at_rate(producer, rate, seconds, figures, engine)
+    # let the last messages fall due and be delivered
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _count(engine, "delivered_at IS NULL") > 0:
+        time.sleep(0.2)
+    if consumers:
+        while time.monotonic() < deadline + 20 and _count(engine, "started_at IS NULL") > 0:
+            time.sleep(0.2)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    _stop_consumers(workers)
+    lateness = _lateness(engine, "delivered_at")
+    figures.samples["lateness_ms"] = lateness
+    figures.results["flow"] = {
+        "rate_per_s": rate,
+        "seconds": seconds,
+        "sent": sent,
+        "delivered": len(lateness),
+        "lateness_ms": percentiles(lateness),
+        "target_p99_ms": 100 if rate >= 5000 else 20,
+    }
+    if consumers:
+        started = _lateness(engine, "started_at")
+        figures.samples["start_latency_ms"] = started
+        figures.results["flow"]["started"] = len(started)
+        figures.results["flow"]["deliver_to_start_ms"] = percentiles(started)
+        figures.results["flow"]["target_start_p99_ms"] = 250 if rate >= 5000 else 50
+    return figures
+
+
+def _run_lane(runner: LaneRunner, stop: threading.Event) -> None:
+    while not stop.is_set():
+        runner.run(5.0)
+
+
+def _produce_at_rate(
+    producer: Producer, rate: int, seconds: float, figures: Figures, engine: Engine
+) -> int:
+    tick = 0.05
+    per_tick = max(1, round(rate * tick))
+    sent, started = 0, time.monotonic()
+    backlog: list[tuple[float, float]] = []
+    progress = Progress("flow", int(rate * seconds), "msgs")
+    next_sample = started
+    while (elapsed := time.monotonic() - started) < seconds:
+        half = per_tick // 2
+        producer.send_batch(
+            [{"topic": FLOW_TOPIC, "body": BODY, "delay_level": 1}] * (per_tick - half)
+            + [{"topic": FLOW_TOPIC, "body": BODY, "delay_ms": 1500}] * half
+        )
+        sent += per_tick
+        progress.update(sent)
+        if time.monotonic() >= next_sample:
+            backlog.append((elapsed, float(_pending(engine))))
+            next_sample += 0.5
+        behind = started + sent / rate - time.monotonic()
+        if behind > 0:
+            time.sleep(behind)
+    progress.done()
+    figures.series["backlog"] = backlog
+    return sent
+
+
+def _pending(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return sum(row.pending for row in store.lane_stats(conn))
+
+
+def _count(engine: Engine, condition: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            text(f"SELECT count(*) FROM commit_log WHERE {condition} AND status <> 'cancelled'")
+        ).scalar_one()
+
+
+def _lateness(engine: Engine, column: str) -> list[float]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                f"SELECT extract(epoch FROM {column} - deliver_ts) * 1000 FROM commit_log "
+                f"WHERE {column} IS NOT NULL"
+            )
+        )
+        return [float(value) for (value,) in rows]
+
+
+# ---------------------------------------------------------------- consume
+
+
+def consume_suite(
+    settings: Settings, engine: Engine, jobs: int, processes: int, rate: int, seconds: float
+) -> Figures:
+    figures = Figures()
+    step(f"consume: {jobs:,} ready no-op jobs, {processes} consumer processes")
+    _send_backlog(Producer(settings, engine), jobs, "fill topic queue")
+    started = time.perf_counter()
+    workers = _start_consumers(settings, processes, stop_after=jobs)
+    progress = Progress("consume", jobs, "jobs")
+    done = 0
+    while done < jobs and any(w.is_alive() for w in workers):
+        time.sleep(0.25)
+        done = _count(engine, "status = 'succeeded'")
+        progress.update(done)
+    elapsed = time.perf_counter() - started
+    _stop_consumers(workers)
+    progress.done()
+    done = _count(engine, "status = 'succeeded'")
+    figures.results["consume_drain"] = {
+        "jobs": done,
+        "processes": processes,
+        "batch": settings.consume_batch,
+        "jobs_per_s": round(done / elapsed),
+        "target_jobs_per_s": 5000,
+    }
+    reset_tables(engine)
+    flow = steady_flow(settings, engine, rate, seconds, consumers=processes)
+    figures.results["consume_flow"] = flow.results["flow"]
+    figures.samples["start_latency_ms"] = flow.samples.get("start_latency_ms", [])
+    return figures
+
+
+def _consumer_process(settings: Settings, stop_after: int | None, stop: Any) -> None:
+    """One consumer: claim -> run -> finish in batches until the queue is drained (or told
+    to stop); polls every 5 ms when idle (Celery wakes consumers instead)."""
+    from delaysvc.consumption import Consumer, handler
+
+    @handler(NOOP_TOPIC)
+    @handler(FLOW_TOPIC)
+    def noop(message: Any) -> None:
+        return None
+
+    engine = make_engine(settings)
+    consumer = Consumer(settings, engine)
+    while not stop.is_set():
+        claimed = consumer.run_once(NOOP_TOPIC).claimed + consumer.run_once(FLOW_TOPIC).claimed
+        if not claimed:
+            if stop_after is not None:
+                return
+            time.sleep(0.005)
+
+
+def _start_consumers(settings: Settings, count: int, stop_after: int | None) -> list[Any]:
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    workers = [
+        context.Process(target=_consumer_process, args=(settings, stop_after, stop))
+        for _ in range(count)
+    ]
+    for worker in workers:
+        worker.stop_event = stop  # type: ignore[attr-defined]
+        worker.start()
+    return workers
+
+
+def _stop_consumers(workers: list[Any]) -> None:
+    for worker in workers:
+        worker.stop_event.set()
+    for worker in workers:
+        worker.join(timeout=30)
