@@ -497,8 +497,7 @@ def level_pending(conn: Connection, level: int, up_to: int) -> int:
     """Waiting messages of a level, counted exactly but never beyond `up_to` (O(up_to))."""
     return conn.execute(
         text(
-            "SELECT count(*) FROM (SELECT 1 FROM consume_queue WHERE level = :lane "
-            "LIMIT :up_to) w"
+            "SELECT count(*) FROM (SELECT 1 FROM consume_queue WHERE level = :lane LIMIT :up_to) w"
         ),
         {"lane": level, "up_to": up_to},
     ).scalar_one()
