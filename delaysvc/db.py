@@ -56,7 +56,9 @@ def database_url(settings: Settings) -> str:
 def make_engine(settings: Settings, url: str | None = None, **options: object) -> Engine:
     engine = create_engine(
         sqlalchemy_url(url or database_url(settings)),
-        pool_pre_ping=True,
+        pool_pre_ping=False,  # a round trip per checkout; a dropped connection is
+        # invalidated with the pool on its first error instead (see README, Operations)
+        pool_recycle=1800,
         **options,
     )
 

@@ -11,13 +11,14 @@ message into a lane shares (send, batch send, retry, redrive).
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.exc import IntegrityError
 
 from delaysvc.errors import DuplicateKey, SchemaNotReady
@@ -25,6 +26,13 @@ from delaysvc.levels import DelayLevels
 from delaysvc.schema import TIMER_LANE, level_partition, level_sequence
 
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
+
+
+@functools.cache
+def _sql(statement: str) -> TextClause:
+    """The hot statements, parsed once (text() scans its string for parameters each time)."""
+    return text(statement)
+
 
 _NEXT_OFFSET = """CASE WHEN {lane} > 0
         THEN nextval(format('consume_queue_%s_seq', {lane})::regclass)
@@ -199,7 +207,7 @@ def insert_message(conn: Connection, message: NewMessage) -> tuple[Any, bool]:
     """Store one message and put it in its lane. -> (row, created). A key already held by an
     unfinished message of the topic returns that message with created=False."""
     for _ in range(5):
-        row = conn.execute(text(_INSERT_ONE), _message_params(message)).first()
+        row = conn.execute(_sql(_INSERT_ONE), _message_params(message)).first()
         if row is not None:
             return row, True
         existing = find_unfinished_by_key(conn, message.topic, message.key)
@@ -216,7 +224,7 @@ def insert_messages(conn: Connection, messages: Sequence[NewMessage]) -> list[tu
         for name, value in _message_params(message).items():
             columns[name].append(value)
     columns["tags"] = [json.dumps(t) if t is not None else None for t in columns["tags"]]
-    inserted = list(conn.execute(text(_INSERT_MANY), columns))
+    inserted = list(conn.execute(_sql(_INSERT_MANY), columns))
     by_key = {(row.topic, row.key): row for row in inserted if row.key is not None}
     unkeyed = iter(row for row in inserted if row.key is None)
     results: list[tuple[Any, bool]] = []
@@ -389,7 +397,7 @@ def move_due(
     in the caller's transaction (which must hold `lock_lane`)."""
     statement = _MOVE_DUE_TIMER if lane == TIMER_LANE else _MOVE_DUE_LEVEL
     row = conn.execute(
-        text(statement), {"lane": lane, "delay_ms": delay_ms, "batch": batch, "now": now}
+        _sql(statement), {"lane": lane, "delay_ms": delay_ms, "batch": batch, "now": now}
     ).one()
     return Moved(
         row.moved,
@@ -568,7 +576,7 @@ def deliver_now(conn: Connection, message_ids: Sequence[int]) -> int:
     """Move waiting messages into their topics' queues before their time (a backlog cap's
     overflow), counted per lane in `early_total`. -> how many moved (a message being moved
     by its lane at the same moment is left to it)."""
-    return conn.execute(text(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
+    return conn.execute(_sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
 
 
 # ---------------------------------------------------------------- observing
@@ -637,7 +645,7 @@ def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) ->
     """Take up to `limit` ready jobs of a topic in queue order and lease them: they are
     `running` once the caller commits. Nothing is held open while they run."""
     rows = conn.execute(
-        text(_CLAIM_READY), {"topic": topic, "limit": limit, "lease_seconds": lease_seconds}
+        _sql(_CLAIM_READY), {"topic": topic, "limit": limit, "lease_seconds": lease_seconds}
     )
     return sorted(rows, key=lambda row: row.seq)
 
@@ -723,7 +731,7 @@ def schedule_retry(
 ) -> bool:
     """Put a failed job back in a lane as `retrying`; it is an ordinary delayed message."""
     count = conn.execute(
-        text(_SCHEDULE_RETRY),
+        _sql(_SCHEDULE_RETRY),
         {
             "id": failure.message_id,
             "attempt": failure.attempt,
@@ -742,7 +750,7 @@ def schedule_retry(
 def bury(conn: Connection, failure: Failure, reason: str) -> bool:
     """Move a running job to the dead letters, keeping its last error."""
     result = conn.execute(
-        text(_BURY),
+        _sql(_BURY),
         {
             "id": failure.message_id,
             "attempt": failure.attempt,
