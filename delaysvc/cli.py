@@ -15,7 +15,7 @@ import click
 from sqlalchemy import Engine
 
 from delaysvc import store
-from delaysvc.errors import DelaysvcError, ValidationError
+from delaysvc.errors import DelaysvcError, NotFound, ValidationError
 from delaysvc.levels import format_ms
 from delaysvc.settings import Settings
 
@@ -333,6 +333,18 @@ def create_token(ctx: Context, name: str, scope: str) -> None:
     token = make(ctx.engine, name, scope)
     click.echo(f"token {name!r} created with scope {scope}; it is shown only now:")
     click.echo(token)
+
+
+@cli.command("revoke-token")
+@click.argument("name")
+@pass_ctx
+def revoke_token(ctx: Context, name: str) -> None:
+    """Revoke the API tokens named NAME."""
+    from delaysvc.auth import revoke_token
+
+    if not revoke_token(ctx.engine, name):
+        raise NotFound(f"no live token named {name!r}")
+    click.echo(f"revoked: {name}")
 
 
 @cli.command("create-user")

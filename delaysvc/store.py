@@ -934,7 +934,7 @@ def revoke_token(conn: Connection, name: str) -> bool:
         text("UPDATE api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"),
         {"name": name},
     )
-    return result.rowcount == 1
+    return result.rowcount >= 1
 
 
 def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
@@ -972,6 +972,19 @@ def record_login(
     conn.execute(
         text(statement + " WHERE name = :name"),
         {"name": name, "max": max_failures, "lock": lockout_seconds},
+    )
+
+
+def messages_stored(conn: Connection) -> int:
+    """Messages ever stored, in O(1): the commit log's id sequence."""
+    return (
+        conn.execute(
+            text(
+                "SELECT COALESCE(last_value, 0) FROM pg_sequences WHERE sequencename = "
+                "'commit_log_id_seq' AND schemaname = current_schema()"
+            )
+        ).scalar()
+        or 0
     )
 
 

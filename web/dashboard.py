@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify, render_template
+from flask import Blueprint, Response, jsonify, render_template
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from delaysvc import store
 from web.api import database_ok, lane_json, services
@@ -21,3 +22,12 @@ def overview():
 def healthz():
     ok = database_ok()
     return jsonify({"status": "ok" if ok else "degraded", "database": ok}), 200 if ok else 503
+
+
+@dashboard.get("/metrics")
+def metrics():
+    from web.metrics import render
+
+    settings = services()["settings"]
+    body = render(services()["engine"], settings.statement_timeout_ms)
+    return Response(body, content_type=CONTENT_TYPE_LATEST)

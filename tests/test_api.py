@@ -1,0 +1,222 @@
+"""The HTTP API against a real database: every endpoint, the auth rules and every error path
+(`{"error": {"code", "message"}}` with the right status)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import Engine, text
+
+from delaysvc import auth
+from delaysvc.consumption import Consumer, handler
+from delaysvc.settings import Settings
+from web import create_app
+
+
+@pytest.fixture
+def app(settings: Settings) -> Iterator[Flask]:
+    app = create_app(settings.model_copy(update={"max_body_bytes": 1024}))
+    yield app
+    app.extensions["delaysvc"]["engine"].dispose()
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    return app.test_client()
+
+
+@pytest.fixture
+def send_token(engine: Engine) -> dict[str, str]:
+    return {"Authorization": f"Bearer {auth.create_token(engine, 'shop', 'send')}"}
+
+
+@pytest.fixture
+def admin_token(engine: Engine) -> dict[str, str]:
+    return {"Authorization": f"Bearer {auth.create_token(engine, 'ops', 'admin')}"}
+
+
+def _error(response: Any, status: int, code: str) -> str:
+    assert response.status_code == status, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == code
+    assert isinstance(error["message"], str) and error["message"]
+    return error["message"]
+
+
+def test_send_returns_201_and_the_same_topic_and_key_returns_200_with_the_first(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    order = {"topic": "order.cancel", "body": {"id": 42}, "delay": "30m", "key": "order-42"}
+    first = client.post("/api/v1/messages", json=order, headers=send_token)
+    assert first.status_code == 201
+    data = first.get_json()
+    assert set(data) == {"id", "topic", "key", "status", "delay_level", "deliver_at"}
+    assert (data["topic"], data["key"], data["status"]) == ("order.cancel", "order-42", "scheduled")
+    again = client.post("/api/v1/messages", json=order, headers=send_token)
+    assert again.status_code == 200
+    assert again.get_json()["id"] == data["id"]
+
+
+def test_get_lookup_and_cancel(client: FlaskClient, send_token: dict[str, str]) -> None:
+    sent = client.post(
+        "/api/v1/messages",
+        json={"topic": "sms.send", "body": "hi", "delay_level": 3, "key": "k"},
+        headers=send_token,
+    ).get_json()
+    got = client.get(f"/api/v1/messages/{sent['id']}", headers=send_token).get_json()
+    for field in ("stored_at", "delivered_at", "started_at", "finished_at", "attempts"):
+        assert field in got
+    assert (got["status"], got["delay_level"], got["attempts"]) == ("scheduled", 3, 0)
+    found = client.get("/api/v1/messages?topic=sms.send&key=k", headers=send_token).get_json()
+    assert found["id"] == sent["id"]
+
+    cancelled = client.delete(f"/api/v1/messages/{sent['id']}", headers=send_token)
+    assert (cancelled.status_code, cancelled.get_json()["status"]) == (200, "cancelled")
+    again = client.delete(f"/api/v1/messages/{sent['id']}", headers=send_token)
+    assert "cancelled" in _error(again, 409, "not_cancellable")
+
+
+def test_batch_is_all_or_nothing_and_names_the_bad_item(
+    client: FlaskClient, send_token: dict[str, str], engine: Engine
+) -> None:
+    good = {"topic": "t.batch", "body": 1, "delay_level": 1}
+    bad = {"topic": "t.batch", "body": 2, "delay": "soon"}
+    response = client.post(
+        "/api/v1/messages/batch", json={"messages": [good, good, bad]}, headers=send_token
+    )
+    assert "messages[2].delay" in _error(response, 400, "invalid")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one() == 0
+    ok = client.post("/api/v1/messages/batch", json={"messages": [good, good]}, headers=send_token)
+    assert ok.status_code == 201
+    assert [m["created"] for m in ok.get_json()["messages"]] == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("payload", "named"),
+    [
+        ({"body": 1}, "topic"),
+        ({"topic": "t", "body": 1, "delay_level": "two"}, "delay_level"),
+        ({"topic": "t", "body": 1, "deliver_at": "2030-01-01T00:00:00"}, "deliver_at"),
+        ({"topic": "t", "body": 1, "deliver_at": "noon"}, "deliver_at"),
+        ({"topic": "t", "body": 1, "delay": "5m", "delay_ms": 5}, "at most one"),
+        ({"topic": "t", "body": 1, "properties": {"a": 1}}, "properties"),
+        ({"topic": "t", "body": 1, "colour": "red"}, "colour"),
+        ({"topic": "no spaces", "body": 1}, "topic"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(
+    client: FlaskClient, send_token: dict[str, str], payload: dict[str, Any], named: str
+) -> None:
+    response = client.post("/api/v1/messages", json=payload, headers=send_token)
+    assert named in _error(response, 400, "invalid")
+
+
+def test_not_json_is_415_and_too_large_is_413(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    response = client.post("/api/v1/messages", data="topic=x", headers=send_token)
+    _error(response, 415, "unsupported_media_type")
+    big = {"topic": "t.big", "body": "x" * 2000}  # the app's max_body_bytes is 1024
+    _error(client.post("/api/v1/messages", json=big, headers=send_token), 413, "too_large")
+    _error(
+        client.post("/api/v1/messages", data="[1,", headers=send_token | _json()), 400, "invalid"
+    )
+
+
+def _json() -> dict[str, str]:
+    return {"Content-Type": "application/json"}
+
+
+def test_unknown_ids_are_404(client: FlaskClient, send_token: dict[str, str]) -> None:
+    _error(client.get("/api/v1/messages/987654", headers=send_token), 404, "not_found")
+    _error(client.delete("/api/v1/messages/987654", headers=send_token), 404, "not_found")
+    _error(client.get("/api/v1/nothing-here", headers=send_token), 404, "not_found")
+
+
+def test_auth_no_token_401_revoked_401_wrong_scope_403(
+    client: FlaskClient, send_token: dict[str, str], engine: Engine
+) -> None:
+    _error(client.get("/api/v1/levels"), 401, "unauthorized")
+    _error(
+        client.get("/api/v1/levels", headers={"Authorization": "Bearer nope"}), 401, "unauthorized"
+    )
+    _error(client.get("/api/v1/dead", headers=send_token), 403, "forbidden")
+    token = send_token["Authorization"].split()[1]
+    auth.revoke_token(engine, "shop")
+    _error(
+        client.get("/api/v1/levels", headers={"Authorization": f"Bearer {token}"}),
+        401,
+        "unauthorized",
+    )
+
+
+def test_levels_and_topics(
+    client: FlaskClient, send_token: dict[str, str], settings: Settings, engine: Engine
+) -> None:
+    client.post(
+        "/api/v1/messages",
+        json={"topic": "t.levels", "body": 1, "delay_level": 2},
+        headers=send_token,
+    )
+    client.post("/api/v1/messages", json={"topic": "t.now", "body": 1}, headers=send_token)
+    levels = client.get("/api/v1/levels", headers=send_token).get_json()["levels"]
+    assert [lane["lane"] for lane in levels] == [f"level-{n}" for n in range(1, 6)] + ["timer"]
+    level2 = levels[1]
+    assert (level2["delay"], level2["pending"], level2["stuck"]) == ("2s", 1, None)
+    topics = client.get("/api/v1/topics", headers=send_token).get_json()["topics"]
+    assert {t["topic"]: t["ready"] for t in topics} == {"t.now": 1}
+
+
+def test_dead_letters_list_and_redrive(
+    client: FlaskClient,
+    admin_token: dict[str, str],
+    send_token: dict[str, str],
+    settings: Settings,
+    engine: Engine,
+) -> None:
+    @handler("api.fails", max_retries=0)
+    def fails(message):  # type: ignore[no-untyped-def]
+        raise KeyError("missing")
+
+    sent = client.post(
+        "/api/v1/messages", json={"topic": "api.fails", "body": {}}, headers=send_token
+    ).get_json()
+    Consumer(settings, engine).run_once("api.fails")
+    dead = client.get("/api/v1/dead?topic=api.fails", headers=admin_token).get_json()["dead"]
+    assert [(d["id"], d["attempts"]) for d in dead] == [(sent["id"], 1)]
+    assert dead[0]["last_error"] == "KeyError: 'missing'"
+    redriven = client.post(f"/api/v1/dead/{sent['id']}/redrive", headers=admin_token)
+    assert (redriven.status_code, redriven.get_json()["status"]) == (200, "ready")
+    _error(client.post(f"/api/v1/dead/{sent['id']}/redrive", headers=admin_token), 404, "not_found")
+
+
+def test_healthz_reports_the_database(client: FlaskClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.get_json()["database"] is True
+
+
+def test_metrics_show_lanes_topics_and_stored_messages(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    for level in (2, 2, 4):
+        client.post(
+            "/api/v1/messages",
+            json={"topic": "t.m", "body": 1, "delay_level": level},
+            headers=send_token,
+        )
+    client.post("/api/v1/messages", json={"topic": "t.ready", "body": 1}, headers=send_token)
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.content_type.startswith("text/plain")
+    lines = set(response.get_data(as_text=True).splitlines())
+    assert 'delaysvc_lane_pending{delay="2s",lane="2"} 2.0' in lines
+    assert 'delaysvc_lane_pending{delay="5s",lane="4"} 1.0' in lines
+    assert 'delaysvc_lane_stuck{delay="2s",lane="2"} 0.0' in lines
+    assert 'delaysvc_topic_jobs{state="ready",topic="t.ready"} 1.0' in lines
+    assert "delaysvc_messages_stored_total 4.0" in lines

@@ -1,0 +1,81 @@
+"""`GET /metrics` in the Prometheus text format. The engine's state lives in PostgreSQL, not in
+the web process, so a collector reads it at scrape time from the same O(1)-per-lane queries as
+`delaysvc stats` (offsets and sequences, never a COUNT(*) over a hot table), under a statement
+timeout."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Engine, text
+
+from delaysvc import store
+from delaysvc.levels import format_ms
+
+
+class ServiceCollector(Collector):
+    def __init__(self, engine: Engine, statement_timeout_ms: int):
+        self.engine = engine
+        self.timeout = statement_timeout_ms
+
+    def collect(self) -> Iterator[Metric]:
+        with self.engine.begin() as conn:
+            conn.execute(text(f"SET LOCAL statement_timeout = {int(self.timeout)}"))
+            lanes = store.lane_stats(conn)
+            topics = store.topic_stats(conn)
+            stored = store.messages_stored(conn)
+        yield CounterMetricFamily(
+            "delaysvc_messages_stored",
+            "Messages stored since the database was created",
+            value=stored,
+        )
+        labels = ["lane", "delay"]
+        pending = GaugeMetricFamily(
+            "delaysvc_lane_pending", "Messages waiting in a lane", labels=labels
+        )
+        moved = CounterMetricFamily(
+            "delaysvc_lane_moved", "Messages moved to topic queues", labels=labels
+        )
+        early = CounterMetricFamily(
+            "delaysvc_lane_delivered_early",
+            "Messages delivered early by a backlog cap",
+            labels=labels,
+        )
+        lateness = GaugeMetricFamily(
+            "delaysvc_lane_lateness_seconds",
+            "How long the lane's due head has waited",
+            labels=labels,
+        )
+        stuck = GaugeMetricFamily(
+            "delaysvc_lane_stuck", "1 when the lane's head cannot be moved", labels=labels
+        )
+        for lane in lanes:
+            key = [
+                "timer" if lane.lane == 0 else str(lane.lane),
+                format_ms(lane.delay_ms) if lane.lane else "any",
+            ]
+            pending.add_metric(key, lane.pending)
+            moved.add_metric(key, lane.moved_total)
+            early.add_metric(key, lane.early_total)
+            overdue = 0.0
+            if lane.next_due is not None and lane.next_due < lane.now:
+                overdue = (lane.now - lane.next_due).total_seconds()
+            lateness.add_metric(key, overdue)
+            stuck.add_metric(key, 1 if lane.stuck_error else 0)
+        yield from (pending, moved, early, lateness, stuck)
+        jobs = GaugeMetricFamily(
+            "delaysvc_topic_jobs", "Jobs of a topic by state", labels=["topic", "state"]
+        )
+        for topic in topics:
+            for state in ("ready", "running", "dead"):
+                jobs.add_metric([topic.topic, state], getattr(topic, state))
+        yield jobs
+
+
+def render(engine: Engine, statement_timeout_ms: int) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(engine, statement_timeout_ms))
+    return generate_latest(registry)
