@@ -3,6 +3,8 @@ redrive, a worker killed mid-job, several consumers on one topic, Celery-task to
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from delaysvc.dead_letters import DeadLetters
@@ -135,3 +137,16 @@ def test_a_topic_bound_to_a_celery_task_runs_it_with_retries(
     row = _message(service, flaky.id)
     assert row.attempts == 2
     assert row.last_error == "RuntimeError: task failed on its first attempt"
+
+
+def test_a_graceful_shutdown_finishes_the_running_job(service: Service, producer: Producer) -> None:
+    service.delivery_worker()
+    worker = service.consume_worker()
+    service.beat()
+    sent = producer.send("e2e.slow_first", {"sleep": 3})
+    wait_for(lambda: _runs(service, sent.id, "start") == [1], 60, "the job to start")
+    worker.send_signal(signal.SIGTERM)  # Celery's warm shutdown
+    assert worker.wait(timeout=60) == 0
+    assert _runs(service, sent.id, "done") == [1]  # finished before the worker left
+    row = _message(service, sent.id)
+    assert (row.status, row.attempts) == ("succeeded", 1)
