@@ -220,3 +220,66 @@ def test_metrics_show_lanes_topics_and_stored_messages(
     assert 'delaysvc_lane_stuck{delay="2s",lane="2"} 0.0' in lines
     assert 'delaysvc_topic_jobs{state="ready",topic="t.ready"} 1.0' in lines
     assert "delaysvc_messages_stored_total 4.0" in lines
+
+
+def _spec_paths(app: Flask) -> set[tuple[str, str]]:
+    served = set()
+    for rule in app.url_map.iter_rules():
+        if rule.rule.startswith("/api/v1/"):
+            path = rule.rule[len("/api/v1") :].replace("<int:message_id>", "{message_id}")
+            served |= {(path, m.lower()) for m in rule.methods - {"HEAD", "OPTIONS"}}
+    return served
+
+
+def test_the_openapi_document_names_exactly_the_served_routes(
+    app: Flask, client: FlaskClient
+) -> None:
+    document = client.get("/api/v1/openapi.json").get_json()
+    assert document["openapi"].startswith("3.")
+    documented = {
+        (path, method)
+        for path, item in document["paths"].items()
+        for method in item
+        if method != "parameters"
+    }
+    assert documented == _spec_paths(app)
+
+
+def test_responses_match_the_openapi_schemas(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    import jsonschema
+
+    paths = client.get("/api/v1/openapi.json").get_json()["paths"]
+
+    def check(response: Any, path: str, method: str) -> None:
+        declared = paths[path][method]["responses"][str(response.status_code)]
+        schema = declared["content"]["application/json"]["schema"]
+        jsonschema.validate(response.get_json(), schema)
+
+    sent = client.post(
+        "/api/v1/messages", json={"topic": "t.s", "body": [1], "delay": "1m"}, headers=send_token
+    )
+    check(sent, "/messages", "post")
+    message_id = sent.get_json()["id"]
+    check(
+        client.get(f"/api/v1/messages/{message_id}", headers=send_token),
+        "/messages/{message_id}",
+        "get",
+    )
+    check(
+        client.post("/api/v1/messages", json={"topic": "t s"}, headers=send_token),
+        "/messages",
+        "post",
+    )
+    check(client.get("/api/v1/levels", headers=send_token), "/levels", "get")
+    check(
+        client.delete(f"/api/v1/messages/{message_id}", headers=send_token),
+        "/messages/{message_id}",
+        "delete",
+    )
+    check(
+        client.delete(f"/api/v1/messages/{message_id}", headers=send_token),
+        "/messages/{message_id}",
+        "delete",
+    )

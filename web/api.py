@@ -214,3 +214,10 @@ def database_ok() -> bool:
         return True
     except Exception:
         return False
+
+
+@api.get("/openapi.json")
+def openapi():
+    from web.openapi import document
+
+    return jsonify(document())

@@ -1,0 +1,259 @@
+"""The OpenAPI 3 document of the HTTP API, served at `/api/v1/openapi.json`. A test checks that
+it names exactly the routes the app serves and that responses match its schemas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {"code": {"type": "string"}, "message": {"type": "string"}},
+        }
+    },
+}
+_TIME = {"type": ["string", "null"], "format": "date-time"}
+_STATUS = {
+    "type": "string",
+    "enum": ["scheduled", "ready", "running", "retrying", "succeeded", "dead", "cancelled"],
+}
+_MESSAGE_BRIEF = {
+    "type": "object",
+    "required": ["id", "topic", "key", "status", "delay_level", "deliver_at"],
+    "properties": {
+        "id": {"type": "integer"},
+        "topic": {"type": "string"},
+        "key": {"type": ["string", "null"]},
+        "status": _STATUS,
+        "delay_level": {"type": ["integer", "null"]},
+        "deliver_at": _TIME,
+    },
+}
+_MESSAGE = {
+    "type": "object",
+    "required": [
+        *_MESSAGE_BRIEF["required"],
+        "stored_at",
+        "delivered_at",
+        "started_at",
+        "finished_at",
+        "attempts",
+        "last_error",
+    ],
+    "properties": {
+        **_MESSAGE_BRIEF["properties"],
+        "stored_at": _TIME,
+        "delivered_at": _TIME,
+        "started_at": _TIME,
+        "finished_at": _TIME,
+        "attempts": {"type": "integer"},
+        "last_error": {"type": ["string", "null"]},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "properties": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+_NEW_MESSAGE = {
+    "type": "object",
+    "required": ["topic", "body"],
+    "additionalProperties": False,
+    "properties": {
+        "topic": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$"},
+        "body": {},
+        "delay_level": {"type": "integer"},
+        "delay": {"type": "string", "example": "30m"},
+        "delay_ms": {"type": "integer", "minimum": 0},
+        "deliver_at": {"type": "string", "format": "date-time"},
+        "key": {"type": "string", "minLength": 1, "maxLength": 256},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 16},
+        "properties": {"type": "object", "additionalProperties": {"type": "string"}},
+    },
+}
+_LANE = {
+    "type": "object",
+    "required": ["lane", "pending", "schedule_offset", "moved_total", "next_due", "stuck"],
+    "properties": {
+        "level": {"type": ["integer", "null"]},
+        "lane": {"type": "string"},
+        "delay": {"type": ["string", "null"]},
+        "delay_ms": {"type": ["integer", "null"]},
+        "pending": {"type": "integer"},
+        "schedule_offset": {"type": "integer"},
+        "max_offset": {"type": ["integer", "null"]},
+        "moved_total": {"type": "integer"},
+        "next_due": _TIME,
+        "lateness_ms": {"type": ["number", "null"]},
+        "stuck": {"type": ["object", "null"]},
+    },
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    names = {
+        400: "invalid field (named in the message)",
+        401: "no or unknown token",
+        403: "token lacks the scope",
+        404: "not found",
+        409: "not cancellable",
+        413: "too large",
+        415: "not JSON",
+        429: "backlog cap reached",
+    }
+    return {str(s): _json(_ERROR, names[s]) for s in statuses}
+
+
+_ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
+
+
+def document() -> dict[str, Any]:
+    secured = [{"bearer": []}]
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "delaysvc", "version": "1"},
+        "servers": [{"url": "/api/v1"}],
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": secured,
+        "paths": {
+            "/messages": {
+                "post": {
+                    "summary": "Schedule a message",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _NEW_MESSAGE}},
+                    },
+                    "responses": {
+                        "201": _json(_MESSAGE_BRIEF, "stored"),
+                        "200": _json(_MESSAGE_BRIEF, "the unfinished message with this key"),
+                        **_errors(400, 401, 413, 415, 429),
+                    },
+                },
+                "get": {
+                    "summary": "Find the unfinished message of a topic with a key",
+                    "parameters": [
+                        {
+                            "name": "topic",
+                            "in": "query",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        },
+                        {
+                            "name": "key",
+                            "in": "query",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        },
+                    ],
+                    "responses": {"200": _json(_MESSAGE, "the message"), **_errors(400, 401, 404)},
+                },
+            },
+            "/messages/batch": {
+                "post": {
+                    "summary": "Schedule up to 10,000 messages, all or nothing",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "required": ["messages"],
+                                    "properties": {
+                                        "messages": {
+                                            "type": "array",
+                                            "minItems": 1,
+                                            "maxItems": 10000,
+                                            "items": _NEW_MESSAGE,
+                                        }
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        "201": _json(
+                            {
+                                "type": "object",
+                                "required": ["messages"],
+                                "properties": {
+                                    "messages": {"type": "array", "items": _MESSAGE_BRIEF}
+                                },
+                            },
+                            "stored",
+                        ),
+                        **_errors(400, 401, 413, 415, 429),
+                    },
+                }
+            },
+            "/messages/{message_id}": {
+                "parameters": _ID,
+                "get": {
+                    "summary": "A message and its timeline",
+                    "responses": {"200": _json(_MESSAGE, "the message"), **_errors(401, 404)},
+                },
+                "delete": {
+                    "summary": "Cancel a message that is not running or finished",
+                    "responses": {"200": _json(_MESSAGE, "cancelled"), **_errors(401, 404, 409)},
+                },
+            },
+            "/levels": {
+                "get": {
+                    "summary": "Delay levels and the timer lane",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["levels"],
+                                "properties": {"levels": {"type": "array", "items": _LANE}},
+                            },
+                            "per lane",
+                        ),
+                        **_errors(401),
+                    },
+                }
+            },
+            "/topics": {
+                "get": {
+                    "summary": "Topics with ready, running and dead jobs",
+                    "responses": {"200": _json({"type": "object"}, "per topic"), **_errors(401)},
+                }
+            },
+            "/dead": {
+                "get": {
+                    "summary": "Dead letters (admin)",
+                    "parameters": [
+                        {"name": "topic", "in": "query", "schema": {"type": "string"}},
+                        {"name": "after", "in": "query", "schema": {"type": "integer"}},
+                        {
+                            "name": "limit",
+                            "in": "query",
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 1000},
+                        },
+                    ],
+                    "responses": {
+                        "200": _json({"type": "object"}, "dead letters"),
+                        **_errors(401, 403),
+                    },
+                }
+            },
+            "/dead/{message_id}/redrive": {
+                "parameters": _ID,
+                "post": {
+                    "summary": "Run a dead letter again (admin)",
+                    "responses": {"200": _json(_MESSAGE, "ready again"), **_errors(401, 403, 404)},
+                },
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "security": [],
+                    "responses": {"200": _json({"type": "object"}, "")},
+                }
+            },
+        },
+    }
