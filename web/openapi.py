@@ -21,7 +21,7 @@ _STATUS = {
     "type": "string",
     "enum": ["scheduled", "ready", "running", "retrying", "succeeded", "dead", "cancelled"],
 }
-_MESSAGE_BRIEF = {
+_MESSAGE_BRIEF: dict[str, Any] = {
     "type": "object",
     "required": ["id", "topic", "key", "status", "delay_level", "deliver_at"],
     "properties": {
@@ -113,7 +113,7 @@ _ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type":
 
 
 def document() -> dict[str, Any]:
-    secured = [{"bearer": []}]
+    secured: list[dict[str, list[str]]] = [{"bearer": []}]
     return {
         "openapi": "3.1.0",
         "info": {"title": "delaysvc", "version": "1"},
