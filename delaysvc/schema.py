@@ -15,6 +15,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Float,
     Index,
     Integer,
     LargeBinary,
@@ -184,6 +185,75 @@ dashboard_user = Table(
     Column("failed_logins", Integer, nullable=False, server_default=text("0")),
     Column("locked_until", Timestamp),
     CheckConstraint("role IN ('admin', 'viewer')", name="ck_dashboard_user_role"),
+)
+
+# ---------------------------------------------------------------- history (small, not hot)
+
+LATENESS_BUCKETS_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 60000)
+"""Upper bounds of the lateness histogram's buckets; one more bucket counts the rest."""
+
+stats_sample = Table(
+    "stats_sample",
+    metadata,
+    Column("sampled_at", Timestamp, primary_key=True),
+    Column("lane", SmallInteger, primary_key=True, autoincrement=False),
+    Column("pending", BigInteger, nullable=False),
+    Column("moved_total", BigInteger, nullable=False),
+    Column("early_total", BigInteger, nullable=False),
+    Column("head_lateness_ms", Float),
+)
+
+lateness_histogram = Table(
+    "lateness_histogram",
+    metadata,
+    Column("minute", Timestamp, primary_key=True),
+    Column("lane", SmallInteger, primary_key=True, autoincrement=False),
+    Column("counts", ARRAY(BigInteger), nullable=False),
+    Column("max_ms", Float, nullable=False),
+)
+
+pipeline_run = Table(
+    "pipeline_run",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=True),
+    Column("kind", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'running'")),
+    Column("started_at", Timestamp, nullable=False, server_default=text("now()")),
+    Column("finished_at", Timestamp),
+    Column("params", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("range_from_id", BigInteger),
+    Column("range_to_id", BigInteger),
+    Column("rows_read", BigInteger),
+    Column("rows_written", BigInteger),
+    Column("rows_rejected", BigInteger),
+    Column("checksum", Text),
+    Column("output_path", Text),
+    Column("error", Text),
+    CheckConstraint(
+        "kind IN ('archive', 'report', 'bulk-schedule')", name="ck_pipeline_run_kind"
+    ),
+    CheckConstraint(
+        "status IN ('running', 'succeeded', 'failed')", name="ck_pipeline_run_status"
+    ),
+)
+
+report_hourly = Table(
+    "report_hourly",
+    metadata,
+    Column("hour", Timestamp, primary_key=True),
+    Column("topic", Text, primary_key=True),
+    Column("level", SmallInteger, primary_key=True, autoincrement=False),
+    Column("messages", BigInteger, nullable=False),
+    Column("lateness_p50_ms", Float),
+    Column("lateness_p95_ms", Float),
+    Column("lateness_p99_ms", Float),
+    Column("lateness_max_ms", Float),
+    Column("duration_p50_ms", Float),
+    Column("duration_p95_ms", Float),
+    Column("duration_p99_ms", Float),
+    Column("retried", BigInteger, nullable=False, server_default=text("0")),
+    Column("dead", BigInteger, nullable=False, server_default=text("0")),
+    Column("run_id", BigInteger),
 )
 
 
