@@ -29,7 +29,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from delaysvc import store
-from delaysvc.schema import TIMER_LANE
+from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class TickResult:
     busy: bool = False
     stuck: bool = False
     max_lateness_ms: float | None = None
+    next_due_seconds: float | None = None
+    lateness_buckets: dict[int, int] = field(default_factory=dict)
 
 
 def run_once(
@@ -65,7 +67,14 @@ def run_once(
         return _mark_stuck(conn, lane, exc)
     if moved.count:
         log.debug("delivery.moved", extra={"lane": lane, "count": moved.count})
-    return TickResult(lane, moved.count, moved.topics, max_lateness_ms=moved.max_lateness_ms)
+    return TickResult(
+        lane,
+        moved.count,
+        moved.topics,
+        max_lateness_ms=moved.max_lateness_ms,
+        next_due_seconds=moved.next_due_seconds,
+        lateness_buckets=moved.lateness_buckets,
+    )
 
 
 def _mark_stuck(conn: Connection, lane: int, exc: DBAPIError) -> TickResult:
@@ -80,21 +89,36 @@ def _mark_stuck(conn: Connection, lane: int, exc: DBAPIError) -> TickResult:
     return TickResult(lane, stuck=True)
 
 
-def seconds_until_head(conn: Connection, lane: int) -> float | None:
-    """Seconds until the lane's head is due on the database clock (<= 0: due), None if empty."""
-    statement = (
-        "SELECT extract(epoch FROM min(deliver_ts) - clock_timestamp()) FROM ("
-        + (
-            "SELECT deliver_ts FROM timer_queue ORDER BY deliver_ts, queue_offset LIMIT 1"
-            if lane == TIMER_LANE
-            else "SELECT deliver_ts FROM consume_queue WHERE level = :lane "
-            "ORDER BY queue_offset LIMIT 1"
-        )
-        + ") head"
-    )
-    with conn.begin():
-        value = conn.execute(text(statement), {"lane": lane}).scalar()
-    return float(value) if value is not None else None
+class LatenessHistogram:
+    """Lateness of the rows a runner moved (buckets of LATENESS_BUCKETS_MS), written to
+    `lateness_histogram` every FLUSH_SECONDS: the dashboard's and /metrics' distribution."""
+
+    FLUSH_SECONDS = 10.0
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts = [0] * (len(LATENESS_BUCKETS_MS) + 1)
+        self.max_ms = 0.0
+        self.since = time.monotonic()
+
+    def add(self, result: TickResult) -> None:
+        for bucket, count in result.lateness_buckets.items():
+            self.counts[bucket] += count
+        self.max_ms = max(self.max_ms, result.max_lateness_ms or 0.0)
+
+    def due(self) -> bool:
+        return time.monotonic() - self.since >= self.FLUSH_SECONDS
+
+    def flush(self, conn: Connection, lane: int) -> None:
+        if any(self.counts):
+            try:
+                with conn.begin():
+                    store.add_lateness(conn, lane, self.counts, self.max_ms)
+            except DBAPIError:
+                log.warning("delivery.lateness_not_recorded", extra={"lane": lane})
+        self.reset()
 
 
 @dataclass
@@ -111,6 +135,7 @@ class LaneRunner:
     stop: threading.Event = field(default_factory=threading.Event)
     moved_total: int = 0
     held_lane: bool = False
+    lateness: LatenessHistogram = field(default_factory=LatenessHistogram)
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -123,6 +148,7 @@ class LaneRunner:
             try:
                 self._loop(conn, deadline)
             finally:
+                self.lateness.flush(conn, self.lane)
                 self._unlock(conn)
         return self.moved_total
 
@@ -131,10 +157,18 @@ class LaneRunner:
             result = run_once(conn, self.lane, self.delay_ms, self.batch)
             if result.moved:
                 self.moved_total += result.moved
+                self.lateness.add(result)
                 self.on_moved(result.topics)
+            if self.lateness.due():
+                self.lateness.flush(conn, self.lane)
             if result.moved == self.batch:
                 continue  # more may be due right now
-            wait = 1.0 if result.stuck else self._wait(seconds_until_head(conn, self.lane))
+            if result.stuck:
+                wait = 1.0
+            elif result.busy:
+                wait = self.idle_poll_seconds
+            else:
+                wait = self._wait(result.next_due_seconds)
             self.stop.wait(max(MIN_TICK_SECONDS, min(wait, deadline - time.monotonic())))
 
     def _wait(self, until_head: float | None) -> float:

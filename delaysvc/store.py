@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from delaysvc.errors import DuplicateKey, SchemaNotReady
 from delaysvc.levels import DelayLevels
-from delaysvc.schema import TIMER_LANE, level_partition, level_sequence
+from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE, level_partition, level_sequence
 
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
 
@@ -343,7 +343,13 @@ _MOVED_TO_TOPIC = f"""
 )
 SELECT count(*) AS moved, max(queue_offset) AS max_offset,
        array_agg(DISTINCT topic) AS topics,
-       max(extract(epoch FROM ({NOW} - deliver_ts)) * 1000) AS max_lateness_ms
+       max(extract(epoch FROM ({NOW} - deliver_ts)) * 1000) AS max_lateness_ms,
+       (SELECT extract(epoch FROM deliver_ts - clock_timestamp()) FROM next_head)
+           AS next_due_seconds,
+       (SELECT json_object_agg(bucket, n) FROM (
+            SELECT width_bucket(extract(epoch FROM clock_timestamp() - deliver_ts) * 1000,
+                                CAST(:bounds AS float8[])) AS bucket, count(*) AS n
+            FROM moved GROUP BY 1) b) AS lateness_buckets
 FROM moved
 """
 
@@ -351,19 +357,19 @@ _MOVE_DUE_LEVEL = f"""
 WITH head AS (
     SELECT queue_offset, deliver_ts FROM consume_queue
     WHERE level = :lane ORDER BY queue_offset LIMIT :batch
-), due AS (
+), flagged AS (
     -- the longest due prefix of the head, so topic order stays send order; a head more than
     -- one level-delay in the future means the clock went back: deliver it now (RocketMQ's
     -- correctDeliverTimestamp)
-    SELECT queue_offset FROM (
-        SELECT queue_offset, bool_and(deliver_ts <= {NOW}
+    SELECT queue_offset, deliver_ts, bool_and(deliver_ts <= {NOW}
             OR deliver_ts > {NOW} + :delay_ms * interval '1 millisecond')
-            OVER (ORDER BY queue_offset) AS in_prefix
-        FROM head) h
-    WHERE in_prefix
+        OVER (ORDER BY queue_offset) AS in_prefix
+    FROM head
+), next_head AS (
+    SELECT deliver_ts FROM flagged WHERE NOT in_prefix ORDER BY queue_offset LIMIT 1
 ), locked AS (
     SELECT queue_offset FROM consume_queue
-    WHERE level = :lane AND queue_offset IN (SELECT queue_offset FROM due)
+    WHERE level = :lane AND queue_offset IN (SELECT queue_offset FROM flagged WHERE in_prefix)
     FOR UPDATE SKIP LOCKED
 ), moved AS (
     DELETE FROM consume_queue q USING locked
@@ -375,6 +381,9 @@ _MOVE_DUE_TIMER = f"""
 WITH due AS (
     SELECT deliver_ts, queue_offset FROM timer_queue WHERE deliver_ts <= {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT :batch FOR UPDATE SKIP LOCKED
+), next_head AS (
+    SELECT deliver_ts FROM timer_queue WHERE deliver_ts > {NOW}
+    ORDER BY deliver_ts, queue_offset LIMIT 1
 ), moved AS (
     DELETE FROM timer_queue t USING due
     WHERE t.deliver_ts = due.deliver_ts AND t.queue_offset = due.queue_offset
@@ -388,6 +397,11 @@ class Moved:
     max_offset: int | None
     topics: tuple[str, ...]
     max_lateness_ms: float | None
+    next_due_seconds: float | None
+    """Seconds until the lane's next head is due (None: nothing waits behind the moved rows,
+    or the batch was full)."""
+    lateness_buckets: dict[int, int]
+    """Moved rows per lateness bucket (index into LATENESS_BUCKETS_MS; the last is beyond)."""
 
 
 def move_due(
@@ -396,15 +410,39 @@ def move_due(
     """Move the due head of a lane into the topics' queues and advance its schedule_offset,
     in the caller's transaction (which must hold `lock_lane`)."""
     statement = _MOVE_DUE_TIMER if lane == TIMER_LANE else _MOVE_DUE_LEVEL
-    row = conn.execute(
-        _sql(statement), {"lane": lane, "delay_ms": delay_ms, "batch": batch, "now": now}
-    ).one()
+    params = {
+        "lane": lane,
+        "delay_ms": delay_ms,
+        "batch": batch,
+        "now": now,
+        "bounds": list(LATENESS_BUCKETS_MS),
+    }
+    row = conn.execute(_sql(statement), params).one()
     return Moved(
         row.moved,
         row.max_offset,
         tuple(t for t in (row.topics or ()) if t is not None),
         float(row.max_lateness_ms) if row.max_lateness_ms is not None else None,
+        float(row.next_due_seconds) if row.next_due_seconds is not None else None,
+        {int(b): int(n) for b, n in (row.lateness_buckets or {}).items()},
     )
+
+
+def add_lateness(conn: Connection, lane: int, counts: Sequence[int], max_ms: float) -> None:
+    """Add a lane's lateness histogram into this minute's row (database clock), and forget
+    rows older than a week."""
+    conn.execute(_sql(_ADD_LATENESS), {"lane": lane, "counts": list(counts), "max_ms": max_ms})
+    conn.execute(_sql("DELETE FROM lateness_histogram WHERE minute < now() - interval '7 days'"))
+
+
+_ADD_LATENESS = """
+INSERT INTO lateness_histogram (minute, lane, counts, max_ms)
+VALUES (date_trunc('minute', clock_timestamp()), :lane, CAST(:counts AS bigint[]), :max_ms)
+ON CONFLICT (minute, lane) DO UPDATE SET
+    counts = (SELECT array_agg(a + b ORDER BY i)
+              FROM unnest(lateness_histogram.counts, EXCLUDED.counts) WITH ORDINALITY
+                   AS t(a, b, i)),
+    max_ms = GREATEST(lateness_histogram.max_ms, EXCLUDED.max_ms)"""
 
 
 def lane_head(conn: Connection, lane: int) -> Any:

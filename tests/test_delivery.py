@@ -178,3 +178,43 @@ def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
     stored = producer.get(message.id)
     lateness = (stored.delivered_at - stored.deliver_at).total_seconds()
     assert 0 <= lateness < 0.2
+
+
+def test_a_tick_reports_when_the_next_head_is_due(producer, engine):
+    first = producer.send("t", 1, delay_level=2)
+    assert tick(engine, 2, first.deliver_at - timedelta(seconds=1)).moved == 0
+    waiting = tick(engine, 1, db_now(engine))  # an empty level: nothing to wait for
+    assert (waiting.moved, waiting.next_due_seconds) == (0, None)
+    not_yet = tick(engine, 2, db_now(engine))
+    assert 0 < not_yet.next_due_seconds <= 2.0  # the head is due within its 2 s
+    second = producer.send("t", 2, delay_ms=1500)
+    timer = tick(engine, TIMER_LANE, db_now(engine))
+    assert timer.moved == 0 and 0 < timer.next_due_seconds <= 1.5
+    moved = tick(engine, 2, first.deliver_at)
+    assert (moved.moved, moved.next_due_seconds) == (1, None)
+    assert second.id
+
+
+def test_moves_are_counted_in_the_lateness_histogram(producer, engine):
+    from delaysvc.schema import LATENESS_BUCKETS_MS
+
+    for n in range(3):
+        producer.send("t", n, delay_level=1)
+    with engine.begin() as conn:  # as if they fell due 1.5 s ago and the lane was late
+        conn.execute(
+            text("UPDATE consume_queue SET deliver_ts = clock_timestamp() - interval '1500 ms'")
+        )
+    result = tick(engine, 1, None)
+    # bucket "1000 <= ms < 2000" 
+    assert result.lateness_buckets == {LATENESS_BUCKETS_MS.index(1000) + 1: 3}
+    histogram = delivery.LatenessHistogram()
+    histogram.add(result)
+    histogram.add(result)
+    with engine.connect() as conn:
+        histogram.flush(conn, 1)
+        histogram.add(result)
+        histogram.flush(conn, 1)
+        row = conn.execute(text("SELECT lane, counts FROM lateness_histogram")).one()
+    assert row.lane == 1
+    assert sum(row.counts) == 9
+    assert row.counts[LATENESS_BUCKETS_MS.index(1000) + 1] == 9
