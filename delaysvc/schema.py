@@ -229,12 +229,8 @@ pipeline_run = Table(
     Column("checksum", Text),
     Column("output_path", Text),
     Column("error", Text),
-    CheckConstraint(
-        "kind IN ('archive', 'report', 'bulk-schedule')", name="ck_pipeline_run_kind"
-    ),
-    CheckConstraint(
-        "status IN ('running', 'succeeded', 'failed')", name="ck_pipeline_run_status"
-    ),
+    CheckConstraint("kind IN ('archive', 'report', 'bulk-schedule')", name="ck_pipeline_run_kind"),
+    CheckConstraint("status IN ('running', 'succeeded', 'failed')", name="ck_pipeline_run_status"),
 )
 
 report_hourly = Table(

@@ -368,25 +368,29 @@ WITH head AS (
 ), next_head AS (
     SELECT deliver_ts FROM flagged WHERE NOT in_prefix ORDER BY queue_offset LIMIT 1
 ), locked AS (
-    SELECT queue_offset FROM consume_queue
-    WHERE level = :lane AND queue_offset IN (SELECT queue_offset FROM flagged WHERE in_prefix)
+    -- the due prefix is the head up to its last due offset: one range scan of the index
+    SELECT ctid FROM consume_queue
+    WHERE level = :lane
+      AND queue_offset <= (SELECT max(queue_offset) FROM flagged WHERE in_prefix)
+    ORDER BY queue_offset
     FOR UPDATE SKIP LOCKED
 ), moved AS (
-    DELETE FROM consume_queue q USING locked
-    WHERE q.level = :lane AND q.queue_offset = locked.queue_offset
+    -- by the locked rows' ctids: a TID scan of the level's partition
+    DELETE FROM consume_queue q
+    WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM locked))
     RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
 ){_MOVED_TO_TOPIC}"""
 
 _MOVE_DUE_TIMER = f"""
 WITH due AS (
-    SELECT deliver_ts, queue_offset FROM timer_queue WHERE deliver_ts <= {NOW}
+    SELECT ctid FROM timer_queue WHERE deliver_ts <= {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT :batch FOR UPDATE SKIP LOCKED
 ), next_head AS (
     SELECT deliver_ts FROM timer_queue WHERE deliver_ts > {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT 1
 ), moved AS (
-    DELETE FROM timer_queue t USING due
-    WHERE t.deliver_ts = due.deliver_ts AND t.queue_offset = due.queue_offset
+    -- by the locked rows' ctids: a TID scan, whatever the planner thinks of the table's size
+    DELETE FROM timer_queue t WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
     RETURNING t.queue_offset, t.message_id, t.topic, t.deliver_ts
 ){_MOVED_TO_TOPIC}"""
 

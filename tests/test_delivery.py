@@ -205,7 +205,7 @@ def test_moves_are_counted_in_the_lateness_histogram(producer, engine):
             text("UPDATE consume_queue SET deliver_ts = clock_timestamp() - interval '1500 ms'")
         )
     result = tick(engine, 1, None)
-    # bucket "1000 <= ms < 2000" 
+    # bucket "1000 <= ms < 2000"
     assert result.lateness_buckets == {LATENESS_BUCKETS_MS.index(1000) + 1: 3}
     histogram = delivery.LatenessHistogram()
     histogram.add(result)
