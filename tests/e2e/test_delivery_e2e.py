@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from delaysvc.producer import Producer
-from tests.e2e.conftest import Service, wait_for
+from tests.e2e.conftest import Service, restart_postgres, tolerant, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -156,3 +156,26 @@ def test_cancelled_messages_are_never_delivered(service: Service, producer: Prod
     runs = sorted(r.message_id for r in service.rows("SELECT message_id FROM e2e_run"))
     assert runs == [keep.id, last.id]
     assert service.count_status("cancelled") == 2
+
+
+def test_a_postgresql_crash_restart_during_a_drain_loses_and_duplicates_nothing(
+    service: Service, producer: Producer
+) -> None:
+    total = 60_000
+    ids = _send_many(producer, total, delay_level=1)
+    service.delivery_worker()
+    service.beat()
+    wait_for(
+        lambda: service.scalar("SELECT moved_total FROM schedule_offset WHERE lane = 1") >= 3000,
+        120,
+        "the drain to start",
+        every=0.01,
+    )
+    moved_before = service.scalar("SELECT moved_total FROM schedule_offset WHERE lane = 1")
+    restart_postgres()
+    assert moved_before < total, "the restart must land in the middle of the drain"
+    wait_for(tolerant(lambda: service.count_status("ready") == total), 300, "the drain to resume")
+    assert service.scalar("SELECT count(*) FROM topic_queue") == total
+    assert _topic_queue_order(service, 1) == ids
+    row = service.rows("SELECT schedule_offset, moved_total FROM schedule_offset WHERE lane = 1")
+    assert (row[0].schedule_offset, row[0].moved_total) == (total, total)
