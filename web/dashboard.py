@@ -1,31 +1,50 @@
-"""The operator dashboard (server-rendered, no CDN), health and metrics."""
+"""The operator dashboard (server-rendered, no CDN: its CSS and script are in web/static),
+health and metrics.
+
+`/healthz` and `/metrics` are open (probes and Prometheus). Everything else is the `ui`
+blueprint (web/ui.py), nested here: login required, roles, CSRF. Pages:
+overview (`/`), topics, messages, message, dead letters; see docs/dashboard.md.
+"""
 
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify, render_template
+from datetime import timedelta
+from typing import Any
+
+from flask import Blueprint, Response, jsonify
+from flask.blueprints import BlueprintSetupState
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from delaysvc import store
-from web.api import database_ok, lane_json, services
+from web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
+from web.api import database_ok, services
+from web.ui import ui
 
 dashboard = Blueprint("dashboard", __name__)
+dashboard.register_blueprint(ui)
+SESSION_HOURS = 12
 
 
-@dashboard.get("/")
-def overview():
-    with services()["engine"].connect() as conn:
-        lanes = [lane_json(row) for row in store.lane_stats(conn)]
-    return render_template("overview.html", lanes=lanes)
+@dashboard.record_once
+def _session_cookie(state: BlueprintSetupState) -> None:
+    """HttpOnly and SameSite=Lax always; Secure when DELAYSVC_SECURE_COOKIES is set (https)."""
+    settings = state.app.extensions["delaysvc"]["settings"]
+    state.app.config.update(
+        SESSION_COOKIE_HTTPONLY=True,
+        SESSION_COOKIE_SAMESITE="Lax",
+        SESSION_COOKIE_SECURE=bool(settings.secure_cookies),
+        SESSION_COOKIE_NAME="delaysvc_session",
+        PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
+    )
 
 
 @dashboard.get("/healthz")
-def healthz():
+def healthz() -> Any:
     ok = database_ok()
     return jsonify({"status": "ok" if ok else "degraded", "database": ok}), 200 if ok else 503
 
 
 @dashboard.get("/metrics")
-def metrics():
+def metrics() -> Any:
     from web.metrics import render
 
     settings = services()["settings"]

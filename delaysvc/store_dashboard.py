@@ -1,0 +1,369 @@
+"""The dashboard's own reads (and the stats sampler), each named for what it does.
+
+Every statement here is bounded: a LIMIT, a time window over a small history table, or a
+keyset step over a primary key; none counts a hot table. Callers run them inside `bounded()`,
+which sets `statement_timeout` for the transaction, so a slow search fails fast with
+`QueryCanceled` instead of holding a connection.
+
+History tables: `stats_sample` gets one row per lane per `sample_stats()` call (the beat task
+`delaysvc.sample_stats`); `lateness_histogram` is filled by the delivery engine, one row per
+lane per minute with counts per `LATENESS_BUCKETS_MS` bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Connection, Engine, text
+
+from delaysvc import store
+from delaysvc.schema import LATENESS_BUCKETS_MS, STATUSES
+
+SAMPLE_RETENTION = timedelta(days=2)
+PRUNE_BATCH = 10_000
+CHART_WINDOW = timedelta(hours=1)
+CHART_MAX_ROWS = 50_000
+DEAD_GROUP_WINDOW = 100_000
+"""Dead letters grouped on the page: the newest this many (the table is not hot, but may be big)."""
+MAX_PAGE = 500
+
+
+@contextmanager
+def bounded(engine: Engine, timeout_ms: int) -> Iterator[Connection]:
+    """A transaction whose every statement is cancelled after `timeout_ms`."""
+    with engine.begin() as conn:
+        set_statement_timeout(conn, timeout_ms)
+        yield conn
+
+
+def set_statement_timeout(conn: Connection, timeout_ms: int) -> None:
+    """SET LOCAL statement_timeout (lasts until the transaction ends)."""
+    conn.execute(
+        text("SELECT set_config('statement_timeout', :ms, true)"), {"ms": str(int(timeout_ms))}
+    )
+
+
+# ---------------------------------------------------------------- stats samples
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    sampled_at: datetime
+    lanes: int
+    pruned: int
+
+
+def sample_stats(
+    engine: Engine, timeout_ms: int = 5_000, *, at: datetime | None = None
+) -> SampleResult:
+    """Record one stats_sample row per lane (pending, moved/early totals, head lateness), and
+    prune one bounded batch of samples older than SAMPLE_RETENTION. `at` overrides the sample
+    time (tests); by default it is the database clock."""
+    with bounded(engine, timeout_ms) as conn:
+        lanes = store.lane_stats(conn)
+        sampled_at = at or (lanes[0].now if lanes else store.database_now(conn))
+        rows = [
+            {
+                "at": sampled_at,
+                "lane": lane.lane,
+                "pending": lane.pending,
+                "moved": lane.moved_total,
+                "early": lane.early_total,
+                "late": head_lateness_ms(lane.next_due, lane.now),
+            }
+            for lane in lanes
+        ]
+        if rows:
+            conn.execute(
+                text(
+                    "INSERT INTO stats_sample (sampled_at, lane, pending, moved_total, "
+                    "early_total, head_lateness_ms) VALUES (:at, :lane, :pending, :moved, "
+                    ":early, :late) ON CONFLICT (sampled_at, lane) DO NOTHING"
+                ),
+                rows,
+            )
+        pruned = prune_samples(conn, sampled_at - SAMPLE_RETENTION)
+    return SampleResult(sampled_at, len(rows), pruned)
+
+
+def head_lateness_ms(next_due: datetime | None, now: datetime) -> float | None:
+    """How long a lane's head has been due (0 when it is not due yet; None when empty)."""
+    if next_due is None:
+        return None
+    return max((now - next_due).total_seconds() * 1000, 0.0)
+
+
+def prune_samples(conn: Connection, older_than: datetime, limit: int = PRUNE_BATCH) -> int:
+    """Delete up to `limit` samples older than `older_than` (oldest first, by the primary key)."""
+    return conn.execute(
+        text(
+            "DELETE FROM stats_sample WHERE (sampled_at, lane) IN ("
+            "SELECT sampled_at, lane FROM stats_sample WHERE sampled_at < :cutoff "
+            "ORDER BY sampled_at LIMIT :limit)"
+        ),
+        {"cutoff": older_than, "limit": limit},
+    ).rowcount
+
+
+def lane_rates(conn: Connection) -> dict[int, float]:
+    """Messages moved per second per lane, from the two newest samples (by the primary key:
+    two index probes, then the rows of those two instants)."""
+    rows = conn.execute(
+        text(
+            """
+WITH newest AS (SELECT max(sampled_at) AS t FROM stats_sample),
+previous AS (
+    SELECT max(sampled_at) AS t FROM stats_sample WHERE sampled_at < (SELECT t FROM newest)
+)
+SELECT a.lane,
+       (a.moved_total - b.moved_total) / NULLIF(extract(epoch FROM a.sampled_at - b.sampled_at), 0)
+           AS per_second
+FROM stats_sample a JOIN stats_sample b ON b.lane = a.lane
+WHERE a.sampled_at = (SELECT t FROM newest) AND b.sampled_at = (SELECT t FROM previous)
+"""
+        )
+    )
+    return {row.lane: max(float(row.per_second), 0.0) for row in rows if row.per_second is not None}
+
+
+def backlog_series(
+    conn: Connection, window: timedelta = CHART_WINDOW, now: datetime | None = None
+) -> list[Any]:
+    """(sampled_at, lane, pending) over the last `window`, oldest first, at most CHART_MAX_ROWS."""
+    return list(
+        conn.execute(
+            text(
+                "SELECT sampled_at, lane, pending FROM stats_sample "
+                f"WHERE sampled_at > {store.NOW} - :window "
+                "ORDER BY sampled_at, lane LIMIT :limit"
+            ),
+            {"now": now, "window": window, "limit": CHART_MAX_ROWS},
+        )
+    )
+
+
+@dataclass(frozen=True)
+class LatenessDistribution:
+    bounds_ms: tuple[int, ...]
+    """Upper bound of each bucket; the last count is everything above the last bound."""
+    counts: tuple[int, ...]
+    max_ms: float | None
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts)
+
+    def quantile_bound_ms(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the q-quantile (max_ms for the overflow)."""
+        if self.total == 0:
+            return None
+        rank, seen = q * self.total, 0
+        for index, count in enumerate(self.counts):
+            seen += count
+            if seen >= rank and count:
+                if index < len(self.bounds_ms):
+                    return float(self.bounds_ms[index])
+                break
+        return self.max_ms
+
+
+def lateness_distribution(
+    conn: Connection, window: timedelta = CHART_WINDOW, now: datetime | None = None
+) -> LatenessDistribution:
+    """Lateness histogram buckets summed over every lane and minute of the last `window`."""
+    buckets = len(LATENESS_BUCKETS_MS) + 1
+    rows = conn.execute(
+        text(
+            f"""
+WITH recent AS (
+    SELECT counts, max_ms FROM lateness_histogram
+    WHERE minute > {store.NOW} - :window ORDER BY minute DESC LIMIT :limit
+)
+SELECT u.i AS bucket, sum(u.c) AS deliveries, (SELECT max(max_ms) FROM recent) AS max_ms
+FROM recent, unnest(recent.counts) WITH ORDINALITY AS u(c, i)
+WHERE u.i <= :buckets
+GROUP BY u.i ORDER BY u.i
+"""
+        ),
+        {"now": now, "window": window, "limit": CHART_MAX_ROWS, "buckets": buckets},
+    ).all()
+    counts = [0] * buckets
+    for row in rows:
+        counts[row.bucket - 1] = int(row.deliveries)
+    max_ms = float(rows[0].max_ms) if rows and rows[0].max_ms is not None else None
+    return LatenessDistribution(LATENESS_BUCKETS_MS, tuple(counts), max_ms)
+
+
+# ---------------------------------------------------------------- message search
+
+
+@dataclass(frozen=True)
+class MessageSearch:
+    """Filters of the message search; all optional. `before`/`after` are keyset cursors (ids):
+    newest first below `before`, or the page just above `after`."""
+
+    id: int | None = None
+    topic: str | None = None
+    key: str | None = None
+    status: str | None = None
+    stored_from: datetime | None = None
+    stored_to: datetime | None = None
+    before: int | None = None
+    after: int | None = None
+    limit: int = 50
+
+
+@dataclass(frozen=True)
+class MessagePage:
+    rows: list[Any]
+    older: int | None
+    """Cursor for the next (older) page: pass as `before`; None at the end."""
+    newer: int | None
+    """Cursor for the previous (newer) page: pass as `after`; None on the newest page."""
+
+
+_SEARCH_COLUMNS = (
+    "id, topic, key, status, delay_level, lane, stored_at, deliver_ts, delivered_at, "
+    "started_at, finished_at, attempts, last_error"
+)
+
+
+def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str, Any]]:
+    """SQL for one keyset page. Only the filters given appear in the WHERE clause (no
+    `:x IS NULL OR ...`), so the planner walks the primary key from the cursor."""
+    where, params = [], {"limit": limit}
+    fields = [
+        ("id", "id = :id"),
+        ("topic", "topic = :topic"),
+        ("key", "key = :key"),
+        ("status", "status = :status"),
+        ("stored_from", "stored_at >= :stored_from"),
+        ("stored_to", "stored_at < :stored_to"),
+        ("before", "id < :before"),
+        ("after", "id > :after"),
+    ]
+    for name, condition in fields:
+        value = getattr(search, name)
+        if value is not None:
+            where.append(condition)
+            params[name] = value
+    order = "ASC" if search.after is not None and search.before is None else "DESC"
+    clause = f"WHERE {' AND '.join(where)} " if where else ""
+    sql = f"SELECT {_SEARCH_COLUMNS} FROM commit_log {clause}ORDER BY id {order} LIMIT :limit"
+    return sql, params
+
+
+def search_messages(conn: Connection, search: MessageSearch) -> MessagePage:
+    """One page of messages matching `search`, newest first, keyset-paginated by id."""
+    if search.status is not None and search.status not in STATUSES:
+        raise ValueError(f"status {search.status!r} is not one of {STATUSES}")
+    limit = max(1, min(search.limit, MAX_PAGE))
+    sql, params = _search_statement(search, limit + 1)
+    rows = list(conn.execute(text(sql), params))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    going_up = search.after is not None and search.before is None
+    if going_up:
+        rows.reverse()
+        older = rows[-1].id if rows else None
+        newer = rows[0].id if rows and more else None
+    else:
+        older = rows[-1].id if rows and more else None
+        newer = rows[0].id if rows and search.before is not None else None
+    return MessagePage(rows, older, newer)
+
+
+# ---------------------------------------------------------------- dead letters
+
+
+def dead_groups(conn: Connection, topic: str | None = None, limit: int = 200) -> list[Any]:
+    """Dead letters grouped by (topic, error), biggest group first, over the newest
+    DEAD_GROUP_WINDOW letters. The error is the last handler error, else the dead reason."""
+    topic_filter = "WHERE d.topic = :topic " if topic is not None else ""
+    return list(
+        conn.execute(
+            text(
+                f"""
+WITH recent AS (
+    SELECT d.message_id, d.topic, d.died_at, COALESCE(c.last_error, d.reason) AS error
+    FROM dead_letter d JOIN commit_log c ON c.id = d.message_id
+    {topic_filter}ORDER BY d.message_id DESC LIMIT :window
+)
+SELECT topic, error, count(*) AS letters, min(died_at) AS first_died,
+       max(died_at) AS last_died, max(message_id) AS newest_id
+FROM recent GROUP BY topic, error
+ORDER BY count(*) DESC, topic, max(message_id) DESC LIMIT :limit
+"""
+            ),
+            {"topic": topic, "window": DEAD_GROUP_WINDOW, "limit": limit},
+        )
+    )
+
+
+def _group_filter(topic: str | None, error: str | None) -> tuple[str, dict[str, Any]]:
+    where, params = [], {}
+    if topic is not None:
+        where.append("d.topic = :topic")
+        params["topic"] = topic
+    if error is not None:
+        where.append("COALESCE(c.last_error, d.reason) = :error")
+        params["error"] = error
+    return " AND ".join(where), params
+
+
+def dead_letters_page(
+    conn: Connection,
+    topic: str | None = None,
+    error: str | None = None,
+    before: int | None = None,
+    limit: int = 50,
+) -> tuple[list[Any], int | None]:
+    """Dead letters of one group (or all), newest first; -> (rows, cursor of the next page)."""
+    limit = max(1, min(limit, MAX_PAGE))
+    where, params = _group_filter(topic, error)
+    if before is not None:
+        where = " AND ".join(filter(None, [where, "d.message_id < :before"]))
+        params["before"] = before
+    rows = list(
+        conn.execute(
+            text(
+                "SELECT d.message_id, d.topic, d.died_at, d.reason, d.attempts, c.key, "
+                "c.last_error FROM dead_letter d JOIN commit_log c ON c.id = d.message_id "
+                + (f"WHERE {where} " if where else "")
+                + "ORDER BY d.message_id DESC LIMIT :limit"
+            ),
+            {**params, "limit": limit + 1},
+        )
+    )
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return rows, (rows[-1].message_id if more else None)
+
+
+def dead_ids_in_group(
+    conn: Connection,
+    topic: str | None,
+    error: str | None,
+    limit: int,
+    after: int | None = None,
+) -> list[int]:
+    """Up to `limit` ids of dead letters with exactly this topic and error, ascending after
+    `after` (a keyset step, so a caller can walk past letters it chose to leave)."""
+    where, params = _group_filter(topic, error)
+    if after is not None:
+        where = " AND ".join(filter(None, [where, "d.message_id > :after"]))
+        params["after"] = after
+    return list(
+        conn.execute(
+            text(
+                "SELECT d.message_id FROM dead_letter d JOIN commit_log c ON c.id = d.message_id "
+                + (f"WHERE {where} " if where else "")
+                + "ORDER BY d.message_id LIMIT :limit"
+            ),
+            {**params, "limit": limit},
+        ).scalars()
+    )

@@ -1,0 +1,15 @@
+"""Stats sampling for the dashboard's charts: a thin wrapper around
+`delaysvc.store_dashboard.sample_stats` (run it every 10 s from beat)."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from delaysvc.store_dashboard import sample_stats as sample
+from tasks.app import runtime
+
+
+@shared_task(name="delaysvc.sample_stats", ignore_result=True)
+def sample_stats() -> int:
+    """Record one stats_sample row per lane and prune old samples; -> lanes sampled."""
+    return sample(runtime().engine, runtime().settings.statement_timeout_ms).lanes

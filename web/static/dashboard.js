@@ -1,0 +1,276 @@
+// delaysvc dashboard: keeps the page live without reloading it, and draws the two charts.
+// A page that sets <body data-poll="URL"> is refreshed from that JSON every data-refresh-ms:
+// table rows are matched by data-key, their [data-field] elements get the row's `cells`, their
+// [data-flag] elements are shown when the row's flag is true ("!flag" negates). Rows that
+// appear are cloned from the table's <template>; rows that vanish are removed.
+"use strict";
+
+(function () {
+  const SVG = "http://www.w3.org/2000/svg";
+  const COLORS = ["#2563eb", "#dc2626", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777",
+    "#65a30d", "#9333ea", "#ea580c", "#0d9488", "#4f46e5", "#b91c1c", "#15803d", "#a16207",
+    "#1d4ed8", "#be185d", "#047857", "#6d28d9"];
+
+  // ------------------------------------------------------------ rows
+
+  function applyFields(root, cells, flags) {
+    root.querySelectorAll("[data-field]").forEach(function (el) {
+      const value = cells[el.dataset.field];
+      if (value !== undefined && el.textContent !== value) el.textContent = value;
+      const titleField = el.dataset.titleField;
+      if (titleField && cells[titleField] !== undefined) el.title = cells[titleField];
+    });
+    root.querySelectorAll("[data-flag]").forEach(function (el) {
+      const name = el.dataset.flag;
+      const on = name.charAt(0) === "!" ? !flags[name.slice(1)] : !!flags[name];
+      el.hidden = !on;
+    });
+  }
+
+  function cloneRow(table, row) {
+    const template = table.querySelector("template");
+    if (!template) return null;
+    const tr = template.content.firstElementChild.cloneNode(true);
+    const fill = function (value) {
+      return value.split("__KEY__").join(row.key)
+        .split("__REF__").join(encodeURIComponent(row.ref));
+    };
+    [tr].concat(Array.from(tr.querySelectorAll("*"))).forEach(function (el) {
+      Array.from(el.attributes).forEach(function (attr) {
+        if (attr.value.indexOf("__") !== -1) el.setAttribute(attr.name, fill(attr.value));
+      });
+    });
+    return tr;
+  }
+
+  function updateRows(table, rows) {
+    const tbody = table.tBodies[0];
+    const existing = new Map();
+    tbody.querySelectorAll("tr[data-key]").forEach(function (tr) {
+      existing.set(tr.dataset.key, tr);
+    });
+    let previous = null;
+    rows.forEach(function (row) {
+      let tr = existing.get(row.key);
+      existing.delete(row.key);
+      if (!tr) tr = cloneRow(table, row);
+      if (!tr) return;
+      applyFields(tr, row.cells, row.flags);
+      tr.classList.toggle("stuck", !!row.flags.stuck);
+      const want = previous ? previous.nextElementSibling : tbody.firstElementChild;
+      if (want !== tr) tbody.insertBefore(tr, want);
+      previous = tr;
+    });
+    existing.forEach(function (tr) { tr.remove(); });
+  }
+
+  // ------------------------------------------------------------ charts
+
+  function el(tag, attrs, text) {
+    const node = document.createElementNS(SVG, tag);
+    Object.keys(attrs).forEach(function (k) { node.setAttribute(k, attrs[k]); });
+    if (text !== undefined) node.textContent = text;
+    return node;
+  }
+
+  function niceMax(value) {
+    if (value <= 0) return 1;
+    const power = Math.pow(10, Math.floor(Math.log10(value)));
+    const steps = [1, 2, 2.5, 5, 10];
+    for (let i = 0; i < steps.length; i++) {
+      if (steps[i] * power >= value) return steps[i] * power;
+    }
+    return 10 * power;
+  }
+
+  function clear(svg) {
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+  }
+
+  function frame(svg, maxY, left, top, width, height) {
+    for (let i = 0; i <= 4; i++) {
+      const y = top + height - (height * i) / 4;
+      svg.appendChild(el("line", { x1: left, x2: left + width, y1: y, y2: y, class: "grid" }));
+      const label = Math.round((maxY * i) / 4).toLocaleString("en");
+      svg.appendChild(el("text", { x: left - 6, y: y + 4, class: "tick", "text-anchor": "end" }, label));
+    }
+  }
+
+  function drawBacklog(svg, legend, chart) {
+    clear(svg);
+    legend.textContent = "";
+    const box = { left: 56, top: 10, width: 570, height: 200 };
+    const windowS = chart.window_s;
+    let maxY = 0;
+    chart.series.forEach(function (s) {
+      s.points.forEach(function (p) { maxY = Math.max(maxY, p[1]); });
+    });
+    maxY = niceMax(maxY);
+    frame(svg, maxY, box.left, box.top, box.width, box.height);
+    [-60, -45, -30, -15, 0].forEach(function (minutes) {
+      const x = box.left + box.width * (1 + (minutes * 60) / windowS);
+      svg.appendChild(el("text", { x: x, y: box.top + box.height + 18, class: "tick",
+        "text-anchor": minutes === 0 ? "end" : "middle" }, minutes === 0 ? "now" : minutes + " min"));
+    });
+    if (!chart.series.length) {
+      svg.appendChild(el("text", { x: box.left + box.width / 2, y: box.top + box.height / 2,
+        class: "empty", "text-anchor": "middle" }, "no samples yet (beat task delaysvc.sample_stats)"));
+      return;
+    }
+    chart.series.forEach(function (s, index) {
+      const color = COLORS[index % COLORS.length];
+      const xy = s.points.map(function (p) {
+        const x = box.left + box.width * (1 + p[0] / windowS);
+        const y = box.top + box.height - (box.height * p[1]) / maxY;
+        return [x.toFixed(1), y.toFixed(1)];
+      });
+      svg.appendChild(el("polyline", { points: xy.map(function (p) { return p.join(","); }).join(" "),
+        stroke: color, class: "series", "data-key": s.key }));
+      const last = xy[xy.length - 1];
+      svg.appendChild(el("circle", { cx: last[0], cy: last[1], r: 3, fill: color }));
+      const li = document.createElement("li");
+      li.dataset.key = s.key;
+      const swatch = el("svg", { width: 10, height: 10, "aria-hidden": "true" });
+      swatch.appendChild(el("rect", { width: 10, height: 10, fill: color }));
+      li.appendChild(swatch);
+      li.appendChild(document.createTextNode(" " + s.key + ": "));
+      const value = document.createElement("span");
+      value.className = "value";
+      value.textContent = String(s.last);
+      li.appendChild(value);
+      legend.appendChild(li);
+    });
+  }
+
+  function drawLateness(svg, summary, chart) {
+    clear(svg);
+    summary.textContent = chart.summary;
+    const box = { left: 56, top: 16, width: 570, height: 190 };
+    const maxY = niceMax(Math.max.apply(null, chart.counts.concat([0])));
+    frame(svg, maxY, box.left, box.top, box.width, box.height);
+    const slot = box.width / chart.counts.length;
+    chart.counts.forEach(function (count, i) {
+      const h = (box.height * count) / maxY;
+      const x = box.left + i * slot + 3;
+      svg.appendChild(el("rect", { x: x, y: box.top + box.height - h, width: slot - 6,
+        height: h, class: i === chart.counts.length - 1 ? "bar over" : "bar",
+        "data-bucket": chart.labels[i], "data-count": count }));
+      svg.appendChild(el("text", { x: x + (slot - 6) / 2, y: box.top + box.height + 16,
+        class: "tick small", "text-anchor": "middle" }, chart.labels[i]));
+      if (count > 0) {
+        svg.appendChild(el("text", { x: x + (slot - 6) / 2, y: box.top + box.height - h - 3,
+          class: "tick small", "text-anchor": "middle" }, count.toLocaleString("en")));
+      }
+    });
+  }
+
+  // ------------------------------------------------------------ pages
+
+  function renderTimeline(list, events) {
+    list.textContent = "";
+    events.forEach(function (event) {
+      const li = document.createElement("li");
+      const time = document.createElement("time");
+      time.textContent = event.at;
+      const label = document.createElement("strong");
+      label.textContent = event.label;
+      const detail = document.createElement("span");
+      detail.className = "mono";
+      detail.textContent = event.detail;
+      li.append(time, " ", label, " ", detail);
+      if (event.trace) {
+        const details = document.createElement("details");
+        const summaryEl = document.createElement("summary");
+        summaryEl.textContent = "traceback";
+        const pre = document.createElement("pre");
+        pre.textContent = event.trace;
+        details.append(summaryEl, pre);
+        li.appendChild(details);
+      }
+      list.appendChild(li);
+    });
+  }
+
+  function render(data) {
+    document.querySelectorAll("table[data-rows]").forEach(function (table) {
+      const rows = data[table.dataset.rows];
+      if (rows) updateRows(table, rows);
+    });
+    const backlog = document.getElementById("backlog-chart");
+    if (backlog && data.backlog) {
+      drawBacklog(backlog, document.getElementById("backlog-legend"), data.backlog);
+    }
+    const lateness = document.getElementById("lateness-chart");
+    if (lateness && data.lateness) {
+      drawLateness(lateness, document.getElementById("lateness-summary"), data.lateness);
+    }
+    const message = document.getElementById("message");
+    if (message && data.cells) {
+      applyFields(message, data.cells, data.flags);
+      renderTimeline(document.getElementById("timeline"), data.timeline);
+    }
+    const empty = document.getElementById("no-topics");
+    if (empty && data.topics) empty.hidden = data.topics.length > 0;
+  }
+
+  function startPolling() {
+    const url = document.body.dataset.poll;
+    if (!url) return;
+    const every = parseInt(document.body.dataset.refreshMs || "3000", 10);
+    const state = document.getElementById("refresh-state");
+    let refreshes = 0;
+    function tick() {
+      if (document.visibilityState === "hidden") {
+        setTimeout(tick, every);
+        return;
+      }
+      fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } })
+        .then(function (response) {
+          if (response.status === 401) {
+            window.location.assign("/login?next=" + encodeURIComponent(window.location.pathname));
+            throw new Error("logged out");
+          }
+          if (!response.ok) throw new Error("HTTP " + response.status);
+          return response.json();
+        })
+        .then(function (data) {
+          render(data);
+          refreshes += 1;
+          document.body.dataset.refreshes = String(refreshes);
+          if (state) {
+            state.textContent = "live, " + new Date().toLocaleTimeString("en-GB");
+            state.classList.remove("error");
+          }
+        })
+        .catch(function (error) {
+          if (state) {
+            state.textContent = "refresh failed (" + error.message + "); retrying";
+            state.classList.add("error");
+          }
+        })
+        .finally(function () { setTimeout(tick, every); });
+    }
+    setTimeout(tick, every);
+  }
+
+  function wireForms() {
+    document.querySelectorAll("form[data-confirm]").forEach(function (form) {
+      form.addEventListener("submit", function (event) {
+        if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+      });
+    });
+    document.querySelectorAll("input[data-select-all]").forEach(function (box) {
+      box.addEventListener("change", function () {
+        document.querySelectorAll('input[type=checkbox][name="' + box.dataset.selectAll + '"]')
+          .forEach(function (item) { item.checked = box.checked; });
+      });
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", function () {
+    const initial = document.getElementById("initial-data");
+    if (initial) render(JSON.parse(initial.textContent));
+    wireForms();
+    startPolling();
+  });
+})();

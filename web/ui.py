@@ -1,0 +1,214 @@
+"""The dashboard's blueprint and its guards: login, roles, CSRF, error pages.
+
+Every page needs a logged-in user (users come from `delaysvc create-user`); `viewer` reads,
+`admin` also acts. Every POST carries the session's CSRF token (a form field, or the
+`X-CSRF-Token` header for fetch calls) and is refused with 400 without it. Pages redirect to
+/login when nobody is logged in; the JSON endpoints under /ui/ answer 401 instead.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from collections.abc import Callable
+from functools import wraps
+from typing import Any
+from urllib.parse import urlsplit
+
+from flask import (
+    Blueprint,
+    Response,
+    abort,
+    flash,
+    g,
+    jsonify,
+    redirect,
+    render_template,
+    request,
+    session,
+    url_for,
+)
+from sqlalchemy.exc import OperationalError
+from werkzeug.exceptions import HTTPException
+
+from delaysvc import auth, store
+from delaysvc.errors import DelaysvcError
+from web.api import services
+from web.errors import STATUS
+
+log = logging.getLogger(__name__)
+
+ui = Blueprint("ui", __name__)
+PUBLIC_ENDPOINTS = {"login", "static"}
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "X-CSRF-Token"
+
+
+def timeout_ms() -> int:
+    return int(services()["settings"].statement_timeout_ms)
+
+
+# ---------------------------------------------------------------- CSRF
+
+
+def csrf_token() -> str:
+    """The session's CSRF token (made on first use; rotated at login and logout)."""
+    token = session.get("csrf")
+    if not token:
+        token = session["csrf"] = secrets.token_urlsafe(32)
+    return str(token)
+
+
+def csrf_ok() -> bool:
+    sent = request.form.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER) or ""
+    expected = session.get("csrf") or ""
+    return bool(expected) and hmac.compare_digest(str(sent), str(expected))
+
+
+# ---------------------------------------------------------------- the logged-in user
+
+
+def current_user() -> Any:
+    """The dashboard_user row of the session, read again on every request so that a deleted
+    user or a changed role takes effect at once. None when nobody is logged in."""
+    if "user" not in g:
+        name = session.get("user")
+        user = None
+        if name:
+            with services()["engine"].connect() as conn:
+                user = store.find_user(conn, name)
+        g.user = user
+    return g.user
+
+
+def is_admin() -> bool:
+    user = current_user()
+    return user is not None and user.role == "admin"
+
+
+def admin_required(view: Callable[..., Any]) -> Callable[..., Any]:
+    """Viewers get 403 (their pages have no action buttons either)."""
+
+    @wraps(view)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if not is_admin():
+            abort(403, "this action needs the admin role")
+        return view(*args, **kwargs)
+
+    return guarded
+
+
+def wants_json() -> bool:
+    return request.path.startswith("/ui/")
+
+
+@ui.before_request
+def guard() -> Any:
+    if request.endpoint and request.endpoint.rsplit(".", 1)[-1] in PUBLIC_ENDPOINTS:
+        if request.method == "POST" and not csrf_ok():
+            abort(400, "the form has expired; reload the page and try again")
+        return None
+    if current_user() is None:
+        if wants_json():
+            return jsonify({"error": {"code": "unauthorized", "message": "log in"}}), 401
+        return redirect(url_for("dashboard.ui.login", next=request.full_path.rstrip("?")))
+    if request.method == "POST" and not csrf_ok():
+        abort(400, "the form has expired; reload the page and try again")
+    return None
+
+
+@ui.after_request
+def no_store(response: Response) -> Response:
+    """Pages show live state: never serve them from a cache (or show them after logout)."""
+    if request.endpoint and not request.endpoint.endswith("static"):
+        response.headers["Cache-Control"] = "no-store"
+    response.headers.setdefault("X-Frame-Options", "DENY")
+    response.headers.setdefault("X-Content-Type-Options", "nosniff")
+    response.headers.setdefault(
+        "Content-Security-Policy",
+        "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+        "frame-ancestors 'none'; form-action 'self'",
+    )
+    return response
+
+
+@ui.app_context_processor
+def template_globals() -> dict[str, Any]:
+    return {"csrf_token": csrf_token, "current_user": current_user, "is_admin": is_admin}
+
+
+# ---------------------------------------------------------------- login and logout
+
+
+def safe_next(target: str | None) -> str:
+    """Only a path on this site (no scheme, no host, no `//`): no open redirect."""
+    if not target:
+        return url_for("dashboard.ui.overview")
+    parts = urlsplit(target)
+    if parts.scheme or parts.netloc or not target.startswith("/") or target.startswith("//"):
+        return url_for("dashboard.ui.overview")
+    return target
+
+
+@ui.route("/login", methods=["GET", "POST"])
+def login() -> Any:
+    error = None
+    if request.method == "POST":
+        name = request.form.get("name", "")
+        password = request.form.get("password", "")
+        user = auth.check_login(services()["engine"], name, password) if name else None
+        if user is not None:
+            session.clear()
+            session.permanent = True  # expires after PERMANENT_SESSION_LIFETIME
+            session["user"] = user.name
+            session["csrf"] = secrets.token_urlsafe(32)
+            log.info("dashboard.login", extra={"user": user.name})
+            return redirect(safe_next(request.form.get("next")))
+        log.warning("dashboard.login_failed", extra={"user": name})
+        error = "wrong name or password (or the account is locked for a few minutes)"
+    status = 401 if error else 200
+    page = render_template("login.html", error=error, next=request.args.get("next", ""))
+    return page, status
+
+
+@ui.post("/logout")
+def logout() -> Any:
+    log.info("dashboard.logout", extra={"user": session.get("user")})
+    session.clear()
+    flash("logged out")
+    return redirect(url_for("dashboard.ui.login"))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error_page(status: int, message: str) -> Any:
+    if wants_json():
+        code = "timeout" if status == 503 else "error"
+        return jsonify({"error": {"code": code, "message": message}}), status
+    return render_template("error.html", status=status, message=message), status
+
+
+@ui.errorhandler(DelaysvcError)
+def domain_error(exc: DelaysvcError) -> Any:
+    return _error_page(STATUS.get(exc.code, 400), str(exc))
+
+
+@ui.errorhandler(HTTPException)
+def http_error(exc: HTTPException) -> Any:
+    return _error_page(exc.code or 500, exc.description or exc.name)
+
+
+@ui.errorhandler(OperationalError)
+def database_error(exc: OperationalError) -> Any:
+    """Mostly the statement timeout: say so, rather than a bare 500."""
+    log.warning("dashboard.query_failed", extra={"error": str(exc.orig)})
+    if "statement timeout" in str(exc.orig):
+        return _error_page(503, "the query took too long; narrow the search and try again")
+    return _error_page(503, "the database is not answering; try again shortly")
+
+
+def done(message: str) -> None:
+    """Tell the user, on the next page, what an action did."""
+    flash(message)

@@ -1,0 +1,233 @@
+"""View models of the dashboard: one dict per table row, the same for the first server-rendered
+page and for the JSON the page polls afterwards, so the two can never disagree.
+
+A row is `{"key": ..., "cells": {field: text}, "flags": {name: bool}}`: templates print
+`cells`, the page's script copies `cells` into the elements with a matching `data-field` and
+shows the elements whose `data-flag` is true.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from delaysvc.levels import format_ms
+from delaysvc.producer import Message
+from delaysvc.schema import LATENESS_BUCKETS_MS, WAITING
+from delaysvc.store_dashboard import LatenessDistribution
+
+BODY_PREVIEW_BYTES = 64 * 1024
+CANCELLABLE = (*WAITING, "ready")
+
+
+def when(value: datetime | None) -> str:
+    """Absolute time, UTC, to the millisecond."""
+    if value is None:
+        return "-"
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def seconds_text(seconds: float) -> str:
+    """3 significant-ish digits and a unit a person reads at a glance."""
+    ms = abs(seconds) * 1000
+    if ms < 1000:
+        return f"{ms:.0f} ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f} s"
+    if ms < 3_600_000:
+        return f"{int(ms // 60_000)} min {int(ms % 60_000 // 1000)} s"
+    if ms < 86_400_000:
+        return f"{int(ms // 3_600_000)} h {int(ms % 3_600_000 // 60_000)} min"
+    return f"{int(ms // 86_400_000)} d {int(ms % 86_400_000 // 3_600_000)} h"
+
+
+def relative(value: datetime | None, now: datetime) -> str:
+    if value is None:
+        return "-"
+    delta = (value - now).total_seconds()
+    return f"in {seconds_text(delta)}" if delta > 0 else f"{seconds_text(delta)} ago"
+
+
+def rate_text(per_second: float | None) -> str:
+    if per_second is None:
+        return "-"
+    return f"{per_second:.0f}/s" if per_second >= 10 else f"{per_second:.1f}/s"
+
+
+def lane_key(lane: int) -> str:
+    return "timer" if lane == 0 else f"level-{lane}"
+
+
+def lane_row(row: Any, rate: float | None) -> dict[str, Any]:
+    """One lane of `store.lane_stats` with its moved/s."""
+    late = None
+    if row.next_due is not None and row.next_due < row.now:
+        late = (row.now - row.next_due).total_seconds()
+    stuck = row.stuck_error is not None
+    offset = (
+        f"{row.schedule_offset} / {row.max_offset}" if row.lane > 0 else f"{row.moved_total} moved"
+    )
+    return {
+        "key": lane_key(row.lane),
+        "ref": str(row.lane),
+        "cells": {
+            "lane": f"level {row.lane}" if row.lane else "timer",
+            "delay": format_ms(row.delay_ms) if row.lane else "any",
+            "pending": str(row.pending),
+            "next_due": relative(row.next_due, row.now),
+            "next_due_at": when(row.next_due),
+            "lateness": seconds_text(late) if late is not None else "-",
+            "offset": offset,
+            "rate": rate_text(rate),
+            "state": "STUCK" if stuck else "ok",
+            "stuck_error": row.stuck_error or "",
+            "stuck_since": f"since {when(row.stuck_since)}" if stuck else "",
+        },
+        "flags": {"stuck": stuck},
+    }
+
+
+def topic_row(row: Any) -> dict[str, Any]:
+    return {
+        "key": row.topic,
+        "ref": row.topic,
+        "cells": {
+            "topic": row.topic,
+            "ready": str(row.ready),
+            "running": str(row.running),
+            "dead": str(row.dead),
+            "state": "paused" if row.paused else "active",
+        },
+        "flags": {"paused": bool(row.paused), "active": not row.paused},
+    }
+
+
+def backlog_chart(samples: list[Any], now: datetime, window: timedelta) -> dict[str, Any]:
+    """Series per lane: [[seconds before now, pending], ...], oldest first."""
+    series: dict[int, list[list[float]]] = {}
+    for sample in samples:
+        age = (sample.sampled_at - now).total_seconds()
+        series.setdefault(sample.lane, []).append([round(age, 1), int(sample.pending)])
+    return {
+        "window_s": window.total_seconds(),
+        "series": [
+            {"key": lane_key(lane), "points": points, "last": points[-1][1]}
+            for lane, points in sorted(series.items(), key=lambda item: (item[0] == 0, item[0]))
+        ],
+    }
+
+
+def lateness_chart(dist: LatenessDistribution) -> dict[str, Any]:
+    labels = [f"≤{format_ms(b)}" for b in LATENESS_BUCKETS_MS]
+    labels.append(f">{format_ms(LATENESS_BUCKETS_MS[-1])}")
+    p50, p99 = dist.quantile_bound_ms(0.5), dist.quantile_bound_ms(0.99)
+    return {
+        "labels": labels,
+        "counts": list(dist.counts),
+        "total": dist.total,
+        "summary": (
+            f"{dist.total} deliveries; p50 ≤ {p50:g} ms, p99 ≤ {p99:g} ms, max {dist.max_ms:g} ms"
+            if dist.total and p50 is not None and p99 is not None and dist.max_ms is not None
+            else "no deliveries in the last hour"
+        ),
+    }
+
+
+# ---------------------------------------------------------------- messages
+
+
+def message_cells(row: Any) -> dict[str, str]:
+    """A search result (a commit_log row)."""
+    return {
+        "id": str(row.id),
+        "topic": row.topic,
+        "key": row.key or "",
+        "status": row.status,
+        "level": str(row.delay_level) if row.delay_level is not None else "",
+        "stored": when(row.stored_at),
+        "due": when(row.deliver_ts),
+        "finished": when(row.finished_at),
+        "attempts": str(row.attempts),
+        "error": (row.last_error or "")[:120],
+    }
+
+
+def timeline(message: Message) -> list[dict[str, str]]:
+    """What happened to the message, in time order: stored, due, delivered (moved to its topic
+    queue), each failed attempt with its error, the last start, and how it finished."""
+    events: list[tuple[datetime, int, dict[str, str]]] = []
+
+    def add(at: datetime | None, order: int, label: str, detail: str = "", trace: str = ""):
+        if at is not None:
+            events.append(
+                (at, order, {"at": when(at), "label": label, "detail": detail, "trace": trace})
+            )
+
+    add(
+        message.stored_at,
+        0,
+        "stored",
+        f"level {message.delay_level}" if message.delay_level else "",
+    )
+    add(message.deliver_at, 1, "due")
+    add(message.delivered_at, 2, "delivered", "moved to the topic queue")
+    for entry in message.errors:
+        at = _parse_time(entry.get("at"))
+        add(
+            at,
+            3,
+            f"attempt {entry.get('attempt', '?')} failed",
+            str(entry.get("error") or ""),
+            str(entry.get("traceback") or ""),
+        )
+    if message.started_at is not None:
+        add(message.started_at, 3, f"attempt {message.attempts} started")
+    events.sort(key=lambda event: (event[0], event[1]))
+    ordered = [event for _, _, event in events]
+    if message.finished_at is not None:  # last, even if an error entry is stamped later
+        ran = message.duration_ms is not None and message.status != "cancelled"
+        ordered.append(
+            {
+                "at": when(message.finished_at),
+                "label": message.status,
+                "detail": f"handler ran {message.duration_ms} ms" if ran else "",
+                "trace": "",
+            }
+        )
+    return ordered
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
+
+
+def body_text(message: Message) -> str:
+    """The body as a person reads it: indented JSON, or a hex dump of the first bytes."""
+    body = message.body
+    if isinstance(body, bytes):
+        shown = body[:BODY_PREVIEW_BYTES]
+        text = f"{len(body)} bytes (not JSON):\n" + shown.hex(" ", 2)
+    else:
+        text = json.dumps(body, indent=2, ensure_ascii=False, sort_keys=True)
+    if len(text) > BODY_PREVIEW_BYTES:
+        return text[:BODY_PREVIEW_BYTES] + f"\n… ({len(text) - BODY_PREVIEW_BYTES} more characters)"
+    return text
+
+
+def message_view(message: Message) -> dict[str, Any]:
+    return {
+        "id": message.id,
+        "cells": {
+            "status": message.status,
+            "attempts": str(message.attempts),
+            "last_error": message.last_error or "",
+        },
+        "flags": {"cancellable": message.status in CANCELLABLE, "dead": message.status == "dead"},
+        "timeline": timeline(message),
+    }

@@ -1,0 +1,93 @@
+"""Overview (lanes and charts) and topics: pages, the JSON they poll, and their actions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import jsonify, redirect, render_template, url_for
+
+from delaysvc import store
+from delaysvc import store_dashboard as dash
+from delaysvc.errors import DelaysvcError
+from delaysvc.validation import validate_topic
+from web.api import services
+from web.ui import admin_required, done, timeout_ms, ui
+from web.ui_format import backlog_chart, lane_row, lateness_chart, topic_row
+
+
+def overview_data() -> dict[str, Any]:
+    with dash.bounded(services()["engine"], timeout_ms()) as conn:
+        lanes = store.lane_stats(conn)
+        rates = dash.lane_rates(conn)
+        now = lanes[0].now if lanes else store.database_now(conn)
+        samples = dash.backlog_series(conn, now=now)
+        lateness = dash.lateness_distribution(conn, now=now)
+    return {
+        "lanes": [lane_row(lane, rates.get(lane.lane)) for lane in lanes],
+        "backlog": backlog_chart(samples, now, dash.CHART_WINDOW),
+        "lateness": lateness_chart(lateness),
+    }
+
+
+@ui.get("/")
+def overview() -> Any:
+    return render_template("overview.html", data=overview_data())
+
+
+@ui.get("/ui/overview.json")
+def overview_json() -> Any:
+    return jsonify(overview_data())
+
+
+@ui.post("/lanes/<int:lane>/skip-head")
+@admin_required
+def skip_head(lane: int) -> Any:
+    try:
+        with dash.bounded(services()["engine"], timeout_ms()) as conn:
+            skipped = store.skip_stuck_head(conn, lane)
+    except DelaysvcError as exc:
+        done(f"not skipped: {exc}")
+    else:
+        name = "the timer lane" if lane == 0 else f"level {lane}"
+        done(
+            f"message {skipped} moved from {name} to the dead letters"
+            if skipped is not None
+            else f"{name} is empty; nothing to skip"
+        )
+    return redirect(url_for("dashboard.ui.overview"))
+
+
+def topics_data() -> dict[str, Any]:
+    with dash.bounded(services()["engine"], timeout_ms()) as conn:
+        rows = store.topic_stats(conn)
+    return {"topics": [topic_row(row) for row in rows]}
+
+
+@ui.get("/topics")
+def topics() -> Any:
+    return render_template("topics.html", data=topics_data())
+
+
+@ui.get("/ui/topics.json")
+def topics_json() -> Any:
+    return jsonify(topics_data())
+
+
+def _set_paused(topic: str, paused: bool) -> Any:
+    validate_topic(topic)
+    with dash.bounded(services()["engine"], timeout_ms()) as conn:
+        store.set_paused(conn, topic, paused)
+    done(f"{topic} {'paused: workers take no new jobs of it' if paused else 'resumed'}")
+    return redirect(url_for("dashboard.ui.topics"))
+
+
+@ui.post("/topics/<topic>/pause")
+@admin_required
+def pause_topic(topic: str) -> Any:
+    return _set_paused(topic, True)
+
+
+@ui.post("/topics/<topic>/resume")
+@admin_required
+def resume_topic(topic: str) -> Any:
+    return _set_paused(topic, False)
