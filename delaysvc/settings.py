@@ -59,6 +59,8 @@ class Settings(BaseModel):
     lane_budget_seconds: float = Field(default=5.0, gt=0, le=300)
     var_dir: Path = Path("var")
     secret_key: str | None = None
+    secure_cookies: bool = False
+    """Mark the dashboard's session cookie Secure (set it when the site is served over https)."""
     statement_timeout_ms: int = Field(default=5_000, gt=0)
 
     @field_validator("delay_levels")
