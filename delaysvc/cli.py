@@ -116,7 +116,7 @@ def stats(ctx: Context) -> None:
         topics = store.topic_stats(conn)
     click.echo(
         f"{'lane':>5} {'delay':>6} {'pending':>9} {'offset':>9} {'max':>9} {'moved':>10} "
-        f"{'next due in':>12}  state"
+        f"{'moved/s':>9} {'next due in':>12}  state"
     )
     for lane in lanes:
         name = "timer" if lane.lane == 0 else str(lane.lane)
@@ -124,10 +124,11 @@ def stats(ctx: Context) -> None:
         if lane.next_due is not None:
             due = f"{(lane.next_due - lane.now).total_seconds():.3f}s"
         state = f"STUCK at {lane.stuck_offset}: {lane.stuck_error}" if lane.stuck_error else "ok"
+        rate = "-" if lane.moved_per_s is None else f"{lane.moved_per_s:,.1f}"
         click.echo(
             f"{name:>5} {format_ms(lane.delay_ms) if lane.lane else 'any':>6} {lane.pending:>9} "
             f"{lane.schedule_offset:>9} {lane.max_offset if lane.lane else '-':>9} "
-            f"{lane.moved_total:>10} {due:>12}  {state}"
+            f"{lane.moved_total:>10} {rate:>9} {due:>12}  {state}"
         )
     click.echo("")
     click.echo(f"{'topic':<40} {'ready':>8} {'running':>8} {'dead':>8}  handler")

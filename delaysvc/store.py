@@ -638,6 +638,7 @@ SELECT s.lane, s.delay_ms, s.schedule_offset, s.moved_total, s.early_total, s.la
             ELSE (SELECT GREATEST(n_live_tup, 0) FROM pg_stat_user_tables
                   WHERE relid = 'timer_queue'::regclass) END AS pending,
        head.deliver_ts AS next_due,
+       rate.moved_per_s,
        clock_timestamp() AS now
 FROM schedule_offset s
 LEFT JOIN pg_sequences seq
@@ -652,6 +653,16 @@ LEFT JOIN LATERAL (
     ORDER BY t.deliver_ts, t.queue_offset LIMIT 1
 ) th ON true
 CROSS JOIN LATERAL (SELECT COALESCE(lh.deliver_ts, th.deliver_ts) AS deliver_ts) head
+LEFT JOIN LATERAL (
+    -- moved per second since the latest stats sample at least a second old
+    SELECT round(CAST((s.moved_total - ss.moved_total)
+                      / extract(epoch FROM clock_timestamp() - ss.sampled_at) AS numeric), 1)
+               AS moved_per_s
+    FROM stats_sample ss
+    WHERE ss.lane = s.lane AND ss.sampled_at < clock_timestamp() - interval '1 second'
+      AND ss.sampled_at > clock_timestamp() - interval '5 minutes'
+    ORDER BY ss.sampled_at DESC LIMIT 1
+) rate ON true
 ORDER BY s.lane = 0, s.lane
 """
             )

@@ -283,3 +283,20 @@ def test_responses_match_the_openapi_schemas(
         "/messages/{message_id}",
         "delete",
     )
+
+
+def test_levels_show_moved_per_second_since_the_last_stats_sample(
+    client: FlaskClient, send_token: dict[str, str], engine: Engine
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO stats_sample (sampled_at, lane, pending, moved_total, early_total) "
+                "VALUES (clock_timestamp() - interval '20 seconds', 2, 0, 0, 0)"
+            )
+        )
+        conn.execute(text("UPDATE schedule_offset SET moved_total = 100 WHERE lane = 2"))
+    levels = client.get("/api/v1/levels", headers=send_token).get_json()["levels"]
+    rates = {lane["lane"]: lane["moved_per_s"] for lane in levels}
+    assert rates["level-2"] == 5.0
+    assert rates["level-1"] is None  # no sample: unknown, not zero

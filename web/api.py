@@ -148,6 +148,7 @@ def lane_json(row: Any) -> dict[str, Any]:
         "schedule_offset": row.schedule_offset,
         "max_offset": row.max_offset,
         "moved_total": row.moved_total,
+        "moved_per_s": float(row.moved_per_s) if row.moved_per_s is not None else None,
         "next_due": iso(row.next_due),
         "lateness_ms": lateness,
         "stuck": None

@@ -84,6 +84,7 @@ _LANE = {
         "schedule_offset": {"type": "integer"},
         "max_offset": {"type": ["integer", "null"]},
         "moved_total": {"type": "integer"},
+        "moved_per_s": {"type": ["number", "null"]},
         "next_due": _TIME,
         "lateness_ms": {"type": ["number", "null"]},
         "stuck": {"type": ["object", "null"]},
