@@ -49,8 +49,8 @@ class Message:
     deliver_at: datetime
     stored_at: datetime
     created: bool = True
-    tags: list[str] | None = None
-    properties: dict[str, str] | None = None
+    tags: list[str] = field(default_factory=list)
+    properties: dict[str, str] = field(default_factory=dict)
     delivered_at: datetime | None = None
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -71,8 +71,8 @@ class Message:
             deliver_at=row.deliver_ts,
             stored_at=row.stored_at,
             created=created,
-            tags=row.tags,
-            properties=row.properties,
+            tags=row.tags or [],
+            properties=row.properties or {},
             delivered_at=row.delivered_at,
             started_at=row.started_at,
             finished_at=row.finished_at,
