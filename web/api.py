@@ -63,6 +63,20 @@ def _raise_unsupported() -> dict[str, Any]:
     raise UnsupportedMediaType("send Content-Type: application/json")
 
 
+def int_arg(name: str, default: int | None, low: int, high: int | None) -> Any:
+    """A whole-number query parameter within [low, high], or a 400 naming it."""
+    raw = request.args.getlist(name)
+    if not raw:
+        return default
+    allowed = f"a whole number from {low}" + (f" to {high}" if high is not None else " up")
+    if len(raw) > 1 or not raw[0].isdigit():
+        raise ValidationError(name, f"must be {allowed}, got {raw!r}")
+    value = int(raw[0])
+    if value < low or (high is not None and value > high):
+        raise ValidationError(name, f"must be {allowed}, got {value}")
+    return value
+
+
 def message_options(item: dict[str, Any]) -> dict[str, Any]:
     """The JSON fields of one message, with deliver_at parsed from ISO 8601."""
     options = dict(item)
@@ -181,8 +195,8 @@ def topics():
 @api.get("/dead")
 @requires("admin")
 def dead_letters():
-    after = request.args.get("after", type=int)
-    limit = min(request.args.get("limit", default=100, type=int) or 100, 1000)
+    after = int_arg("after", None, 0, None)
+    limit = int_arg("limit", 100, 1, 1000)
     rows = DeadLetters(services()["engine"]).list(request.args.get("topic"), after, limit)
     return jsonify(
         {

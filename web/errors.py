@@ -38,7 +38,11 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         code = (exc.name or "error").lower().replace(" ", "_")
-        return error_response(exc.code or 500, code, exc.description or exc.name)
+        response = error_response(exc.code or 500, code, exc.description or exc.name)
+        allow = exc.get_response().headers.get("Allow")  # a 405 says what is allowed
+        if allow:
+            response.headers["Allow"] = allow
+        return response
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):

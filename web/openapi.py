@@ -64,12 +64,21 @@ _NEW_MESSAGE = {
         "topic": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$"},
         "body": {},
         "delay_level": {"type": "integer"},
-        "delay": {"type": "string", "example": "30m"},
+        "delay": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d))+$", "example": "30m"},
         "delay_ms": {"type": "integer", "minimum": 0},
         "deliver_at": {"type": "string", "format": "date-time"},
-        "key": {"type": "string", "minLength": 1, "maxLength": 256},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 16},
-        "properties": {"type": "object", "additionalProperties": {"type": "string"}},
+        "key": {"type": "string", "pattern": "^[^\\u0000-\\u001f\\u007f]{1,256}$"},
+        "tags": {
+            "type": "array",
+            "maxItems": 16,
+            "items": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
+        },
+        "properties": {
+            "type": "object",
+            "maxProperties": 64,
+            "propertyNames": {"pattern": "^[^\\u0000]{1,128}$"},
+            "additionalProperties": {"type": "string", "pattern": "^[^\\u0000]{0,4096}$"},
+        },
     },
 }
 _LANE = {

@@ -160,9 +160,7 @@ def timeline(message: Message) -> list[dict[str, str]]:
 
     def add(at: datetime | None, order: int, label: str, detail: str = "", trace: str = ""):
         if at is not None:
-            events.append(
-                (at, order, {"at": when(at), "label": label, "detail": detail, "trace": trace})
-            )
+            events.append((at, order, _event(at, label, detail, trace)))
 
     add(
         message.stored_at,
@@ -183,19 +181,18 @@ def timeline(message: Message) -> list[dict[str, str]]:
         )
     if message.started_at is not None:
         add(message.started_at, 3, f"attempt {message.attempts} started")
-    events.sort(key=lambda event: (event[0], event[1]))
-    ordered = [event for _, _, event in events]
-    if message.finished_at is not None:  # last, even if an error entry is stamped later
+    if message.finished_at is not None:
+        # after every attempt, even an error entry stamped a moment later in the same statement
+        last = max([message.finished_at, *(at for at, order, _ in events if order == 3)])
         ran = message.duration_ms is not None and message.status != "cancelled"
-        ordered.append(
-            {
-                "at": when(message.finished_at),
-                "label": message.status,
-                "detail": f"handler ran {message.duration_ms} ms" if ran else "",
-                "trace": "",
-            }
-        )
-    return ordered
+        detail = f"handler ran {message.duration_ms} ms" if ran else ""
+        events.append((last, 9, _event(message.finished_at, message.status, detail)))
+    events.sort(key=lambda event: (event[0], event[1]))
+    return [event for _, _, event in events]
+
+
+def _event(at: datetime, label: str, detail: str = "", trace: str = "") -> dict[str, str]:
+    return {"at": when(at), "label": label, "detail": detail, "trace": trace}
 
 
 def _parse_time(value: Any) -> datetime | None:
@@ -212,12 +209,22 @@ def body_text(message: Message) -> str:
     body = message.body
     if isinstance(body, bytes):
         shown = body[:BODY_PREVIEW_BYTES]
-        text = f"{len(body)} bytes (not JSON):\n" + shown.hex(" ", 2)
+        text = f"{len(body)} bytes (not JSON):\n" + hex_dump(shown)
     else:
         text = json.dumps(body, indent=2, ensure_ascii=False, sort_keys=True)
     if len(text) > BODY_PREVIEW_BYTES:
         return text[:BODY_PREVIEW_BYTES] + f"\n… ({len(text) - BODY_PREVIEW_BYTES} more characters)"
     return text
+
+
+def hex_dump(data: bytes, width: int = 16) -> str:
+    """`00000010  6865 6c6c 6f0a`: offset, then the bytes in pairs, `width` per line."""
+    lines = []
+    for start in range(0, len(data), width):
+        chunk = data[start : start + width]
+        pairs = " ".join(chunk[i : i + 2].hex() for i in range(0, len(chunk), 2))
+        lines.append(f"{start:08x}  {pairs}")
+    return "\n".join(lines)
 
 
 def message_view(message: Message) -> dict[str, Any]:
