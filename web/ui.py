@@ -168,7 +168,8 @@ def login() -> Any:
         log.warning("dashboard.login_failed", extra={"user": name})
         error = "wrong name or password (or the account is locked for a few minutes)"
     status = 401 if error else 200
-    page = render_template("login.html", error=error, next=request.args.get("next", ""))
+    next_url = request.form.get("next") or request.args.get("next", "")
+    page = render_template("login.html", error=error, next=next_url)
     return page, status
 
 

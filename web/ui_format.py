@@ -119,7 +119,7 @@ def backlog_chart(samples: list[Any], now: datetime, window: timedelta) -> dict[
 
 
 def lateness_chart(dist: LatenessDistribution) -> dict[str, Any]:
-    labels = [f"≤{format_ms(b)}" for b in LATENESS_BUCKETS_MS]
+    labels = [format_ms(bound) for bound in LATENESS_BUCKETS_MS]  # upper bounds
     labels.append(f">{format_ms(LATENESS_BUCKETS_MS[-1])}")
     p50, p99 = dist.quantile_bound_ms(0.5), dist.quantile_bound_ms(0.99)
     return {

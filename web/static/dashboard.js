@@ -73,26 +73,27 @@
     return node;
   }
 
-  function niceMax(value) {
-    if (value <= 0) return 1;
-    const power = Math.pow(10, Math.floor(Math.log10(value)));
-    const steps = [1, 2, 2.5, 5, 10];
-    for (let i = 0; i < steps.length; i++) {
-      if (steps[i] * power >= value) return steps[i] * power;
-    }
-    return 10 * power;
+  // A y axis of 3 to 6 round steps (1, 2 or 5 times a power of ten) covering `value`.
+  function axis(value) {
+    const top = Math.max(value, 1);
+    const raw = top / 5;
+    const power = Math.pow(10, Math.floor(Math.log10(raw)));
+    const step = [1, 2, 5, 10].map(function (m) { return m * power; })
+      .find(function (s) { return s >= raw; });
+    const wholeStep = Math.max(1, step);
+    return { step: wholeStep, max: Math.ceil(top / wholeStep) * wholeStep };
   }
 
   function clear(svg) {
     while (svg.firstChild) svg.removeChild(svg.firstChild);
   }
 
-  function frame(svg, maxY, left, top, width, height) {
-    for (let i = 0; i <= 4; i++) {
-      const y = top + height - (height * i) / 4;
+  function frame(svg, scale, left, top, width, height) {
+    for (let v = 0; v <= scale.max; v += scale.step) {
+      const y = top + height - (height * v) / scale.max;
       svg.appendChild(el("line", { x1: left, x2: left + width, y1: y, y2: y, class: "grid" }));
-      const label = Math.round((maxY * i) / 4).toLocaleString("en");
-      svg.appendChild(el("text", { x: left - 6, y: y + 4, class: "tick", "text-anchor": "end" }, label));
+      svg.appendChild(el("text", { x: left - 6, y: y + 4, class: "tick", "text-anchor": "end" },
+        v.toLocaleString("en")));
     }
   }
 
@@ -105,8 +106,9 @@
     chart.series.forEach(function (s) {
       s.points.forEach(function (p) { maxY = Math.max(maxY, p[1]); });
     });
-    maxY = niceMax(maxY);
-    frame(svg, maxY, box.left, box.top, box.width, box.height);
+    const scale = axis(maxY);
+    maxY = scale.max;
+    frame(svg, scale, box.left, box.top, box.width, box.height);
     [-60, -45, -30, -15, 0].forEach(function (minutes) {
       const x = box.left + box.width * (1 + (minutes * 60) / windowS);
       svg.appendChild(el("text", { x: x, y: box.top + box.height + 18, class: "tick",
@@ -146,8 +148,9 @@
     clear(svg);
     summary.textContent = chart.summary;
     const box = { left: 56, top: 16, width: 570, height: 190 };
-    const maxY = niceMax(Math.max.apply(null, chart.counts.concat([0])));
-    frame(svg, maxY, box.left, box.top, box.width, box.height);
+    const scale = axis(Math.max.apply(null, chart.counts.concat([0])));
+    const maxY = scale.max;
+    frame(svg, scale, box.left, box.top, box.width, box.height);
     const slot = box.width / chart.counts.length;
     chart.counts.forEach(function (count, i) {
       const h = (box.height * count) / maxY;

@@ -1,0 +1,268 @@
+"""The dashboard in a real headless Chromium (Playwright, Debian's /usr/bin/chromium) against
+a real server (werkzeug, threaded) and a real database: refused without login, log in, watch
+the backlog grow without a reload, pause a topic, cancel a message, redrive a dead letter.
+Each test saves screenshots of the pages it visits under docs/screenshots/ (for the README).
+Waits are on the DOM (Playwright's `expect`), never on sleeps."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+from sqlalchemy import Engine, text
+from werkzeug.serving import make_server
+
+from delaysvc import auth, store
+from delaysvc import store_dashboard as dash
+from delaysvc.consumption import Consumer, handler
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+from web import create_app
+
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
+ADMIN = ("ada", "admin-password-1")
+REFRESH_MS = 400
+
+expect.set_options(timeout=10_000)
+
+
+@handler("shop.invoice", max_retries=0)
+def _invoice(message: Any) -> None:
+    raise ConnectionError(f"billing API unreachable ({message.body['host']})")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def server(settings: Settings, engine: Engine) -> Iterator[str]:
+    auth.create_user(engine, *ADMIN, role="admin")
+    app = create_app(settings)
+    app.config["DASHBOARD_REFRESH_MS"] = REFRESH_MS
+    http = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=http.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{http.server_port}"
+    http.shutdown()
+    thread.join()
+    app.extensions["delaysvc"]["engine"].dispose()
+
+
+@pytest.fixture
+def page(browser: Browser, server: str) -> Iterator[Page]:
+    """A fresh browser context; it closes before the server stops."""
+    context = browser.new_context(viewport={"width": 1366, "height": 768})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    page.on(
+        "console",
+        lambda msg: (
+            problems.append(f"console {msg.type}: {msg.text}")
+            # a 401 answer to a wrong password is logged as a failed load, not a script error
+            if msg.type == "error" and not msg.text.startswith("Failed to load resource")
+            else None
+        ),
+    )
+    yield page
+    context.close()
+    assert problems == []  # no script errors, no CSP violations
+
+
+def log_in(page: Page, base: str, user: tuple[str, str] = ADMIN) -> None:
+    page.goto(base + "/login")
+    page.fill("input[name=name]", user[0])
+    page.fill("input[name=password]", user[1])
+    page.click("button[type=submit]")
+    expect(page.locator("#user")).to_have_text(f"{user[0]} (admin)")
+
+
+def shot(page: Page, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
+
+
+def test_refused_without_login_then_log_in_lands_on_the_page_asked_for(
+    page: Page, server: str
+) -> None:
+    page.goto(server + "/dead")
+    assert page.url == server + "/login?next=/dead"
+    expect(page.locator("h1")).to_have_text("Log in")
+    assert page.request.get(server + "/ui/overview.json").status == 401
+    shot(page, "login")
+    page.fill("input[name=name]", ADMIN[0])
+    page.fill("input[name=password]", "not-the-password")
+    page.click("button[type=submit]")
+    expect(page.locator("#login-error")).to_have_text(
+        "wrong name or password (or the account is locked for a few minutes)"
+    )
+    page.fill("input[name=name]", ADMIN[0])
+    page.fill("input[name=password]", ADMIN[1])
+    page.click("button[type=submit]")
+    expect(page.locator("h1")).to_have_text("Dead letters")
+    assert page.url == server + "/dead"
+    page.click("text=Log out")
+    expect(page.locator("#flash")).to_have_text("logged out")
+    page.goto(server + "/")
+    assert page.url == server + "/login?next=/"
+
+
+def _seed_history(engine: Engine) -> None:
+    """An hour of samples and lateness minutes, so the charts have something to draw."""
+    with engine.begin() as conn:
+        now = store.database_now(conn)
+        for minute in range(60, 0, -2):
+            at = now - timedelta(minutes=minute)
+            level1 = 20 + (60 - minute) * 5 if minute > 20 else (minute - 2) * 10
+            level3 = 80 + minute % 7 if minute > 12 else (minute - 2) * 8
+            conn.execute(
+                text(
+                    "INSERT INTO stats_sample (sampled_at, lane, pending, moved_total, "
+                    "early_total) VALUES (:at, 1, :p1, 0, 0), (:at, 3, :p3, 0, 0), "
+                    "(:at, 0, 12, 0, 0)"
+                ),
+                {"at": at, "p1": level1, "p3": level3},
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO lateness_histogram (minute, lane, counts, max_ms) "
+                    "VALUES (:at, 1, :counts, 240)"
+                ),
+                {"at": at, "counts": [30, 50, 12, 5, 2, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0]},
+            )
+
+
+def test_overview_shows_the_backlog_grow_without_a_reload(
+    page: Page, server: str, producer: Producer, engine: Engine
+) -> None:
+    _seed_history(engine)
+    log_in(page, server)
+    level2 = page.locator('#lanes tr[data-key="level-2"]')
+    expect(level2.locator('[data-field="pending"]')).to_have_text("0")
+    expect(page.locator("#backlog-legend li")).to_have_text(
+        ["level-1: 0", "level-3: 0", "timer: 12"]
+    )
+    expect(page.locator("#lateness-summary")).to_have_text(
+        "2929 deliveries; p50 ≤ 2 ms, p99 ≤ 50 ms, max 240 ms"
+    )
+    expect(page.locator("#backlog-chart polyline")).to_have_count(3)
+    expect(page.locator("#lateness-chart rect.bar")).to_have_count(15)
+    page.evaluate("window.sameDocument = true")
+
+    for n in range(3):
+        producer.send("shop.email", {"n": n}, delay_level=2)
+    producer.send("shop.email", {"n": 9}, delay="1h")
+    expect(level2.locator('[data-field="pending"]')).to_have_text("3")
+    expect(level2.locator('[data-field="offset"]')).to_have_text("0 / 3")
+    expect(level2.locator('[data-field="next_due"]')).to_contain_text("in ")
+    dash.sample_stats(engine)
+    expect(page.locator('#backlog-legend li[data-key="level-2"]')).to_have_text("level-2: 3")
+    expect(page.locator("#backlog-chart polyline")).to_have_count(6)
+    assert page.evaluate("window.sameDocument") is True  # updated in place, never reloaded
+
+    with engine.begin() as conn:
+        store.mark_stuck(conn, 5, None, "DataError: value too long for type character varying")
+    level5 = page.locator('#lanes tr[data-key="level-5"]')
+    expect(level5.locator('[data-field="state"]')).to_have_text("STUCK")
+    expect(level5.locator('[data-field="stuck_error"]')).to_have_text(
+        "DataError: value too long for type character varying"
+    )
+    expect(level5.locator("button", has_text="Skip head to dead letters")).to_be_visible()
+    expect(level2.locator("button", has_text="Skip head to dead letters")).to_be_hidden()
+    shot(page, "overview")
+
+
+def test_topic_appears_live_and_admin_pauses_it(
+    page: Page, server: str, producer: Producer
+) -> None:
+    log_in(page, server)
+    page.click("nav >> text=Topics")
+    expect(page.locator("#no-topics")).to_be_visible()
+    producer.send("shop.email", {"to": "a@example.com"})
+    producer.send("shop.email", {"to": "b@example.com"})
+    producer.send("shop.sms", {"to": "+441234"})
+    row = page.locator('#topics tr[data-key="shop.email"]')
+    expect(row.locator('[data-field="ready"]')).to_have_text("2")
+    expect(page.locator("#topics tbody tr")).to_have_count(2)
+    expect(page.locator("#no-topics")).to_be_hidden()
+    row.locator("button", has_text="Pause").click()
+    expect(page.locator("#flash")).to_have_text("shop.email paused: workers take no new jobs of it")
+    expect(row.locator('[data-field="state"]')).to_have_text("paused")
+    expect(row.locator("button", has_text="Resume")).to_be_visible()
+    expect(row.locator("button", has_text="Pause")).to_be_hidden()
+    shot(page, "topics")
+
+
+def test_find_a_message_and_cancel_it(page: Page, server: str, producer: Producer) -> None:
+    sent = [
+        producer.send("shop.order.cancel", {"order": n}, delay="30m", key=f"order-{n}")
+        for n in range(40, 45)
+    ]
+    log_in(page, server)
+    page.click("nav >> text=Messages")
+    page.fill("input[name=topic]", "shop.order.cancel")
+    page.fill("input[name=key]", "order-42")
+    page.click("#search button[type=submit]")
+    expect(page.locator("#messages tbody tr")).to_have_count(1)
+    page.fill("input[name=key]", "")
+    page.click("#search button[type=submit]")
+    expect(page.locator("#messages tbody tr")).to_have_count(5)
+    shot(page, "messages")
+    page.click(f'#messages a:text-is("{sent[2].id}")')
+    expect(page.locator("h1")).to_have_text(f"Message {sent[2].id}")
+    expect(page.locator('[data-field="status"]')).to_have_text("scheduled")
+    page.click("#cancel")
+    expect(page.locator("#flash")).to_have_text(f"message {sent[2].id} cancelled")
+    expect(page.locator('[data-field="status"]')).to_have_text("cancelled")
+    expect(page.locator("#cancel")).to_be_hidden()
+    expect(page.locator("#timeline li strong")).to_have_text(["stored", "cancelled", "due"])
+    assert producer.get(sent[2].id).status == "cancelled"
+    assert [producer.get(m.id).status for m in sent] == ["scheduled"] * 2 + ["cancelled"] + [
+        "scheduled"
+    ] * 2
+
+
+def test_redrive_a_dead_letter(
+    page: Page, server: str, producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    ids = [producer.send("shop.invoice", {"host": h}).id for h in ("eu-1", "eu-1", "us-2")]
+    Consumer(settings, engine).run_once("shop.invoice")
+    log_in(page, server)
+    page.goto(server + f"/messages/{ids[0]}")
+    expect(page.locator("#timeline li strong")).to_have_text(
+        ["stored", "due", "delivered", "attempt 1 started", "attempt 1 failed", "dead"]
+    )
+    shot(page, "message")
+    page.click("nav >> text=Dead letters")
+    groups = page.locator("#dead-groups tbody tr")
+    expect(groups).to_have_count(2)
+    expect(groups.nth(0).locator("td.clip")).to_have_text(
+        "ConnectionError: billing API unreachable (eu-1)"
+    )
+    expect(groups.nth(0).locator("td.num")).to_have_text("2")
+    shot(page, "dead-letters")
+    groups.nth(0).locator("a", has_text="Show").click()
+    expect(page.locator("#dead-letters tbody tr")).to_have_count(2)
+    page.locator(f'#dead-letters tr[data-key="{ids[1]}"] button.redrive-one').click()
+    expect(page.locator("#flash")).to_have_text(f"1 redriven ({ids[1]})")
+    expect(page.locator("#dead-letters tbody tr")).to_have_count(1)
+    expect(page.locator("#dead-groups tr.selected td.num")).to_have_text("1")
+    assert [producer.get(i).status for i in ids] == ["dead", "ready", "dead"]
