@@ -433,6 +433,7 @@ def test_lane_rates_need_two_samples_and_never_go_negative(engine: Engine) -> No
 def test_bounded_sets_the_statement_timeout_for_its_transaction(engine: Engine) -> None:
     with dash.bounded(engine, 1234) as conn:
         assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "1234ms"
+        assert conn.execute(text("SHOW jit")).scalar_one() == "off"
     with (
         pytest.raises(OperationalError, match="statement timeout"),
         dash.bounded(engine, 50) as conn,
