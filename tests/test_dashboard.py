@@ -8,6 +8,7 @@ import re
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,12 @@ from web import create_app
 
 ADMIN = ("ada", "admin-password-1")
 VIEWER = ("vic", "viewer-password-1")
+
+
+@pytest.fixture
+def settings(settings: Settings, tmp_path: Path) -> Settings:
+    """The shared settings, with var/ (where the session key is kept) in a temporary folder."""
+    return settings.model_copy(update={"var_dir": tmp_path / "var"})
 
 
 @pytest.fixture
@@ -133,6 +140,28 @@ def test_secure_cookies_setting_marks_the_cookie_secure(settings: Settings, engi
     response = login(app.test_client(), ADMIN)
     assert "; Secure" in response.headers["Set-Cookie"]
     app.extensions["delaysvc"]["engine"].dispose()
+
+
+def test_every_web_worker_of_a_folder_signs_sessions_with_one_key(
+    app: Flask, settings: Settings
+) -> None:
+    """gunicorn runs several workers, each with its own create_app(): a login served by one
+    must be accepted by the others."""
+    other = create_app(settings)
+    key_file = settings.var_dir / "secret_key"
+    assert app.config["SECRET_KEY"] == other.config["SECRET_KEY"] == key_file.read_text()
+    assert len(key_file.read_text()) == 64 and key_file.stat().st_mode & 0o777 == 0o600
+    client = app.test_client()
+    login(client, ADMIN)
+    cookie = client.get_cookie("delaysvc_session")
+    assert cookie is not None
+    elsewhere = other.test_client()
+    elsewhere.set_cookie("delaysvc_session", cookie.value)
+    assert elsewhere.get("/").status_code == 200
+    given = create_app(settings.model_copy(update={"secret_key": "from-the-environment"}))
+    assert given.config["SECRET_KEY"] == "from-the-environment"
+    for each in (other, given):
+        each.extensions["delaysvc"]["engine"].dispose()
 
 
 def test_login_never_redirects_off_site(app: Flask) -> None:

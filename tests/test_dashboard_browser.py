@@ -53,9 +53,9 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture
-def server(settings: Settings, engine: Engine) -> Iterator[str]:
+def server(settings: Settings, engine: Engine, tmp_path: Path) -> Iterator[str]:
     auth.create_user(engine, *ADMIN, role="admin")
-    app = create_app(settings)
+    app = create_app(settings.model_copy(update={"var_dir": tmp_path / "var"}))
     app.config["DASHBOARD_REFRESH_MS"] = REFRESH_MS
     http = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=http.serve_forever, daemon=True)

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
 from web.api import database_ok, services
-from web.ui import ui
+from web.ui import session_secret, ui
 
 dashboard = Blueprint("dashboard", __name__)
 dashboard.register_blueprint(ui)
@@ -26,8 +26,12 @@ SESSION_HOURS = 12
 
 @dashboard.record_once
 def _session_cookie(state: BlueprintSetupState) -> None:
-    """HttpOnly and SameSite=Lax always; Secure when DELAYSVC_SECURE_COOKIES is set (https)."""
+    """HttpOnly and SameSite=Lax always; Secure when DELAYSVC_SECURE_COOKIES is set (https);
+    one signing key for every worker (see `session_secret`)."""
     settings = state.app.extensions["delaysvc"]["settings"]
+    secret = session_secret(settings)
+    if secret:
+        state.app.config["SECRET_KEY"] = secret
     state.app.config.update(
         SESSION_COOKIE_HTTPONLY=True,
         SESSION_COOKIE_SAMESITE="Lax",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from functools import wraps
@@ -34,6 +35,7 @@ from werkzeug.exceptions import HTTPException
 
 from delaysvc import auth, store
 from delaysvc.errors import DelaysvcError
+from delaysvc.settings import Settings
 from web.api import services
 from web.errors import STATUS
 
@@ -43,6 +45,34 @@ ui = Blueprint("ui", __name__)
 PUBLIC_ENDPOINTS = {"login", "static"}
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "X-CSRF-Token"
+
+
+def session_secret(settings: Settings) -> str | None:
+    """The key that signs session cookies: DELAYSVC_SECRET_KEY, else a random key made once
+    and kept in `var_dir/secret_key` (mode 0600), so that every web worker started from the
+    same folder accepts the others' cookies (a random key per process would log users out
+    whenever gunicorn routes a request to another worker). None if that file cannot be
+    written: the app then keeps its per-process key."""
+    if settings.secret_key:
+        return settings.secret_key
+    path = settings.var_dir / "secret_key"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            draft = path.with_name(f".secret_key.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(secrets.token_hex(32))
+            try:
+                os.link(draft, path)  # atomic; the first worker to get here wins
+            except FileExistsError:
+                pass
+            finally:
+                draft.unlink()
+        return path.read_text().strip() or None
+    except OSError as exc:
+        log.warning("dashboard.no_shared_secret", extra={"path": str(path), "error": str(exc)})
+        return None
 
 
 def timeout_ms() -> int:
