@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from delaysvc import store
 from delaysvc.errors import DuplicateKey, NotFound
 from delaysvc.producer import Message
+from delaysvc.validation import validate_topic
 
 log = logging.getLogger(__name__)
 BATCH = 500
@@ -24,6 +25,8 @@ class DeadLetters:
     def list(
         self, topic: str | None = None, after_id: int | None = None, limit: int = 100
     ) -> list[Any]:
+        if topic is not None:
+            validate_topic(topic)
         with self.engine.connect() as conn:
             return store.list_dead(conn, topic, after_id, limit)
 

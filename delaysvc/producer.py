@@ -337,7 +337,7 @@ class Producer:
 
     def find(self, topic: str, key: str, *, connection: Joinable | None = None) -> Message:
         with self._connection(connection) as conn:
-            row = store.find_message_by_key(conn, validate_topic(topic), key)
+            row = store.find_message_by_key(conn, validate_topic(topic), _lookup_key(key))
         if row is None:
             raise NotFound(f"no message with topic {topic!r} and key {key!r}")
         return Message.from_row(row)
@@ -353,7 +353,7 @@ class Producer:
             return row
         if topic is None or key is None:
             raise ValidationError("id", "give a message id, or both topic and key")
-        row = store.find_message_by_key(conn, validate_topic(topic), key)
+        row = store.find_message_by_key(conn, validate_topic(topic), _lookup_key(key))
         if row is None:
             raise NotFound(f"no message with topic {topic!r} and key {key!r}")
         return row
@@ -373,3 +373,11 @@ class Producer:
                 if store.unique_violation(exc, "uq_commit_log_topic_key"):
                     raise DuplicateKey(str(exc.orig)) from None
                 raise
+
+
+def _lookup_key(key: object) -> str:
+    """A key to look a message up by: required, and valid like a key on send."""
+    found = validate_key(key)
+    if found is None:
+        raise ValidationError("key", "is required to look a message up by key")
+    return found

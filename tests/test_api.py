@@ -300,3 +300,10 @@ def test_levels_show_moved_per_second_since_the_last_stats_sample(
     rates = {lane["lane"]: lane["moved_per_s"] for lane in levels}
     assert rates["level-2"] == 5.0
     assert rates["level-1"] is None  # no sample: unknown, not zero
+
+
+def test_nul_bytes_in_lookups_are_400_not_500(
+    client: FlaskClient, send_token: dict[str, str], admin_token: dict[str, str]
+) -> None:
+    _error(client.get("/api/v1/messages?topic=t&key=a%00b", headers=send_token), 400, "invalid")
+    _error(client.get("/api/v1/dead?topic=a%00b", headers=admin_token), 400, "invalid")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from flask import Flask, jsonify
+from sqlalchemy.exc import DataError
 from werkzeug.exceptions import HTTPException
 
 from delaysvc.errors import DelaysvcError
@@ -43,6 +44,13 @@ def register_error_handlers(app: Flask) -> None:
         if allow:
             response.headers["Allow"] = allow
         return response
+
+    @app.errorhandler(DataError)
+    def refused_by_database(exc: DataError):
+        # input no validator anticipated (a NUL byte, a number out of range): the client's
+        # mistake, not the server's; logged so the validator can learn it
+        log.warning("web.data_error", extra={"error": str(exc.orig)})
+        return error_response(400, "invalid", f"a value was refused: {exc.orig}")
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):

@@ -56,25 +56,30 @@ _MESSAGE = {
         "properties": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
-_NEW_MESSAGE = {
+# optional fields may also be null, which means "not given"
+_NEW_MESSAGE: dict[str, Any] = {
     "type": "object",
     "required": ["topic", "body"],
     "additionalProperties": False,
     "properties": {
         "topic": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,126}$"},
         "body": {},
-        "delay_level": {"type": "integer"},
-        "delay": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d))+$", "example": "30m"},
-        "delay_ms": {"type": "integer", "minimum": 0},
-        "deliver_at": {"type": "string", "format": "date-time"},
-        "key": {"type": "string", "pattern": "^[^\\u0000-\\u001f\\u007f]{1,256}$"},
+        "delay_level": {"type": ["integer", "null"]},
+        "delay": {
+            "type": ["string", "null"],
+            "pattern": "^([0-9]+(ms|s|m|h|d))+$",
+            "example": "30m",
+        },
+        "delay_ms": {"type": ["integer", "null"], "minimum": 0},
+        "deliver_at": {"type": ["string", "null"], "format": "date-time"},
+        "key": {"type": ["string", "null"], "pattern": "^[^\\u0000-\\u001f\\u007f]{1,256}$"},
         "tags": {
-            "type": "array",
+            "type": ["array", "null"],
             "maxItems": 16,
             "items": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
         },
         "properties": {
-            "type": "object",
+            "type": ["object", "null"],
             "maxProperties": 64,
             "propertyNames": {"pattern": "^[^\\u0000]{1,128}$"},
             "additionalProperties": {"type": "string", "pattern": "^[^\\u0000]{0,4096}$"},
@@ -247,7 +252,7 @@ def document() -> dict[str, Any]:
                     ],
                     "responses": {
                         "200": _json({"type": "object"}, "dead letters"),
-                        **_errors(401, 403),
+                        **_errors(400, 401, 403),
                     },
                 }
             },
