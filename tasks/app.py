@@ -25,6 +25,7 @@ DELIVERY_QUEUE = "delaysvc.delivery"
 CONSUME_QUEUE = "delaysvc.consume"
 SWEEP_SECONDS = 1.0
 RESCUE_SECONDS = 10.0
+STATS_SECONDS = 10.0  # the dashboard's charts and moved/s
 
 
 def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
@@ -48,7 +49,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     broker_url, transport_options = broker_options(settings)
     # handler modules are imported by every worker, so Celery tasks they define (topics bound
     # with DELAYSVC_TOPIC_TASKS) are registered too
-    include = ["tasks.delivery", "tasks.consume", *settings.handler_modules]
+    include = ["tasks.delivery", "tasks.consume", "tasks.stats", *settings.handler_modules]
     app = Celery("delaysvc", broker=broker_url, include=include)
     budget = settings.lane_budget_seconds
     # an expired lease is found within half a lease (and at least every RESCUE_SECONDS)
@@ -63,6 +64,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         worker_hijack_root_logger=False,
         task_routes={
             "delaysvc.deliver_lane": {"queue": DELIVERY_QUEUE},
+            "delaysvc.sample_stats": {"queue": DELIVERY_QUEUE},
             "delaysvc.*": {"queue": CONSUME_QUEUE},
         },
         task_default_queue=CONSUME_QUEUE,
@@ -81,6 +83,11 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
                 "task": "delaysvc.consume_sweep",
                 "schedule": timedelta(seconds=SWEEP_SECONDS),
                 "options": {"expires": SWEEP_SECONDS},
+            },
+            "sample-stats": {
+                "task": "delaysvc.sample_stats",
+                "schedule": timedelta(seconds=STATS_SECONDS),
+                "options": {"expires": STATS_SECONDS},
             },
             "rescue-leases": {
                 "task": "delaysvc.rescue_leases",

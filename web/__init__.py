@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 
 from flask import Flask
 
@@ -10,15 +11,23 @@ from delaysvc.db import make_engine
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
+SESSION_HOURS = 12
+
 
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = Flask(__name__)
+    from web.ui import session_secret
+
     app.config.update(
-        SECRET_KEY=settings.secret_key or secrets.token_hex(32),
+        # one signing key for every web worker (see session_secret)
+        SECRET_KEY=session_secret(settings) or secrets.token_hex(32),
         MAX_CONTENT_LENGTH=settings.max_body_bytes * 2 + 64 * 1024,
+        SESSION_COOKIE_NAME="delaysvc_session",
         SESSION_COOKIE_HTTPONLY=True,
         SESSION_COOKIE_SAMESITE="Lax",
+        SESSION_COOKIE_SECURE=settings.secure_cookies,  # DELAYSVC_SECURE_COOKIES, for https
+        PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
         JSON_SORT_KEYS=False,
     )
     engine = make_engine(settings)

@@ -8,37 +8,17 @@ overview (`/`), topics, messages, message, dead letters; see docs/dashboard.md.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from flask import Blueprint, Response, jsonify
-from flask.blueprints import BlueprintSetupState
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
 from web.api import database_ok, services
-from web.ui import session_secret, ui
+from web.ui import ui
 
 dashboard = Blueprint("dashboard", __name__)
 dashboard.register_blueprint(ui)
-SESSION_HOURS = 12
-
-
-@dashboard.record_once
-def _session_cookie(state: BlueprintSetupState) -> None:
-    """HttpOnly and SameSite=Lax always; Secure when DELAYSVC_SECURE_COOKIES is set (https);
-    one signing key for every worker (see `session_secret`)."""
-    settings = state.app.extensions["delaysvc"]["settings"]
-    secret = session_secret(settings)
-    if secret:
-        state.app.config["SECRET_KEY"] = secret
-    state.app.config.update(
-        SESSION_COOKIE_HTTPONLY=True,
-        SESSION_COOKIE_SAMESITE="Lax",
-        SESSION_COOKIE_SECURE=bool(settings.secure_cookies),
-        SESSION_COOKIE_NAME="delaysvc_session",
-        PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
-    )
 
 
 @dashboard.get("/healthz")

@@ -135,6 +135,9 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
         wait_for(lambda: statuses(orders).get("book") == "cancelled", 60, "the unpaid order")
         assert statuses(orders) == {"book": "cancelled", "lamp": "paid"}
         timers = statuses("SELECT key, status FROM commit_log WHERE key LIKE 'order-%'")
+        # beat samples every lane for the dashboard's charts and moved/s
+        sampled = "SELECT CAST(lane AS text), count(*) FROM stats_sample GROUP BY lane"
+        wait_for(lambda: len(statuses(sampled)) == 19, 60, "a stats sample of all 19 lanes")
         engine.dispose()
         assert sorted(timers.values()) == ["cancelled", "succeeded"]
     finally:
