@@ -53,6 +53,9 @@ class Settings(BaseModel):
     max_delay: str = "400d"
     max_retries: int = Field(default=16, ge=0, le=1000)
     lease_seconds: int = Field(default=300, gt=0)
+    worker_max_memory_mb: int = Field(default=512, ge=0)
+    """A consumer process using more than this after a task is replaced (0: never): a
+    handler that leaks memory cannot take the worker down."""
     delivery_batch: int = Field(default=1000, gt=0, le=100_000)
     consume_batch: int = Field(default=100, gt=0, le=10_000)
     idle_poll_ms: int = Field(default=100, ge=10, le=60_000)

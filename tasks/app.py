@@ -69,6 +69,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         },
         task_default_queue=CONSUME_QUEUE,
         task_time_limit=settings.lease_seconds,
+        worker_max_memory_per_child=settings.worker_max_memory_mb * 1024 or None,
         beat_schedule={
             **{
                 f"deliver-lane-{lane}": {

@@ -60,6 +60,25 @@ def _header(name: str):  # type: ignore[no-untyped-def]
     return getattr(request, name, None) or (request.headers or {}).get(name)
 
 
+@handler("e2e.exits")
+def exits_the_process(message):  # type: ignore[no-untyped-def]
+    """The first attempt kills its own worker process, as a segfaulting library would."""
+    _record(message.id, message.attempts, "start")
+    if message.attempts == 1:
+        os._exit(3)
+    _record(message.id, message.attempts, "done")
+
+
+_leaked: list[bytes] = []
+
+
+@handler("e2e.leaks")
+def leaks_memory(message):  # type: ignore[no-untyped-def]
+    """Keeps 40 MB per run for ever, as a leaking handler would."""
+    _leaked.append(os.urandom(40 * 1024 * 1024))
+    _record(message.id, message.attempts, "leak")
+
+
 @shared_task(name="e2e.celery_task")
 def celery_task(body):  # type: ignore[no-untyped-def]
     """A plain Celery task bound to topic e2e.task by DELAYSVC_TOPIC_TASKS."""
