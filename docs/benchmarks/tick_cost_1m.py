@@ -1,0 +1,50 @@
+"""Buffers one delivery move of 100 due rows touches at 10k, 100k and 1M pending, for a level
+lane and the timer lane (the same measure as tests/test_tick_cost.py, at a larger scale).
+
+Run from the repository root: python docs/benchmarks/tick_cost_1m.py [SERVER_URL]
+(default postgresql://root@127.0.0.1:5432/postgres); it works in a database of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from delaysvc.db import make_engine, sqlalchemy_url
+from delaysvc.migrate import upgrade
+from delaysvc.settings import Settings
+from tests.test_tick_cost import _buffers, _fill
+
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+DATABASE = "delaysvc_tick_cost"
+
+
+def main() -> None:
+    admin = create_engine(sqlalchemy_url(SERVER), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
+        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
+    url = SERVER.rsplit("/", 1)[0] + "/" + DATABASE
+    settings = Settings(database_url=url, delay_levels="1s 2s")
+    engine = make_engine(settings)
+    upgrade(engine, settings.levels)
+    for lane in (1, 0):
+        filled = 0
+        for pending in (10_000, 100_000, 1_000_000):
+            _fill(engine, lane, pending - filled)
+            filled = pending
+            with engine.connect() as conn:
+                touched = _buffers(conn, lane)
+            name = "timer" if lane == 0 else f"level {lane}"
+            print(f"{name}: {pending:>9,} pending -> a move of 100 touches {touched} buffers")
+    engine.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE {DATABASE} WITH (FORCE)"))
+
+
+if __name__ == "__main__":
+    main()
