@@ -4,8 +4,9 @@ between two plain tables in batches (what a delivery does, without the service).
 
 from __future__ import annotations
 
-import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
 
@@ -28,23 +29,27 @@ def insert_one_row_per_transaction(url: str, clients: int, seconds: float) -> fl
     """Rows/s with `clients` connections each committing one INSERT at a time."""
     with psycopg.connect(url, autocommit=True) as conn:
         _fresh(conn, "bench_raw_insert")
-    counts = [0] * clients
-    stop = time.monotonic() + seconds
 
-    def client(index: int) -> None:
+    def client(stop: float) -> int:
+        done = 0
         with psycopg.connect(url, autocommit=True) as conn:
             while time.monotonic() < stop:
                 conn.execute(
                     "INSERT INTO bench_raw_insert (topic, body) VALUES (%s, %s)", ("t", BODY)
                 )
-                counts[index] += 1
+                done += 1
+        return done
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(counts) / seconds
+    return per_second(client, clients, seconds)
+
+
+def per_second(client: Callable[[float], int], clients: int, seconds: float) -> float:
+    """Run `clients` threads of `client(stop_at)` (each returns how much it did by the
+    monotonic time `stop_at`) for `seconds`; -> their total per second."""
+    stop = time.monotonic() + seconds
+    with ThreadPoolExecutor(clients) as pool:
+        done = sum(pool.map(client, [stop] * clients))
+    return done / seconds
 
 
 def copy_rows(url: str, rows: int) -> float:

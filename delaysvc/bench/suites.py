@@ -130,20 +130,14 @@ def send_suite(
 
 
 def _send_single(producer: Producer, clients: int, seconds: float) -> float:
-    counts = [0] * clients
-    stop = time.monotonic() + seconds
-
-    def client(index: int) -> None:
+    def client(stop: float) -> int:
+        done = 0
         while time.monotonic() < stop:
             producer.send(NOOP_TOPIC, BODY, delay="1h")
-            counts[index] += 1
+            done += 1
+        return done
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(counts) / seconds
+    return raw.per_second(client, clients, seconds)
 
 
 # ---------------------------------------------------------------- delivery
