@@ -85,6 +85,13 @@ class Service:
         command[command.index("-s") + 1] = str(schedule)
         return self._start(command, "beat")
 
+    def start(self, consumers: int = 1, concurrency: int = 1) -> None:
+        """The usual deployment: a delivery worker, consumer workers, beat."""
+        self.delivery_worker()
+        for _ in range(consumers):
+            self.consume_worker(concurrency)
+        self.beat()
+
     def kill(self, process: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
         """Signal the process and its children (a prefork pool) at once, as a crash would."""
         os.killpg(process.pid, sig)

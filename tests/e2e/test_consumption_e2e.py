@@ -30,17 +30,10 @@ def _message(service: Service, message_id: int):  # type: ignore[no-untyped-def]
     return service.rows("SELECT * FROM commit_log WHERE id = :id", id=message_id)[0]
 
 
-def _start(service: Service, consumers: int = 1, concurrency: int = 1) -> None:
-    service.delivery_worker()
-    for _ in range(consumers):
-        service.consume_worker(concurrency)
-    service.beat()
-
-
 def test_a_handler_failing_twice_then_succeeding_ends_succeeded_with_two_errors(
     service: Service, producer: Producer
 ) -> None:
-    _start(service)
+    service.start()
     sent = producer.send("e2e.flaky", {"n": 1})
     wait_for(lambda: service.count_status("succeeded") == 1, 90, "the third attempt")
     row = _message(service, sent.id)
@@ -66,7 +59,7 @@ def test_a_handler_failing_twice_then_succeeding_ends_succeeded_with_two_errors(
 def test_a_handler_that_always_fails_goes_dead_and_redrive_runs_it_again(
     service: Service, producer: Producer
 ) -> None:
-    _start(service)
+    service.start()
     sent = producer.send("e2e.broken", {"n": 1})  # max_retries=2: three attempts
     now = producer.send("e2e.broken", {"dead_now": True})
     wait_for(lambda: service.count_status("dead") == 2, 90, "both to be dead")
@@ -106,7 +99,7 @@ def test_kill_9_of_a_worker_mid_job_runs_the_job_again_after_its_lease(
 def test_four_consumers_on_one_topic_run_each_message_exactly_once(
     service: Service, producer: Producer
 ) -> None:
-    _start(service, consumers=2, concurrency=2)
+    service.start(consumers=2, concurrency=2)
     total = 3000
     ids = [
         m.id
@@ -128,7 +121,7 @@ def test_a_topic_bound_to_a_celery_task_runs_it_with_retries(
     producer: Producer,  # type: ignore[no-untyped-def]
 ) -> None:
     service = service_factory(topic_tasks="e2e.task=e2e.celery_task")
-    _start(service)
+    service.start()
     ok = producer.send("e2e.task", {"n": 1})
     flaky = producer.send("e2e.task", {"n": 2, "fail_first": True})
     wait_for(lambda: service.count_status("succeeded") == 2, 90, "both tasks to succeed")

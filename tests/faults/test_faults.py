@@ -78,9 +78,7 @@ def test_a_handler_that_exits_its_process_is_run_again_after_the_lease(
     producer: Producer,  # type: ignore[no-untyped-def]
 ) -> None:
     service = service_factory(lease_seconds="3")
-    service.delivery_worker()
-    service.consume_worker()
-    service.beat()
+    service.start()
     sent = producer.send("e2e.exits", {})
     wait_for(lambda: service.count_status("succeeded") == 1, 90, "the rerun to succeed")
     assert _runs_per_message(service, "start") == {sent.id: 2}
@@ -92,9 +90,7 @@ def test_a_handler_hanging_past_its_lease_is_stopped_and_run_again(
     producer: Producer,  # type: ignore[no-untyped-def]
 ) -> None:
     service = service_factory(lease_seconds="3")
-    service.delivery_worker()
-    service.consume_worker()
-    service.beat()
+    service.start()
     sent = producer.send("e2e.slow_first", {"sleep": 600})  # the first attempt never ends
     wait_for(lambda: service.count_status("succeeded") == 1, 90, "the rerun to succeed")
     assert _runs_per_message(service, "done") == {sent.id: 1}
@@ -108,9 +104,7 @@ def test_a_leaking_handler_gets_its_worker_process_replaced(
     producer: Producer,  # type: ignore[no-untyped-def]
 ) -> None:
     service = service_factory(worker_max_memory_mb="150")
-    service.delivery_worker()
-    service.consume_worker()
-    service.beat()
+    service.start()
     for n in range(6):  # one at a time, so each job is a task of its own
         producer.send("e2e.leaks", {"n": n})
         wait_for(lambda k=n: service.count_status("succeeded") == k + 1, 60, f"leak job {n}")
@@ -123,9 +117,7 @@ def test_a_leaking_handler_gets_its_worker_process_replaced(
     reason="restarts the Redis broker; CI runs it in its Redis pass",
 )
 def test_a_broker_restart_loses_nothing_stored(service: Service, producer: Producer) -> None:
-    service.delivery_worker()
-    service.consume_worker()
-    service.beat()
+    service.start()
     first = _send_over(producer, "e2e.record", 100, 1.0)
     subprocess.run(["redis-cli", "-h", "127.0.0.1", "shutdown", "nosave"], check=False)
     later = _send_over(producer, "e2e.record", 100, 1.0)  # stored while the broker is down
@@ -152,9 +144,7 @@ def test_a_broker_restart_loses_nothing_stored(service: Service, producer: Produ
 def test_a_long_transaction_holding_back_vacuum_does_not_stop_the_flow(
     service: Service, producer: Producer
 ) -> None:
-    service.delivery_worker()
-    service.consume_worker(2)
-    service.beat()
+    service.start(concurrency=2)
     snapshot = service.engine.connect().execution_options(isolation_level="REPEATABLE READ")
     with snapshot as held:
         # an old snapshot kept open elsewhere: no dead row can be vacuumed meanwhile
