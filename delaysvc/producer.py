@@ -15,11 +15,17 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from delaysvc import caps, store
-from delaysvc.errors import DuplicateKey, NotCancellable, NotFound, ValidationError
+from delaysvc.errors import (
+    DuplicateKey,
+    NotCancellable,
+    NotFound,
+    SchemaNotReady,
+    ValidationError,
+)
 from delaysvc.levels import DelayLevels, parse_duration_ms
 from delaysvc.schema import NO_LANE, TIMER_LANE, WAITING
 from delaysvc.settings import Settings
@@ -372,6 +378,13 @@ class Producer:
             except IntegrityError as exc:
                 if store.unique_violation(exc, "uq_commit_log_topic_key"):
                     raise DuplicateKey(str(exc.orig)) from None
+                raise
+            except ProgrammingError as exc:
+                if "consume_queue_" in str(exc.orig):  # a level the database was never given
+                    raise SchemaNotReady(
+                        f"the database has no queue for a configured delay level ({exc.orig}); "
+                        "run `delaysvc migrate` after changing DELAYSVC_DELAY_LEVELS"
+                    ) from None
                 raise
 
 

@@ -204,3 +204,12 @@ def test_body_size_limit(database_url, engine):
     producer.send("t", "x" * 98)  # 100 bytes with the JSON quotes
     with pytest.raises(TooLarge, match="101 bytes"):
         producer.send("t", "x" * 99)
+
+
+def test_a_level_the_database_was_never_given_is_a_clear_error(settings, engine):
+    from delaysvc.errors import SchemaNotReady
+    from delaysvc.producer import Producer
+
+    more_levels = settings.model_copy(update={"delay_levels": "1s 2s 3s 5s 8s 13s"})
+    with pytest.raises(SchemaNotReady, match="run `delaysvc migrate`"):
+        Producer(more_levels, engine).send("t.level6", {}, delay_level=6)
