@@ -85,8 +85,9 @@ class Message:
             attempts=row.attempts,
             duration_ms=row.duration_ms,
             last_error=row.last_error,
-            errors=row.errors or [],
-            body=decode_body(row.body, row.body_is_json),
+            errors=getattr(row, "errors", None) or [],
+            # rows returned by a send carry no body (the caller has it)
+            body=decode_body(row.body, row.body_is_json) if hasattr(row, "body") else None,
         )
 
 

@@ -53,6 +53,10 @@ _ENQUEUE_FROM = """
 MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
     queue_offset, status, stored_at, deliver_ts, delivered_at, started_at, finished_at,
     attempts, duration_ms, last_error, errors"""
+# what a send returns: the caller has the body already, so it does not travel back
+SENT_COLUMNS = """id, topic, key, tags, properties, delay_level, lane, queue_offset, status,
+    stored_at, deliver_ts, delivered_at, started_at, finished_at, attempts, duration_ms,
+    last_error"""
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ WITH msg AS (
                  statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
         CASE WHEN :lane < 0 THEN statement_timestamp() END)
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING {MESSAGE_COLUMNS}
+    RETURNING {SENT_COLUMNS}
 ){_ENQUEUE_FROM.format(src="msg")}
 SELECT * FROM msg
 """
@@ -182,7 +186,7 @@ WITH input AS (
         CASE WHEN lane < 0 THEN statement_timestamp() END
     FROM input ORDER BY ord
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING {MESSAGE_COLUMNS}
+    RETURNING {SENT_COLUMNS}
 ){_ENQUEUE_FROM.format(src="msg")}
 SELECT * FROM msg ORDER BY id
 """
