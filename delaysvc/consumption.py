@@ -6,6 +6,7 @@ in `DELAYSVC_HANDLERS` so the decorators run.
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import logging
 import time
@@ -19,7 +20,7 @@ from sqlalchemy import Connection, Engine
 
 from delaysvc import store
 from delaysvc.errors import DeadLetter, RetryLater, ValidationError
-from delaysvc.schema import NO_LANE, TIMER_LANE
+from delaysvc.schema import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
 from delaysvc.validation import decode_body, validate_topic
 
 if TYPE_CHECKING:
@@ -128,8 +129,17 @@ class _Outcomes:
         self.since = time.monotonic()
         self.succeeded: list[tuple[int, int, int]] = []
         self.failed: list[tuple[Job, BaseException, int]] = []
+        self.durations: list[int] = []
+
+    def histogram(self) -> list[int]:
+        """Handler durations per bucket of DURATION_BUCKETS_MS (the last: beyond)."""
+        counts = [0] * (len(DURATION_BUCKETS_MS) + 1)
+        for ms in self.durations:
+            counts[bisect.bisect_right(DURATION_BUCKETS_MS, ms)] += 1
+        return counts
 
     def add(self, job: Job, error: BaseException | None, duration_ms: int) -> None:
+        self.durations.append(duration_ms)
         if error is None:
             self.succeeded.append((job.id, job.attempts, duration_ms))
         else:
@@ -199,10 +209,14 @@ class Consumer:
         return result
 
     def _record(self, outcomes: _Outcomes, result: ConsumeResult) -> None:
-        """Write the outcomes so far: all successes in one statement, then each failure."""
+        """Write the outcomes so far: all successes in one statement, then each failure, and
+        the handlers' durations into the topic's histogram."""
         if not outcomes.succeeded and not outcomes.failed:
             return
         with self.engine.begin() as conn:
+            store.add_durations(
+                conn, result.topic, outcomes.histogram(), float(max(outcomes.durations))
+            )
             result.succeeded += store.finish_succeeded(conn, outcomes.succeeded)
             for job, error, duration_ms in outcomes.failed:
                 if self._record_failure(conn, job, error, duration_ms):

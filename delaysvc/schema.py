@@ -212,6 +212,27 @@ lateness_histogram = Table(
     Column("max_ms", Float, nullable=False),
 )
 
+DURATION_BUCKETS_MS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000)
+"""Upper bounds of the handler-duration histogram's buckets; one more counts the rest."""
+
+handler_duration_histogram = Table(
+    "handler_duration_histogram",
+    metadata,
+    Column("minute", Timestamp, primary_key=True),
+    Column("topic", Text, primary_key=True),
+    Column("counts", ARRAY(BigInteger), nullable=False),
+    Column("max_ms", Float, nullable=False),
+)
+
+heartbeat = Table(
+    "heartbeat",
+    metadata,
+    Column("component", Text, primary_key=True),
+    Column("seen_at", Timestamp, nullable=False),
+    Column("host", Text),
+    postgresql_with={"fillfactor": "50"},
+)
+
 pipeline_run = Table(
     "pipeline_run",
     metadata,

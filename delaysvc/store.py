@@ -521,6 +521,60 @@ def skip_stuck_head(conn: Connection, lane: int) -> int | None:
     return int(head.message_id)
 
 
+# ---------------------------------------------------------------- health and histograms
+
+
+def record_heartbeat(conn: Connection, component: str, host: str) -> None:
+    conn.execute(
+        _sql(
+            "INSERT INTO heartbeat (component, seen_at, host) VALUES (:c, clock_timestamp(), :h) "
+            "ON CONFLICT (component) DO UPDATE SET seen_at = EXCLUDED.seen_at, host = EXCLUDED.host"
+        ),
+        {"c": component, "h": host},
+    )
+
+
+def heartbeats(conn: Connection) -> dict[str, float]:
+    """Seconds since each component was last seen (database clock)."""
+    rows = conn.execute(
+        text(
+            "SELECT component, extract(epoch FROM clock_timestamp() - seen_at) AS age "
+            "FROM heartbeat"
+        )
+    )
+    return {row.component: float(row.age) for row in rows}
+
+
+def add_durations(conn: Connection, topic: str, counts: Sequence[int], max_ms: float) -> None:
+    """Add a topic's handler-duration histogram into this minute's row."""
+    conn.execute(_sql(_ADD_DURATIONS), {"topic": topic, "counts": list(counts), "max_ms": max_ms})
+
+
+_ADD_DURATIONS = """
+INSERT INTO handler_duration_histogram (minute, topic, counts, max_ms)
+VALUES (date_trunc('minute', clock_timestamp()), :topic, CAST(:counts AS bigint[]), :max_ms)
+ON CONFLICT (minute, topic) DO UPDATE SET
+    counts = (SELECT array_agg(a + b ORDER BY i)
+              FROM unnest(handler_duration_histogram.counts, EXCLUDED.counts) WITH ORDINALITY
+                   AS t(a, b, i)),
+    max_ms = GREATEST(handler_duration_histogram.max_ms, EXCLUDED.max_ms)"""
+
+
+def histogram_totals(conn: Connection, table: str, key: str) -> list[Any]:
+    """Per lane or topic: the histogram summed over every kept minute (what /metrics shows
+    as a Prometheus histogram; minutes are kept for 7 days)."""
+    assert table in ("lateness_histogram", "handler_duration_histogram")
+    return list(
+        conn.execute(
+            text(
+                f"SELECT {key} AS key, array_agg(total ORDER BY i) AS counts FROM ("
+                f"  SELECT {key}, i, sum(c) AS total FROM {table}, "
+                f"  unnest(counts) WITH ORDINALITY AS u(c, i) GROUP BY {key}, i) t GROUP BY {key}"
+            )
+        )
+    )
+
+
 # ---------------------------------------------------------------- backlog caps
 
 CAP_LOCK_CLASS = 0x64656C43  # advisory locks (class, hashtext(target)) serialise capped sends

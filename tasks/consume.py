@@ -8,6 +8,7 @@ from typing import Any
 from celery import current_app, shared_task
 
 from delaysvc.consumption import Job
+from delaysvc.health import record_heartbeat
 from tasks.app import runtime
 
 
@@ -27,6 +28,7 @@ def consume_sweep() -> int:
     from delaysvc import store
 
     rt = runtime()
+    record_heartbeat(rt.engine, "consumer")
     with rt.engine.connect() as conn:
         topics = store.topics_with_ready(conn)
     for topic in topics:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from delaysvc.health import record_heartbeat
 from delaysvc.store_dashboard import sample_stats as sample
 from tasks.app import runtime
 
 
 @shared_task(name="delaysvc.sample_stats", ignore_result=True)
 def sample_stats() -> int:
-    """Record one stats_sample row per lane and prune old samples; -> lanes sampled."""
+    """Record one stats_sample row per lane and prune old samples; -> lanes sampled. Beat
+    fires it, so it is also beat's heartbeat."""
+    record_heartbeat(runtime().engine, "beat")
     return sample(runtime().engine, runtime().settings.statement_timeout_ms).lanes

@@ -195,10 +195,24 @@ def test_dead_letters_list_and_redrive(
     _error(client.post(f"/api/v1/dead/{sent['id']}/redrive", headers=admin_token), 404, "not_found")
 
 
-def test_healthz_reports_the_database(client: FlaskClient) -> None:
-    response = client.get("/healthz")
-    assert response.status_code == 200
-    assert response.get_json()["database"] is True
+def test_healthz_reports_the_database_beat_and_consumers(
+    client: FlaskClient, engine: Engine
+) -> None:
+    from delaysvc.health import record_heartbeat
+
+    first = client.get("/healthz")
+    assert first.status_code == 200  # the web process can serve
+    assert {k: v for k, v in first.get_json().items() if k != "seconds_since"} == {
+        "status": "degraded",
+        "database": True,
+        "beat": False,
+        "consumer": False,
+    }
+    record_heartbeat(engine, "beat")
+    record_heartbeat(engine, "consumer")
+    second = client.get("/healthz").get_json()
+    assert (second["status"], second["beat"], second["consumer"]) == ("ok", True, True)
+    assert 0 <= second["seconds_since"]["beat"] < 5
 
 
 def test_metrics_show_lanes_topics_and_stored_messages(
@@ -307,3 +321,29 @@ def test_nul_bytes_in_lookups_are_400_not_500(
 ) -> None:
     _error(client.get("/api/v1/messages?topic=t&key=a%00b", headers=send_token), 400, "invalid")
     _error(client.get("/api/v1/dead?topic=a%00b", headers=admin_token), 400, "invalid")
+
+
+def test_metrics_histograms_of_lateness_and_handler_durations(
+    client: FlaskClient, settings: Settings, engine: Engine
+) -> None:
+    from delaysvc.delivery import LatenessHistogram, TickResult
+
+    histogram = LatenessHistogram()
+    histogram.add(TickResult(1, 3, lateness_buckets={0: 2, 3: 1}, max_lateness_ms=7.0))
+    with engine.connect() as conn:
+        histogram.flush(conn, 1)
+
+    @handler("api.timed")
+    def quick(message):  # type: ignore[no-untyped-def]
+        return None
+
+    from delaysvc.producer import Producer
+
+    for n in range(4):
+        Producer(settings, engine).send("api.timed", {"n": n})
+    Consumer(settings, engine).run_once("api.timed")
+    lines = set(client.get("/metrics").get_data(as_text=True).splitlines())
+    assert 'delaysvc_delivery_lateness_seconds_bucket{lane="1",le="0.001"} 2.0' in lines
+    assert 'delaysvc_delivery_lateness_seconds_bucket{lane="1",le="0.01"} 3.0' in lines
+    assert 'delaysvc_delivery_lateness_seconds_bucket{lane="1",le="+Inf"} 3.0' in lines
+    assert 'delaysvc_handler_duration_seconds_bucket{le="+Inf",topic="api.timed"} 4.0' in lines

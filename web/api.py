@@ -8,7 +8,6 @@ from functools import wraps
 from typing import Any
 
 from flask import Blueprint, current_app, g, jsonify, request
-from sqlalchemy import text
 
 from delaysvc import store
 from delaysvc.auth import authenticate_token
@@ -220,15 +219,6 @@ def dead_letters():
 @requires("admin")
 def redrive(message_id: int):
     return jsonify(message_json(DeadLetters(services()["engine"]).redrive(message_id)))
-
-
-def database_ok() -> bool:
-    try:
-        with services()["engine"].connect() as conn:
-            conn.execute(text("SELECT 1"))
-        return True
-    except Exception:
-        return False
 
 
 @api.get("/openapi.json")

@@ -14,7 +14,7 @@ from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
-from web.api import database_ok, services
+from web.api import services
 from web.ui import ui
 
 dashboard = Blueprint("dashboard", __name__)
@@ -23,8 +23,18 @@ dashboard.register_blueprint(ui)
 
 @dashboard.get("/healthz")
 def healthz() -> Any:
-    ok = database_ok()
-    return jsonify({"status": "ok" if ok else "degraded", "database": ok}), 200 if ok else 503
+    """200 while the database answers (this process can serve); the body also says whether
+    beat and the consumers are alive (`status` "degraded" when one is not)."""
+    from delaysvc.health import check
+
+    health = check(services()["engine"])
+    body = {
+        "status": health.status,
+        "database": health.database,
+        **health.components,
+        "seconds_since": health.seconds_since,
+    }
+    return jsonify(body), 200 if health.database else 503
 
 
 @dashboard.get("/metrics")

@@ -8,12 +8,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, text
 
 from delaysvc import store
 from delaysvc.levels import format_ms
+from delaysvc.schema import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
 
 
 class ServiceCollector(Collector):
@@ -27,6 +33,8 @@ class ServiceCollector(Collector):
             lanes = store.lane_stats(conn)
             topics = store.topic_stats(conn)
             stored = store.messages_stored(conn)
+            late_rows = store.histogram_totals(conn, "lateness_histogram", "lane")
+            duration_rows = store.histogram_totals(conn, "handler_duration_histogram", "topic")
         yield CounterMetricFamily(
             "delaysvc_messages_stored",
             "Messages stored since the database was created",
@@ -73,6 +81,37 @@ class ServiceCollector(Collector):
             for state in ("ready", "running", "dead"):
                 jobs.add_metric([topic.topic, state], getattr(topic, state))
         yield jobs
+        yield _histogram(
+            "delaysvc_delivery_lateness_seconds",
+            "deliver_ts -> in the topic queue, per lane (minutes kept for 7 days)",
+            "lane",
+            [("timer" if row.key == 0 else str(row.key), row.counts) for row in late_rows],
+            LATENESS_BUCKETS_MS,
+        )
+        yield _histogram(
+            "delaysvc_handler_duration_seconds",
+            "Handler run time, per topic (minutes kept for 7 days)",
+            "topic",
+            [(row.key, row.counts) for row in duration_rows],
+            DURATION_BUCKETS_MS,
+        )
+
+
+def _histogram(
+    name: str,
+    documentation: str,
+    label: str,
+    rows: list[tuple[str, list[int]]],
+    bounds_ms: tuple[int, ...],
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=[label])
+    for key, counts in rows:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*bounds_ms, None), counts, strict=True):
+            cumulative += int(count)
+            buckets.append(("+Inf" if bound is None else str(bound / 1000), cumulative))
+        family.add_metric([key], buckets, sum_value=None)
+    return family
 
 
 def render(engine: Engine, statement_timeout_ms: int) -> bytes:
