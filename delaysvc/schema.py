@@ -90,6 +90,8 @@ commit_log = Table(
         "deliver_ts",
         postgresql_where=text("status IN ('scheduled', 'retrying')"),
     ),
+    # retrying messages per topic (the dashboard's and /api/v1/topics' retrying counts)
+    Index("ix_commit_log_retrying_topic", "topic", postgresql_where=text("status = 'retrying'")),
     postgresql_with={"fillfactor": "85", **HOT_TABLE_STORAGE},
 )
 

@@ -560,6 +560,21 @@ ON CONFLICT (minute, topic) DO UPDATE SET
     max_ms = GREATEST(handler_duration_histogram.max_ms, EXCLUDED.max_ms)"""
 
 
+def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[list[int], float]]:
+    """Per topic: handler-duration bucket counts of the last `minutes`, and the longest run."""
+    rows = conn.execute(
+        text(
+            "SELECT topic, array_agg(total ORDER BY i) AS counts, max(top) AS max_ms FROM ("
+            "  SELECT topic, i, sum(c) AS total, max(max_ms) AS top "
+            "  FROM handler_duration_histogram, unnest(counts) WITH ORDINALITY AS u(c, i) "
+            "  WHERE minute > clock_timestamp() - :minutes * interval '1 minute' "
+            "  GROUP BY topic, i) t GROUP BY topic"
+        ),
+        {"minutes": minutes},
+    )
+    return {row.topic: ([int(c) for c in row.counts], float(row.max_ms)) for row in rows}
+
+
 def histogram_totals(conn: Connection, table: str, key: str) -> list[Any]:
     """Per lane or topic: the histogram summed over every kept minute (what /metrics shows
     as a Prometheus histogram; minutes are kept for 7 days)."""
@@ -1109,7 +1124,9 @@ def topic_stats(conn: Connection, limit_count: int = 100_000) -> list[Any]:
 WITH topics AS (
     SELECT topic FROM topic_state
     UNION SELECT topic FROM dead_letter
-    UNION SELECT topic FROM commit_log WHERE status = 'running'
+    UNION SELECT topic FROM commit_log WHERE status IN ('running', 'retrying')
+    UNION SELECT topic FROM handler_duration_histogram
+          WHERE minute > clock_timestamp() - interval '1 hour'
     UNION SELECT unnest(CAST(:ready_topics AS text[]))
 )
 SELECT t.topic,
@@ -1117,6 +1134,8 @@ SELECT t.topic,
                            LIMIT :cap) x) AS ready,
     (SELECT count(*) FROM commit_log c WHERE c.status = 'running' AND c.topic = t.topic)
         AS running,
+    (SELECT count(*) FROM (SELECT 1 FROM commit_log c WHERE c.status = 'retrying'
+                           AND c.topic = t.topic LIMIT :cap) r) AS retrying,
     (SELECT count(*) FROM (SELECT 1 FROM dead_letter d WHERE d.topic = t.topic
                            LIMIT :cap) y) AS dead,
     COALESCE((SELECT paused FROM topic_state s WHERE s.topic = t.topic), false) AS paused

@@ -347,3 +347,33 @@ def test_metrics_histograms_of_lateness_and_handler_durations(
     assert 'delaysvc_delivery_lateness_seconds_bucket{lane="1",le="0.01"} 3.0' in lines
     assert 'delaysvc_delivery_lateness_seconds_bucket{lane="1",le="+Inf"} 3.0' in lines
     assert 'delaysvc_handler_duration_seconds_bucket{le="+Inf",topic="api.timed"} 4.0' in lines
+
+
+def test_topics_show_retrying_runs_per_minute_and_handler_durations(
+    client: FlaskClient, send_token: dict[str, str], settings: Settings, engine: Engine
+) -> None:
+    from delaysvc.producer import Producer
+
+    @handler("api.steady")
+    def steady(message):  # type: ignore[no-untyped-def]
+        return None
+
+    @handler("api.flaky")
+    def flaky(message):  # type: ignore[no-untyped-def]
+        raise TimeoutError("upstream slow")
+
+    producer = Producer(settings, engine)
+    for n in range(6):
+        producer.send("api.steady", {"n": n})
+    producer.send("api.flaky", {})
+    consumer = Consumer(settings, engine)
+    consumer.run_once("api.steady")
+    consumer.run_once("api.flaky")
+    topics = {
+        t["topic"]: t for t in client.get("/api/v1/topics", headers=send_token).json["topics"]
+    }
+    assert topics["api.flaky"]["retrying"] == 1
+    assert topics["api.steady"]["retrying"] == 0
+    assert topics["api.steady"]["runs_per_minute"] == 0.1  # 6 runs in the last hour
+    assert topics["api.steady"]["duration_p50_ms"] == 1.0  # a no-op: the first bucket
+    assert topics["api.steady"]["duration_p99_ms"] == 1.0

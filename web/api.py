@@ -13,7 +13,9 @@ from delaysvc import store
 from delaysvc.auth import authenticate_token
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import ValidationError
+from delaysvc.histogram import percentile_bound
 from delaysvc.levels import format_ms
+from delaysvc.schema import DURATION_BUCKETS_MS
 from delaysvc.serialize import iso, message_json
 from web.errors import error_response
 
@@ -175,20 +177,26 @@ def lane_json(row: Any) -> dict[str, Any]:
 def topics():
     with services()["engine"].connect() as conn:
         rows = store.topic_stats(conn)
-    return jsonify(
-        {
-            "topics": [
-                {
-                    "topic": r.topic,
-                    "ready": r.ready,
-                    "running": r.running,
-                    "dead": r.dead,
-                    "paused": r.paused,
-                }
-                for r in rows
-            ]
-        }
-    )
+        durations = store.recent_durations(conn)
+    return jsonify({"topics": [topic_json(r, durations.get(r.topic)) for r in rows]})
+
+
+def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str, Any]:
+    """A topic's jobs by state, and its last hour of handler runs: how many per minute and
+    duration percentiles (bucket upper bounds: "p99 <= this"; past the last bucket, the
+    longest run)."""
+    counts, longest = durations or ([], 0.0)
+    return {
+        "topic": row.topic,
+        "ready": row.ready,
+        "running": row.running,
+        "retrying": row.retrying,
+        "dead": row.dead,
+        "paused": row.paused,
+        "runs_per_minute": round(sum(counts) / 60, 1),
+        "duration_p50_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.5, longest),
+        "duration_p99_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.99, longest),
+    }
 
 
 @api.get("/dead")

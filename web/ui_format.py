@@ -88,18 +88,27 @@ def lane_row(row: Any, rate: float | None) -> dict[str, Any]:
     }
 
 
-def topic_row(row: Any) -> dict[str, Any]:
+def topic_row(topic: dict[str, Any]) -> dict[str, Any]:
+    """A row of the topics table from the API's view of a topic (`web.api.topic_json`)."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"<= {value:,.0f} ms"
+
     return {
-        "key": row.topic,
-        "ref": row.topic,
+        "key": topic["topic"],
+        "ref": topic["topic"],
         "cells": {
-            "topic": row.topic,
-            "ready": str(row.ready),
-            "running": str(row.running),
-            "dead": str(row.dead),
-            "state": "paused" if row.paused else "active",
+            "topic": topic["topic"],
+            "ready": str(topic["ready"]),
+            "running": str(topic["running"]),
+            "retrying": str(topic["retrying"]),
+            "dead": str(topic["dead"]),
+            "runs": f"{topic['runs_per_minute']:,.1f}",
+            "p50": ms(topic["duration_p50_ms"]),
+            "p99": ms(topic["duration_p99_ms"]),
+            "state": "paused" if topic["paused"] else "active",
         },
-        "flags": {"paused": bool(row.paused), "active": not row.paused},
+        "flags": {"paused": bool(topic["paused"]), "active": not topic["paused"]},
     }
 
 

@@ -10,7 +10,7 @@ from delaysvc import store
 from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError
 from delaysvc.validation import validate_topic
-from web.api import services
+from web.api import services, topic_json
 from web.ui import admin_required, done, timeout_ms, ui
 from web.ui_format import backlog_chart, lane_row, lateness_chart, topic_row
 
@@ -60,7 +60,8 @@ def skip_head(lane: int) -> Any:
 def topics_data() -> dict[str, Any]:
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
         rows = store.topic_stats(conn)
-    return {"topics": [topic_row(row) for row in rows]}
+        durations = store.recent_durations(conn)
+    return {"topics": [topic_row(topic_json(row, durations.get(row.topic))) for row in rows]}
 
 
 @ui.get("/topics")

@@ -1,4 +1,4 @@
-"""heartbeats of beat and consumers, handler-duration histogram
+"""heartbeats of beat and consumers, handler-duration histogram, retrying-by-topic index
 
 Revision ID: 0004
 Revises: 0003
@@ -35,6 +35,19 @@ def upgrade() -> None:
     )
 
 
+    op.create_index(
+        "ix_commit_log_retrying_topic",
+        "commit_log",
+        ["topic"],
+        postgresql_where=sa.text("status = 'retrying'"),
+    )
+
+
 def downgrade() -> None:
+    op.drop_index(
+        "ix_commit_log_retrying_topic",
+        table_name="commit_log",
+        postgresql_where=sa.text("status = 'retrying'"),
+    )
     op.drop_table("heartbeat")
     op.drop_table("handler_duration_histogram")
