@@ -3,6 +3,7 @@ prints one line and exits non-zero, never a traceback."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import sys
@@ -434,6 +435,36 @@ def bench(ctx: Context, suites: tuple[str, ...], out: Path | None, **sizes: floa
     written = run(ctx.settings, chosen, folder, **sizes)
     click.echo((written / "results.md").read_text())
     click.echo(f"written to {written}/")
+
+
+@cli.command()
+@click.option("--rate", default=200, show_default=True, help="Messages per second.")
+@click.option("--seconds", default=60.0, show_default=True)
+@click.option("--topic", default="load.demo", show_default=True)
+@click.option("--levels", default="1,2,3", show_default=True, help="Delay levels to spread over.")
+@pass_ctx
+def load(ctx: Context, rate: int, seconds: float, topic: str, levels: str) -> None:
+    """Send a steady stream into the service's own database (watch the dashboard meanwhile).
+    Messages for TOPIC need a handler, or they wait in its queue."""
+    from delaysvc.bench.load import send_at_rate
+
+    try:
+        chosen = [int(level) for level in levels.split(",")]
+    except ValueError:
+        raise ValidationError("--levels", f"{levels!r} is not comma-separated numbers") from None
+    producer = ctx.producer
+    producer.prepare(topic, {})  # a bad topic fails here, before anything is sent
+
+    numbers = itertools.count()
+
+    def batch(n: int) -> list[dict[str, Any]]:
+        return [
+            {"topic": topic, "body": {"n": i}, "delay_level": chosen[i % len(chosen)]}
+            for i in itertools.islice(numbers, n)
+        ]
+
+    sent = send_at_rate(producer, rate, seconds, batch)
+    click.echo(f"sent {sent} messages to {topic} at {rate}/s over levels {chosen}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -205,3 +205,25 @@ def test_dead_letters_list_redrive_and_purge(
     assert producer.get(ids[1]).status == "dead"  # purge drops the letter, keeps the history
     after = delaysvc("dead", "list", "--topic", "cli.always.fails")
     assert str(ids[1]) not in after.stdout
+
+
+def test_load_sends_a_steady_stream_into_the_service_database(
+    delaysvc: Run, engine: Engine
+) -> None:
+    result = delaysvc("load", "--rate", "100", "--seconds", "1", "--levels", "1,3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "sent 100 messages to load.demo at 100/s over levels [1, 3]"
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        levels = dict(
+            conn.execute(
+                text("SELECT delay_level, count(*) FROM commit_log GROUP BY 1 ORDER BY 1")
+            ).all()
+        )
+    assert levels == {1: 50, 3: 50}
+
+
+def test_load_refuses_a_bad_topic_before_sending(delaysvc: Run) -> None:
+    line = _assert_one_line_error(delaysvc("load", "--topic", "no spaces", "--seconds", "1"), 2)
+    assert "topic" in line

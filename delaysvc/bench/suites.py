@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import Engine, text
 
 from delaysvc.bench import raw
+from delaysvc.bench.load import send_at_rate
 from delaysvc.bench.progress import Progress, step
 from delaysvc.db import libpq_url, make_engine
 from delaysvc.delivery import LaneRunner, run_once
@@ -242,27 +243,21 @@ def _run_lane(runner: LaneRunner, stop: threading.Event) -> None:
 def _produce_at_rate(
     producer: Producer, rate: int, seconds: float, figures: Figures, engine: Engine
 ) -> int:
-    tick = 0.05
-    per_tick = max(1, round(rate * tick))
-    sent, started = 0, time.monotonic()
+    """Half at level 1, half through the timer lane (1.5 s); the backlog sampled twice a
+    second for the plot."""
     backlog: list[tuple[float, float]] = []
-    progress = Progress("flow", int(rate * seconds), "msgs")
-    next_sample = started
-    while (elapsed := time.monotonic() - started) < seconds:
-        half = per_tick // 2
-        producer.send_batch(
-            [{"topic": FLOW_TOPIC, "body": BODY, "delay_level": 1}] * (per_tick - half)
-            + [{"topic": FLOW_TOPIC, "body": BODY, "delay_ms": 1500}] * half
-        )
-        sent += per_tick
-        progress.update(sent)
-        if time.monotonic() >= next_sample:
+
+    def batch(n: int) -> list[dict[str, Any]]:
+        half = n // 2
+        return [{"topic": FLOW_TOPIC, "body": BODY, "delay_level": 1}] * (n - half) + [
+            {"topic": FLOW_TOPIC, "body": BODY, "delay_ms": 1500}
+        ] * half
+
+    def sample(elapsed: float) -> None:
+        if not backlog or elapsed - backlog[-1][0] >= 0.5:
             backlog.append((elapsed, float(_pending(engine))))
-            next_sample += 0.5
-        behind = started + sent / rate - time.monotonic()
-        if behind > 0:
-            time.sleep(behind)
-    progress.done()
+
+    sent = send_at_rate(producer, rate, seconds, batch, sample)
     figures.series["backlog"] = backlog
     return sent
 
