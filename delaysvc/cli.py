@@ -467,5 +467,13 @@ def load(ctx: Context, rate: int, seconds: float, topic: str, levels: str) -> No
     click.echo(f"sent {sent} messages to {topic} at {rate}/s over levels {chosen}")
 
 
+def _add_pipeline() -> None:
+    from delaysvc.pipeline.cli import pipeline
+
+    cli.add_command(pipeline)
+
+
+_add_pipeline()
+
 if __name__ == "__main__":  # pragma: no cover
     main()
