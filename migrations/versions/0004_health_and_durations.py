@@ -34,7 +34,6 @@ def upgrade() -> None:
         postgresql_with={"fillfactor": "50"},
     )
 
-
     op.create_index(
         "ix_commit_log_retrying_topic",
         "commit_log",
