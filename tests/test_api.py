@@ -377,3 +377,24 @@ def test_topics_show_retrying_runs_per_minute_and_handler_durations(
     assert topics["api.steady"]["runs_per_minute"] == 0.1  # 6 runs in the last hour
     assert topics["api.steady"]["duration_p50_ms"] == 1.0  # a no-op: the first bucket
     assert topics["api.steady"]["duration_p99_ms"] == 1.0
+
+
+def test_every_api_route_refuses_a_request_without_a_token(app: Flask) -> None:
+    """The whole route table: a new route that forgets `@requires` fails here."""
+    client = app.test_client()
+    checked = 0
+    for rule in app.url_map.iter_rules():
+        if not rule.rule.startswith("/api/v1/") or rule.rule == "/api/v1/openapi.json":
+            continue
+        path = rule.rule.replace("<int:message_id>", "1")
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            response = client.open(path, method=method, json={})
+            assert response.status_code == 401, (method, path)
+            checked += 1
+    assert checked >= 9
+
+
+def test_admin_routes_refuse_a_send_token(app: Flask, send_token: dict[str, str]) -> None:
+    client = app.test_client()
+    assert client.get("/api/v1/dead", headers=send_token).status_code == 403
+    assert client.post("/api/v1/dead/1/redrive", headers=send_token).status_code == 403
