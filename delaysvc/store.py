@@ -437,20 +437,26 @@ def move_due(
 
 
 def add_lateness(conn: Connection, lane: int, counts: Sequence[int], max_ms: float) -> None:
-    """Add a lane's lateness histogram into this minute's row (database clock), and forget
-    rows older than a week."""
-    conn.execute(_sql(_ADD_LATENESS), {"lane": lane, "counts": list(counts), "max_ms": max_ms})
-    conn.execute(_sql("DELETE FROM lateness_histogram WHERE minute < now() - interval '7 days'"))
+    _add_to_histogram(conn, "lateness_histogram", "lane", lane, counts, max_ms)
 
 
-_ADD_LATENESS = """
-INSERT INTO lateness_histogram (minute, lane, counts, max_ms)
-VALUES (date_trunc('minute', clock_timestamp()), :lane, CAST(:counts AS bigint[]), :max_ms)
-ON CONFLICT (minute, lane) DO UPDATE SET
+_ADD_HISTOGRAM = """
+INSERT INTO {table} (minute, {key}, counts, max_ms)
+VALUES (date_trunc('minute', clock_timestamp()), :key, CAST(:counts AS bigint[]), :max_ms)
+ON CONFLICT (minute, {key}) DO UPDATE SET
     counts = (SELECT array_agg(a + b ORDER BY i)
-              FROM unnest(lateness_histogram.counts, EXCLUDED.counts) WITH ORDINALITY
-                   AS t(a, b, i)),
-    max_ms = GREATEST(lateness_histogram.max_ms, EXCLUDED.max_ms)"""
+              FROM unnest({table}.counts, EXCLUDED.counts) WITH ORDINALITY AS t(a, b, i)),
+    max_ms = GREATEST({table}.max_ms, EXCLUDED.max_ms)"""
+
+
+def _add_to_histogram(
+    conn: Connection, table: str, key: str, value: object, counts: Sequence[int], max_ms: float
+) -> None:
+    """Add bucket counts into this minute's row (database clock) and forget rows older than a
+    week. Tables: lateness_histogram by lane, handler_duration_histogram by topic."""
+    statement = _ADD_HISTOGRAM.format(table=table, key=key)
+    conn.execute(_sql(statement), {"key": value, "counts": list(counts), "max_ms": max_ms})
+    conn.execute(_sql(f"DELETE FROM {table} WHERE minute < now() - interval '7 days'"))
 
 
 def lane_head(conn: Connection, lane: int) -> Any:
@@ -546,18 +552,7 @@ def heartbeats(conn: Connection) -> dict[str, float]:
 
 
 def add_durations(conn: Connection, topic: str, counts: Sequence[int], max_ms: float) -> None:
-    """Add a topic's handler-duration histogram into this minute's row."""
-    conn.execute(_sql(_ADD_DURATIONS), {"topic": topic, "counts": list(counts), "max_ms": max_ms})
-
-
-_ADD_DURATIONS = """
-INSERT INTO handler_duration_histogram (minute, topic, counts, max_ms)
-VALUES (date_trunc('minute', clock_timestamp()), :topic, CAST(:counts AS bigint[]), :max_ms)
-ON CONFLICT (minute, topic) DO UPDATE SET
-    counts = (SELECT array_agg(a + b ORDER BY i)
-              FROM unnest(handler_duration_histogram.counts, EXCLUDED.counts) WITH ORDINALITY
-                   AS t(a, b, i)),
-    max_ms = GREATEST(handler_duration_histogram.max_ms, EXCLUDED.max_ms)"""
+    _add_to_histogram(conn, "handler_duration_histogram", "topic", topic, counts, max_ms)
 
 
 def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[list[int], float]]:
