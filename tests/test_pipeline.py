@@ -168,3 +168,41 @@ def test_an_archive_run_killed_before_deleting_is_finished_by_the_next_run(
     assert resumed.written == 0  # the verified folder was kept, not written twice
     assert _archived_ids(spark, out) == sorted(ids)  # each message exactly once
     assert _count(engine) == 1
+
+
+def test_report_counts_archived_and_live_messages_per_topic_level_and_hour(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    from delaysvc.pipeline import report
+
+    @handler("report.fails")
+    def fails(message):  # type: ignore[no-untyped-def]
+        from delaysvc.errors import DeadLetter
+
+        raise DeadLetter("no")
+
+    ids = _finished_messages(settings, engine, 8)  # 8 succeeded + 1 cancelled, 40 days ago
+    out = tmp_path / "archive"
+    archive.run(spark, settings, engine, 30 * 86_400_000, out)  # archived and deleted
+    producer = Producer(settings, engine)
+    for n in range(3):  # live: finished now, still in PostgreSQL
+        producer.send("report.fails", {"n": n})
+    Consumer(settings, engine).run_once("report.fails")
+    result = report.run(spark, settings, engine, out, tmp_path / "report")
+    assert result.read == len(ids) + 3
+    with engine.connect() as conn:
+        rows = {
+            (r.topic, r.level): r for r in conn.execute(text("SELECT * FROM report_hourly")).all()
+        }
+    assert {key: row.messages for key, row in rows.items()} == {
+        ("archive.ok", 0): 8,
+        ("archive.other", -1): 1,  # cancelled from the timer lane: no level
+        ("report.fails", 0): 3,
+    }
+    assert rows[("report.fails", 0)].dead == 3
+    assert rows[("archive.ok", 0)].dead == 0
+    assert rows[("archive.ok", 0)].lateness_p99_ms >= 0
+    again = report.run(spark, settings, engine, out, tmp_path / "report")
+    assert again.rows == result.rows  # re-running replaces the hours, never adds
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM report_hourly")).scalar_one() == 3

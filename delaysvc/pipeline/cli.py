@@ -73,3 +73,29 @@ def bulk_schedule(
         f"duplicates {result.duplicates}, rejected {result.rejected} (-> {rejects}), "
         f"{result.seconds:.1f}s"
     )
+
+
+@pipeline.command()
+@click.option(
+    "--archive",
+    "archive_dir",
+    type=click.Path(path_type=Path),
+    default=Path("var/archive"),
+    show_default=True,
+)
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=Path("var/report"), show_default=True
+)
+@click.pass_context
+def report(ctx: click.Context, archive_dir: Path, out: Path) -> None:
+    """Per topic, level and hour: counts, lateness and handler-duration percentiles, retried
+    and dead, from the archive and the live tables -> Parquet and report_hourly."""
+    from delaysvc.cli import Context
+    from delaysvc.pipeline import report as job
+
+    service = ctx.find_object(Context) or Context()
+    result = job.run(_spark(ctx), service.settings, service.engine, archive_dir, out)
+    click.echo(
+        f"report: read {result.read}, written {result.rows} rows (report_hourly, {out}), "
+        f"rejected 0, {result.seconds:.1f}s"
+    )

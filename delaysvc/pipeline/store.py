@@ -117,3 +117,27 @@ def update_run(conn: Connection, run_id: int, **values: Any) -> None:
         text(f"UPDATE pipeline_run SET {', '.join(sets)} WHERE id = :id"),
         {"id": run_id, **values},
     )
+
+
+def upsert_report(conn: Connection, rows: Sequence[dict[str, Any]], run_id: int) -> None:
+    if not rows:
+        return
+    conn.execute(
+        text(
+            "INSERT INTO report_hourly (hour, topic, level, messages, lateness_p50_ms, "
+            "lateness_p95_ms, lateness_p99_ms, lateness_max_ms, duration_p50_ms, "
+            "duration_p95_ms, duration_p99_ms, retried, dead, run_id) VALUES (:hour, :topic, "
+            ":level, :messages, :lateness_p50_ms, :lateness_p95_ms, :lateness_p99_ms, "
+            ":lateness_max_ms, :duration_p50_ms, :duration_p95_ms, :duration_p99_ms, :retried, "
+            ":dead, :run_id) ON CONFLICT (hour, topic, level) DO UPDATE SET "
+            "messages = EXCLUDED.messages, lateness_p50_ms = EXCLUDED.lateness_p50_ms, "
+            "lateness_p95_ms = EXCLUDED.lateness_p95_ms, "
+            "lateness_p99_ms = EXCLUDED.lateness_p99_ms, "
+            "lateness_max_ms = EXCLUDED.lateness_max_ms, "
+            "duration_p50_ms = EXCLUDED.duration_p50_ms, "
+            "duration_p95_ms = EXCLUDED.duration_p95_ms, "
+            "duration_p99_ms = EXCLUDED.duration_p99_ms, retried = EXCLUDED.retried, "
+            "dead = EXCLUDED.dead, run_id = EXCLUDED.run_id"
+        ),
+        [{**row, "run_id": run_id} for row in rows],
+    )
