@@ -1,22 +1,32 @@
-"""The Spark pipeline with a real SparkSession (local[2]) and the real PostgreSQL: bulk
-scheduling with rejects and no duplicates on a re-run; archiving that verifies before it
-deletes and finishes a run a crash interrupted, archiving each message exactly once."""
+"""The Spark pipeline with one real SparkSession (local[2]) and the real test PostgreSQL (read
+over JDBC): the transforms on tiny in-memory DataFrames; archive with a kill at every step and
+a re-run (each message archived exactly once, nothing unarchived deleted); report numbers
+against hand-computed percentiles; bulk scheduling with bad rows of every kind; the CLI."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import math
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import Engine, text
 
 from delaysvc.consumption import Consumer, handler
-from delaysvc.pipeline import archive, bulk
+from delaysvc.errors import DeadLetter, DelaysvcError
+from delaysvc.pipeline import archive, bulk, report
+from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+
+DAY_MS = 86_400_000
+T0 = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
 
 
 @pytest.fixture(scope="session")
@@ -33,22 +43,319 @@ def _count(engine: Engine, where: str = "true") -> int:
         return conn.execute(text(f"SELECT count(*) FROM commit_log WHERE {where}")).scalar_one()
 
 
+def _md5_hash_sum(ids: list[int]) -> int:
+    return sum(int(hashlib.md5(str(i).encode()).hexdigest()[:15], 16) for i in ids)
+
+
+def _nearest_rank(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[math.ceil(p * len(ordered)) - 1]
+
+
+# ---------------------------------------------------------------- transforms, in memory
+
+
+def test_archive_checksum_is_count_and_sum_of_md5_id_hashes(spark: Any) -> None:
+    one_four = spark.createDataFrame([(1,), (4,)], "id long")
+    two_three = spark.createDataFrame([(2,), (3,)], "id long")
+    assert archive.checksum(one_four) == (2, _md5_hash_sum([1, 4]))
+    assert archive.checksum(two_three) == (2, _md5_hash_sum([2, 3]))
+    assert archive.checksum(one_four) != archive.checksum(two_three)  # a sum of ids agrees
+    big = [2**40 + n for n in range(3)]
+    frame = spark.createDataFrame([(i,) for i in big], "id long")
+    assert archive.checksum(frame) == (3, _md5_hash_sum(big))
+
+
+def test_archive_transform_adds_the_utc_date_it_finished(spark: Any) -> None:
+    frame = spark.createDataFrame(
+        [
+            (1, datetime(2026, 1, 5, 23, 59, tzinfo=UTC)),
+            (2, datetime(2026, 1, 6, 0, 1, tzinfo=UTC)),
+        ],
+        "id long, finished_at timestamp",
+    )
+    dates = {r["id"]: str(r["date"]) for r in archive.transform(frame).collect()}
+    assert dates == {1: "2026-01-05", 2: "2026-01-06"}
+
+
+def test_report_transform_matches_hand_computed_percentiles(spark: Any) -> None:
+    lateness = [5, 1, 3, 100, 7, 2, 9, 4, 6, 8, 11, 12]  # ms, one hour, one topic, level 2
+    durations = [40, 10, 30, 20, 50, 60, 70, 80, 90, 1000, 15, 25]
+    rows = []
+    for n, (late, dur) in enumerate(zip(lateness, durations, strict=True)):
+        due = T0 + timedelta(minutes=n)
+        status = "dead" if n in (3, 7) else "succeeded"
+        attempts = 3 if n in (0, 3, 7) else 1
+        rows.append(
+            (n, "t.a", status, 2, due, due + timedelta(milliseconds=late), due, attempts, dur)
+        )
+    # another hour and the timer lane (no level); a cancelled one never delivered
+    rows.append(
+        (
+            50,
+            "t.a",
+            "succeeded",
+            None,
+            T0,
+            T0 + timedelta(milliseconds=2.5),
+            T0 + timedelta(hours=1),
+            1,
+            7,
+        )
+    )
+    rows.append((51, "t.a", "cancelled", None, T0, None, T0 + timedelta(hours=1), 0, None))
+    frame = spark.createDataFrame(rows, report._empty_schema())
+    out = {(r["hour"].hour, r["level"]): r.asDict() for r in report.transform(frame).collect()}
+    assert set(out) == {(10, 2), (11, -1)}
+    main = out[(10, 2)]
+    assert (main["messages"], main["retried"], main["dead"]) == (12, 3, 2)
+    assert [main["lateness_p50_ms"], main["lateness_p95_ms"], main["lateness_p99_ms"]] == [
+        6.0,
+        100.0,
+        100.0,
+    ]
+    assert [main["lateness_p50_ms"], main["lateness_p95_ms"]] == [
+        _nearest_rank(lateness, 0.5),
+        _nearest_rank(lateness, 0.95),
+    ]
+    assert main["lateness_max_ms"] == 100.0
+    assert [main["duration_p50_ms"], main["duration_p95_ms"], main["duration_p99_ms"]] == [
+        40.0,
+        1000.0,
+        1000.0,
+    ]
+    timer = out[(11, -1)]
+    assert (timer["messages"], timer["lateness_p50_ms"], timer["lateness_max_ms"]) == (2, 2.5, 2.5)
+    assert (timer["duration_p50_ms"], timer["retried"], timer["dead"]) == (7.0, 0, 0)
+
+
 def test_to_options_follows_the_producers_rules() -> None:
     options = bulk.to_options(
         {"topic": "t", "body": '{"a": 1}', "delay_level": "3", "key": "", "delay": None}, False
     )
     assert options == {"topic": "t", "body": {"a": 1}, "delay_level": 3}
     assert bulk.to_options({"topic": "t", "body": "plain"}, False)["body"] == "plain"
+    parsed = bulk.to_options(
+        {"topic": "t", "body": "x", "tags": '["a"]', "properties": '{"p": "1"}'}, False
+    )
+    assert (parsed["tags"], parsed["properties"]) == (["a"], {"p": "1"})
     keyed = bulk.to_options({"topic": "t", "body": "x"}, True)
     assert keyed["key"] == bulk.to_options({"topic": "t", "body": "x"}, True)["key"]
-    with pytest.raises(Exception, match="delay_level"):
+    assert keyed["key"] != bulk.to_options({"topic": "t", "body": "y"}, True)["key"]
+    with pytest.raises(DelaysvcError, match="delay_level"):
         bulk.to_options({"topic": "t", "body": "x", "delay_level": "soon"}, False)
 
 
-def test_bulk_schedule_a_csv_stores_the_good_rows_and_rejects_the_bad(
+# ---------------------------------------------------------------- archive
+
+
+def _finished_messages(settings: Settings, engine: Engine, count: int) -> list[int]:
+    """`count` succeeded, one cancelled and one dead message, all finished 40 days ago, and
+    one unfinished message that must stay."""
+
+    @handler("archive.ok")
+    def ok(message: Any) -> None:
+        return None
+
+    @handler("archive.dead")
+    def dies(message: Any) -> None:
+        raise DeadLetter("no")
+
+    producer = Producer(settings, engine)
+    ids = [
+        m.id
+        for m in producer.send_batch(
+            [{"topic": "archive.ok", "body": {"n": n}} for n in range(count)]
+        )
+    ]
+    consumer = Consumer(settings, engine)
+    assert consumer.run_once("archive.ok", limit=count).succeeded == count
+    dead = producer.send("archive.dead", {"n": "dead"})
+    consumer.run_once("archive.dead")
+    cancelled = producer.send("archive.other", {}, delay="1h")
+    producer.cancel(cancelled.id)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE commit_log SET finished_at = finished_at - interval '40 days'"))
+    producer.send("archive.ok", {"n": "recent"}, delay="1h")  # unfinished: stays
+    assert _count(engine, "status = 'dead'") == 1
+    return [*ids, dead.id, cancelled.id]
+
+
+def _archived_ids(spark: Any, engine: Engine) -> list[int]:
+    with engine.connect() as conn:
+        folders = pipeline_store.verified_archive_folders(conn)
+    return sorted(r["id"] for r in spark.read.parquet(*folders).select("id").collect())
+
+
+def _dead_letters(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT count(*) FROM dead_letter")).scalar_one()
+
+
+def test_archive_writes_verifies_then_deletes(
     spark: Any, settings: Settings, engine: Engine, tmp_path: Path
 ) -> None:
-    rows = [
+    ids = _finished_messages(settings, engine, 40)
+    out = tmp_path / "archive"
+    result = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert (result.written, result.deleted, len(result.runs)) == (42, 42, 1)
+    assert _archived_ids(spark, engine) == sorted(ids)
+    assert _count(engine) == 1  # only the unfinished message is left
+    assert _dead_letters(engine) == 0
+    folder = Path(result.folders[0])
+    topics = sorted(p.name for p in folder.glob("topic=*"))
+    assert topics == ["topic=archive.dead", "topic=archive.ok", "topic=archive.other"]
+    dead = spark.read.parquet(str(folder)).where("status = 'dead'").collect()
+    assert [(r["dead_reason"], json.loads(r["body"])) for r in dead] == [("no", {"n": "dead"})]
+    with engine.connect() as conn:
+        run = conn.execute(text("SELECT status, rows_written, checksum FROM pipeline_run")).one()
+    assert (run.status, run.rows_written) == ("succeeded", 42)
+    assert run.checksum == f"42:{_md5_hash_sum(ids)}"
+    nothing = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert (nothing.written, nothing.deleted, nothing.runs) == (0, 0, [])
+
+
+def test_archive_checksum_in_postgres_matches_spark_and_python(
+    engine: Engine, settings: Settings
+) -> None:
+    producer = Producer(settings, engine)
+    ids = [m.id for m in producer.send_batch([{"topic": "c.x", "body": n} for n in range(5)])]
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE commit_log SET status = 'cancelled', "
+                "finished_at = now() - interval '2 days'"
+            )
+        )
+        cutoff = pipeline_store.database_now(conn) - timedelta(days=1)
+        assert pipeline_store.range_checksum(conn, ids[1], ids[3], cutoff) == (
+            3,
+            _md5_hash_sum(ids[1:4]),
+        )
+
+
+@pytest.mark.parametrize("point", archive.CRASH_POINTS)
+def test_an_archive_run_killed_at_any_step_is_finished_exactly_once_by_the_next(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, point: str
+) -> None:
+    archive_delete_batch = archive.DELETE_BATCH
+    archive.DELETE_BATCH = 7  # several delete batches, so "deleting" stops halfway
+    try:
+        ids = _finished_messages(settings, engine, 20)
+        out = tmp_path / "archive"
+        with pytest.raises(archive.SimulatedCrash):
+            archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at=point)
+        left = {"written": 23, "verified": 23, "deleting": 23 - 7}[point]
+        assert _count(engine) == left
+        resumed = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    finally:
+        archive.DELETE_BATCH = archive_delete_batch
+    assert resumed.written == (22 if point == "written" else 0)  # a verified copy is kept
+    assert resumed.deleted == left - 1
+    assert _archived_ids(spark, engine) == sorted(ids)  # each message exactly once
+    assert _count(engine) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["run=1"]
+    with engine.connect() as conn:
+        runs = conn.execute(text("SELECT id, status FROM pipeline_run ORDER BY id")).all()
+    assert [tuple(r) for r in runs] == [(1, "succeeded")]
+
+
+def test_archive_refuses_to_delete_when_the_copy_does_not_verify(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    _finished_messages(settings, engine, 5)
+    out = tmp_path / "archive"
+    with pytest.raises(archive.SimulatedCrash):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at="verified")
+    # the verified folder loses a file before the deletes resume
+    victim = next((out / "run=1").glob("topic=archive.ok/*/*.parquet"))
+    victim.unlink()
+    with pytest.raises(DelaysvcError, match="missing or changed"):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert _count(engine) == 8  # nothing deleted
+    with engine.connect() as conn:
+        status = conn.execute(text("SELECT status FROM pipeline_run WHERE id = 1")).scalar_one()
+    assert status == "failed"
+
+
+# ---------------------------------------------------------------- report
+
+
+def test_report_counts_archived_and_live_messages_per_topic_level_and_hour(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    @handler("report.fails")
+    def fails(message: Any) -> None:
+        raise DeadLetter("no")
+
+    _finished_messages(settings, engine, 8)  # 8 ok + 1 dead + 1 cancelled, 40 days ago
+    with engine.begin() as conn:  # known lateness 10, 20, ..., 80 ms and durations 1..8 ms
+        conn.execute(
+            text(
+                "UPDATE commit_log SET delivered_at = deliver_ts + (id * interval '10 ms'), "
+                "duration_ms = id, finished_at = date_trunc('hour', finished_at) "
+                "WHERE topic = 'archive.ok' AND status = 'succeeded'"
+            )
+        )
+    archive.run(spark, settings, engine, 30 * DAY_MS, tmp_path / "archive")
+    producer = Producer(settings, engine)
+    producer.send_batch([{"topic": "report.fails", "body": n} for n in range(3)])
+    Consumer(settings, engine).run_once("report.fails")
+    result = report.run(spark, settings, engine, tmp_path / "report")
+    assert (result.read, result.written) == (13, 4)
+    with engine.connect() as conn:
+        rows = {(r.topic, r.level): r for r in conn.execute(text("SELECT * FROM report_hourly"))}
+    assert {key: (r.messages, r.dead, r.retried) for key, r in rows.items()} == {
+        ("archive.ok", 0): (8, 0, 0),
+        ("archive.dead", 0): (1, 1, 0),
+        ("archive.other", -1): (1, 0, 0),  # cancelled from the timer lane: no level
+        ("report.fails", 0): (3, 3, 0),
+    }
+    ok = rows[("archive.ok", 0)]
+    assert [ok.lateness_p50_ms, ok.lateness_p95_ms, ok.lateness_max_ms] == [40.0, 80.0, 80.0]
+    assert [ok.duration_p50_ms, ok.duration_p99_ms] == [4.0, 8.0]
+    assert sorted(r["topic"] for r in spark.read.parquet(str(tmp_path / "report")).collect()) == [
+        "archive.dead",
+        "archive.ok",
+        "archive.other",
+        "report.fails",
+    ]
+    again = report.run(spark, settings, engine, tmp_path / "report")
+    assert again.written == 4  # re-running replaces the hours, never adds
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM report_hourly")).scalar_one() == 4
+        run_ids = conn.execute(text("SELECT DISTINCT run_id FROM report_hourly")).scalars().all()
+    assert run_ids == [again.run_id]
+
+
+# ---------------------------------------------------------------- bulk-schedule
+
+
+BAD_ROWS = [
+    ({"topic": "bad topic", "body": "{}"}, "topic"),
+    ({"topic": "bulk.ok", "body": "{}", "delay": "5 minutes"}, "delay"),
+    ({"topic": "bulk.ok", "body": "{}", "deliver_at": "2027-03-01T00:00:00"}, "deliver_at"),
+    ({"topic": "bulk.ok", "body": "{}", "deliver_at": "2099-03-01T00:00:00+00:00"}, "deliver_at"),
+    ({"topic": "bulk.ok", "body": "{}", "deliver_at": "tomorrow"}, "deliver_at"),
+    ({"topic": "bulk.ok", "body": "{}", "delay": "5m", "delay_level": "2"}, "delay_level"),
+    ({"topic": "bulk.ok", "body": "{}", "delay_level": "two"}, "delay_level"),
+    ({"topic": "bulk.ok", "body": "{}", "delay_ms": "-5"}, "delay_ms"),
+    ({"topic": "", "body": "{}"}, "topic"),
+    ({"topic": "bulk.ok", "body": ""}, "body"),
+    ({"topic": "bulk.ok", "body": "x" * 300_000}, "body"),
+    ({"topic": "bulk.ok", "body": "{}", "key": "k" * 1000}, "key"),
+    ({"topic": "bulk.ok", "body": "{}", "properties": "{not json"}, "properties"),
+    ({"topic": "bulk.ok", "body": "{}", "tags": "[1, 2]"}, "tags"),
+    ({"topic": "bulk.ok", "body": "{}", "colour": "red"}, "colour"),
+]
+COLUMNS = ["topic", "body", "delay", "delay_ms", "delay_level", "deliver_at", "key", "tags"]
+COLUMNS += ["properties", "colour"]
+
+
+def test_bulk_schedule_a_csv_stores_the_good_rows_and_rejects_every_kind_of_bad_row(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    good = [
         {"topic": "bulk.ok", "body": '{"n": 1}', "delay": "5m", "key": "k1"},
         {"topic": "bulk.ok", "body": '{"n": 2}', "delay_level": "2", "key": "k2"},
         {
@@ -57,152 +364,175 @@ def test_bulk_schedule_a_csv_stores_the_good_rows_and_rejects_the_bad(
             "deliver_at": "2027-03-01T00:00:00+00:00",
             "key": "k3",
         },
-        {"topic": "bad topic", "body": "{}", "key": "k4"},
-        {"topic": "bulk.ok", "body": "{}", "delay": "5 minutes", "key": "k5"},
-        {"topic": "bulk.ok", "body": "{}", "deliver_at": "2027-03-01T00:00:00", "key": "k6"},
-        {"topic": "bulk.ok", "body": '{"n": 7}', "key": "k7"},
+        {
+            "topic": "bulk.ok",
+            "body": '{"n": 4}',
+            "delay_ms": "2000",
+            "key": "k4",
+            "tags": '["a", "b"]',
+        },
+        {"topic": "bulk.ok", "body": '{"n": 5}', "key": "k5", "properties": '{"tenant": "7"}'},
+        {"topic": "bulk.ok", "body": '{"n": 6}', "delay": "45m"},  # keyless
     ]
+    rows = [*good[:3], *(r for r, _ in BAD_ROWS), *good[3:]]
     path = tmp_path / "jobs.csv"
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(
-            f, fieldnames=["topic", "body", "delay", "delay_level", "deliver_at", "key"]
-        )
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    rejects = tmp_path / "rejects.jsonl"
-    first = bulk.run(spark, settings, path, "csv", rejects, partitions=3)
-    assert (first.read, first.written, first.duplicates, first.rejected) == (7, 4, 0, 3)
-    reasons = sorted(json.loads(line)["reason"].split(":")[0] for line in rejects.open())
-    assert reasons == ["delay", "deliver_at", "topic"]
+    first = bulk.run(spark, settings, path, partitions=3)
+    assert (first.read, first.written, first.duplicates, first.rejected) == (21, 6, 0, 15)
+    assert first.rejects == tmp_path / "jobs.rejects.csv"
+    with (tmp_path / "jobs.rejects.csv").open() as f:
+        rejects = list(csv.DictReader(f))
+    assert list(rejects[0]) == [*COLUMNS, "reason"]
+    reasons = sorted((r["reason"].split(":")[0], r["topic"], r["body"][:10]) for r in rejects)
+    expected = sorted((field, r["topic"], r["body"][:10]) for r, field in BAD_ROWS)
+    assert reasons == expected
     with engine.connect() as conn:
-        stored = dict(conn.execute(text("SELECT key, delay_level FROM commit_log")).all())
-    assert stored == {"k1": None, "k2": 2, "k3": None, "k7": 0}  # k7: due now
+        stored = {
+            r.key: (r.delay_level, r.lane, bytes(r.body), r.tags, r.properties)
+            for r in conn.execute(text("SELECT * FROM commit_log"))
+        }
+        waiting = conn.execute(text("SELECT count(*) FROM consume_queue")).scalar_one()
+        timers = conn.execute(text("SELECT count(*) FROM timer_queue")).scalar_one()
+        skew = conn.execute(
+            text(
+                "SELECT max(abs(extract(epoch FROM deliver_ts - stored_at) - 2700)) "
+                "FROM commit_log WHERE key IS NULL"
+            )
+        ).scalar_one()
+    assert stored == {
+        "k1": (None, 0, b'{"n":1}', None, None),
+        "k2": (2, 2, b'{"n":2}', None, None),
+        "k3": (None, 0, b'"plain text"', None, None),
+        "k4": (2, 2, b'{"n":4}', ["a", "b"], None),  # 2000 ms is level 2's delay
+        "k5": (0, -1, b'{"n":5}', None, {"tenant": "7"}),  # no delay: due now
+        None: (None, 0, b'{"n":6}', None, None),
+    }
+    assert (waiting, timers) == (2, 3)
+    assert float(skew) < 0.001  # deliver_ts = the database's store time + 45m
 
-    again = bulk.run(spark, settings, path, "csv", rejects)
-    assert (again.written, again.duplicates, again.rejected) == (0, 4, 3)
-    assert _count(engine) == 4
+    again = bulk.run(spark, settings, path)
+    assert (again.written, again.duplicates, again.rejected) == (1, 4, 15)  # keyless: again
+    assert _count(engine) == 7
 
 
-def test_bulk_schedule_json_lines_and_parquet(
+def test_bulk_schedule_json_lines_with_keys_from_rows_and_parquet_with_parquet_rejects(
     spark: Any, settings: Settings, engine: Engine, tmp_path: Path
 ) -> None:
     lines = tmp_path / "jobs.jsonl"
     lines.write_text(
         '{"topic": "bulk.j", "body": {"deep": [1, 2]}, "delay_level": 1}\n'
         "not json\n"
+        "[1, 2]\n"
         '{"topic": "bulk.j", "body": "x", "delay_ms": 1500}\n'
+        '{"topic": "bulk.j", "body": "x", "delay": "soon"}\n'
     )
-    result = bulk.run(spark, settings, lines, "jsonl", tmp_path / "r1.jsonl", key_from_row=True)
-    assert (result.written, result.rejected) == (2, 1)
-    rerun = bulk.run(spark, settings, lines, "jsonl", tmp_path / "r1.jsonl", key_from_row=True)
+    result = bulk.run(spark, settings, lines, key_from_row=True)
+    assert (result.written, result.rejected) == (2, 3)
+    rejects = [json.loads(line) for line in (tmp_path / "jobs.rejects.jsonl").open()]
+    assert sorted((r.get("line"), r.get("delay"), r["reason"].split(":")[0]) for r in rejects) == [
+        (None, "soon", "delay"),
+        ("[1, 2]", None, "line"),
+        ("not json", None, "line"),
+    ]
+    rerun = bulk.run(spark, settings, lines, key_from_row=True)
     assert (rerun.written, rerun.duplicates) == (0, 2)  # derived keys: no duplicates
+    with engine.connect() as conn:
+        body = conn.execute(text("SELECT body FROM commit_log WHERE delay_level = 1")).scalar_one()
+    assert json.loads(bytes(body)) == {"deep": [1, 2]}
 
     table = tmp_path / "jobs.parquet"
     spark.createDataFrame(
-        [("bulk.p", '{"n": 1}', "1h", None), ("bulk.p", '{"n": 2}', None, "9")],
-        "topic string, body string, delay string, delay_level string",
+        [
+            ("bulk.p", '{"n": 1}', "1h", None, None),
+            ("bulk.p", '{"n": 2}', None, 9, None),
+            ("bulk.p", '{"n": 3}', None, None, datetime(2026, 12, 1, tzinfo=UTC)),
+            ("bad topic", '{"n": 4}', None, None, None),
+        ],
+        "topic string, body string, delay string, delay_level int, deliver_at timestamp",
     ).write.parquet(str(table))
-    parquet = bulk.run(spark, settings, table, "parquet", tmp_path / "r2.jsonl")
-    assert (parquet.written, parquet.rejected) == (2, 0)
+    parquet = bulk.run(spark, settings, table)
+    assert (parquet.written, parquet.rejected) == (3, 1)
+    refused = spark.read.parquet(str(tmp_path / "jobs.rejects.parquet")).collect()
+    assert [(r["topic"], r["reason"].split(":")[0]) for r in refused] == [("bad topic", "topic")]
     with engine.connect() as conn:
-        levels = (
-            conn.execute(
-                text("SELECT delay_level FROM commit_log WHERE topic = 'bulk.p' ORDER BY id")
+        stored = conn.execute(
+            text(
+                "SELECT delay_level, deliver_ts FROM commit_log "
+                "WHERE topic = 'bulk.p' ORDER BY body"
             )
-            .scalars()
-            .all()
+        ).all()
+    assert stored[1][0] == 5  # level 9 is clamped to the top level (5)
+    assert stored[2][1] == datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def test_bulk_schedule_writes_many_rows_in_parallel_partitions_once(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    from delaysvc.pipeline.bench import bench_bulk
+
+    result = bench_bulk(spark, settings, 12_000, tmp_path, partitions=2)
+    assert (result["first"]["written"], result["rerun"]["duplicates"]) == (12_000, 12_000)
+    assert _count(engine, "topic = 'bulk.bench'") == 12_000
+    with engine.connect() as conn:
+        lanes = dict(
+            conn.execute(text("SELECT lane, count(*) FROM commit_log GROUP BY lane")).all()
         )
-    assert sorted(levels, key=str) == [5, None]  # level 9 is clamped to the top level (5)
+    assert lanes == {0: 12_000}  # 5m, 30m, 1h are no test level: the timer lane
+    assert json.loads((tmp_path / "bench-bulk.json").read_text())["rows"] == 12_000
 
 
-def _finished_messages(settings: Settings, engine: Engine, count: int) -> list[int]:
-    """`count` messages that succeeded, were cancelled or died, finished 40 days ago."""
-
-    @handler("archive.ok")
-    def ok(message):  # type: ignore[no-untyped-def]
-        return None
-
-    producer = Producer(settings, engine)
-    ids = [producer.send("archive.ok", {"n": n}).id for n in range(count)]
-    Consumer(settings, engine).run_once("archive.ok", limit=count)
-    cancelled = producer.send("archive.other", {}, delay="1h")
-    producer.cancel(cancelled.id)
-    with engine.begin() as conn:
-        conn.execute(text("UPDATE commit_log SET finished_at = finished_at - interval '40 days'"))
-    producer.send("archive.ok", {"n": "recent"}, delay="1h")  # unfinished: stays
-    return [*ids, cancelled.id]
+# ---------------------------------------------------------------- CLI
 
 
-def _archived_ids(spark: Any, out: Path) -> list[int]:
-    return sorted(r["id"] for r in spark.read.parquet(str(out / "run=*")).select("id").collect())
-
-
-def test_archive_writes_verifies_then_deletes(
-    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["archive", "--older-than", "30 days"],
+            "error: --older-than: '30 days' is not a duration",
+        ),
+        (
+            ["bulk-schedule", "/nonexistent/jobs.csv"],
+            "error: path: /nonexistent/jobs.csv does not exist",
+        ),
+        (
+            ["bulk-schedule", "{tmp}/jobs.txt"],
+            "error: format: 'txt' is not one of csv, jsonl, parquet",
+        ),
+        (
+            ["bulk-schedule", "{tmp}/jobs.txt", "--format", "xml"],
+            "error: format: 'xml' is not one of csv, jsonl, parquet",
+        ),
+    ],
+)
+def test_cli_user_errors_are_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
 ) -> None:
-    ids = _finished_messages(settings, engine, 30)
-    out = tmp_path / "archive"
-    result = archive.run(spark, settings, engine, 30 * 86_400_000, out)
-    assert (result.written, result.deleted) == (31, 31)
-    assert _archived_ids(spark, out) == sorted(ids)
-    assert _count(engine) == 1  # only the unfinished message is left
-    topics = sorted(p.name for p in Path(result.folder or "").glob("topic=*"))
-    assert topics == ["topic=archive.ok", "topic=archive.other"]
-    with engine.connect() as conn:
-        run = conn.execute(text("SELECT status, rows_written, checksum FROM pipeline_run")).one()
-    assert (run.status, run.rows_written, run.checksum) == ("succeeded", 31, f"31:{sum(ids)}")
-    nothing = archive.run(spark, settings, engine, 30 * 86_400_000, out)
-    assert (nothing.written, nothing.deleted) == (0, 0)
+    from delaysvc.cli import cli
+
+    (tmp_path / "jobs.txt").write_text("topic,body\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = CliRunner().invoke(cli, ["pipeline", *args])
+    assert result.exit_code == 2
+    assert len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith(message)
 
 
-def test_an_archive_run_killed_before_deleting_is_finished_by_the_next_run(
-    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+def test_cli_bulk_schedule_ends_with_one_summary_line(
+    spark: Any, database_url: str, engine: Engine, tmp_path: Path
 ) -> None:
-    ids = _finished_messages(settings, engine, 12)
-    out = tmp_path / "archive"
-    crashed = archive.run(spark, settings, engine, 30 * 86_400_000, out, stop_after="write")
-    assert (crashed.written, crashed.deleted) == (13, 0)
-    assert _count(engine) == 14  # nothing deleted yet
-    resumed = archive.run(spark, settings, engine, 30 * 86_400_000, out)
-    assert resumed.deleted == 13
-    assert resumed.written == 0  # the verified folder was kept, not written twice
-    assert _archived_ids(spark, out) == sorted(ids)  # each message exactly once
-    assert _count(engine) == 1
+    from delaysvc.cli import cli
 
-
-def test_report_counts_archived_and_live_messages_per_topic_level_and_hour(
-    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
-) -> None:
-    from delaysvc.pipeline import report
-
-    @handler("report.fails")
-    def fails(message):  # type: ignore[no-untyped-def]
-        from delaysvc.errors import DeadLetter
-
-        raise DeadLetter("no")
-
-    ids = _finished_messages(settings, engine, 8)  # 8 succeeded + 1 cancelled, 40 days ago
-    out = tmp_path / "archive"
-    archive.run(spark, settings, engine, 30 * 86_400_000, out)  # archived and deleted
-    producer = Producer(settings, engine)
-    for n in range(3):  # live: finished now, still in PostgreSQL
-        producer.send("report.fails", {"n": n})
-    Consumer(settings, engine).run_once("report.fails")
-    result = report.run(spark, settings, engine, out, tmp_path / "report")
-    assert result.read == len(ids) + 3
-    with engine.connect() as conn:
-        rows = {
-            (r.topic, r.level): r for r in conn.execute(text("SELECT * FROM report_hourly")).all()
-        }
-    assert {key: row.messages for key, row in rows.items()} == {
-        ("archive.ok", 0): 8,
-        ("archive.other", -1): 1,  # cancelled from the timer lane: no level
-        ("report.fails", 0): 3,
-    }
-    assert rows[("report.fails", 0)].dead == 3
-    assert rows[("archive.ok", 0)].dead == 0
-    assert rows[("archive.ok", 0)].lateness_p99_ms >= 0
-    again = report.run(spark, settings, engine, out, tmp_path / "report")
-    assert again.rows == result.rows  # re-running replaces the hours, never adds
-    with engine.connect() as conn:
-        assert conn.execute(text("SELECT count(*) FROM report_hourly")).scalar_one() == 3
+    path = tmp_path / "jobs.csv"
+    path.write_text('topic,body,delay,key\nbulk.cli,"{""a"": 1}",5m,a\nbad topic,{},5m,b\n')
+    env = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 8s"}
+    result = CliRunner().invoke(cli, ["pipeline", "bulk-schedule", str(path)], env=env)
+    assert result.exit_code == 0, result.output
+    summary = result.output.strip().splitlines()
+    assert len(summary) == 1
+    assert summary[0].startswith("bulk-schedule: read 2, written 1, rejected 1, ")
+    assert summary[0].endswith(f"; duplicates 0; rejects -> {tmp_path / 'jobs.rejects.csv'}")
+    assert _count(engine, "topic = 'bulk.cli'") == 1

@@ -1,107 +1,131 @@
 """archive: finished messages older than a retention period -> Parquet (partitioned by topic
 and date) -> verified against PostgreSQL -> deleted from PostgreSQL in bounded batches.
 
-Extract reads the id range in parallel partitions inside Spark tasks (each task queries its
-own id slice through the service's store; this works over TCP and over the embedded server's
-Unix socket alike). Each run has its own folder `run=<id>` and a `pipeline_run` row; only a
-verified run deletes, and only rows still finished and older than the run's cutoff. A run
-killed at any point is finished by the next one: its folder is written again from scratch if
-it does not verify, then its rows are deleted, so every message is archived exactly once and
-nothing unarchived is deleted.
+Each run has a `pipeline_run` row and its own folder `run=<id>`. The order of the steps is
+what makes a run safe to kill at any point:
+
+1. record the run (id range and cutoff) and write the range's rows to its folder;
+2. read the folder back: its row count and sum of id hashes must equal PostgreSQL's for the
+   same range and cutoff; only then is the checksum recorded (the run is now "verified");
+3. delete the ids found in the folder, in batches, still only while finished before the
+   cutoff; then mark the run succeeded.
+
+The next run first finishes what a killed one left: without a recorded checksum nothing was
+deleted, so the folder is written again from scratch; with one, the verified folder is kept
+and the deletes resume. Only verified folders count as archived (`verified_archive_folders`).
+One run at a time (a PostgreSQL advisory lock).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
 
-from delaysvc.db import make_engine
+from delaysvc.db import database_url
+from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import store
+from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
 from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
-ROWS_PER_PARTITION = 50_000
-DELETE_BATCH = 10_000
+ROWS_PER_PARTITION = 100_000
+DELETE_BATCH = 5_000
+CRASH_POINTS = ("written", "verified", "deleting")
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised at a named step when a test asks for it: the run stops as if killed there."""
 
 
 @dataclass
 class ArchiveResult:
-    run_id: int | None
-    read: int = 0
+    runs: list[int] = field(default_factory=list)
     written: int = 0
     deleted: int = 0
     seconds: float = 0.0
-    folder: str | None = None
+    folders: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Span:
+    run_id: int
+    low: int
+    high: int
+    cutoff: datetime
+
+
+@dataclass
+class Job:
+    spark: Any
+    engine: Engine
+    target: JdbcTarget
+    out: Path
+    crash_at: str | None
+    result: ArchiveResult
+
+    def crash(self, point: str) -> None:
+        if self.crash_at == point:
+            raise SimulatedCrash(point)
 
 
 # ---------------------------------------------------------------- extract
 
 
-def _schema() -> Any:
-    from pyspark.sql import types as T
-
-    return T.StructType(
-        [
-            T.StructField("id", T.LongType(), False),
-            T.StructField("topic", T.StringType(), False),
-            T.StructField("key", T.StringType(), True),
-            T.StructField("status", T.StringType(), False),
-            T.StructField("delay_level", T.IntegerType(), True),
-            T.StructField("stored_at", T.TimestampType(), False),
-            T.StructField("deliver_ts", T.TimestampType(), False),
-            T.StructField("delivered_at", T.TimestampType(), True),
-            T.StructField("started_at", T.TimestampType(), True),
-            T.StructField("finished_at", T.TimestampType(), False),
-            T.StructField("attempts", T.IntegerType(), False),
-            T.StructField("duration_ms", T.IntegerType(), True),
-            T.StructField("last_error", T.StringType(), True),
-            T.StructField("body", T.BinaryType(), False),
-            T.StructField("body_is_json", T.BooleanType(), False),
-        ]
+def extract(spark: Any, target: JdbcTarget, low: int, high: int, cutoff: datetime) -> Any:
+    """The archivable rows with ids in [low, high], read over JDBC in parallel id slices."""
+    span = high - low + 1
+    parallelism = spark.sparkContext.defaultParallelism
+    partitions = max(min(parallelism, span), math.ceil(span / ROWS_PER_PARTITION))
+    return spark.read.jdbc(
+        target.url,
+        store.archive_query(low, high, cutoff),
+        column="id",
+        lowerBound=low,
+        upperBound=high + 1,
+        numPartitions=partitions,
+        properties={**target.properties, "fetchsize": "10000"},
     )
-
-
-def extract(spark: Any, settings: Settings, low: int, high: int, cutoff: datetime) -> Any:
-    """The archivable rows in [low, high] as a DataFrame, read in parallel id slices."""
-    step = ROWS_PER_PARTITION
-    slices = [(a, min(a + step - 1, high)) for a in range(low, high + 1, step)]
-
-    def read_slices(parts: Any) -> Any:
-        engine = make_engine(settings)
-        try:
-            for a, b in parts:
-                with engine.connect() as conn:
-                    for row in store.range_rows(conn, a, b, cutoff):
-                        yield tuple(row)
-        finally:
-            engine.dispose()
-
-    rdd = spark.sparkContext.parallelize(slices, max(1, len(slices))).mapPartitions(read_slices)
-    return spark.createDataFrame(rdd, _schema())
 
 
 # ---------------------------------------------------------------- transform
 
 
 def transform(frame: Any) -> Any:
-    """Partition columns: the date each message finished."""
+    """Pure: the partition column `date` (UTC day each message finished)."""
     from pyspark.sql import functions as F
 
     return frame.withColumn("date", F.to_date("finished_at"))
 
 
-def checksum(frame: Any) -> tuple[int, int]:
+def id_hash(column: str = "id") -> Any:
+    """Spark's twin of `store.ID_HASH_SQL`: the first 15 hex digits of md5(id) as a number."""
     from pyspark.sql import functions as F
 
-    row = frame.agg(F.count("id").alias("n"), F.sum("id").alias("s")).collect()[0]
+    digits = F.substring(F.md5(F.col(column).cast("string")), 1, 15)
+    return F.conv(digits, 16, 10).cast("decimal(38,0)")
+
+
+def checksum(frame: Any) -> tuple[int, int]:
+    """Pure: (rows, sum of id hashes)."""
+    from pyspark.sql import functions as F
+
+    row = frame.agg(F.count(F.lit(1)).alias("n"), F.sum(id_hash()).alias("s")).collect()[0]
     return int(row["n"]), int(row["s"] or 0)
+
+
+def format_checksum(value: tuple[int, int]) -> str:
+    return f"{value[0]}:{value[1]}"
 
 
 # ---------------------------------------------------------------- load
@@ -111,94 +135,128 @@ def load(frame: Any, folder: Path) -> None:
     frame.write.mode("overwrite").partitionBy("topic", "date").parquet(str(folder))
 
 
+# ---------------------------------------------------------------- the run
+
+
 def run(
     spark: Any,
     settings: Settings,
     engine: Engine,
     older_than_ms: int,
     out: Path,
-    stop_after: str | None = None,
+    crash_at: str | None = None,
 ) -> ArchiveResult:
-    """Archive, verify and delete; first finish any run a crash left behind. `stop_after`
-    ("write") stops a run between writing and deleting, as a crash would (tests)."""
+    """Finish any run a crash left behind, then archive what is older than the retention.
+    `crash_at` (one of CRASH_POINTS) stops the run there, as a kill would (tests)."""
+    if out.exists() and not out.is_dir():
+        raise DelaysvcError(f"--out {out} is a file, not a folder")
     started = time.monotonic()
-    total = ArchiveResult(None)
+    result = ArchiveResult()
+    with _archive_lock(engine), jdbc_target(database_url(settings)) as target:
+        job = Job(spark, engine, target, out, crash_at, result)
+        for left, recorded in _leftovers(engine):
+            log.info("archive.resume", extra={"run_id": left.run_id})
+            _finish(job, left, recorded)
+        fresh = _start(engine, older_than_ms)
+        if fresh is not None:
+            _finish(job, fresh, None)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+@contextmanager
+def _archive_lock(engine: Engine) -> Iterator[None]:
+    with engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")  # no long transaction
+        if not store.try_lock_archive(conn):
+            raise DelaysvcError("another archive run is in progress; try again when it ends")
+        try:
+            yield
+        finally:
+            store.unlock_archive(conn)
+
+
+def _leftovers(engine: Engine) -> list[tuple[Span, str | None]]:
     with engine.begin() as conn:
-        leftovers = store.unfinished_runs(conn, "archive")
-    for left in leftovers:
-        cutoff = datetime.fromisoformat(left.params["cutoff"])
-        span = (left.id, left.range_from_id, left.range_to_id, cutoff)
-        _finish(spark, settings, engine, span, left.checksum, out, total, stop_after)
+        runs = store.unfinished_runs(conn, "archive")
+    return [
+        (
+            Span(r.id, r.range_from_id, r.range_to_id, datetime.fromisoformat(r.params["cutoff"])),
+            r.checksum,
+        )
+        for r in runs
+    ]
+
+
+def _start(engine: Engine, older_than_ms: int) -> Span | None:
     with engine.begin() as conn:
         cutoff = store.database_now(conn) - timedelta(milliseconds=older_than_ms)
         low, high = store.archivable_range(conn, cutoff)
-        if low is not None and high is not None:
-            run_id = store.start_run(conn, "archive", {"cutoff": cutoff.isoformat()}, low, high)
-    if low is not None and high is not None:
-        _finish(spark, settings, engine, (run_id, low, high, cutoff), None, out, total, stop_after)
-    total.seconds = time.monotonic() - started
-    return total
+        if low is None or high is None:
+            log.info("archive.nothing_to_do", extra={"cutoff": cutoff.isoformat()})
+            return None
+        params = {"cutoff": cutoff.isoformat(), "older_than_ms": older_than_ms}
+        run_id = store.start_run(conn, "archive", params, low, high)
+    log.info("archive.started", extra={"run_id": run_id, "low": low, "high": high})
+    return Span(run_id, low, high, cutoff)
 
 
-def _finish(
-    spark: Any,
-    settings: Settings,
-    engine: Engine,
-    span: tuple[int, int, int, datetime],
-    recorded: str | None,
-    out: Path,
-    total: ArchiveResult,
-    stop_after: str | None,
-) -> None:
-    """Write (unless a verified copy was recorded), verify, record, then delete.
+def _finish(job: Job, span: Span, recorded: str | None) -> None:
+    folder = job.out / f"run={span.run_id}"
+    job.result.runs.append(span.run_id)
+    job.result.folders.append(str(folder))
+    if recorded is None:
+        _write_and_verify(job, span, folder)
+    elif format_checksum(checksum(job.spark.read.parquet(str(folder)))) != recorded:
+        _fail(job.engine, span.run_id, f"its verified folder {folder} is missing or changed")
+    _delete(job, span, folder)
 
-    The checksum is recorded before the first delete, so a run without one still has all
-    its rows in PostgreSQL and is simply written again; a run with one is finished from its
-    verified folder."""
-    run_id, low, high, cutoff = span
-    folder = out / f"run={run_id}"
-    total.run_id, total.folder = run_id, str(folder)
-    if recorded is None or _folder_checksum(spark, folder) != recorded:
-        with engine.connect() as conn:
-            count, id_sum = store.range_checksum(conn, low, high, cutoff)
+
+def _write_and_verify(job: Job, span: Span, folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    load(transform(extract(job.spark, job.target, span.low, span.high, span.cutoff)), folder)
+    job.crash("written")
+    written = checksum(job.spark.read.parquet(str(folder)))
+    with job.engine.connect() as conn:
+        source = store.range_checksum(conn, span.low, span.high, span.cutoff)
+    if written != source:
         shutil.rmtree(folder, ignore_errors=True)
-        load(transform(extract(spark, settings, low, high, cutoff)), folder)
-        total.read += count
-        recorded = f"{count}:{id_sum}"
-        if _folder_checksum(spark, folder) != recorded:
-            with engine.begin() as conn:
-                store.update_run(
-                    conn,
-                    run_id,
-                    status="failed",
-                    finished=True,
-                    error="the archive does not match PostgreSQL",
-                )
-            raise RuntimeError(f"archive run {run_id} does not match PostgreSQL; kept all rows")
-        with engine.begin() as conn:
-            store.update_run(
-                conn,
-                run_id,
-                rows_read=count,
-                rows_written=count,
-                checksum=recorded,
-                output_path=str(folder),
-            )
-        total.written += count
-    if stop_after == "write":
-        return
-    for a in range(low, high + 1, DELETE_BATCH):
-        with engine.begin() as conn:
-            b = min(a + DELETE_BATCH - 1, high)
-            total.deleted += store.delete_archived(conn, a, b, cutoff)
+        _fail(
+            job.engine,
+            span.run_id,
+            f"the Parquet copy ({written[0]} rows) does not match PostgreSQL ({source[0]} rows); "
+            "nothing was deleted, run it again",
+        )
+    with job.engine.begin() as conn:
+        store.update_run(
+            conn,
+            span.run_id,
+            rows_read=written[0],
+            rows_written=written[0],
+            checksum=format_checksum(written),
+            output_path=str(folder),
+        )
+    job.result.written += written[0]
+    log.info("archive.verified", extra={"run_id": span.run_id, "rows": written[0]})
+    job.crash("verified")
+
+
+def _delete(job: Job, span: Span, folder: Path) -> None:
+    """Delete the folder's ids from PostgreSQL, DELETE_BATCH per transaction."""
+    ids = (row["id"] for row in job.spark.read.parquet(str(folder)).select("id").toLocalIterator())
+    deleted = 0
+    while batch := list(islice(ids, DELETE_BATCH)):
+        with job.engine.begin() as conn:
+            deleted += store.delete_archived(conn, batch, span.cutoff)
+        job.crash("deleting")
+    with job.engine.begin() as conn:
+        store.merge_run_params(conn, span.run_id, {"deleted": deleted})
+        store.update_run(conn, span.run_id, status="succeeded", finished=True)
+    job.result.deleted += deleted
+    log.info("archive.deleted", extra={"run_id": span.run_id, "rows": deleted})
+
+
+def _fail(engine: Engine, run_id: int, why: str) -> None:
     with engine.begin() as conn:
-        store.update_run(conn, run_id, status="succeeded", finished=True)
-    log.info("archive.done", extra={"run_id": run_id, "checksum": recorded})
-
-
-def _folder_checksum(spark: Any, folder: Path) -> str | None:
-    """ "rows:sum of ids" of a completely written run folder, else None."""
-    if not (folder / "_SUCCESS").exists():
-        return None
-    count, id_sum = checksum(spark.read.parquet(str(folder)))
-    return f"{count}:{id_sum}"
+        store.update_run(conn, run_id, status="failed", error=why, finished=True)
+    raise DelaysvcError(f"archive run {run_id}: {why}")

@@ -1,59 +1,122 @@
-"""`delaysvc pipeline archive | bulk-schedule`: each ends with one summary line."""
+"""`delaysvc pipeline archive | report | bulk-schedule | bench`: each ends with one summary
+line (rows read, written, rejected, seconds). Also runs as a script under spark-submit:
+`spark-submit --master local[2] --jars /usr/share/java/postgresql.jar
+delaysvc/pipeline/cli.py archive --older-than 30d`."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 from typing import Any
 
 import click
 
+from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.levels import parse_duration_ms
+from delaysvc.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
-@click.group()
-@click.option("--master", default="local[*]", show_default=True, help="Spark master URL.")
-@click.option("--jars", help="Extra jars for Spark (comma-separated).")
+class Group(click.Group):
+    """Errors a user can cause end the command with one line, as in `delaysvc`'s group (this
+    one also runs on its own under spark-submit)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DelaysvcError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2 if exc.code in ("config_error", "invalid", "too_large") else 1)
+
+
+class Services:
+    """Settings and engine, read at the edge; built on first use."""
+
+    def __init__(self, master: str | None, jars: str | None):
+        self.master, self.jars = master, jars
+        self._settings: Settings | None = None
+        self._engine: Any = None
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = Settings.from_env()
+        return self._settings
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            from delaysvc.db import make_engine
+
+            self._engine = make_engine(self.settings)
+        return self._engine
+
+    def spark(self) -> Any:
+        from delaysvc.pipeline.spark import session
+
+        return session(self.master, self.jars)
+
+
+@click.group(cls=Group)
+@click.option("--master", help="Spark master URL (default local[*], or spark-submit's).")
+@click.option("--jars", help="More jars for Spark, comma-separated (the JDBC driver elsewhere).")
 @click.pass_context
-def pipeline(ctx: click.Context, master: str, jars: str | None) -> None:
+def pipeline(ctx: click.Context, master: str | None, jars: str | None) -> None:
     """Data pipeline jobs on Spark (PySpark)."""
-    ctx.meta["spark_options"] = {"master": master, "jars": jars}
+    logging.getLogger("delaysvc.pipeline").setLevel(logging.INFO)  # progress lines
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    ctx.obj = Services(master, jars)
 
 
-def _spark(ctx: click.Context) -> Any:
-    from delaysvc.pipeline.spark import session
-
-    return session(**ctx.meta["spark_options"])
+def _summary(job: str, read: int, written: int, rejected: int, seconds: float, more: str) -> None:
+    click.echo(f"{job}: read {read}, written {written}, rejected {rejected}, {seconds:.1f}s{more}")
 
 
 @pipeline.command()
 @click.option("--older-than", default="30d", show_default=True, help="Retention, e.g. 30d.")
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=Path("var/archive"), show_default=True
-)
-@click.pass_context
-def archive(ctx: click.Context, older_than: str, out: Path) -> None:
+@click.option("--out", type=click.Path(path_type=Path), default=Path("var/archive"))
+@click.pass_obj
+def archive(services: Services, older_than: str, out: Path) -> None:
     """Finished messages older than --older-than -> Parquet, verified, then deleted."""
-    from delaysvc.cli import Context
     from delaysvc.pipeline import archive as job
 
-    retention_ms = parse_duration_ms(older_than)
-    service = ctx.find_object(Context) or Context()
-    result = job.run(_spark(ctx), service.settings, service.engine, retention_ms, out)
-    click.echo(
-        f"archive: read {result.read}, written {result.written}, deleted {result.deleted}, "
-        f"rejected 0, {result.seconds:.1f}s -> {result.folder or 'nothing to archive'}"
+    retention_ms = parse_duration_ms(older_than, field="--older-than")
+    result = job.run(services.spark(), services.settings, services.engine, retention_ms, out)
+    runs = ", ".join(result.folders) or "nothing to archive"
+    _summary(
+        "archive",
+        result.written,
+        result.written,
+        0,
+        result.seconds,
+        f"; deleted {result.deleted} -> {runs}",
     )
+
+
+@pipeline.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("var/report"))
+@click.pass_obj
+def report(services: Services, out: Path) -> None:
+    """Per topic, level and hour from the archive and the live tables -> Parquet and the
+    report_hourly table."""
+    from delaysvc.pipeline import report as job
+
+    result = job.run(services.spark(), services.settings, services.engine, out)
+    _summary("report", result.read, result.written, 0, result.seconds, f" -> {out}")
 
 
 @pipeline.command("bulk-schedule")
 @click.argument("path", type=click.Path(path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["csv", "jsonl", "parquet"]))
-@click.option("--rejects", type=click.Path(path_type=Path), help="Default: PATH.rejects.jsonl")
+@click.option("--format", "fmt", help="csv, jsonl or parquet (default: from the name).")
+@click.option("--rejects", type=click.Path(path_type=Path), help="Default: NAME.rejects.EXT")
 @click.option("--key-from-row", is_flag=True, help="Keyless rows get a key from their content.")
-@click.option("--partitions", type=int, help="Spark partitions to write with.")
-@click.pass_context
+@click.option("--partitions", type=click.IntRange(min=1), help="Spark partitions to write with.")
+@click.pass_obj
 def bulk_schedule(
-    ctx: click.Context,
+    services: Services,
     path: Path,
     fmt: str | None,
     rejects: Path | None,
@@ -61,41 +124,34 @@ def bulk_schedule(
     partitions: int | None,
 ) -> None:
     """Schedule every valid row of a CSV, JSON Lines or Parquet file."""
-    from delaysvc.cli import Context
     from delaysvc.pipeline import bulk
 
-    fmt = fmt or {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl"}.get(path.suffix, "parquet")
-    rejects = rejects or path.with_name(path.name + ".rejects.jsonl")
-    service = ctx.find_object(Context) or Context()
-    result = bulk.run(_spark(ctx), service.settings, path, fmt, rejects, key_from_row, partitions)
-    click.echo(
-        f"bulk-schedule: read {result.read}, written {result.written}, "
-        f"duplicates {result.duplicates}, rejected {result.rejected} (-> {rejects}), "
-        f"{result.seconds:.1f}s"
+    if not path.exists():
+        raise ValidationError("path", f"{path} does not exist")
+    fmt = bulk.detect_format(path, fmt)
+    result = bulk.run(
+        services.spark(), services.settings, path, fmt, rejects, key_from_row, partitions
     )
+    more = f"; duplicates {result.duplicates}; rejects -> {result.rejects}"
+    _summary("bulk-schedule", result.read, result.written, result.rejected, result.seconds, more)
 
 
 @pipeline.command()
-@click.option(
-    "--archive",
-    "archive_dir",
-    type=click.Path(path_type=Path),
-    default=Path("var/archive"),
-    show_default=True,
-)
-@click.option(
-    "--out", type=click.Path(path_type=Path), default=Path("var/report"), show_default=True
-)
-@click.pass_context
-def report(ctx: click.Context, archive_dir: Path, out: Path) -> None:
-    """Per topic, level and hour: counts, lateness and handler-duration percentiles, retried
-    and dead, from the archive and the live tables -> Parquet and report_hourly."""
-    from delaysvc.cli import Context
-    from delaysvc.pipeline import report as job
+@click.option("--rows", type=click.IntRange(min=1), default=200_000, show_default=True)
+@click.option("--partitions", type=click.IntRange(min=1), help="Default: Spark's parallelism.")
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("var/bench-pipeline"))
+@click.pass_obj
+def bench(services: Services, rows: int, partitions: int | None, workdir: Path) -> None:
+    """Schedule N generated keyed rows, then the same file again; writes bench-bulk.json."""
+    from delaysvc.pipeline.bench import bench_bulk
 
-    service = ctx.find_object(Context) or Context()
-    result = job.run(_spark(ctx), service.settings, service.engine, archive_dir, out)
+    result = bench_bulk(services.spark(), services.settings, rows, workdir, partitions)
     click.echo(
-        f"report: read {result.read}, written {result.rows} rows (report_hourly, {out}), "
-        f"rejected 0, {result.seconds:.1f}s"
+        f"bench: {rows} rows, first run {result['first_rows_per_s']} rows/s, "
+        f"re-run (all duplicates) {result['rerun_rows_per_s']} rows/s "
+        f"-> {workdir / 'bench-bulk.json'}"
     )
+
+
+if __name__ == "__main__":  # spark-submit delaysvc/pipeline/cli.py ...
+    pipeline()

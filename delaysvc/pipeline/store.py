@@ -1,5 +1,6 @@
-"""The pipeline's statements (archive ranges, batched deletes, run records). Spark reads the
-rows themselves; everything that writes goes through here."""
+"""Every statement the pipeline runs: archive ranges, checksums and batched deletes, run
+records, the report's upsert and bulk scheduling's staged insert. Spark reads rows over JDBC
+with the queries built here too (`archive_query`, `finished_query`)."""
 
 from __future__ import annotations
 
@@ -10,68 +11,106 @@ from typing import Any
 
 from sqlalchemy import Connection, text
 
+from delaysvc import store as service_store
+
 FINISHED = ("succeeded", "dead", "cancelled")
-ARCHIVE_COLUMNS = (
-    "id, topic, key, status, delay_level, stored_at, deliver_ts, delivered_at, started_at, "
-    "finished_at, attempts, duration_ms, last_error, body, body_is_json"
+_FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
+# A 60-bit hash of the id: the first 15 hex digits of md5(id as decimal text). Spark computes
+# the same (`archive.id_hash`), so a sum of it checks that exactly the same ids are on both
+# sides, which a sum of plain ids does not ({1, 4} and {2, 3} agree).
+ID_HASH_SQL = "('x' || left(md5(c.id::text), 15))::bit(60)::bigint"
+ARCHIVE_LOCK = 0x64656C6179  # pg advisory lock key: one archive run at a time
+_ARCHIVE_COLUMNS = (
+    "c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties::text AS properties, "
+    "c.delay_level, c.lane, c.status, c.stored_at, c.deliver_ts, c.delivered_at, "
+    "c.started_at, c.finished_at, c.attempts, c.duration_ms, c.last_error, "
+    "c.errors::text AS errors, d.reason AS dead_reason, d.died_at"
 )
-_FINISHED_BEFORE = (
-    "status IN ('succeeded', 'dead', 'cancelled') AND finished_at < CAST(:cutoff AS timestamptz)"
+_REPORT_COLUMNS = (
+    "c.id, c.topic, c.status, c.delay_level, c.deliver_ts, c.delivered_at, c.finished_at, "
+    "c.attempts, c.duration_ms"
 )
+
+
+def _archivable(cutoff: datetime) -> str:
+    """The archivable condition with the cutoff as a literal (JDBC subqueries take no
+    parameters; the cutoff is a datetime we computed, never user text)."""
+    return f"{_FINISHED_SQL} AND c.finished_at < TIMESTAMPTZ '{cutoff.isoformat()}'"
 
 
 def database_now(conn: Connection) -> datetime:
     return conn.execute(text("SELECT now()")).scalar_one()
 
 
+def try_lock_archive(conn: Connection) -> bool:
+    """Session-level: held until unlock or the connection closes (a killed run frees it)."""
+    return bool(
+        conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": ARCHIVE_LOCK}).scalar_one()
+    )
+
+
+def unlock_archive(conn: Connection) -> None:
+    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": ARCHIVE_LOCK})
+
+
 def archivable_range(conn: Connection, cutoff: datetime) -> tuple[int | None, int | None]:
     row = conn.execute(
-        text(f"SELECT min(id), max(id) FROM commit_log WHERE {_FINISHED_BEFORE}"),
-        {"cutoff": cutoff},
+        text(f"SELECT min(c.id), max(c.id) FROM commit_log c WHERE {_archivable(cutoff)}")
     ).one()
     return row[0], row[1]
 
 
-def range_rows(conn: Connection, low: int, high: int, cutoff: datetime) -> list[Any]:
-    """The archivable rows with ids in [low, high]: one partition of an archive read."""
-    return list(
-        conn.execute(
-            text(
-                f"SELECT {ARCHIVE_COLUMNS} FROM commit_log "
-                f"WHERE id BETWEEN :low AND :high AND {_FINISHED_BEFORE} ORDER BY id"
-            ),
-            {"low": low, "high": high, "cutoff": cutoff},
-        )
+def archive_query(low: int, high: int, cutoff: datetime) -> str:
+    """The archivable rows in [low, high] with their dead letter, as a JDBC subquery."""
+    return (
+        f"(SELECT {_ARCHIVE_COLUMNS} FROM commit_log c "
+        "LEFT JOIN dead_letter d ON d.message_id = c.id "
+        f"WHERE c.id BETWEEN {int(low)} AND {int(high)} AND {_archivable(cutoff)}) AS archivable"
     )
 
 
+def finished_query() -> str:
+    """Every finished message still in PostgreSQL (the report's live half), as a subquery."""
+    return f"(SELECT {_REPORT_COLUMNS} FROM commit_log c WHERE {_FINISHED_SQL}) AS finished"
+
+
+def finished_id_range(conn: Connection) -> tuple[int | None, int | None]:
+    row = conn.execute(
+        text(f"SELECT min(c.id), max(c.id) FROM commit_log c WHERE {_FINISHED_SQL}")
+    ).one()
+    return row[0], row[1]
+
+
 def range_checksum(conn: Connection, low: int, high: int, cutoff: datetime) -> tuple[int, int]:
-    """(rows, sum of ids) of the archivable rows in [low, high]."""
+    """(rows, sum of id hashes) of the archivable rows in [low, high]."""
     row = conn.execute(
         text(
-            "SELECT count(*), COALESCE(sum(id), 0) FROM commit_log "
-            f"WHERE id BETWEEN :low AND :high AND {_FINISHED_BEFORE}"
+            f"SELECT count(*), COALESCE(sum({ID_HASH_SQL}::numeric), 0) FROM commit_log c "
+            f"WHERE c.id BETWEEN :low AND :high AND {_archivable(cutoff)}"
         ),
-        {"low": low, "high": high, "cutoff": cutoff},
+        {"low": low, "high": high},
     ).one()
     return int(row[0]), int(row[1])
 
 
-def delete_archived(conn: Connection, low: int, high: int, cutoff: datetime) -> int:
-    """Delete one batch of archived rows (and their dead letters); only rows that are still
-    finished and old, so a message redriven meanwhile stays."""
+def delete_archived(conn: Connection, ids: Sequence[int], cutoff: datetime) -> int:
+    """Delete these archived messages (and their dead letters), only while they are still
+    finished before the cutoff: a dead letter redriven since stays."""
+    params = {"ids": list(ids)}
     conn.execute(
         text(
             "DELETE FROM dead_letter d USING commit_log c WHERE d.message_id = c.id "
-            "AND c.id BETWEEN :low AND :high AND c.status IN ('succeeded', 'dead', 'cancelled') "
-            "AND c.finished_at < CAST(:cutoff AS timestamptz)"
+            f"AND c.id = ANY(:ids) AND {_archivable(cutoff)}"
         ),
-        {"low": low, "high": high, "cutoff": cutoff},
+        params,
     )
     return conn.execute(
-        text(f"DELETE FROM commit_log WHERE id BETWEEN :low AND :high AND {_FINISHED_BEFORE}"),
-        {"low": low, "high": high, "cutoff": cutoff},
+        text(f"DELETE FROM commit_log c WHERE c.id = ANY(:ids) AND {_archivable(cutoff)}"),
+        params,
     ).rowcount
+
+
+# ---------------------------------------------------------------- run records
 
 
 def start_run(
@@ -98,20 +137,36 @@ def unfinished_runs(conn: Connection, kind: str) -> Sequence[Any]:
     )
 
 
-def update_run(conn: Connection, run_id: int, **values: Any) -> None:
-    allowed = {
-        "status",
-        "rows_read",
-        "rows_written",
-        "rows_rejected",
-        "checksum",
-        "output_path",
-        "error",
-        "finished",
-    }
-    assert set(values) <= allowed, set(values) - allowed
-    sets = [f"{k} = :{k}" for k in values if k != "finished"]
-    if values.pop("finished", False):
+def verified_archive_folders(conn: Connection) -> list[str]:
+    """Folders of archive runs whose copy was verified (the only ones that count)."""
+    return list(
+        conn.execute(
+            text(
+                "SELECT output_path FROM pipeline_run WHERE kind = 'archive' "
+                "AND status <> 'failed' AND checksum IS NOT NULL AND output_path IS NOT NULL "
+                "ORDER BY id"
+            )
+        ).scalars()
+    )
+
+
+_RUN_FIELDS = {
+    "status",
+    "rows_read",
+    "rows_written",
+    "rows_rejected",
+    "checksum",
+    "output_path",
+    "error",
+}
+
+
+def update_run(conn: Connection, run_id: int, *, finished: bool = False, **values: Any) -> None:
+    unknown = set(values) - _RUN_FIELDS
+    if unknown:
+        raise ValueError(f"not a pipeline_run field: {sorted(unknown)}")
+    sets = [f"{k} = :{k}" for k in values]
+    if finished:
         sets.append("finished_at = now()")
     conn.execute(
         text(f"UPDATE pipeline_run SET {', '.join(sets)} WHERE id = :id"),
@@ -119,25 +174,92 @@ def update_run(conn: Connection, run_id: int, **values: Any) -> None:
     )
 
 
+def merge_run_params(conn: Connection, run_id: int, params: dict[str, Any]) -> None:
+    conn.execute(
+        text("UPDATE pipeline_run SET params = params || CAST(:p AS jsonb) WHERE id = :id"),
+        {"id": run_id, "p": json.dumps(params)},
+    )
+
+
+# ---------------------------------------------------------------- report
+
+
+_REPORT_FIELDS = (
+    "hour, topic, level, messages, lateness_p50_ms, lateness_p95_ms, lateness_p99_ms, "
+    "lateness_max_ms, duration_p50_ms, duration_p95_ms, duration_p99_ms, retried, dead, run_id"
+)
+
+
 def upsert_report(conn: Connection, rows: Sequence[dict[str, Any]], run_id: int) -> None:
+    """Insert or replace one row per (hour, topic, level)."""
     if not rows:
         return
+    names = [n.strip() for n in _REPORT_FIELDS.split(",")]
+    updates = ", ".join(f"{n} = EXCLUDED.{n}" for n in names[3:])
     conn.execute(
         text(
-            "INSERT INTO report_hourly (hour, topic, level, messages, lateness_p50_ms, "
-            "lateness_p95_ms, lateness_p99_ms, lateness_max_ms, duration_p50_ms, "
-            "duration_p95_ms, duration_p99_ms, retried, dead, run_id) VALUES (:hour, :topic, "
-            ":level, :messages, :lateness_p50_ms, :lateness_p95_ms, :lateness_p99_ms, "
-            ":lateness_max_ms, :duration_p50_ms, :duration_p95_ms, :duration_p99_ms, :retried, "
-            ":dead, :run_id) ON CONFLICT (hour, topic, level) DO UPDATE SET "
-            "messages = EXCLUDED.messages, lateness_p50_ms = EXCLUDED.lateness_p50_ms, "
-            "lateness_p95_ms = EXCLUDED.lateness_p95_ms, "
-            "lateness_p99_ms = EXCLUDED.lateness_p99_ms, "
-            "lateness_max_ms = EXCLUDED.lateness_max_ms, "
-            "duration_p50_ms = EXCLUDED.duration_p50_ms, "
-            "duration_p95_ms = EXCLUDED.duration_p95_ms, "
-            "duration_p99_ms = EXCLUDED.duration_p99_ms, retried = EXCLUDED.retried, "
-            "dead = EXCLUDED.dead, run_id = EXCLUDED.run_id"
+            f"INSERT INTO report_hourly ({_REPORT_FIELDS}) "
+            f"VALUES ({', '.join(':' + n for n in names)}) "
+            f"ON CONFLICT (hour, topic, level) DO UPDATE SET {updates}"
         ),
         [{**row, "run_id": run_id} for row in rows],
     )
+
+
+# ---------------------------------------------------------------- bulk scheduling
+
+_STAGE = """CREATE TEMP TABLE IF NOT EXISTS pipeline_bulk_stage (
+    topic text, key text, tags text[], body bytea, body_is_json boolean, properties jsonb,
+    delay_level smallint, lane smallint, delay_ms bigint, deliver_at timestamptz
+) ON COMMIT DELETE ROWS"""
+_STAGE_COLUMNS = (
+    "topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, deliver_at"
+)
+# The service's own insert (store._INSERT_MANY) fed from a staging table filled by COPY:
+# the same lanes, offsets, key rule and database-clock deliver_ts, and the same enqueue
+# fragment, but no parameter arrays and no rows sent back. Rows are taken in (topic, key)
+# order so parallel partitions holding the same keys lock them in the same order.
+_INSERT_STAGED = f"""
+WITH msg AS (
+    INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
+        lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    SELECT topic, key, tags, body, body_is_json, properties, delay_level, lane,
+        {service_store._NEXT_OFFSET.format(lane="lane")},
+        CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
+        statement_timestamp(),
+        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
+        CASE WHEN lane < 0 THEN statement_timestamp() END
+    FROM pipeline_bulk_stage ORDER BY topic, key
+    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
+    RETURNING id, topic, lane, queue_offset, deliver_ts
+){service_store._ENQUEUE_FROM.format(src="msg")}
+SELECT count(*) FROM msg
+"""
+
+
+def insert_staged(conn: Connection, messages: Sequence[service_store.NewMessage]) -> int:
+    """Store validated messages in the caller's transaction. -> how many were created (the
+    rest hold a key an unfinished message of their topic already holds)."""
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    with cursor:
+        cursor.execute(_STAGE)
+        cursor.execute("TRUNCATE pipeline_bulk_stage")  # a second batch in one transaction
+        with cursor.copy(f"COPY pipeline_bulk_stage ({_STAGE_COLUMNS}) FROM STDIN") as copy:
+            for m in messages:
+                copy.write_row(
+                    (
+                        m.topic,
+                        m.key,
+                        m.tags,
+                        m.body,
+                        m.body_is_json,
+                        json.dumps(m.properties) if m.properties is not None else None,
+                        m.delay_level,
+                        m.lane,
+                        m.delay_ms,
+                        m.deliver_at,
+                    )
+                )
+        cursor.execute(_INSERT_STAGED)
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
