@@ -84,7 +84,9 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
     if not path.exists():
         raise ValidationError("path", f"{path} does not exist")
     if fmt == "csv":
-        return spark.read.option("header", True).option("multiLine", True).csv(str(path))
+        # RFC 4180 quoting (a quote inside a quoted cell is doubled), as Python's csv writes
+        reader = spark.read.option("header", True).option("multiLine", True)
+        return reader.option("escape", '"').csv(str(path))
     if fmt == "jsonl":
         return spark.read.text(str(path))
     return spark.read.parquet(str(path))
