@@ -226,6 +226,13 @@ def test_find_a_message_and_cancel_it(page: Page, server: str, producer: Produce
     page.click("#search button[type=submit]")
     expect(page.locator("#messages tbody tr")).to_have_count(5)
     shot(page, "messages")
+    page.evaluate("window.sameDocument = true")
+    newest = producer.send("shop.order.cancel", {"order": 45}, delay="30m", key="order-45")
+    expect(page.locator("#messages tbody tr").first).to_have_attribute("data-key", str(newest.id))
+    expect(page.locator("#messages tbody tr")).to_have_count(6)
+    producer.cancel(newest.id)
+    expect(page.locator(f'#messages tr[data-key="{newest.id}"] .status')).to_have_text("cancelled")
+    assert page.evaluate("window.sameDocument") is True  # refreshed in place, never reloaded
     page.click(f'#messages a:text-is("{sent[2].id}")')
     expect(page.locator("h1")).to_have_text(f"Message {sent[2].id}")
     expect(page.locator('[data-field="status"]')).to_have_text("scheduled")
@@ -259,6 +266,15 @@ def test_redrive_a_dead_letter(
     )
     expect(groups.nth(0).locator("td.num")).to_have_text("2")
     shot(page, "dead-letters")
+    page.evaluate("window.sameDocument = true")
+    page.check(f'#dead-letters input[type=checkbox][value="{ids[2]}"]')
+    later = producer.send("shop.invoice", {"host": "ap-3"}).id
+    Consumer(settings, engine).run_once("shop.invoice")
+    expect(groups).to_have_count(3)  # a new letter and its group appear without a reload
+    expect(page.locator(f'#dead-letters tr[data-key="{later}"]')).to_have_count(1)
+    expect(page.locator(f'#dead-letters input[type=checkbox][value="{ids[2]}"]')).to_be_checked()
+    expect(page.locator(f'#dead-letters input[type=checkbox][value="{later}"]')).not_to_be_checked()
+    assert page.evaluate("window.sameDocument") is True
     groups.nth(0).locator("a", has_text="Show").click()
     expect(page.locator("#dead-letters tbody tr")).to_have_count(2)
     page.locator(f'#dead-letters tr[data-key="{ids[1]}"] button.redrive-one').click()

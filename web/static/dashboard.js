@@ -1,8 +1,12 @@
-// delaysvc dashboard: keeps the page live without reloading it, and draws the two charts.
-// A page that sets <body data-poll="URL"> is refreshed from that JSON every data-refresh-ms:
-// table rows are matched by data-key, their [data-field] elements get the row's `cells`, their
-// [data-flag] elements are shown when the row's flag is true ("!flag" negates). Rows that
-// appear are cloned from the table's <template>; rows that vanish are removed.
+// delaysvc dashboard: keeps the page live without reloading it, and draws the charts.
+// Every data-refresh-ms a page is refreshed in one of two ways:
+// - <body data-poll="URL">: from that JSON. Table rows are matched by data-key, their
+//   [data-field] elements get the row's `cells`, their [data-flag] elements are shown when the
+//   row's flag is true ("!flag" negates). Rows that appear are cloned from the table's
+//   <template>; rows that vanish are removed.
+// - <body data-refresh-html>: the page's own URL is fetched again and each [data-live] region
+//   (by id) is replaced by its new version, keeping the boxes the user has ticked; a region
+//   the user is typing in is left alone until the next refresh.
 "use strict";
 
 (function () {
@@ -216,9 +220,31 @@
     if (empty && data.topics) empty.hidden = data.topics.length > 0;
   }
 
+  function swapRegions(html) {
+    const fresh = new DOMParser().parseFromString(html, "text/html");
+    document.querySelectorAll("[data-live][id]").forEach(function (region) {
+      const next = fresh.getElementById(region.id);
+      if (!next) return;
+      const typing = "input:not([type=checkbox]):not([type=radio]), select, textarea";
+      if (region.contains(document.activeElement) && document.activeElement.matches(typing)) {
+        return;
+      }
+      const ticked = new Set();
+      region.querySelectorAll("input[type=checkbox]:checked").forEach(function (box) {
+        ticked.add(box.name + "=" + box.value);
+      });
+      next.querySelectorAll("input[type=checkbox]").forEach(function (box) {
+        if (ticked.has(box.name + "=" + box.value)) box.checked = true;
+      });
+      region.replaceWith(document.adoptNode(next));
+    });
+    wireForms(document);
+  }
+
   function startPolling() {
     const url = document.body.dataset.poll;
-    if (!url) return;
+    const html = document.body.dataset.refreshHtml !== undefined;
+    if (!url && !html) return;
     const every = parseInt(document.body.dataset.refreshMs || "3000", 10);
     const state = document.getElementById("refresh-state");
     let refreshes = 0;
@@ -227,17 +253,22 @@
         setTimeout(tick, every);
         return;
       }
-      fetch(url, { credentials: "same-origin", headers: { Accept: "application/json" } })
+      const accept = html ? "text/html" : "application/json";
+      fetch(html ? window.location.href : url,
+        { credentials: "same-origin", headers: { Accept: accept } })
         .then(function (response) {
-          if (response.status === 401) {
+          const loggedOut = response.status === 401 ||
+            (response.redirected && new URL(response.url).pathname === "/login");
+          if (loggedOut) {
             window.location.assign("/login?next=" + encodeURIComponent(window.location.pathname));
             throw new Error("logged out");
           }
           if (!response.ok) throw new Error("HTTP " + response.status);
-          return response.json();
+          return html ? response.text() : response.json();
         })
         .then(function (data) {
-          render(data);
+          if (html) swapRegions(data);
+          else render(data);
           refreshes += 1;
           document.body.dataset.refreshes = String(refreshes);
           if (state) {
@@ -256,13 +287,15 @@
     setTimeout(tick, every);
   }
 
-  function wireForms() {
-    document.querySelectorAll("form[data-confirm]").forEach(function (form) {
+  function wireForms(root) {
+    root.querySelectorAll("form[data-confirm]:not([data-wired])").forEach(function (form) {
+      form.dataset.wired = "";
       form.addEventListener("submit", function (event) {
         if (!window.confirm(form.dataset.confirm)) event.preventDefault();
       });
     });
-    document.querySelectorAll("input[data-select-all]").forEach(function (box) {
+    root.querySelectorAll("input[data-select-all]:not([data-wired])").forEach(function (box) {
+      box.dataset.wired = "";
       box.addEventListener("change", function () {
         document.querySelectorAll('input[type=checkbox][name="' + box.dataset.selectAll + '"]')
           .forEach(function (item) { item.checked = box.checked; });
@@ -273,7 +306,7 @@
   document.addEventListener("DOMContentLoaded", function () {
     const initial = document.getElementById("initial-data");
     if (initial) render(JSON.parse(initial.textContent));
-    wireForms();
+    wireForms(document);
     startPolling();
   });
 })();
