@@ -377,3 +377,27 @@ def dead_ids_in_group(
             {**params, "limit": limit},
         ).scalars()
     )
+
+
+# ---------------------------------------------------------------- history (report_hourly)
+
+HISTORY_DAYS = (1, 7, 30, 90)
+HISTORY_MAX_ROWS = 20_000
+
+
+def report_history(conn: Connection, days: int, topic: str | None = None) -> list[Any]:
+    """`report_hourly` rows (written by `delaysvc pipeline report`) of the last `days`,
+    oldest hour first, at most HISTORY_MAX_ROWS."""
+    topic_filter = "AND topic = :topic" if topic is not None else ""
+    return list(
+        conn.execute(
+            text(
+                "SELECT hour, topic, level, messages, lateness_p50_ms, lateness_p95_ms, "
+                "lateness_p99_ms, lateness_max_ms, duration_p50_ms, duration_p95_ms, "
+                "duration_p99_ms, retried, dead FROM report_hourly "
+                f"WHERE hour > {store.NOW} - make_interval(days => :days) {topic_filter} "
+                "ORDER BY hour, topic, level LIMIT :limit"
+            ),
+            {"now": None, "days": days, "topic": topic, "limit": HISTORY_MAX_ROWS},
+        )
+    )

@@ -103,8 +103,13 @@ def _other(message: Any) -> None:
 # ---------------------------------------------------------------- login, logout, session
 
 
-PAGES = ["/", "/topics", "/messages", "/messages/1", "/dead"]
-JSON_ENDPOINTS = ["/ui/overview.json", "/ui/topics.json", "/ui/messages/1.json"]
+PAGES = ["/", "/topics", "/messages", "/messages/1", "/dead", "/history"]
+JSON_ENDPOINTS = [
+    "/ui/overview.json",
+    "/ui/topics.json",
+    "/ui/messages/1.json",
+    "/ui/history.json",
+]
 
 
 def test_every_page_redirects_to_login_and_json_answers_401_without_a_session(app: Flask) -> None:
@@ -796,3 +801,93 @@ def test_dead_ids_in_group_matches_the_error_exactly(engine: Engine, dead_ids: l
         assert dash.dead_ids_in_group(conn, "dash.fails", "ValueError: no", 10) == []
         assert dash.dead_ids_in_group(conn, None, None, 10, after=dead_ids[3]) == dead_ids[4:]
         assert dash.dead_ids_in_group(conn, "dash.fails", None, 2) == dead_ids[:2]
+
+
+# ---------------------------------------------------------------- history (report_hourly)
+
+
+SEED_FIELDS = ("h", "t", "l", "m", "a", "b", "c", "d", "e", "f", "g", "r", "x")
+
+
+def seed_report(engine: Engine) -> datetime:
+    """Report rows as `delaysvc pipeline report` writes them: two topics, two levels, three
+    hours, one row outside a day's window. -> the newest hour."""
+    with engine.begin() as conn:
+        now = store.database_now(conn)
+        hour = now.replace(minute=0, second=0, microsecond=0)
+        rows = [
+            # hour, topic, level, messages, lateness p50/p95/p99/max, duration p50/p95/p99,
+            # retried, dead
+            (hour - timedelta(hours=2), "shop.email", 1, 100, 2, 5, 9, 12, 30, 50, 80, 4, 1),
+            (hour - timedelta(hours=2), "shop.email", 3, 50, 3, 8, 40, 45, 20, 40, 60, 0, 0),
+            (hour - timedelta(hours=1), "shop.email", 1, 120, 2, 6, 11, 20, 31, 52, 90, 0, 0),
+            (hour, "shop.sms", 2, 7, 1, 1, 2, 2, None, None, None, 7, 7),
+            (hour - timedelta(days=3), "shop.sms", 2, 999, 1, 1, 1, 1, 1, 1, 1, 0, 0),
+        ]
+        for row in rows:
+            conn.execute(
+                text(
+                    "INSERT INTO report_hourly (hour, topic, level, messages, lateness_p50_ms, "
+                    "lateness_p95_ms, lateness_p99_ms, lateness_max_ms, duration_p50_ms, "
+                    "duration_p95_ms, duration_p99_ms, retried, dead) VALUES "
+                    "(:h, :t, :l, :m, :a, :b, :c, :d, :e, :f, :g, :r, :x)"
+                ),
+                dict(zip(SEED_FIELDS, row, strict=True)),
+            )
+    return hour
+
+
+def test_history_charts_and_rows_come_from_report_hourly(
+    admin: FlaskClient, engine: Engine
+) -> None:
+    hour = seed_report(engine)
+    data = admin.get("/ui/history.json?days=1").get_json()
+    messages = {s["key"]: [p[1] for p in s["points"]] for s in data["messages"]["series"]}
+    assert messages == {"shop.email": [150, 120], "shop.sms": [7]}  # levels summed per hour
+    lateness = {s["key"]: [p[1] for p in s["points"]] for s in data["lateness"]["series"]}
+    assert lateness == {"shop.email": [40, 11], "shop.sms": [2]}  # the worst level's p99
+    duration = {s["key"]: s["last"] for s in data["duration"]["series"]}
+    assert duration == {"shop.email": "90 ms"}  # shop.sms ran no handler
+    assert data["messages"]["window_s"] == 86_400
+    assert [t[1] for t in data["messages"]["ticks"]] == ["-24 h", "-18 h", "-12 h", "-6 h", "now"]
+    assert [r["cells"]["hour"][-5:] for r in data["rows"]] == [
+        hour.strftime("%H:00"),
+        (hour - timedelta(hours=1)).strftime("%H:00"),
+        (hour - timedelta(hours=2)).strftime("%H:00"),
+        (hour - timedelta(hours=2)).strftime("%H:00"),
+    ]
+    newest = data["rows"][0]["cells"]
+    assert (newest["topic"], newest["level"], newest["messages"]) == ("shop.sms", "2", "7")
+    assert (newest["retried"], newest["dead"], newest["run_p50"]) == ("100.0%", "100.0%", "-")
+    oldest = data["rows"][-1]["cells"]
+    assert (oldest["late_p99"], oldest["run_p99"], oldest["retried"]) == ("9 ms", "80 ms", "4.0%")
+
+    week = admin.get("/ui/history.json?days=7&topic=shop.sms").get_json()
+    assert {s["key"]: [p[1] for p in s["points"]] for s in week["messages"]["series"]} == {
+        "shop.sms": [999, 7]
+    }
+    page = admin.get("/history?days=7")
+    assert page.status_code == 200
+    assert page.text.count('<tr data-key="') == 5 + 1  # the rows and the row template
+
+
+def test_history_without_a_report_says_how_to_make_one(admin: FlaskClient) -> None:
+    data = admin.get("/ui/history.json").get_json()
+    assert data["rows"] == [] and data["messages"]["series"] == []
+    assert data["messages"]["empty"] == "no report yet: run `delaysvc pipeline report`"
+
+
+@pytest.mark.parametrize(
+    ("query", "field", "allowed"),
+    [
+        ("days=2", "days", "1, 7, 30, 90"),
+        ("days=x", "days", "1, 7, 30, 90"),
+        ("topic=a%20b", "topic", ""),
+    ],
+)
+def test_history_refuses_bad_arguments_naming_them(
+    admin: FlaskClient, query: str, field: str, allowed: str
+) -> None:
+    response = admin.get("/ui/history.json?" + query)
+    assert response.status_code == 400
+    assert field in response.text and allowed in response.text

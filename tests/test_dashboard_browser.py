@@ -6,6 +6,7 @@ Waits are on the DOM (Playwright's `expect`), never on sleeps."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -57,6 +58,7 @@ def server(settings: Settings, engine: Engine, tmp_path: Path) -> Iterator[str]:
     auth.create_user(engine, *ADMIN, role="admin")
     app = create_app(settings.model_copy(update={"var_dir": tmp_path / "var"}))
     app.config["DASHBOARD_REFRESH_MS"] = REFRESH_MS
+    app.config["DASHBOARD_HISTORY_REFRESH_MS"] = REFRESH_MS
     http = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=http.serve_forever, daemon=True)
     thread.start()
@@ -157,10 +159,10 @@ def test_overview_shows_the_backlog_grow_without_a_reload(
     log_in(page, server)
     level2 = page.locator('#lanes tr[data-key="level-2"]')
     expect(level2.locator('[data-field="pending"]')).to_have_text("0")
-    expect(page.locator("#backlog-legend li")).to_have_text(
+    expect(page.locator("#backlog-chart-legend li")).to_have_text(
         ["level-1: 0", "level-3: 0", "timer: 12"]
     )
-    expect(page.locator("#lateness-summary")).to_have_text(
+    expect(page.locator("#lateness-chart-summary")).to_have_text(
         "2929 deliveries; p50 ≤ 2 ms, p99 ≤ 50 ms, max 240 ms"
     )
     expect(page.locator("#backlog-chart polyline")).to_have_count(3)
@@ -174,7 +176,7 @@ def test_overview_shows_the_backlog_grow_without_a_reload(
     expect(level2.locator('[data-field="offset"]')).to_have_text("0 / 3")
     expect(level2.locator('[data-field="next_due"]')).to_contain_text("in ")
     dash.sample_stats(engine)
-    expect(page.locator('#backlog-legend li[data-key="level-2"]')).to_have_text("level-2: 3")
+    expect(page.locator('#backlog-chart-legend li[data-key="level-2"]')).to_have_text("level-2: 3")
     expect(page.locator("#backlog-chart polyline")).to_have_count(6)
     assert page.evaluate("window.sameDocument") is True  # updated in place, never reloaded
 
@@ -282,3 +284,56 @@ def test_redrive_a_dead_letter(
     expect(page.locator("#dead-letters tbody tr")).to_have_count(1)
     expect(page.locator("#dead-groups tr.selected td.num")).to_have_text("1")
     assert [producer.get(i).status for i in ids] == ["dead", "ready", "dead"]
+
+
+def _report_row(engine: Engine, hours_ago: int, topic: str, level: int, messages: int) -> None:
+    with engine.begin() as conn:
+        hour = store.database_now(conn).replace(minute=0, second=0, microsecond=0)
+        conn.execute(
+            text(
+                "INSERT INTO report_hourly (hour, topic, level, messages, lateness_p50_ms, "
+                "lateness_p95_ms, lateness_p99_ms, lateness_max_ms, duration_p50_ms, "
+                "duration_p95_ms, duration_p99_ms, retried, dead) VALUES (:hour, :topic, "
+                ":level, :messages, 3, 8, :p99, :p99, 20, 35, :run, :messages / 20, 0)"
+            ),
+            {
+                "hour": hour - timedelta(hours=hours_ago),
+                "topic": topic,
+                "level": level,
+                "messages": messages,
+                "p99": round(12 + level * 2 + 8 * math.sin(hours_ago / 5 + level), 1),
+                "run": round(40 + level * 9 + 25 * math.cos(hours_ago / 7 + level), 1),
+            },
+        )
+
+
+def test_history_page_draws_the_report_and_shows_a_new_report_without_a_reload(
+    page: Page, server: str, engine: Engine
+) -> None:
+    for hours_ago in range(36, 0, -1):
+        daily = math.sin(2 * math.pi * hours_ago / 24)
+        _report_row(engine, hours_ago, "shop.email", 2, round(600 + 300 * daily))
+        _report_row(engine, hours_ago, "shop.order.cancel", 6, round(150 + 60 * daily))
+    log_in(page, server)
+    page.click("nav >> text=History")
+    expect(page.locator("h1")).to_have_text("History")
+    for chart in ("messages", "late-p99", "duration"):
+        expect(page.locator(f"#{chart}-chart polyline")).to_have_count(2)
+    expect(page.locator("#messages-chart-legend li")).to_have_text(
+        ["shop.email: 678", "shop.order.cancel: 166"]
+    )
+    expect(page.locator("#history tbody tr")).to_have_count(72)
+    shot(page, "history")
+    page.evaluate("window.sameDocument = true")
+    _report_row(engine, 0, "shop.sms", 1, 9)  # the report ran again
+    expect(page.locator("#history tbody tr").first.locator('[data-field="topic"]')).to_have_text(
+        "shop.sms"
+    )
+    expect(page.locator("#messages-chart polyline")).to_have_count(3)
+    assert page.evaluate("window.sameDocument") is True
+    page.select_option("select[name=days]", "1")
+    page.fill("input[name=topic]", "shop.email")
+    page.click("#history-filter button[type=submit]")
+    expect(page.locator("h1")).to_have_text("History of shop.email")
+    expect(page.locator("#history tbody tr")).to_have_count(23)  # hours 1-23 ago
+    expect(page.locator("#messages-chart polyline")).to_have_count(1)

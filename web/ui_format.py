@@ -120,6 +120,8 @@ def backlog_chart(samples: list[Any], now: datetime, window: timedelta) -> dict[
         series.setdefault(sample.lane, []).append([round(age, 1), int(sample.pending)])
     return {
         "window_s": window.total_seconds(),
+        "ticks": [[-60 * m, f"-{m} min"] for m in (60, 45, 30, 15)] + [[0, "now"]],
+        "empty": "no samples yet (beat task delaysvc.sample_stats)",
         "series": [
             {"key": lane_key(lane), "points": points, "last": points[-1][1]}
             for lane, points in sorted(series.items(), key=lambda item: (item[0] == 0, item[0]))
@@ -246,4 +248,82 @@ def message_view(message: Message) -> dict[str, Any]:
         },
         "flags": {"cancellable": message.status in CANCELLABLE, "dead": message.status == "dead"},
         "timeline": timeline(message),
+    }
+
+
+# ---------------------------------------------------------------- history
+
+HISTORY_TABLE_ROWS = 300
+_TICK_DAYS = {1: 0.25, 7: 1, 30: 5, 90: 15}  # days between axis labels, per window
+
+
+def _ms_text(value: float | None) -> str:
+    return "-" if value is None else seconds_text(value / 1000)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _ago(seconds: float, step: float) -> str:
+    """An axis label, in hours when the labels are less than a day apart."""
+    return f"-{seconds / 86_400:g} d" if step >= 86_400 else f"-{seconds / 3600:g} h"
+
+
+def history_row(row: Any) -> dict[str, Any]:
+    """One (hour, topic, level) row of `report_hourly`."""
+    return {
+        "key": f"{row.hour.isoformat()}|{row.topic}|{row.level}",
+        "ref": row.topic,
+        "cells": {
+            "hour": row.hour.astimezone(UTC).strftime("%Y-%m-%d %H:00"),
+            "topic": row.topic,
+            "level": "timer" if row.level == 0 else str(row.level),
+            "messages": str(row.messages),
+            "late_p50": _ms_text(row.lateness_p50_ms),
+            "late_p95": _ms_text(row.lateness_p95_ms),
+            "late_p99": _ms_text(row.lateness_p99_ms),
+            "late_max": _ms_text(row.lateness_max_ms),
+            "run_p50": _ms_text(row.duration_p50_ms),
+            "run_p99": _ms_text(row.duration_p99_ms),
+            "retried": _share(row.retried, row.messages),
+            "dead": _share(row.dead, row.messages),
+        },
+        "flags": {},
+    }
+
+
+def history_view(rows: list[Any], now: datetime, days: int) -> dict[str, Any]:
+    """Three charts per topic and hour (messages; worst level's lateness p99; worst level's
+    handler p99) and the newest rows as a table."""
+    window = timedelta(days=days).total_seconds()
+    step = _TICK_DAYS.get(days, days / 4) * 86_400
+    ago = [window - n * step for n in range(round(window / step))]
+    ticks: list[list[Any]] = [[-s, _ago(s, step)] for s in ago if s > 0] + [[0, "now"]]
+    per_topic: dict[str, dict[str, dict[datetime, float]]] = {}
+    for row in rows:
+        charts = per_topic.setdefault(row.topic, {"messages": {}, "lateness": {}, "duration": {}})
+        charts["messages"][row.hour] = charts["messages"].get(row.hour, 0) + row.messages
+        for name, value in (("lateness", row.lateness_p99_ms), ("duration", row.duration_p99_ms)):
+            if value is not None:
+                charts[name][row.hour] = max(charts[name].get(row.hour, 0.0), value)
+
+    def chart(name: str, empty: str, unit: str) -> dict[str, Any]:
+        series = []
+        for topic, charts in sorted(per_topic.items()):
+            points = [
+                [round((hour - now).total_seconds()), round(value, 2)]
+                for hour, value in sorted(charts[name].items())
+            ]
+            if points:
+                series.append({"key": topic, "points": points, "last": f"{points[-1][1]:g}{unit}"})
+        return {"window_s": window, "ticks": ticks, "empty": empty, "series": series}
+
+    nothing = "no report yet: run `delaysvc pipeline report`"
+    return {
+        "messages": chart("messages", nothing, ""),
+        "lateness": chart("lateness", nothing, " ms"),
+        "duration": chart("duration", "no handler durations in the report", " ms"),
+        "rows": [history_row(row) for row in reversed(rows[-HISTORY_TABLE_ROWS:])],
+        "total_rows": len(rows),
     }

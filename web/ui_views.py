@@ -1,18 +1,19 @@
-"""Overview (lanes and charts) and topics: pages, the JSON they poll, and their actions."""
+"""Overview (lanes and charts), topics and history: pages, the JSON they poll, and their
+actions."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from flask import jsonify, redirect, render_template, url_for
+from flask import jsonify, redirect, render_template, request, url_for
 
 from delaysvc import store
 from delaysvc import store_dashboard as dash
-from delaysvc.errors import DelaysvcError
+from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.validation import validate_topic
 from web.api import services, topic_json
 from web.ui import admin_required, done, timeout_ms, ui
-from web.ui_format import backlog_chart, lane_row, lateness_chart, topic_row
+from web.ui_format import backlog_chart, history_view, lane_row, lateness_chart, topic_row
 
 
 def overview_data() -> dict[str, Any]:
@@ -92,3 +93,40 @@ def pause_topic(topic: str) -> Any:
 @admin_required
 def resume_topic(topic: str) -> Any:
     return _set_paused(topic, False)
+
+
+def history_args() -> tuple[int, str | None]:
+    """?days= one of HISTORY_DAYS (default 7), ?topic= a topic name or empty."""
+    raw = request.args.get("days", "7").strip()
+    if not raw.isdigit() or int(raw) not in dash.HISTORY_DAYS:
+        allowed = ", ".join(map(str, dash.HISTORY_DAYS))
+        raise ValidationError("days", f"{raw!r} is not one of {allowed}")
+    topic = request.args.get("topic", "").strip() or None
+    if topic is not None:
+        validate_topic(topic)
+    return int(raw), topic
+
+
+def history_data(days: int, topic: str | None) -> dict[str, Any]:
+    with dash.bounded(services()["engine"], timeout_ms()) as conn:
+        rows = dash.report_history(conn, days, topic)
+        now = store.database_now(conn)
+    return history_view(rows, now, days)
+
+
+@ui.get("/history")
+def history() -> Any:
+    days, topic = history_args()
+    return render_template(
+        "history.html",
+        data=history_data(days, topic),
+        days=days,
+        topic=topic or "",
+        choices=dash.HISTORY_DAYS,
+        poll=url_for("dashboard.ui.history_json", days=days, topic=topic),
+    )
+
+
+@ui.get("/ui/history.json")
+def history_json() -> Any:
+    return jsonify(history_data(*history_args()))

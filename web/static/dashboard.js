@@ -101,7 +101,9 @@
     }
   }
 
-  function drawBacklog(svg, legend, chart) {
+  // Lines over time: chart.series [{key, points: [[seconds before now, value]], last}],
+  // chart.window_s wide, labelled at chart.ticks [[seconds before now, label]].
+  function drawLines(svg, legend, chart) {
     clear(svg);
     legend.textContent = "";
     const box = { left: 56, top: 10, width: 570, height: 200 };
@@ -113,14 +115,14 @@
     const scale = axis(maxY);
     maxY = scale.max;
     frame(svg, scale, box.left, box.top, box.width, box.height);
-    [-60, -45, -30, -15, 0].forEach(function (minutes) {
-      const x = box.left + box.width * (1 + (minutes * 60) / windowS);
+    chart.ticks.forEach(function (tick) {
+      const x = box.left + box.width * (1 + tick[0] / windowS);
       svg.appendChild(el("text", { x: x, y: box.top + box.height + 18, class: "tick",
-        "text-anchor": minutes === 0 ? "end" : "middle" }, minutes === 0 ? "now" : minutes + " min"));
+        "text-anchor": tick[0] === 0 ? "end" : "middle" }, tick[1]));
     });
     if (!chart.series.length) {
       svg.appendChild(el("text", { x: box.left + box.width / 2, y: box.top + box.height / 2,
-        class: "empty", "text-anchor": "middle" }, "no samples yet (beat task delaysvc.sample_stats)"));
+        class: "empty", "text-anchor": "middle" }, chart.empty));
       return;
     }
     chart.series.forEach(function (s, index) {
@@ -203,14 +205,14 @@
       const rows = data[table.dataset.rows];
       if (rows) updateRows(table, rows);
     });
-    const backlog = document.getElementById("backlog-chart");
-    if (backlog && data.backlog) {
-      drawBacklog(backlog, document.getElementById("backlog-legend"), data.backlog);
-    }
-    const lateness = document.getElementById("lateness-chart");
-    if (lateness && data.lateness) {
-      drawLateness(lateness, document.getElementById("lateness-summary"), data.lateness);
-    }
+    document.querySelectorAll("svg[data-lines]").forEach(function (svg) {
+      const chart = data[svg.dataset.lines];
+      if (chart) drawLines(svg, document.getElementById(svg.id + "-legend"), chart);
+    });
+    document.querySelectorAll("svg[data-buckets]").forEach(function (svg) {
+      const chart = data[svg.dataset.buckets];
+      if (chart) drawLateness(svg, document.getElementById(svg.id + "-summary"), chart);
+    });
     const message = document.getElementById("message");
     if (message && data.cells) {
       applyFields(message, data.cells, data.flags);
