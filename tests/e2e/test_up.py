@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +57,15 @@ def _processes_in(folder: Path) -> list[int]:
     return found
 
 
-def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
-    env.update(PYTHONPATH=str(ROOT), DELAYSVC_HANDLERS="examples.shop", SHOP_CANCEL_AFTER="3s")
+@contextmanager
+def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callable[..., str]]]:
+    """`delaysvc up` started in `folder` until it prints `ready`; -> (port, a function running
+    other `delaysvc` commands in the same folder). Stopped with SIGTERM at the end, which must
+    end every child cleanly."""
     port = _free_port()
     up = subprocess.Popen(
         [sys.executable, "-m", "delaysvc", "up", "--port", str(port)],
-        cwd=tmp_path,
+        cwd=folder,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -77,6 +81,17 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
             output.append(line)
             lines.put(line)
 
+    def delaysvc(*args: str) -> str:
+        return subprocess.run(
+            [sys.executable, "-m", "delaysvc", *args],
+            cwd=folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+
     threading.Thread(target=read, daemon=True).start()
     try:
         while True:
@@ -84,18 +99,23 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
             if "ready" in line:
                 break
         assert f"http://127.0.0.1:{port}/" in line
+        yield port, delaysvc
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=90)
+    assert code == 0, "".join(output[-40:])
+    wait_for(lambda: _processes_in(folder) == [], 30, "every child of up to exit")
 
-        def delaysvc(*args: str) -> str:
-            return subprocess.run(
-                [sys.executable, "-m", "delaysvc", *args],
-                cwd=tmp_path,
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=60,
-            ).stdout
 
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env.update(PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Path) -> None:
+    env = _clean_env(DELAYSVC_HANDLERS="examples.shop", SHOP_CANCEL_AFTER="3s")
+    with running_up(tmp_path, env) as (port, delaysvc):
         token = delaysvc("create-token", "tester", "--scope", "admin").strip().splitlines()[-1]
         # the README's order-cancellation example against the same embedded database
         url = start_embedded(tmp_path / "var")
@@ -140,14 +160,74 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
         wait_for(lambda: len(statuses(sampled)) == 19, 60, "a stats sample of all 19 lanes")
         engine.dispose()
         assert sorted(timers.values()) == ["cancelled", "succeeded"]
-    finally:
-        up.send_signal(signal.SIGTERM)
-        code = up.wait(timeout=90)
-    assert code == 0, "".join(output[-40:])
-    wait_for(lambda: _processes_in(tmp_path) == [], 30, "every child of up to exit")
 
 
 def _seconds(iso: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(iso).timestamp()
+
+
+def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None:
+    """The issue's "done when": the dashboard at the URL `up` prints shows live charts while a
+    load runs through the real worker and beat, without a reload."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from tests.test_dashboard_browser import CHROMIUM_ARGS, SCREENSHOTS
+
+    with running_up(tmp_path, _clean_env()) as (port, delaysvc):
+        delaysvc("create-user", "ada", "--role", "admin", "--password", "admin-password-1")
+        load = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "delaysvc",
+                "load",
+                "--rate",
+                "300",
+                "--seconds",
+                "40",
+                "--levels",
+                "1,2",
+                "--topic",
+                "load.demo",
+            ],
+            cwd=tmp_path,
+            env=_clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(
+                    executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS
+                )
+                page = browser.new_page(viewport={"width": 1366, "height": 768})
+                page.goto(f"http://127.0.0.1:{port}/login")
+                page.fill("input[name=name]", "ada")
+                page.fill("input[name=password]", "admin-password-1")
+                page.click("button[type=submit]")
+                expect(page.locator("#user")).to_have_text("ada (admin)", timeout=30_000)
+                page.evaluate("window.sameDocument = true")
+
+                def deliveries() -> int:
+                    summary = page.locator("#lateness-chart-summary").inner_text()
+                    return int(summary.split()[0]) if summary[0].isdigit() else 0
+
+                first = wait_for(deliveries, 60, "the lateness chart to count deliveries")
+                wait_for(lambda: deliveries() > first + 300, 60, "more deliveries, live")
+                level1 = page.locator('#lanes tr[data-key="level-1"] [data-field="rate"]')
+                wait_for(lambda: level1.inner_text().endswith("/s"), 60, "level 1's moved/s")
+                # beat samples every 10 s: the backlog chart gains points as the load runs
+                legend = page.locator('#backlog-chart-legend li[data-key="level-1"]')
+                expect(legend).to_have_count(1, timeout=60_000)
+                drawn = page.locator('#lateness-chart rect.bar:not([data-count="0"])')
+                wait_for(lambda: drawn.count() > 0, 30, "lateness bars with deliveries")
+                SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SCREENSHOTS / "overview-under-load.png"), full_page=True)
+                assert page.evaluate("window.sameDocument") is True  # updated, never reloaded
+                browser.close()
+        finally:
+            load.terminate()
+            load.wait(timeout=30)
