@@ -60,6 +60,19 @@ class SchemaNotReady(DelaysvcError):
     code = "schema_not_ready"
 
 
+class DatabaseUnavailable(DelaysvcError):
+    """The database could not be reached, or the connection was lost mid-call (a restart, a
+    failover). `maybe_stored` is True only when it was lost while committing: the write may
+    have landed, so send again with the same key (a resend of a keyed message cannot
+    duplicate it)."""
+
+    code = "unavailable"
+
+    def __init__(self, message: str, *, maybe_stored: bool):
+        super().__init__(message)
+        self.maybe_stored = maybe_stored
+
+
 class HandlerSignal(Exception):
     """Base of the exceptions a handler raises to steer its message."""
 

@@ -8,18 +8,19 @@ leaves no trace of either. Without it, the call runs in a transaction of its own
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import IntegrityError, ProgrammingError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
 from delaysvc import caps, store
 from delaysvc.errors import (
+    DatabaseUnavailable,
     DuplicateKey,
     NotCancellable,
     NotFound,
@@ -39,6 +40,7 @@ from delaysvc.validation import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 Joinable = Connection | Session
 MAX_BATCH = 10_000
 
@@ -238,8 +240,7 @@ class Producer:
         self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
     ) -> Message:
         new = self.prepare(topic, body, **options)
-        with self._connection(connection) as conn:
-            ((row, created),) = self._store(conn, [new])
+        ((row, created),) = self._write(connection, lambda conn: self._store(conn, [new]))
         message = Message.from_row(row, created)
         log.info(
             "message.sent" if created else "message.duplicate_key",
@@ -262,10 +263,23 @@ class Producer:
                 prepared.append(self._prepare_item(item))
             except ValidationError as exc:
                 raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
-        with self._connection(connection) as conn:
-            results = self._store(conn, prepared)
+        results = self._write(connection, lambda conn: self._store(conn, prepared))
         log.info("messages.sent", extra={"count": len(results)})
         return [Message.from_row(row, created) for row, created in results]
+
+    def _write(self, joined: Joinable | None, write: Callable[[Connection], _T]) -> _T:
+        """`write` in the caller's transaction, or in one of ours, tried a second time if the
+        first lost its connection before committing (nothing was stored, and the pool has
+        reconnected since: a database restart costs a producer no error)."""
+        for attempt in (1, 2):
+            try:
+                with self._connection(joined) as conn:
+                    return write(conn)
+            except DatabaseUnavailable as exc:
+                if joined is not None or exc.maybe_stored or attempt == 2:
+                    raise
+                log.warning("producer.reconnecting", extra={"error": str(exc)})
+        raise AssertionError("unreachable")
 
     def _store(
         self, conn: Connection, messages: Sequence[store.NewMessage]
@@ -373,15 +387,33 @@ class Producer:
         elif joined is not None:
             yield joined
         else:
+            started = committing = False
             try:
                 with self.engine.begin() as conn:
+                    started = True
                     yield conn
-            except IntegrityError as exc:
-                if store.unique_violation(exc, "uq_commit_log_topic_key"):
+                    committing = True
+            except DBAPIError as exc:
+                lost = exc.connection_invalidated or (
+                    isinstance(exc, OperationalError) and not started  # could not connect
+                )
+                if lost:
+                    raise DatabaseUnavailable(
+                        f"the database is unavailable ({str(exc.orig).strip()}); "
+                        + (
+                            "the connection was lost while committing, so the write may be "
+                            "stored: send again with the same key to be sure"
+                            if committing
+                            else "nothing was stored"
+                        ),
+                        maybe_stored=committing,
+                    ) from exc
+                if isinstance(exc, IntegrityError) and store.unique_violation(
+                    exc, "uq_commit_log_topic_key"
+                ):
                     raise DuplicateKey(str(exc.orig)) from None
-                raise
-            except ProgrammingError as exc:
-                if "consume_queue_" in str(exc.orig):  # a level the database was never given
+                if isinstance(exc, ProgrammingError) and "consume_queue_" in str(exc.orig):
+                    # a level the database was never given
                     raise SchemaNotReady(
                         f"the database has no queue for a configured delay level ({exc.orig}); "
                         "run `delaysvc migrate` after changing DELAYSVC_DELAY_LEVELS"

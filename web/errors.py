@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from flask import Flask, jsonify
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from werkzeug.exceptions import HTTPException
 
 from delaysvc.errors import DelaysvcError
@@ -21,6 +21,7 @@ STATUS = {
     "duplicate_key": 409,
     "backlog_full": 429,
     "schema_not_ready": 503,
+    "unavailable": 503,
     "config_error": 500,
 }
 
@@ -34,7 +35,18 @@ def error_response(status: int, code: str, message: str):
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(DelaysvcError)
     def domain_error(exc: DelaysvcError):
-        return error_response(STATUS.get(exc.code, 400), exc.code, str(exc))
+        response = error_response(STATUS.get(exc.code, 400), exc.code, str(exc))
+        if response.status_code == 503:
+            response.headers["Retry-After"] = "1"
+        return response
+
+    @app.errorhandler(OperationalError)
+    def database_unavailable(exc: OperationalError):
+        # a restart or failover under a read (sends say more: DatabaseUnavailable)
+        log.warning("web.database_unavailable", extra={"error": str(exc.orig)})
+        response = error_response(503, "unavailable", "the database is not answering; retry")
+        response.headers["Retry-After"] = "1"
+        return response
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

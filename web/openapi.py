@@ -120,8 +120,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
         413: "too large",
         415: "not JSON",
         429: "backlog cap reached",
+        503: "the database is unavailable (a restart, a failover): retry after Retry-After",
     }
-    return {str(s): _json(_ERROR, names[s]) for s in statuses}
+    return {str(s): _json(_ERROR, names[s]) for s in (*statuses, 503)}
 
 
 _ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
