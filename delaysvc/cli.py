@@ -412,27 +412,47 @@ def web(ctx: Context, host: str, port: int, workers: int) -> None:
 # ---------------------------------------------------------------- benchmarks
 
 
-@cli.command()
-@click.argument("suites", nargs=-1, type=click.Choice(["send", "delivery", "consume"]))
-@click.option("--out", type=click.Path(path_type=Path), help="Folder for results.json/.md/png.")
-@click.option("--seconds", default=5.0, show_default=True, help="Per send measurement.")
-@click.option("--batch-rows", default=200_000, show_default=True, help="send_batch vs COPY.")
-@click.option("--backlog", default=200_000, show_default=True, help="Due backlog to drain.")
-@click.option("--rate", default=5_000, show_default=True, help="Steady flow, msg/s.")
-@click.option("--flow-seconds", default=30.0, show_default=True, help="Steady flow duration.")
-@click.option("--jobs", default=100_000, show_default=True, help="Ready jobs to consume.")
-@click.option("--processes", default=2, show_default=True, help="Consumer processes.")
-@pass_ctx
-def bench(ctx: Context, suites: tuple[str, ...], out: Path | None, **sizes: float) -> None:
-    """Measure send, delivery and consume against this machine's raw PostgreSQL limits, in a
-    database of its own; write results.json, results.md and plots."""
-    from delaysvc.bench import SUITES, run
+def _bench_options(command: Any) -> Any:
+    """One flag per size in the suite registry (`delaysvc.bench.SUITES`), so a new suite's
+    sizes become flags by being registered."""
+    from delaysvc.bench import all_sizes
 
-    chosen = list(suites) or list(SUITES)
+    for size in reversed(all_sizes().values()):
+        flag = "--" + size.name.replace("_", "-")
+        kind = int if isinstance(size.default, int) else float
+        command = click.option(
+            flag,
+            size.name,
+            type=kind,
+            default=None,
+            help=f"{size.help} [default: {size.default:g}; --quick: {size.quick:g}]",
+        )(command)
+    return command
+
+
+@cli.command()
+@click.argument("suites", nargs=-1)
+@click.option("--out", type=click.Path(path_type=Path), help="Folder for results.json/.md/png.")
+@click.option("--quick", is_flag=True, help="Small sizes: every suite in minutes.")
+@_bench_options
+@pass_ctx
+def bench(
+    ctx: Context, suites: tuple[str, ...], out: Path | None, quick: bool, **sizes: float | None
+) -> None:
+    """Measure the service against this machine's raw PostgreSQL limits and its peers, in
+    databases of its own; write results.json, results.md and plots. SUITES: any of the
+    registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default)."""
+    from delaysvc.bench import SUITES, chosen_suites, run
+
+    try:
+        chosen = chosen_suites(list(suites))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="SUITES") from None
+    label = "all" if len(chosen) == len(SUITES) else "-".join(chosen)
     folder = out or Path("docs/benchmarks") / (
-        datetime.now().strftime("%Y-%m-%d-") + "-".join(chosen)
+        datetime.now().strftime("%Y-%m-%d-") + label + ("-quick" if quick else "")
     )
-    written = run(ctx.settings, chosen, folder, **sizes)
+    written = run(ctx.settings, chosen, folder, quick=quick, **sizes)
     click.echo((written / "results.md").read_text())
     click.echo(f"written to {written}/")
 

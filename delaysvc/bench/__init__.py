@@ -1,13 +1,23 @@
 """`delaysvc bench`: the service measured against the raw PostgreSQL limits of the same
-machine in the same run. It works in a database of its own (`delaysvc_bench`, dropped and
-created on the configured server, or on the embedded one), never in the service's data."""
+machine in the same run, and against its peers. It works in a database of its own
+(`delaysvc_bench`, dropped and created on the configured server, or on the embedded one),
+never in the service's data.
+
+Suites live in one registry, `SUITES`: a name -> `Suite` (the function, taking one
+`BenchContext` and returning `suites.Figures`, plus the sizes it reads, each a CLI flag with a
+full default and a `--quick` one). Adding a suite is adding one entry; `delaysvc bench` builds
+its flags from the registry.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 
 from delaysvc.bench import report, suites
@@ -17,58 +27,193 @@ from delaysvc.migrate import upgrade
 from delaysvc.settings import Settings
 
 BENCH_DATABASE = "delaysvc_bench"
-SUITES = ("send", "delivery", "consume")
 
 
-def bench_database(settings: Settings) -> str:
-    """A fresh, migrated `delaysvc_bench` database on the configured server; -> its URL."""
+@dataclass(frozen=True)
+class Size:
+    """One size a suite reads: the CLI flag `--<name with dashes>`, its full default and the
+    smaller one `--quick` uses."""
+
+    name: str
+    default: int | float
+    quick: int | float
+    help: str
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every suite gets: the settings pointing at the bench database, an engine on it,
+    its URL, and the sizes (every registered size, from the flags or the defaults)."""
+
+    settings: Settings
+    engine: Engine
+    url: str
+    sizes: Mapping[str, int | float]
+
+    def size(self, name: str) -> int:
+        return int(self.sizes[name])
+
+    def seconds(self, name: str) -> float:
+        return float(self.sizes[name])
+
+
+@dataclass(frozen=True)
+class Suite:
+    run: Callable[[BenchContext], suites.Figures]
+    sizes: tuple[Size, ...] = field(default=())
+    summary: str = ""
+
+
+# Sizes shared by several suites are one object, so they are one flag.
+SECONDS = Size("seconds", 5.0, 1.0, "Per send measurement, seconds.")
+BATCH_ROWS = Size("batch_rows", 200_000, 20_000, "send_batch vs COPY, messages.")
+BACKLOG = Size("backlog", 200_000, 20_000, "Due backlog to drain, messages.")
+RATE = Size("rate", 5_000, 5_000, "Steady flow, msg/s.")
+FLOW_SECONDS = Size("flow_seconds", 30.0, 5.0, "Steady flow duration, seconds.")
+JOBS = Size("jobs", 100_000, 10_000, "Ready jobs to consume.")
+PROCESSES = Size("processes", 2, 2, "Consumer processes.")
+
+
+def _send(ctx: BenchContext) -> suites.Figures:
+    return suites.send_suite(
+        ctx.settings, ctx.engine, ctx.url, ctx.seconds("seconds"), [1, 4], ctx.size("batch_rows")
+    )
+
+
+def _delivery(ctx: BenchContext) -> suites.Figures:
+    return suites.delivery_suite(
+        ctx.settings,
+        ctx.engine,
+        ctx.url,
+        ctx.size("backlog"),
+        ctx.size("rate"),
+        ctx.seconds("flow_seconds"),
+    )
+
+
+def _consume(ctx: BenchContext) -> suites.Figures:
+    return suites.consume_suite(
+        ctx.settings,
+        ctx.engine,
+        ctx.size("jobs"),
+        ctx.size("processes"),
+        ctx.size("rate"),
+        ctx.seconds("flow_seconds"),
+    )
+
+
+def _pipeline(ctx: BenchContext) -> suites.Figures:
+    from delaysvc.bench import pipeline
+
+    return pipeline.pipeline_suite(ctx)
+
+
+SUITES: dict[str, Suite] = {
+    "send": Suite(_send, (SECONDS, BATCH_ROWS), "send single and batch vs raw INSERT and COPY"),
+    "delivery": Suite(
+        _delivery, (BACKLOG, RATE, FLOW_SECONDS), "drain vs raw move; lateness of a steady flow"
+    ),
+    "consume": Suite(
+        _consume, (JOBS, PROCESSES, RATE, FLOW_SECONDS), "no-op jobs/s; deliver -> start"
+    ),
+    "pipeline": Suite(
+        _pipeline,
+        (
+            Size("pipeline_rows", 200_000, 20_000, "Rows for the Spark bulk-schedule bench."),
+            Size("pipeline_partitions", 2, 2, "Spark partitions."),
+        ),
+        "Spark bulk-schedule rows/s (needs pyspark and Java)",
+    ),
+}
+
+
+def all_sizes() -> dict[str, Size]:
+    """Every registered size once, in registry order."""
+    found: dict[str, Size] = {}
+    for suite in SUITES.values():
+        for size in suite.sizes:
+            found.setdefault(size.name, size)
+    return found
+
+
+def resolve_sizes(given: Mapping[str, int | float | None], quick: bool) -> dict[str, int | float]:
+    """The given sizes, the others from the defaults (`quick` ones with `--quick`)."""
+    resolved: dict[str, int | float] = {}
+    for name, size in all_sizes().items():
+        value = given.get(name)
+        resolved[name] = value if value is not None else (size.quick if quick else size.default)
+    unknown = set(given) - set(resolved)
+    if unknown:
+        raise ValueError(f"unknown bench sizes: {', '.join(sorted(unknown))}")
+    return resolved
+
+
+def chosen_suites(names: list[str]) -> list[str]:
+    """`all` (or nothing) is every registered suite; otherwise the names, checked."""
+    if not names or "all" in names:
+        return list(SUITES)
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)} or all")
+    return names
+
+
+def bench_database(settings: Settings, name: str = BENCH_DATABASE, migrate: bool = True) -> str:
+    """A fresh database `name` on the configured server (migrated for delaysvc unless told
+    otherwise); -> its URL."""
     server = make_url(sqlalchemy_url(database_url(settings)))
     admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {BENCH_DATABASE} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {BENCH_DATABASE}"))
+        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        conn.execute(text(f"CREATE DATABASE {name}"))
     admin.dispose()
-    url = server.set(database=BENCH_DATABASE).render_as_string(hide_password=False)
-    engine = make_engine(settings, url)
-    upgrade(engine, settings.levels)
-    engine.dispose()
+    url = server.set(database=name).render_as_string(hide_password=False)
+    if migrate:
+        engine = make_engine(settings, url)
+        upgrade(engine, settings.levels)
+        engine.dispose()
     return url
 
 
-def run(settings: Settings, chosen: list[str], out: Path, **sizes: int | float) -> Path:
+def drop_database(settings: Settings, name: str) -> None:
+    server = make_url(sqlalchemy_url(database_url(settings)))
+    admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+    admin.dispose()
+
+
+def run(
+    settings: Settings,
+    chosen: list[str],
+    out: Path,
+    quick: bool = False,
+    **sizes: Any,
+) -> Path:
+    """Run the chosen suites (registry names, or `all`) into `out`: results.json, results.md
+    and plots. Sizes not given take their defaults (the quick ones with `quick`)."""
+    names = chosen_suites(chosen)
+    resolved = resolve_sizes(sizes, quick)
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     step(f"preparing database {BENCH_DATABASE}")
     url = bench_database(settings)
     settings = settings.model_copy(update={"database_url": url})
     engine = make_engine(settings, pool_size=8)
     figures = suites.Figures()
-    for name in chosen:
-        if name == "send":
-            got = suites.send_suite(
-                settings, engine, url, float(sizes["seconds"]), [1, 4], int(sizes["batch_rows"])
-            )
-        elif name == "delivery":
-            got = suites.delivery_suite(
-                settings,
-                engine,
-                url,
-                int(sizes["backlog"]),
-                int(sizes["rate"]),
-                float(sizes["flow_seconds"]),
-            )
-        else:
-            got = suites.consume_suite(
-                settings,
-                engine,
-                int(sizes["jobs"]),
-                int(sizes["processes"]),
-                int(sizes["rate"]),
-                float(sizes["flow_seconds"]),
-            )
-        figures.results.update(got.results)
-        figures.series.update(got.series)
-        figures.samples.update(got.samples)
-        suites.reset_tables(engine)
-    report.write(out, figures, report.machine_facts(engine), started)
-    engine.dispose()
+    timings: dict[str, float] = {}
+    try:
+        for name in names:
+            step(f"suite {name}")
+            began = datetime.now(UTC)
+            got = SUITES[name].run(BenchContext(settings, engine, url, resolved))
+            timings[name] = round((datetime.now(UTC) - began).total_seconds(), 1)
+            figures.results.update(got.results)
+            figures.series.update(got.series)
+            figures.samples.update(got.samples)
+            suites.reset_tables(engine)
+        report.write(
+            out, figures, report.machine_facts(engine), started, resolved, timings, quick=quick
+        )
+    finally:
+        engine.dispose()
     return out

@@ -14,6 +14,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc.bench.suites import Figures
 
+PEER_SAMPLES = "peer_lateness_ms:"  # + peer label: samples plotted together as CDFs
 PG_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "max_connections", "work_mem")
 
 
@@ -45,13 +46,24 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
-def write(out: Path, figures: Figures, facts: dict[str, Any], started: str) -> None:
+def write(
+    out: Path,
+    figures: Figures,
+    facts: dict[str, Any],
+    started: str,
+    sizes: dict[str, int | float] | None = None,
+    timings: dict[str, float] | None = None,
+    quick: bool = False,
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     command = "delaysvc " + " ".join(sys.argv[1:]) if sys.argv else "delaysvc bench"
     document = {
         "command": command,
         "started": started,
+        "quick": quick,
         "machine": facts,
+        "sizes": sizes or {},
+        "suite_seconds": timings or {},
         "results": figures.results,
         "series": figures.series,
     }
@@ -71,11 +83,22 @@ def _markdown(document: dict[str, Any], plots: list[str]) -> str:
         f"{facts['os']}, Python {facts['python']}, PostgreSQL {facts['postgresql']} "
         f"({', '.join(f'{k}={v}' for k, v in facts['postgresql_settings'].items())}).",
         "",
-        "| measure | service | raw limit | ratio | target |",
-        "|---|---|---|---|---|",
     ]
+    if document["suite_seconds"]:
+        took = ", ".join(f"{k} {v:g} s" for k, v in document["suite_seconds"].items())
+        lines += [f"Suites ran (wall time): {took}.", ""]
+    if document["sizes"]:
+        sized = ", ".join(f"{k}={v:g}" for k, v in document["sizes"].items())
+        lines += [f"Sizes{' (--quick)' if document['quick'] else ''}: {sized}.", ""]
+    lines += ["| measure | service | raw limit | ratio | target |", "|---|---|---|---|---|"]
+    peers = {}
     for name, result in document["results"].items():
-        lines.extend(_rows(name, result))
+        if name.startswith("peer_"):
+            peers[name] = result
+        else:
+            lines.extend(_rows(name, result))
+    if peers:
+        lines += ["", *peers_table(peers)]
     lines.append("")
     lines.extend(f"![{plot}]({plot})" for plot in plots)
     return "\n".join(lines) + "\n"
@@ -88,6 +111,14 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f">= {r['target_ratio']:.0%} of raw |"
         )
 
+    if "skipped" in r:
+        return [f"| {name}: not run | {r['skipped']} | - | - | - |"]
+    if "first_rows_per_s" in r:
+        return [
+            f"| {name}: Spark bulk-schedule rows/s ({r['rows']:,} rows, {r['partitions']} "
+            f"partitions, {r['master']}) | {r['first_rows_per_s']:,} (re-run, all duplicates: "
+            f"{r['rerun_rows_per_s']:,}) | - | - | >= {r['target_rows_per_s']:,} rows/s |"
+        ]
     if "raw_insert_per_s" in r:
         return [ratio_row("msgs/s", f"{r['msgs_per_s']:,}", f"{r['raw_insert_per_s']:,} tx/s")]
     if "raw_copy_per_s" in r:
@@ -115,6 +146,48 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"| - | - | p99 <= {r['target_start_p99_ms']} ms |"
         )
     return rows
+
+
+def peers_table(peers: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per peer: the same workload (N jobs at one fixed delay), then memory at a
+    pending peak, then what is not durable about it."""
+    lines = [
+        "| peer | jobs received (of sent) | enqueue jobs/s | lateness p50 | p95 | p99 | max "
+        "| memory at pending peak | not durable |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for name, r in peers.items():
+        label = r.get("label", name)
+        if "unavailable" in r:
+            lines.append(f"| {label} | unavailable: {r['unavailable']} |" + " - |" * 7)
+            continue
+        late = r.get("lateness_ms", {})
+        memory = r.get("memory", {})
+        mem = "; ".join(f"{k} {_mib(v)}" for k, v in memory.get("bytes", {}).items())
+        if memory:
+            mem = f"{memory.get('pending', 0):,} pending: {mem}"
+        got = f"{r['received']:,} of {r['sent']:,}"
+        if r.get("duplicates"):
+            got += f", {r['duplicates']:,} duplicates"
+        lines.append(
+            f"| {label} | {got} | {r['enqueue_per_s']:,} | {_ms(late.get('p50'))} | "
+            f"{_ms(late.get('p95'))} | {_ms(late.get('p99'))} | {_ms(late.get('max'))} | {mem} "
+            f"| {r.get('not_durable', '')} |"
+        )
+        if r.get("setup"):
+            notes.append(f"- {label}: {r['setup']}")
+    return [*lines, "", *notes] if notes else lines
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.1f} ms"
+
+
+def _mib(value: float) -> str:
+    return f"{value / 1024 / 1024:,.1f} MiB"
 
 
 def _plots(out: Path, figures: Figures) -> list[str]:
@@ -152,4 +225,23 @@ def _plots(out: Path, figures: Figures) -> list[str]:
         fig.savefig(out / "backlog.png", dpi=100)
         plt.close(fig)
         made.append("backlog.png")
+    peer_samples = {
+        k.split(":", 1)[1]: v for k, v in figures.samples.items() if k.startswith(PEER_SAMPLES)
+    }
+    if any(peer_samples.values()):
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for label, values in peer_samples.items():
+            if values:
+                ordered = sorted(max(v, 0.1) for v in values)
+                share = [(i + 1) / len(ordered) for i in range(len(ordered))]
+                ax.plot(ordered, share, label=label)
+        ax.set_xscale("log")
+        ax.set_xlabel("due -> handler received (ms, log)")
+        ax.set_ylabel("share of jobs")
+        ax.set_title("lateness of the same workload on each peer (CDF)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "peers_lateness.png", dpi=100)
+        plt.close(fig)
+        made.append("peers_lateness.png")
     return made

@@ -1,0 +1,49 @@
+"""The `pipeline` suite: the Spark bulk-schedule bench (`delaysvc.pipeline.bench.bench_bulk`)
+into the bench database. It needs pyspark and a Java runtime; without them the suite reports
+itself as not run, with the reason and the fix, in the results and on stderr."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from delaysvc.bench.progress import step
+from delaysvc.bench.suites import Figures
+
+if TYPE_CHECKING:
+    from delaysvc.bench import BenchContext
+
+TARGET_ROWS_PER_S = 100_000  # DESIGN.md: bulk scheduling
+
+
+def missing() -> str | None:
+    """Why the suite cannot run here, or None."""
+    if importlib.util.find_spec("pyspark") is None:
+        return "pyspark is not installed (pip install 'delaysvc[pipeline]')"
+    java_home = os.environ.get("JAVA_HOME")
+    if not shutil.which("java") and not (java_home and Path(java_home, "bin", "java").exists()):
+        return "no Java runtime (install Java 17, e.g. apt-get install openjdk-17-jre-headless)"
+    return None
+
+
+def pipeline_suite(ctx: BenchContext) -> Figures:
+    reason = missing()
+    if reason:
+        step(f"pipeline: NOT RUN: {reason}")
+        return Figures(results={"pipeline_bulk": {"skipped": reason}})
+    from delaysvc.pipeline.bench import bench_bulk
+    from delaysvc.pipeline.spark import session
+
+    rows, partitions = ctx.size("pipeline_rows"), ctx.size("pipeline_partitions")
+    step(f"pipeline: Spark bulk-schedule of {rows:,} rows, {partitions} partitions, local[2]")
+    spark = session("local[2]")
+    try:
+        with tempfile.TemporaryDirectory(prefix="delaysvc-bench-pipeline-") as workdir:
+            result = bench_bulk(spark, ctx.settings, rows, Path(workdir), partitions)
+    finally:
+        spark.stop()
+    return Figures(results={"pipeline_bulk": {**result, "target_rows_per_s": TARGET_ROWS_PER_S}})
