@@ -4,13 +4,15 @@ plots. (What the numbers are is the benchmark's business, never a test's.)"""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
-from delaysvc.bench import SUITES, BenchContext, Size, Suite, all_sizes, run
+from delaysvc.bench import SUITES, BenchContext, Size, Suite, all_sizes, peers, run
+from delaysvc.bench.peers import PEERS
 from delaysvc.bench.suites import Figures
 from delaysvc.cli import cli
 from delaysvc.settings import Settings
@@ -89,3 +91,53 @@ def test_the_cli_lists_every_registered_size_as_a_flag_and_refuses_unknown_suite
     refused = runner.invoke(cli, ["bench", "sned"])
     assert refused.exit_code == 2
     assert "unknown suite(s) ['sned']" in refused.output
+
+
+def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path: Path) -> None:
+    """Toy size. Where CI's second pass runs (Redis broker, so Redis, RabbitMQ and PostgreSQL
+    15 are up), every peer must have run; elsewhere a peer may be unavailable, but then it
+    says why, and delaysvc itself always runs."""
+    out = run(
+        settings,
+        ["peers"],
+        tmp_path / "peers",
+        peer_jobs=30,
+        peer_delay=1.0,
+        peer_pending=40,
+        peer_workers=1,
+    )
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert set(results) == {f"peer_{name}" for name in PEERS}
+    services_up = os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://")
+    for name, result in results.items():
+        if "unavailable" in result:
+            assert not services_up and name != "peer_delaysvc", result
+            assert (
+                "not installed" in result["unavailable"]
+                or "not reachable" in (result["unavailable"])
+            )
+            continue
+        assert (result["sent"], result["received"], result["duplicates"]) == (30, 30, 0), result
+        late = result["lateness_ms"]
+        assert 0 <= late["p50"] <= late["p95"] <= late["p99"] <= late["max"]
+        assert result["enqueue_per_s"] > 0
+        assert result["memory"]["pending"] == 40
+        assert "worker RSS growth" in result["memory"]["bytes"]
+        assert result["not_durable"]
+    table = (out / "results.md").read_text()
+    for result in results.values():
+        assert f"| {result['label']} |" in table
+    assert (out / "peers_lateness.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_peer_whose_service_is_not_there_is_reported_unavailable(
+    settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(peers, "AMQP_URL", "amqp://guest:guest@127.0.0.1:1/%2F")
+    ctx = BenchContext(settings, engine, str(settings.database_url), {"peer_delay": 1.0})
+    result, lateness = peers.measure(peers.RabbitPeer(ctx, tmp_path), 10, 1.0, 10, 1)
+    assert lateness == []
+    assert result["label"] == peers.RabbitPeer.label
+    assert "RabbitMQ at 127.0.0.1:1 not reachable" in result["unavailable"] or (
+        "pika is not installed" in result["unavailable"]
+    )

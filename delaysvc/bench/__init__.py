@@ -102,6 +102,12 @@ def _consume(ctx: BenchContext) -> suites.Figures:
     )
 
 
+def _peers(ctx: BenchContext) -> suites.Figures:
+    from delaysvc.bench import peers
+
+    return peers.peers_suite(ctx)
+
+
 def _pipeline(ctx: BenchContext) -> suites.Figures:
     from delaysvc.bench import pipeline
 
@@ -115,6 +121,16 @@ SUITES: dict[str, Suite] = {
     ),
     "consume": Suite(
         _consume, (JOBS, PROCESSES, RATE, FLOW_SECONDS), "no-op jobs/s; deliver -> start"
+    ),
+    "peers": Suite(
+        _peers,
+        (
+            Size("peer_jobs", 20_000, 2_000, "Jobs per peer in the lateness workload."),
+            Size("peer_delay", 5.0, 2.0, "Their fixed delay, seconds."),
+            Size("peer_pending", 20_000, 5_000, "Pending jobs for the memory measurement."),
+            Size("peer_workers", 2, 2, "Worker processes (or concurrency) per peer."),
+        ),
+        "Celery countdown, Procrastinate, RabbitMQ TTL+DLX and delaysvc on one workload",
     ),
     "pipeline": Suite(
         _pipeline,

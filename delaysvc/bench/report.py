@@ -90,15 +90,17 @@ def _markdown(document: dict[str, Any], plots: list[str]) -> str:
     if document["sizes"]:
         sized = ", ".join(f"{k}={v:g}" for k, v in document["sizes"].items())
         lines += [f"Sizes{' (--quick)' if document['quick'] else ''}: {sized}.", ""]
-    lines += ["| measure | service | raw limit | ratio | target |", "|---|---|---|---|---|"]
-    peers = {}
+    peers, rows = {}, []
     for name, result in document["results"].items():
         if name.startswith("peer_"):
             peers[name] = result
         else:
-            lines.extend(_rows(name, result))
+            rows.extend(_rows(name, result))
+    if rows:
+        lines += ["| measure | service | raw limit | ratio | target |", "|---|---|---|---|---|"]
+        lines += [*rows, ""]
     if peers:
-        lines += ["", *peers_table(peers)]
+        lines += peers_table(peers)
     lines.append("")
     lines.extend(f"![{plot}]({plot})" for plot in plots)
     return "\n".join(lines) + "\n"
