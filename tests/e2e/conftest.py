@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import Engine, text
 
 from delaysvc.settings import Settings
-from delaysvc.up import beat_command, worker_commands
+from delaysvc.up import beat_command, web_command, worker_commands
 from tests.conftest import ROOT, TEST_LEVELS
 
 pytestmark = pytest.mark.e2e
@@ -84,6 +84,10 @@ class Service:
         schedule = self.var_dir / f"celerybeat-schedule-{len(self.processes)}"
         command[command.index("-s") + 1] = str(schedule)
         return self._start(command, "beat")
+
+    def web(self, port: int, workers: int = 2) -> subprocess.Popen[bytes]:
+        """gunicorn serving the API and dashboard, as `delaysvc web` runs it."""
+        return self._start(web_command("127.0.0.1", port, workers), "web")
 
     def start(self, consumers: int = 1, concurrency: int = 1) -> None:
         """The usual deployment: a delivery worker, consumer workers, beat."""

@@ -1,20 +1,37 @@
-"""Faults survived: processes killed at random points, a handler that exits its process, one
-that hangs past its lease, one that leaks memory, the broker restarted. After each, every
+"""Faults survived: processes killed at random points (workers, beat, the web server), a
+handler that exits its process, one that hangs past its lease, one that leaks memory, the
+broker and PostgreSQL restarted under producers. After each, every
 message acknowledged to a producer is checked: moved to its topic once, run at least once,
 and finished as asked."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
 import subprocess
+import threading
 import time
+import urllib.error
+import urllib.request
+from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
+from delaysvc import auth
+from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer import Producer
-from tests.e2e.conftest import Service, tolerant, wait_for
+from delaysvc.up import wait_until_answering
+from tests.e2e.conftest import Service, restart_postgres, tolerant, wait_for
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
 
 pytestmark = pytest.mark.e2e
 
@@ -158,3 +175,153 @@ def test_a_long_transaction_holding_back_vacuum_does_not_stop_the_flow(
         wait_for(lambda: service.count_status("succeeded") == len(ids), 120, "the flow")
         held.rollback()
     assert sorted(_runs_per_message(service)) == sorted(ids)
+
+
+HELD_LEVEL = 5
+"""8 s: a key is unique among *unfinished* messages of its topic, so a resend is deduplicated
+while the first copy still waits; these tests resend within seconds of the fault."""
+
+
+def _keys_and_ids(service: Service) -> dict[str, int]:
+    """key -> id of every e2e.record message; fails on a key stored twice."""
+    rows = service.rows("SELECT key, id FROM commit_log WHERE topic = 'e2e.record'")
+    keys = [row.key for row in rows]
+    assert len(keys) == len(set(keys)), "a key stored twice"
+    return {row.key: row.id for row in rows}
+
+
+class KeyedSender:
+    """A producer thread sending keyed messages (`{prefix}-{n}`) until stopped, recording
+    each outcome: acknowledged, or refused with DatabaseUnavailable (and whether the write may
+    have landed). Anything else is a failure of the test."""
+
+    def __init__(self, producer: Producer, prefix: str, topic: str = "e2e.record"):
+        self.producer, self.prefix, self.topic = producer, prefix, topic
+        self.acked: dict[str, int] = {}
+        self.refused: dict[str, bool] = {}  # key -> maybe_stored
+        self.unexpected: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> KeyedSender:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            key = f"{self.prefix}-{n}"
+            try:
+                self.acked[key] = self.producer.send(
+                    self.topic, {"n": n}, key=key, delay_level=HELD_LEVEL
+                ).id
+            except DatabaseUnavailable as exc:
+                self.refused[key] = exc.maybe_stored
+                time.sleep(0.05)
+            except BaseException as exc:  # recorded: the test fails on it
+                self.unexpected.append(exc)
+            n += 1
+            time.sleep(0.005)
+
+
+def test_producers_during_a_postgresql_restart_get_a_clear_error_or_succeed(
+    service: Service, producer: Producer
+) -> None:
+    service.start()
+    with KeyedSender(producer, "pg") as sender:
+        wait_for(lambda: len(sender.acked) >= 200, 30, "sends before the restart")
+        before = len(sender.acked)
+        restart_postgres()
+        # the pools reconnect by themselves: sends go on succeeding after the restart
+        wait_for(lambda: len(sender.acked) >= before + 300, 60, "sends after the restart")
+    assert sender.unexpected == []
+    assert len(sender.refused) > 0  # the restart was felt: sends refused while it was down
+    stored = _keys_and_ids(service)
+    for key, maybe_stored in sender.refused.items():
+        if not maybe_stored:
+            assert key not in stored  # "nothing was stored" is true
+    # the advice for the others: send again with the same key (never a duplicate)
+    for key in sender.refused:
+        sender.acked[key] = producer.send("e2e.record", {}, key=key, delay_level=HELD_LEVEL).id
+    stored = _keys_and_ids(service)
+    assert stored == sender.acked  # every acknowledged message stored, once, under its key
+    wait_for(
+        tolerant(lambda: service.count_status("succeeded") == len(stored)),
+        180,
+        f"all {len(stored)} to run",
+        every=0.5,
+    )
+    assert sorted(_runs_per_message(service)) == sorted(stored.values())
+    assert service.scalar("SELECT sum(moved_total) FROM schedule_offset") == len(stored)
+
+
+def _post(url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    request.add_header("Authorization", f"Bearer {token}")
+    request.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
+    service: Service, engine: Engine
+) -> None:
+    """HTTP clients send keyed messages and resend a key until it is acknowledged (what a
+    client of any job API does on a dropped connection); gunicorn is kill -9'd three times."""
+    service.start()
+    token = auth.create_token(engine, "faults", scope="send")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api/v1/messages"
+    rng = random.Random(11)
+    web = service.web(port)
+    assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+    acked: dict[str, int] = {}
+    failures = 0
+    stop = threading.Event()
+
+    def client(name: str) -> None:
+        nonlocal failures
+        n = 0
+        while not stop.is_set():
+            key = f"{name}-{n}"
+            while True:  # until acknowledged, then the next key
+                try:
+                    status, body = _post(
+                        url,
+                        token,
+                        {"topic": "e2e.record", "body": {}, "key": key, "delay_level": HELD_LEVEL},
+                    )
+                except OSError:
+                    status, body = 0, None
+                if status in (200, 201):
+                    acked[key] = body["id"]
+                    break
+                failures += 1
+                time.sleep(0.05)
+            n += 1
+
+    clients = [threading.Thread(target=client, args=(f"c{i}",)) for i in range(4)]
+    for thread in clients:
+        thread.start()
+    for _ in range(3):
+        time.sleep(rng.uniform(1.0, 2.5))
+        service.kill(web)  # kill -9, master and workers
+        time.sleep(rng.uniform(0.1, 0.5))
+        web = service.web(port)
+        assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+    time.sleep(1.0)
+    stop.set()
+    for thread in clients:
+        thread.join(timeout=60)
+    assert failures > 0  # the kills really cut requests off
+    stored = _keys_and_ids(service)
+    assert stored == acked  # nothing acknowledged lost, nothing stored twice
+    wait_for(lambda: service.count_status("succeeded") == len(stored), 180, "all to run")
+    assert sorted(_runs_per_message(service)) == sorted(stored.values())
