@@ -141,3 +141,25 @@ def test_a_peer_whose_service_is_not_there_is_reported_unavailable(
     assert "RabbitMQ at 127.0.0.1:1 not reachable" in result["unavailable"] or (
         "pika is not installed" in result["unavailable"]
     )
+
+
+def test_scale_measures_send_and_moves_empty_and_with_a_backlog(
+    settings: Settings, tmp_path: Path
+) -> None:
+    out = run(
+        settings.model_copy(update={"lane_budget_seconds": 1.0}),
+        ["scale"],
+        tmp_path / "scale",
+        pending=3000,
+        scale_seconds=0.5,
+        scale_due=2500,
+    )
+    result = json.loads((out / "results.json").read_text())["results"]["scale"]
+    assert result["pending"] == 3000
+    assert result["send_per_s_empty"] > 0 and result["send_per_s_backlog"] > 0
+    # 2,500 due rows in batches of 1,000: three moves in each phase
+    assert result["move_ms_empty"]["moves"] == result["move_ms_backlog"]["moves"] == 3
+    assert set(result["rss_bytes"]) == {"delivery worker", "consume worker", "beat"}
+    for rss in result["rss_bytes"].values():
+        assert rss["empty"] > 10 * 1024 * 1024 and rss["backlog"] > 10 * 1024 * 1024
+    assert "| scale: send msgs/s, 3,000 pending vs empty |" in (out / "results.md").read_text()

@@ -108,6 +108,12 @@ def _peers(ctx: BenchContext) -> suites.Figures:
     return peers.peers_suite(ctx)
 
 
+def _scale(ctx: BenchContext) -> suites.Figures:
+    from delaysvc.bench import scale
+
+    return scale.scale_suite(ctx)
+
+
 def _pipeline(ctx: BenchContext) -> suites.Figures:
     from delaysvc.bench import pipeline
 
@@ -131,6 +137,15 @@ SUITES: dict[str, Suite] = {
             Size("peer_workers", 2, 2, "Worker processes (or concurrency) per peer."),
         ),
         "Celery countdown, Procrastinate, RabbitMQ TTL+DLX and delaysvc on one workload",
+    ),
+    "scale": Suite(
+        _scale,
+        (
+            Size("pending", 2_000_000, 200_000, "Pending messages for scale (full: 10M)."),
+            Size("scale_seconds", 10.0, 3.0, "Send measurement per phase, seconds."),
+            Size("scale_due", 50_000, 20_000, "Due rows moved per phase (timed moves)."),
+        ),
+        "send rate and tick cost with a big backlog vs empty; worker/beat RSS",
     ),
     "pipeline": Suite(
         _pipeline,
@@ -227,8 +242,9 @@ def run(
             figures.series.update(got.series)
             figures.samples.update(got.samples)
             suites.reset_tables(engine)
+        used = {size.name: resolved[size.name] for n in names for size in SUITES[n].sizes}
         report.write(
-            out, figures, report.machine_facts(engine), started, resolved, timings, quick=quick
+            out, figures, report.machine_facts(engine), started, used, timings, quick=quick
         )
     finally:
         engine.dispose()

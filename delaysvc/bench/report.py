@@ -115,6 +115,20 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
 
     if "skipped" in r:
         return [f"| {name}: not run | {r['skipped']} | - | - | - |"]
+    if "send_slowdown" in r:
+        target = f"<= {r['target_slowdown']}x of empty"
+        rss = "; ".join(
+            f"{k} {_mib(v['empty'])} -> {_mib(v['backlog'])}" for k, v in r["rss_bytes"].items()
+        )
+        return [
+            f"| {name}: send msgs/s, {r['pending']:,} pending vs empty | "
+            f"{r['send_per_s_backlog']:,} vs {r['send_per_s_empty']:,} | - | "
+            f"{r['send_slowdown']}x slower | {target} |",
+            f"| {name}: delivery move of {r['batch']:,} (mean ms), {r['pending']:,} pending vs "
+            f"empty | {r['move_ms_backlog']['mean']} vs {r['move_ms_empty']['mean']} | - | "
+            f"{r['move_slowdown']}x | {target} |",
+            f"| {name}: RSS empty -> {r['pending']:,} pending | {rss} | - | - | flat |",
+        ]
     if "first_rows_per_s" in r:
         return [
             f"| {name}: Spark bulk-schedule rows/s ({r['rows']:,} rows, {r['partitions']} "
