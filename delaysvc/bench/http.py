@@ -1,0 +1,137 @@
+"""The HTTP API under load: `wrk` (C, Debian's `wrk` package) keeps N connections busy with
+`POST /api/v1/messages` against gunicorn on loopback for a while. Reported: requests/s, latency
+p50/p90/p99/max, every non-2xx answer and socket error (the goal is zero), and the messages
+stored (at least one per acknowledged request: a request cut off at the end may still land).
+Beside it, the raw limit at the same concurrency: one-row INSERT per transaction."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import text
+
+from delaysvc import auth
+from delaysvc.bench import raw
+from delaysvc.bench.progress import step
+from delaysvc.bench.suites import Figures
+from delaysvc.db import libpq_url
+from delaysvc.up import wait_until_answering, web_command
+
+if TYPE_CHECKING:
+    from delaysvc.bench import BenchContext
+
+TOPIC = "bench.http"
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %(token)s"
+local n = 0
+request = function()
+  n = n + 1
+  return wrk.format(nil, nil, nil,
+    '{"topic": "%(topic)s", "body": {"order_id": ' .. n .. '}, "delay": "1h"}')
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'RESULT {"requests": %%d, "duration_us": %%d, "connect": %%d, "read": %%d, "write": %%d, ' ..
+    '"status": %%d, "timeout": %%d, "p50_us": %%d, "p90_us": %%d, "p99_us": %%d, "max_us": %%d}\\n',
+    summary.requests, summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max))
+end
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_wrk(url: str, token: str, clients: int, seconds: float) -> dict[str, Any]:
+    """wrk against `url` (…/api/v1/messages); -> its RESULT line as a dict."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        raise RuntimeError("the http suite needs wrk: apt-get install wrk")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(WRK_SCRIPT % {"token": token, "topic": TOPIC})
+    try:
+        out = subprocess.run(
+            [
+                wrk,
+                "-t2",
+                f"-c{clients}",
+                f"-d{int(seconds)}s",
+                "--timeout=10s",
+                "-s",
+                script.name,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 120,
+        ).stdout
+    finally:
+        os.unlink(script.name)
+    line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+    return dict(json.loads(line.removeprefix("RESULT ")))
+
+
+def http_suite(ctx: BenchContext) -> Figures:
+    clients, seconds = ctx.size("http_clients"), ctx.seconds("http_seconds")
+    workers = ctx.size("http_workers")
+    figures = Figures()
+    step(f"raw: one-row INSERT per transaction, {clients} clients")
+    raw_rate = raw.insert_one_row_per_transaction(libpq_url(ctx.url), clients, min(seconds, 10))
+    token = auth.create_token(ctx.engine, "bench-http", scope="send")
+    port = _free_port()
+    env = dict(os.environ, DELAYSVC_DATABASE_URL=ctx.url, PYTHONPATH=str(Path.cwd()))
+    env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
+    command = web_command("127.0.0.1", port, workers)
+    command[command.index("--access-logfile") + 1] = "/dev/null"
+    web = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
+            raise RuntimeError("gunicorn did not answer within 60 s")
+        step(f"wrk: {clients} connections for {seconds:g} s against gunicorn -w {workers}")
+        result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)
+    finally:
+        web.terminate()
+        web.wait(timeout=30)
+    with ctx.engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT count(*) FROM commit_log WHERE topic = :t"), {"t": TOPIC}
+        ).scalar_one()
+    errors = {k: result[k] for k in ("connect", "read", "write", "status", "timeout")}
+    acknowledged = result["requests"] - result["status"]
+    rate = result["requests"] / (result["duration_us"] / 1e6)
+    figures.results["http"] = {
+        "clients": clients,
+        "seconds": seconds,
+        "gunicorn_workers": workers,
+        "requests": result["requests"],
+        "requests_per_s": round(rate, 1),
+        "raw_insert_per_s": round(raw_rate, 1),
+        "ratio_to_raw": round(rate / raw_rate, 3) if raw_rate else None,
+        "latency_ms": {
+            "p50": result["p50_us"] / 1000,
+            "p90": result["p90_us"] / 1000,
+            "p99": result["p99_us"] / 1000,
+            "max": result["max_us"] / 1000,
+        },
+        "errors": errors,
+        "acknowledged": acknowledged,
+        "stored": stored,
+        "lost": max(0, acknowledged - stored),
+        "python": sys.version.split()[0],
+    }
+    return figures
