@@ -442,7 +442,7 @@ def bench(
     """Measure the service against this machine's raw PostgreSQL limits and its peers, in
     databases of its own; write results.json, results.md and plots. SUITES: any of the
     registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default)."""
-    from delaysvc.bench import SUITES, chosen_suites, run
+    from delaysvc.bench import SUITES, chosen_suites, failed_suites, run
 
     try:
         chosen = chosen_suites(list(suites))
@@ -455,6 +455,10 @@ def bench(
     written = run(ctx.settings, chosen, folder, quick=quick, **sizes)
     click.echo((written / "results.md").read_text())
     click.echo(f"written to {written}/")
+    failed = failed_suites(written)
+    if failed:
+        click.echo(f"error: suite(s) failed: {', '.join(failed)} (see the report)", err=True)
+        sys.exit(1)
 
 
 @cli.command()

@@ -11,7 +11,16 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, text
 
-from delaysvc.bench import SUITES, BenchContext, Size, Suite, all_sizes, peers, run
+from delaysvc.bench import (
+    SUITES,
+    BenchContext,
+    Size,
+    Suite,
+    all_sizes,
+    failed_suites,
+    peers,
+    run,
+)
 from delaysvc.bench.peers import PEERS
 from delaysvc.bench.suites import Figures
 from delaysvc.cli import cli
@@ -107,7 +116,8 @@ def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path
         peer_workers=1,
     )
     results = json.loads((out / "results.json").read_text())["results"]
-    assert set(results) == {f"peer_{name}" for name in PEERS}
+    assert set(results) == {"peer_raw"} | {f"peer_{name}" for name in PEERS}
+    assert results.pop("peer_raw")["raw_insert_per_s"] > 0
     services_up = os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://")
     for name, result in results.items():
         if "unavailable" in result:
@@ -163,3 +173,43 @@ def test_scale_measures_send_and_moves_empty_and_with_a_backlog(
     for rss in result["rss_bytes"].values():
         assert rss["empty"] > 10 * 1024 * 1024 and rss["backlog"] > 10 * 1024 * 1024
     assert "| scale: send msgs/s, 3,000 pending vs empty |" in (out / "results.md").read_text()
+
+
+def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
+    settings: Settings, tmp_path: Path
+) -> None:
+    out = run(
+        settings.model_copy(update={"lane_budget_seconds": 1.0}),
+        ["soak"],
+        tmp_path / "soak",
+        soak_messages=6000,
+        soak_rate=1000,
+        processes=1,
+    )
+    document = json.loads((out / "results.json").read_text())
+    result = document["results"]["soak"]
+    assert (result["messages"], result["drained"]) == (6000, True)
+    assert result["claimed_per_s_start"] > 0 and result["claimed_per_s_end"] > 0
+    assert result["peak_bytes"]["commit_log"] > 0
+    assert len(document["series"]["soak_throughput"]) >= 2
+    for plot in ("soak_throughput.png", "soak_bytes.png", "soak_dead.png"):
+        assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_suite_that_raises_is_reported_failed_and_the_others_still_run(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(ctx: BenchContext) -> Figures:
+        raise RuntimeError("no Spark today")
+
+    def fine(ctx: BenchContext) -> Figures:
+        return Figures(results={"fine": {"skipped": "nothing to measure"}})
+
+    monkeypatch.setitem(SUITES, "broken", Suite(broken))
+    monkeypatch.setitem(SUITES, "fine", Suite(fine))
+    out = run(settings, ["broken", "fine"], tmp_path / "mixed")
+    assert failed_suites(out) == {"broken": "RuntimeError: no Spark today"}
+    assert "| broken: FAILED | RuntimeError: no Spark today |" in (out / "results.md").read_text()
+    assert json.loads((out / "results.json").read_text())["results"]["fine"] == {
+        "skipped": "nothing to measure"
+    }

@@ -11,6 +11,7 @@ its flags from the registry.
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -114,6 +115,12 @@ def _scale(ctx: BenchContext) -> suites.Figures:
     return scale.scale_suite(ctx)
 
 
+def _soak(ctx: BenchContext) -> suites.Figures:
+    from delaysvc.bench import soak
+
+    return soak.soak_suite(ctx)
+
+
 def _pipeline(ctx: BenchContext) -> suites.Figures:
     from delaysvc.bench import pipeline
 
@@ -146,6 +153,15 @@ SUITES: dict[str, Suite] = {
             Size("scale_due", 50_000, 20_000, "Due rows moved per phase (timed moves)."),
         ),
         "send rate and tick cost with a big backlog vs empty; worker/beat RSS",
+    ),
+    "soak": Suite(
+        _soak,
+        (
+            Size("soak_messages", 600_000, 30_000, "Messages through the whole path (full: 10M)."),
+            Size("soak_rate", 3_000, 3_000, "Their steady send rate, msg/s."),
+            PROCESSES,
+        ),
+        "throughput at the end vs the start; table sizes and dead tuples over time",
     ),
     "pipeline": Suite(
         _pipeline,
@@ -214,6 +230,14 @@ def drop_database(settings: Settings, name: str) -> None:
     admin.dispose()
 
 
+def failed_suites(out: Path) -> dict[str, str]:
+    """Suites of the run in `out` that raised instead of measuring: name -> error."""
+    import json
+
+    results = json.loads((out / "results.json").read_text())["results"]
+    return {name: r["failed"] for name, r in results.items() if "failed" in r}
+
+
 def run(
     settings: Settings,
     chosen: list[str],
@@ -236,7 +260,13 @@ def run(
         for name in names:
             step(f"suite {name}")
             began = datetime.now(UTC)
-            got = SUITES[name].run(BenchContext(settings, engine, url, resolved))
+            try:
+                got = SUITES[name].run(BenchContext(settings, engine, url, resolved))
+            except Exception as exc:
+                # the other suites' figures still count; this one says why it has none
+                traceback.print_exc()
+                step(f"suite {name} FAILED: {exc.__class__.__name__}: {exc}")
+                got = suites.Figures(results={name: {"failed": f"{type(exc).__name__}: {exc}"}})
             timings[name] = round((datetime.now(UTC) - began).total_seconds(), 1)
             figures.results.update(got.results)
             figures.series.update(got.series)

@@ -37,7 +37,7 @@ from urllib.parse import urlsplit
 
 from sqlalchemy import Engine, create_engine, text
 
-from delaysvc.bench import record
+from delaysvc.bench import raw, record
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.suites import Figures, percentiles, reset_tables
 from delaysvc.db import libpq_url
@@ -56,6 +56,7 @@ INSTALL = "pip install 'delaysvc[bench]'"
 STOP_GRACE_SECONDS = 15
 START_TIMEOUT = 90.0
 DRAIN_GRACE_SECONDS = 60.0
+RAW_SECONDS = 3.0
 
 
 class Peer:
@@ -402,6 +403,12 @@ def peers_suite(ctx: BenchContext, only: list[str] | None = None) -> Figures:
         for name in only or list(PEERS):
             figures.results[f"peer_{name}"] = {"label": PEERS[name].label, "unavailable": reason}
         return figures
+    step(f"peers: raw limit: one-row INSERT per transaction, 1 client, {RAW_SECONDS:g}s")
+    raw_rate = raw.insert_one_row_per_transaction(libpq_url(ctx.url), 1, RAW_SECONDS)
+    figures.results["peer_raw"] = {
+        "label": "raw PostgreSQL: one-row INSERT per transaction, 1 client (the enqueue limit)",
+        "raw_insert_per_s": round(raw_rate),
+    }
     for name in only or list(PEERS):
         with tempfile.TemporaryDirectory(prefix=f"delaysvc-bench-{name}-") as folder:
             peer = PEERS[name](ctx, Path(folder))

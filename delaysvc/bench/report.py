@@ -113,6 +113,8 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f">= {r['target_ratio']:.0%} of raw |"
         )
 
+    if "failed" in r:
+        return [f"| {name}: FAILED | {r['failed']} | - | - | - |"]
     if "skipped" in r:
         return [f"| {name}: not run | {r['skipped']} | - | - | - |"]
     if "send_slowdown" in r:
@@ -128,6 +130,17 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"empty | {r['move_ms_backlog']['mean']} vs {r['move_ms_empty']['mean']} | - | "
             f"{r['move_slowdown']}x | {target} |",
             f"| {name}: RSS empty -> {r['pending']:,} pending | {rss} | - | - | flat |",
+        ]
+    if "end_vs_start" in r:
+        sizes = ", ".join(f"{k} {_mib(v)}" for k, v in r["peak_bytes"].items())
+        dead = ", ".join(f"{k} {v:,}" for k, v in r["final_dead_tuples"].items())
+        return [
+            f"| {name}: jobs claimed/s at the end vs the start ({r['messages']:,} msgs at "
+            f"{r['rate_per_s']:,}/s{', all run' if r['drained'] else ', NOT all run'}) | "
+            f"{r['claimed_per_s_end']:,} vs {r['claimed_per_s_start']:,} | - | "
+            f"{r['end_vs_start']} | >= {r['target_ratio']} |",
+            f"| {name}: peak table sizes; dead tuples at the end | {sizes}; {dead} | - | - | "
+            "bounded |",
         ]
     if "first_rows_per_s" in r:
         return [
@@ -164,6 +177,38 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _soak_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
+    made = []
+    throughput = figures.series.get("soak_throughput")
+    if throughput:
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot([t for t, _ in throughput], [v for _, v in throughput], color="#3b6ea5")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("jobs claimed per second")
+        ax.set_title("soak: throughput over time")
+        fig.tight_layout()
+        fig.savefig(out / "soak_throughput.png", dpi=100)
+        plt.close(fig)
+        made.append("soak_throughput.png")
+    for kind, label in (("soak_bytes", "MiB"), ("soak_dead", "dead tuples")):
+        series = {k.split(":", 1)[1]: v for k, v in figures.series.items() if k.startswith(kind)}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        scale = 1024 * 1024 if kind == "soak_bytes" else 1
+        for table, points in series.items():
+            ax.plot([t for t, _ in points], [v / scale for _, v in points], label=table)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel(label)
+        ax.set_title(f"soak: {label} of the hot tables over time")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{kind}.png", dpi=100)
+        plt.close(fig)
+        made.append(f"{kind}.png")
+    return made
+
+
 def peers_table(peers: dict[str, dict[str, Any]]) -> list[str]:
     """One row per peer: the same workload (N jobs at one fixed delay), then memory at a
     pending peak, then what is not durable about it."""
@@ -175,6 +220,9 @@ def peers_table(peers: dict[str, dict[str, Any]]) -> list[str]:
     notes = []
     for name, r in peers.items():
         label = r.get("label", name)
+        if "raw_insert_per_s" in r:
+            lines.append(f"| {label} | - | {r['raw_insert_per_s']:,} |" + " - |" * 6)
+            continue
         if "unavailable" in r:
             lines.append(f"| {label} | unavailable: {r['unavailable']} |" + " - |" * 7)
             continue
@@ -241,6 +289,7 @@ def _plots(out: Path, figures: Figures) -> list[str]:
         fig.savefig(out / "backlog.png", dpi=100)
         plt.close(fig)
         made.append("backlog.png")
+    made += _soak_plots(out, figures, plt)
     peer_samples = {
         k.split(":", 1)[1]: v for k, v in figures.samples.items() if k.startswith(PEER_SAMPLES)
     }

@@ -1,0 +1,187 @@
+"""The `soak` suite: `--soak-messages` through the whole path at `--soak-rate` per second.
+
+`send_batch` at a steady rate (level 1) -> a real delivery worker, consume worker and beat
+(the `delaysvc up` commands, broker Redis db 13 or the filesystem one) -> a no-op handler.
+Every `SAMPLE_SECONDS` it samples, from PostgreSQL's statistics (cheap, never a COUNT(*) of a
+hot table): messages moved into topic queues (schedule_offset.moved_total), jobs claimed
+(deletes from topic_queue), and each hot table's size and dead tuples. Throughput at the end
+of the run vs its start (DESIGN.md target: >= 80%) and the table sizes over time (bounded)
+are reported and plotted.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Engine, text
+
+from delaysvc.bench.load import send_at_rate
+from delaysvc.bench.peer_handlers import SOAK_TOPIC
+from delaysvc.bench.peers import DelaysvcPeer, _rss, _start, _stop
+from delaysvc.bench.progress import step
+from delaysvc.bench.suites import BODY, Figures
+from delaysvc.producer import Producer
+
+if TYPE_CHECKING:
+    from delaysvc.bench import BenchContext
+
+SAMPLE_SECONDS = 2.0
+HOT_TABLES = ("commit_log", "topic_queue", "consume_queue_1", "timer_queue")
+DRAIN_SECONDS = 60.0
+TARGET_RATIO = 0.8
+WARM_UP_SECONDS = 60.0
+LEVEL_1_SECONDS = 1.0  # messages go in at level 1: the last is claimed about this much later
+
+
+def soak_suite(ctx: BenchContext) -> Figures:
+    messages, rate = ctx.size("soak_messages"), ctx.size("soak_rate")
+    seconds = messages / rate
+    step(f"soak: {messages:,} messages at {rate:,}/s ({seconds:.0f} s) through the whole path")
+    samples: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="delaysvc-bench-soak-") as folder:
+        peer = DelaysvcPeer(ctx, Path(folder))
+        peer.prepare()
+        workers = _start(peer, ctx.size("processes"))
+        stop = threading.Event()
+        sampler = threading.Thread(
+            target=_sample_until,
+            args=(ctx.engine, workers, samples, stop, max(1.0, min(SAMPLE_SECONDS, seconds / 20))),
+            daemon=True,
+        )
+        try:
+            producer = Producer(ctx.settings, ctx.engine)
+            _warm_up(ctx.engine, producer)
+            base = _claimed(ctx.engine)  # the statistics count since the database was made
+            sampler.start()
+            sent = send_at_rate(
+                producer,
+                rate,
+                seconds,
+                lambda n: [{"topic": SOAK_TOPIC, "body": BODY, "delay_level": 1}] * n,
+            )
+            sending_ended = time.monotonic()
+            deadline = sending_ended + DRAIN_SECONDS
+            while time.monotonic() < deadline and _claimed(ctx.engine) - base < sent:
+                time.sleep(0.5)
+            drained = _claimed(ctx.engine) - base >= sent
+            stop.set()
+            sampler.join()
+        finally:
+            stop.set()
+            _stop(workers)
+            peer.cleanup()
+    return Figures(
+        results={"soak": _summary(samples, sent, rate, drained, sending_ended + LEVEL_1_SECONDS)},
+        series={
+            "soak_throughput": [(s["t"], s["claimed_per_s"]) for s in samples[1:]],
+            **{
+                f"soak_bytes:{table}": [(s["t"], s["bytes"][table]) for s in samples]
+                for table in HOT_TABLES
+            },
+            **{
+                f"soak_dead:{table}": [(s["t"], s["dead"][table]) for s in samples]
+                for table in HOT_TABLES
+            },
+        },
+    )
+
+
+def _summary(
+    samples: list[dict[str, Any]], sent: int, rate: int, drained: bool, flowing_until: float
+) -> dict[str, Any]:
+    """Throughput of the first and the last tenth of the time jobs flowed steadily: from the
+    first claim to the end of sending (plus the delay), not the drain after it."""
+    flowing = [s for s in samples[1:] if s["at"] <= flowing_until]
+    first = next((i for i, s in enumerate(flowing) if s["claimed_per_s"] > 0), len(flowing))
+    rates = [s["claimed_per_s"] for s in flowing[first:]]
+    # statistics arrive about once a second: average at least 3 samples at each end
+    tenth = max(3, len(rates) // 10)
+    start, end = rates[:tenth], rates[-tenth:]
+    start_rate = sum(start) / len(start) if start else 0.0
+    end_rate = sum(end) / len(end) if end else 0.0
+    last = samples[-1] if samples else {"bytes": {}, "dead": {}}
+    peak = {t: max((s["bytes"][t] for s in samples), default=0) for t in HOT_TABLES}
+    return {
+        "messages": sent,
+        "rate_per_s": rate,
+        "drained": drained,
+        "claimed_per_s_start": round(start_rate),
+        "claimed_per_s_end": round(end_rate),
+        "end_vs_start": round(end_rate / start_rate, 3) if start_rate else None,
+        "target_ratio": TARGET_RATIO,
+        "peak_bytes": peak,
+        "final_bytes": last["bytes"],
+        "final_dead_tuples": last["dead"],
+        "rss_bytes_start": samples[0]["rss"] if samples else 0,
+        "rss_bytes_end": last.get("rss", 0),
+    }
+
+
+def _warm_up(engine: Engine, producer: Producer) -> None:
+    """One message through the whole path first: the lanes' tasks and the consumer's pool
+    are running before the clock starts, as in a service that has been up a while."""
+    sent = producer.send(SOAK_TOPIC, BODY, delay_level=1)
+    deadline = time.monotonic() + WARM_UP_SECONDS
+    while time.monotonic() < deadline:
+        with engine.connect() as conn:
+            status = conn.execute(
+                text("SELECT status FROM commit_log WHERE id = :id"), {"id": sent.id}
+            ).scalar_one()
+        if status == "succeeded":
+            time.sleep(1.5)  # PostgreSQL publishes the statistics at most once a second
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the warm-up message was not run within {WARM_UP_SECONDS:g} s")
+
+
+def _claimed(engine: Engine) -> int:
+    with engine.connect() as conn:
+        conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+        return int(
+            conn.execute(
+                text("SELECT n_tup_del FROM pg_stat_user_tables WHERE relname = 'topic_queue'")
+            ).scalar_one()
+        )
+
+
+def _sample_until(
+    engine: Engine,
+    workers: list[Any],
+    samples: list[dict[str, Any]],
+    stop: threading.Event,
+    every: float,
+) -> None:
+    started = time.monotonic()
+    while not stop.is_set():
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            stats = {
+                row.relname: row
+                for row in conn.execute(
+                    text(
+                        "SELECT relname, n_tup_del, n_dead_tup, "
+                        "pg_total_relation_size(relid) AS bytes FROM pg_stat_user_tables "
+                        "WHERE relname = ANY(:names)"
+                    ),
+                    {"names": list(HOT_TABLES)},
+                )
+            }
+        now = time.monotonic() - started
+        claimed = int(stats["topic_queue"].n_tup_del) if "topic_queue" in stats else 0
+        sample = {
+            "at": time.monotonic(),
+            "t": round(now, 2),
+            "claimed": claimed,
+            "bytes": {t: int(stats[t].bytes) if t in stats else 0 for t in HOT_TABLES},
+            "dead": {t: int(stats[t].n_dead_tup) if t in stats else 0 for t in HOT_TABLES},
+            "rss": _rss(workers),
+        }
+        if samples:
+            previous = samples[-1]
+            sample["claimed_per_s"] = (claimed - previous["claimed"]) / (now - previous["t"])
+        samples.append(sample)
+        stop.wait(every)
