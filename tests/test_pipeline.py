@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given
+from hypothesis import settings as settings_
+from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
 from delaysvc.consumption import Consumer, handler
@@ -538,3 +541,317 @@ def test_cli_bulk_schedule_ends_with_one_summary_line(
     assert summary[0].startswith("bulk-schedule: read 2, written 1, rejected 1, ")
     assert summary[0].endswith(f"; duplicates 0; rejects -> {tmp_path / 'jobs.rejects.csv'}")
     assert _count(engine, "topic = 'bulk.cli'") == 1
+
+
+# ---------------------------------------------------------------- one rule set, two paths
+
+# Every kind of cell the producer's rules tell apart, per column ("" and None are both empty).
+CELLS: dict[str, list[Any]] = {
+    "topic": ["t.a", "t.slow", "a" * 127, "a" * 128, "bad topic", "-x", "x-", "ä", "t.a\n", ""],
+    "body": [
+        '{"n": 1}',
+        "plain text",
+        "[1, 2.50, 1e5, -0.0]",
+        '  {"b": null, "a": "é\\u00e9"}  ',
+        '"quoted"',
+        "true",
+        "NaN",
+        "1e400",
+        '"\\ud800"',
+        "x" * 70,  # over the test's 64-byte limit as text...
+        '"' + "y" * 40 + '"',  # ...and under it as JSON
+        "[" * 5000,  # deeper than JSON can be read
+        "a\tb\\c\nd",
+        None,
+    ],
+    "delay": [
+        "5m",
+        "2s",
+        "0s",
+        "1h30m",
+        "500ms",
+        "1s1s",
+        "3s",
+        "401d",
+        "5 minutes",
+        "5",
+        "9" * 20 + "d",
+    ],
+    "delay_ms": ["2000", "0", "3000", "7", " 7 ", "-5", "1.5", "9" * 20, "٣"],
+    "delay_level": ["1", "0", "-3", "5", "99", " 3", "two", "²", "--5", "٣", "9" * 20],
+    "deliver_at": [
+        "2027-03-01T00:00:00+00:00",
+        "2027-03-01 00:00Z",
+        "2027-03-01T00:00:00.5+05:30",
+        "2027-03-01T00:00:00.1234567-03:00",
+        "2026-01-01T00:00:00-03:00",
+        "1969-12-31T23:59:59Z",
+        "2027-03-01T00:00:00",
+        "2027-02-30T00:00:00Z",
+        "2027-03-01T24:00:00Z",
+        "2027-03-01T00:00:60Z",
+        "2027-03-01T00:00:00+24:00",
+        "20270301T000000Z",
+        "2099-01-01T00:00:00Z",
+        "tomorrow",
+    ],
+    "key": ["k1", "k\\2", "\\N", "NULL", "ключ", "k" * 256, "k" * 257, "a\tb", "k\x7f", " "],
+    "tags": [
+        '["a", "b"]',
+        "[]",
+        '["NULL"]',
+        '[ "x:1" ,"y.z" ]',
+        '["\\u0041"]',
+        '["a b"]',
+        "[1, 2]",
+        '"a"',
+        '{"a": "b"}',
+        "[" + ",".join(f'"t{n}"' for n in range(17)) + "]",
+        "not json",
+    ],
+    "properties": [
+        '{"x": "1"}',
+        "{}",
+        '{"a": "1", "b": "ü\\u00fc"}',
+        '{"x": "1", "x": "2"}',
+        '{"": "v"}',
+        '{"x": 1}',
+        '{"a\\u0000": "v"}',
+        '{"n": "' + "v" * 5000 + '"}',
+        "[1]",
+        "{not json",
+    ],
+    "colour": ["red"],
+}
+EQUIVALENCE_COLUMNS = [*bulk.FIELDS, "colour"]
+
+
+def _one_change_rows() -> list[dict[str, Any]]:
+    """A good row, then the good row with each cell above in turn (a wide hand-made table)."""
+    base = {"topic": "t.a", "body": '{"n": 1}', "key": "base"}
+    rows = [base]
+    for column, values in CELLS.items():
+        rows.extend({**base, column: value} for value in values)
+        rows.append({**base, column: ""})
+    return rows
+
+
+def _decisions(
+    spark: Any,
+    settings: Settings,
+    engine: Engine,
+    records: list[dict[str, Any]],
+    key_from_row: bool,
+) -> tuple[dict[int, tuple[str | None, str | None]], dict[int, tuple[str | None, str | None]], int]:
+    """-> ({row: (COPY line, reason)} by the Spark transform, the same by the producer's own
+    `to_options` + `Producer.prepare`, how many rows the JVM accepted itself)."""
+    from delaysvc.pipeline import rules
+
+    schema = "_rid long, " + ", ".join(f"`{c}` string" for c in EQUIVALENCE_COLUMNS)
+    frame = spark.createDataFrame(
+        [(n, *(r.get(c) for c in EQUIVALENCE_COLUMNS)) for n, r in enumerate(records)], schema
+    )
+    producer = Producer(settings, engine)
+    prepared = rules.prepare(frame, settings, key_from_row).collect()
+    by_spark = {
+        rid: (line, reason)
+        for rid, line, reason in bulk.validate(prepared, producer, "csv", key_from_row)
+    }
+    by_producer: dict[int, tuple[str | None, str | None]] = {}
+    now = datetime.now().astimezone()
+    for n, record in enumerate(records):
+        cells = {c: record.get(c) for c in EQUIVALENCE_COLUMNS}
+        try:
+            options = bulk.to_options(cells, key_from_row)
+            by_producer[n] = (bulk.message_line(producer.prepare(**options, now=now)), None)
+        except DelaysvcError as exc:
+            by_producer[n] = (None, str(exc))
+    return by_spark, by_producer, sum(1 for row in prepared if row["_fast"])
+
+
+def _stored_values(line: str) -> tuple[Any, ...]:
+    """A COPY line as the values it stores (times as instants, JSON as values)."""
+    fields = [
+        None if f == "\\N" else f.replace("\\\\", "\\") for f in line.rstrip("\n").split("\t")
+    ]
+    topic, key, tags, props, level, lane, delay_ms, at, is_json, body = fields
+    return (
+        topic,
+        key,
+        tags,
+        json.loads(props) if props is not None else None,
+        level,
+        lane,
+        delay_ms,
+        datetime.fromisoformat(at) if at is not None else None,
+        is_json,
+        body,
+    )
+
+
+def _assert_same(
+    records: list[dict[str, Any]],
+    by_spark: dict[int, tuple[str | None, str | None]],
+    by_producer: dict[int, tuple[str | None, str | None]],
+) -> None:
+    assert set(by_spark) == set(by_producer) == set(range(len(records)))
+    for n, record in enumerate(records):
+        (spark_line, spark_reason), (producer_line, producer_reason) = by_spark[n], by_producer[n]
+        assert spark_reason == producer_reason, record
+        if producer_line is not None:
+            assert spark_line is not None, record
+            assert _stored_values(spark_line) == _stored_values(producer_line), record
+
+
+def _equivalence_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"max_body_bytes": 64, "topic_delays": "t.slow=3s"})
+
+
+def test_the_spark_transform_decides_every_kind_of_cell_as_the_producer_does(
+    spark: Any, settings: Settings, engine: Engine
+) -> None:
+    settings = _equivalence_settings(settings)
+    records = _one_change_rows()
+    for key_from_row in (False, True):
+        by_spark, by_producer, fast = _decisions(spark, settings, engine, records, key_from_row)
+        _assert_same(records, by_spark, by_producer)
+        assert fast > len(records) // 3  # the JVM decided most of the good rows itself
+    accepted = sum(1 for line, _ in by_producer.values() if line)
+    assert 0 < accepted < len(records)
+
+
+_cell_strategy = {
+    column: st.one_of(st.sampled_from(values), st.just(""), st.none())
+    for column, values in CELLS.items()
+}
+_cell_strategy["key"] = st.one_of(_cell_strategy["key"], st.text(max_size=8))
+_cell_strategy["body"] = st.one_of(_cell_strategy["body"], st.text(max_size=12))
+_sparse = {
+    c: (s if c in ("topic", "body") else st.one_of(st.none(), st.none(), s))
+    for c, s in _cell_strategy.items()
+}
+
+
+@settings_(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(records=st.lists(st.fixed_dictionaries(_sparse), min_size=40, max_size=80))
+def test_generated_rows_get_the_same_decision_and_values_from_spark_and_the_producer(
+    spark: Any, settings: Settings, engine: Engine, records: list[dict[str, Any]]
+) -> None:
+    by_spark, by_producer, _ = _decisions(
+        spark, _equivalence_settings(settings), engine, records, key_from_row=False
+    )
+    _assert_same(records, by_spark, by_producer)
+
+
+def test_spark_and_producer_lines_store_the_same_rows(
+    spark: Any, settings: Settings, engine: Engine
+) -> None:
+    """The accepted rows of the wide table stored from the Spark transform's COPY lines and
+    by the producer's own insert (`store.insert_messages`) are the same rows."""
+    from delaysvc import store as service_store
+
+    settings = _equivalence_settings(settings)
+    records = [
+        {**r, "key": f"{n}-{r.get('key')}"} if r.get("key") else r
+        for n, r in enumerate(_one_change_rows())
+    ]
+    by_spark, _, _ = _decisions(spark, settings, engine, records, key_from_row=False)
+    producer = Producer(settings, engine)
+    messages = []
+    for record in records:
+        try:
+            messages.append(producer.prepare(**bulk.to_options(dict(record), False)))
+        except DelaysvcError:
+            continue
+    absolute = {r["key"] for r in records if r.get("deliver_at") and r.get("key")}
+    query = text(
+        "SELECT topic, key, tags, body, body_is_json, properties, delay_level, lane, status, "
+        "deliver_ts, round(extract(epoch FROM deliver_ts - stored_at) * 1000) AS wait_ms "
+        "FROM commit_log"
+    )
+
+    def stored() -> list[tuple[str, ...]]:
+        """Each row's values; its due time as an instant when it was given one, else as
+        the wait from storing (the two inserts run at different times)."""
+        with engine.begin() as conn:
+            rows = [
+                (*r[:9], r.deliver_ts if r.key in absolute else r.wait_ms)
+                for r in conn.execute(query)
+            ]
+            conn.execute(
+                text("TRUNCATE commit_log, consume_queue, timer_queue, topic_queue CASCADE")
+            )
+        return sorted(tuple(str(v) for v in r) for r in rows)
+
+    with engine.begin() as conn:
+        created = pipeline_store.insert_copy_text(
+            conn, "".join(line for line, _ in by_spark.values() if line)
+        )
+    from_spark = stored()
+    with engine.begin() as conn:
+        service_store.insert_messages(conn, messages)
+    assert created == len(messages) > 20
+    assert from_spark == stored()
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def test_end_to_end_bulk_schedule_then_delivered_by_real_workers_archived_and_reported(
+    spark: Any, database_url: str, engine: Engine, tmp_path: Path
+) -> None:
+    """The issue's run at a small size, with the CLI commands: generated jobs ->
+    `bulk-schedule` -> a real delivery worker, consumer and beat run them ->
+    `archive --older-than 0s` -> `report`; the counts match at every step."""
+    from delaysvc.cli import cli
+    from delaysvc.pipeline import e2e
+    from tests.conftest import TEST_LEVELS
+    from tests.e2e.conftest import Service, wait_for
+
+    rows = 3_000
+    jobs = e2e.generate_jobs(spark, tmp_path / "jobs.parquet", rows)
+    env = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": TEST_LEVELS}
+
+    def pipeline(*args: str) -> str:
+        result = CliRunner().invoke(cli, ["pipeline", *args], env=env)
+        assert result.exit_code == 0, result.output
+        return result.output.strip().splitlines()[-1]
+
+    assert pipeline("bulk-schedule", str(jobs)).startswith(
+        f"bulk-schedule: read {rows}, written {rows}, rejected 0, "
+    )
+    assert pipeline("bulk-schedule", str(jobs)).endswith(
+        "; duplicates 3000; rejects -> " + str(tmp_path / "jobs.rejects.parquet")
+    )
+    assert _count(engine, f"topic = '{e2e.TOPIC}' AND status = 'scheduled'") == rows
+
+    service = Service(database_url, tmp_path / "var", engine, handlers="delaysvc.pipeline.e2e")
+    service.start()
+    try:
+        wait_for(
+            lambda: service.count_status("succeeded", e2e.TOPIC) == rows,
+            120,
+            f"{rows} jobs run",
+            every=0.5,
+        )
+    finally:
+        service.stop()
+    with engine.connect() as conn:
+        early = conn.execute(
+            text("SELECT count(*) FROM commit_log WHERE delivered_at < deliver_ts")
+        ).scalar_one()
+    assert early == 0  # none delivered before its time
+
+    archived = pipeline("archive", "--older-than", "0s", "--out", str(tmp_path / "archive"))
+    assert archived.startswith(f"archive: read {rows}, written {rows}, rejected 0, ")
+    assert f"; deleted {rows} -> " in archived
+    assert _count(engine) == 0
+    archive_rows = spark.read.parquet(str(tmp_path / "archive"))
+    assert archive_rows.where(f"topic = '{e2e.TOPIC}' AND status = 'succeeded'").count() == rows
+
+    reported = pipeline("report", "--out", str(tmp_path / "report"))
+    assert reported.startswith("report: read 3000, ")
+    history = pipeline_store.recent_report_rows(engine, 24, topic=e2e.TOPIC)
+    assert sum(r["messages"] for r in history) == rows
+    assert {r["level"] for r in history} == {1, 2}
+    assert all(r["dead_rate"] == 0 and r["lateness_p50_ms"] is not None for r in history)

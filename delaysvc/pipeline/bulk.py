@@ -1,23 +1,34 @@
 """bulk-schedule: CSV, JSON Lines or Parquet rows (topic, body, delay | delay_ms |
-delay_level | deliver_at, key, tags, properties) -> validated by the producer's own rules ->
+delay_level | deliver_at, key, tags, properties) -> validated by the producer's rules ->
 stored in parallel partitions; bad rows go to a rejects file of the same format family with
 a `reason` column, and do not hold back the good ones.
 
-Each Spark task turns its rows into send options (`to_options`), validates each with
-`Producer.prepare` (the producer's code, not a copy) and stores the good ones BATCH at a time,
-each batch in its own transaction, through `store.insert_staged`: COPY into a staging table,
-then the service's insert with deliver_ts from the database clock. Rows with a key are
+Validation has two paths with one outcome (tests/test_pipeline.py runs generated rows through
+both and `Producer.prepare` and compares decisions and stored values):
+
+- the fast path (`rules.prepare`): Spark column expressions, evaluated in the JVM, check every
+  rule but the body's and build the COPY text of the stored columns; the Python task only
+  encodes the body with the producer's own `encode_body` (JSON or not, canonical bytes, size);
+- the producer's path: every row the JVM does not accept (a bad row, or an unusual spelling)
+  is turned into send options (`to_options`) and validated by `Producer.prepare` itself,
+  which gives the exact reason for a reject.
+
+Each Spark task stores its good rows BATCH at a time, each batch in its own transaction,
+through `store.insert_copy_text`: COPY into a staging table, then one set-based insert with
+the service's lanes, offsets, key rule and database-clock deliver_ts. Rows with a key are
 deduplicated by the service's key rule, so running the same file again adds nothing; keyless
-rows are not, unless `key_from_row` gives each a key derived from its content.
+rows are not, unless `key_from_row` gives each a key derived from its content. Rejects are
+reported by row id and their original cells read back in a second pass (only when there are
+any), so good rows carry nothing extra.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -31,6 +42,7 @@ from delaysvc.pipeline import store
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.store import NewMessage
+from delaysvc.validation import encode_body
 
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
@@ -45,8 +57,11 @@ FIELDS = (
     "tags",
     "properties",
 )
-BATCH = 5_000
+BATCH = 20_000
 REJECT, COUNTS = "reject", "counts"
+RID = "_rid"
+NULL = "\\N"  # COPY text's NULL
+WHOLE_NUMBER = re.compile(r" *(-?[0-9]+) *")  # a level or delay_ms cell: ASCII digits
 
 
 @dataclass
@@ -107,8 +122,7 @@ def to_options(record: dict[str, Any], key_from_row: bool) -> dict[str, Any]:
         if name not in options:
             raise ValidationError(name, "is required")
     if isinstance(options["body"], str):
-        with contextlib.suppress(ValueError):  # plain text is a body too
-            options["body"] = json.loads(options["body"])
+        options["body"] = body_value(options["body"])
     for name in ("tags", "properties"):
         if isinstance(options.get(name), str):
             try:
@@ -117,15 +131,26 @@ def to_options(record: dict[str, Any], key_from_row: bool) -> dict[str, Any]:
                 raise ValidationError(name, "is not JSON") from None
     for name in ("delay_level", "delay_ms"):
         if isinstance(options.get(name), str):
-            if not options[name].strip().lstrip("-").isdigit():
+            whole = WHOLE_NUMBER.fullmatch(options[name])
+            if whole is None:
                 raise ValidationError(name, f"{options[name]!r} is not a whole number")
-            options[name] = int(options[name])
+            options[name] = int(whole.group(1))
     options["deliver_at"] = _instant(options.get("deliver_at"))
     if options["deliver_at"] is None:
         del options["deliver_at"]
     if key_from_row and "key" not in options:
         options["key"] = row_key(record)
     return options
+
+
+def body_value(text: str) -> Any:
+    """A body cell: the JSON value it spells, else the text itself (plain text is a body)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+    except RecursionError:
+        raise ValidationError("body", "is nested too deeply to read as JSON") from None
 
 
 def row_key(record: dict[str, Any]) -> str:
@@ -173,48 +198,51 @@ def _record(row: Any, fmt: str) -> dict[str, Any]:
 
 def store_partition(
     rows: Iterable[Any], settings: Settings, fmt: str, key_from_row: bool
-) -> Iterator[tuple[str, str, str]]:
-    """Validate and store one partition. Yields (REJECT, reason, row as JSON) per refused row,
-    then one (COUNTS, created, duplicates)."""
+) -> Iterator[tuple[str, int, Any]]:
+    """Validate and store one partition of (_rid, _fast, _head, _body, _orig) rows. Yields
+    (REJECT, row id, reason) per refused row, then one (COUNTS, created, duplicates)."""
     engine = make_engine(settings, pool_size=1)
     producer = Producer(settings, engine)
     created = duplicates = 0
+    lines: list[str] = []
+    ids: list[int] = []
     try:
         for batch in _batches(rows, BATCH):
-            now = datetime.now().astimezone()
-            good: list[tuple[NewMessage, Any]] = []
-            for row in batch:
-                try:
-                    options = to_options(_record(row, fmt), key_from_row)
-                    good.append((producer.prepare(**options, now=now), row))
-                except ValidationError as exc:
-                    yield (REJECT, str(exc), _raw(row, fmt))
-            try:
-                stored = _store_batch(engine, settings, [m for m, _ in good])
-            except BacklogFull as exc:
-                for _, row in good:
-                    yield (REJECT, f"backlog_full: {exc}", _raw(row, fmt))
-                continue
-            created += stored
-            duplicates += len(good) - stored
+            for rid, line, reason in validate(batch, producer, fmt, key_from_row):
+                if line is None:
+                    yield (REJECT, rid, reason)
+                else:
+                    lines.append(line)
+                    ids.append(rid)
+            if lines:
+                new, refused = _store_batch(engine, settings, lines)
+                created += new
+                duplicates += len(lines) - new - len(refused)
+                yield from ((REJECT, ids[i], reason) for i, reason in refused)
+            lines, ids = [], []
     finally:
         engine.dispose()
-    yield (COUNTS, str(created), str(duplicates))
+    yield (COUNTS, created, duplicates)
 
 
-def _store_batch(engine: Any, settings: Settings, messages: list[NewMessage]) -> int:
-    """One transaction; the backlog caps apply as they do to the producer's sends."""
-    if not messages:
-        return 0
-    from delaysvc import caps
-
-    with engine.begin() as conn:
-        if settings.caps:
-            caps.before_insert(conn, settings.caps, messages)
-        created = store.insert_staged(conn, messages)
-        if settings.caps:
-            caps.after_insert(conn, settings.caps, messages)
-    return created
+def validate(
+    rows: Iterable[Any], producer: Producer, fmt: str, key_from_row: bool
+) -> Iterator[tuple[int, str | None, str | None]]:
+    """-> (row id, COPY text line or None, reason or None) per (_rid, _fast, _head, _body,
+    _orig) row: the fast path encodes the body the JVM left to it; every other row goes
+    through the producer's own `prepare`."""
+    max_bytes = producer.settings.max_body_bytes
+    now = datetime.now().astimezone()
+    for rid, fast, head, body, original in rows:
+        try:
+            if fast:
+                data, is_json = encode_body(body_value(body), max_bytes)
+                yield rid, f"{head}\t{'t' if is_json else 'f'}\t\\\\x{data.hex()}\n", None
+            else:
+                options = to_options(_record(original, fmt), key_from_row)
+                yield rid, message_line(producer.prepare(**options, now=now)), None
+        except ValidationError as exc:
+            yield rid, None, str(exc)
 
 
 def _batches(rows: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -228,10 +256,62 @@ def _batches(rows: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
+def message_line(m: NewMessage) -> str:
+    """A message the producer prepared as a COPY text line of `store.COPY_COLUMNS`."""
+    fields = [
+        m.topic,
+        _escape(m.key) if m.key is not None else NULL,
+        "{" + ",".join(f'"{t}"' for t in m.tags) + "}" if m.tags is not None else NULL,
+        _escape(json.dumps(m.properties)) if m.properties is not None else NULL,
+        _number(m.delay_level),
+        str(m.lane),
+        _number(m.delay_ms),
+        m.deliver_at.isoformat() if m.deliver_at is not None else NULL,
+        "t" if m.body_is_json else "f",
+        "\\\\x" + m.body.hex(),
+    ]
+    return "\t".join(fields) + "\n"
+
+
+def _escape(text: str) -> str:
+    # keys and JSON text hold no tab, newline or carriage return (keys refuse control
+    # characters; json.dumps escapes them), so only the backslash needs doubling
+    return text.replace("\\", "\\\\")
+
+
+def _number(value: int | None) -> str:
+    return NULL if value is None else str(value)
+
+
+def _store_batch(
+    engine: Any, settings: Settings, lines: list[str]
+) -> tuple[int, list[tuple[int, str]]]:
+    """One transaction; the backlog caps apply as they do to the producer's sends. -> (how
+    many were created, [(index, reason)] refused by a cap)."""
+    from delaysvc import caps
+
+    placed = []
+    if settings.caps:  # what the caps count: each message's topic and lane
+        for line in lines:
+            topic, _, _, _, _, lane, _ = line.split("\t", 6)
+            placed.append(NewMessage(topic, b"", True, int(lane), None, None, None))
+    try:
+        with engine.begin() as conn:
+            if settings.caps:
+                caps.before_insert(conn, settings.caps, placed)
+            created = store.insert_copy_text(conn, "".join(lines))
+            if settings.caps:
+                caps.after_insert(conn, settings.caps, placed)
+    except BacklogFull as exc:
+        return 0, [(i, f"backlog_full: {exc}") for i in range(len(lines))]
+    return created, []
+
+
 def _raw(row: Any, fmt: str) -> str:
     if fmt == "jsonl":
         return str(row["value"])
-    return json.dumps({k: _text(v) for k, v in row.asDict(recursive=True).items()})
+    cells = row.asDict(recursive=True)
+    return json.dumps({k: _text(v) for k, v in cells.items() if k != RID})
 
 
 def _text(value: Any) -> str | None:
@@ -294,20 +374,45 @@ def run(
     key_from_row: bool = False,
     partitions: int | None = None,
 ) -> BulkResult:
+    from pyspark.sql import functions as F
+
+    from delaysvc.pipeline import rules
+
     started = time.monotonic()
     fmt = detect_format(path, fmt)
     rejects = rejects or default_rejects(path, fmt)
-    frame = extract(spark, path, fmt)
-    if partitions:
-        frame = frame.repartition(partitions)
+    # row ids are given before any repartition, so a second read of the file gives each row
+    # the same id (the rejects' original cells are read back by id)
+    frame = extract(spark, path, fmt).withColumn(RID, F.monotonically_increasing_id())
+    columns = [c for c in frame.columns if c != RID]
+    # a CSV read with multiLine (quoted newlines) is one partition: spread the rows before
+    # validating, so every core validates and stores
+    source = frame
+    wanted = partitions or max(spark.sparkContext.defaultParallelism, 1)
+    if partitions or source.rdd.getNumPartitions() < wanted:
+        source = source.repartition(wanted)
+    prepared = rules.prepare(source, settings, key_from_row)
     # collect() runs the stores exactly once (a second action would store again)
-    out = frame.rdd.mapPartitions(
+    out = prepared.rdd.mapPartitions(
         lambda rows: store_partition(rows, settings, fmt, key_from_row)
     ).collect()
-    written = sum(int(a) for tag, a, _ in out if tag == COUNTS)
-    duplicates = sum(int(b) for tag, _, b in out if tag == COUNTS)
-    refused = [(reason, raw) for tag, reason, raw in out if tag == REJECT]
-    write_rejects(spark, refused, list(frame.columns), fmt, rejects)
+    written = sum(a for tag, a, _ in out if tag == COUNTS)
+    duplicates = sum(b for tag, _, b in out if tag == COUNTS)
+    reasons = {rid: reason for tag, rid, reason in out if tag == REJECT}
+    refused = _refused_rows(spark, frame, reasons, fmt)
+    write_rejects(spark, refused, columns, fmt, rejects)
     read = written + duplicates + len(refused)
     log.info("bulk.done", extra={"read": read, "written": written, "rejected": len(refused)})
     return BulkResult(read, written, duplicates, len(refused), time.monotonic() - started, rejects)
+
+
+def _refused_rows(
+    spark: Any, frame: Any, reasons: dict[int, str], fmt: str
+) -> list[tuple[str, str]]:
+    """(reason, the row's original cells as JSON) per refused row id, in input order."""
+    if not reasons:
+        return []
+    ids = spark.createDataFrame([(rid,) for rid in reasons], f"{RID} long")
+    rows = frame.join(ids, RID).collect()
+    rows.sort(key=lambda row: row[RID])
+    return [(reasons[row[RID]], _raw(row, fmt)) for row in rows]

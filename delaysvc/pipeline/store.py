@@ -9,9 +9,11 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store as service_store
+from delaysvc.errors import ValidationError
+from delaysvc.validation import validate_topic
 
 FINISHED = ("succeeded", "dead", "cancelled")
 _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
@@ -237,29 +239,78 @@ SELECT count(*) FROM msg
 """
 
 
-def insert_staged(conn: Connection, messages: Sequence[service_store.NewMessage]) -> int:
-    """Store validated messages in the caller's transaction. -> how many were created (the
-    rest hold a key an unfinished message of their topic already holds)."""
+COPY_COLUMNS = (
+    "topic, key, tags, properties, delay_level, lane, delay_ms, deliver_at, body_is_json, body"
+)
+
+
+def insert_copy_text(conn: Connection, rows: str) -> int:
+    """Store validated messages, given as COPY text lines of `COPY_COLUMNS`, in the caller's
+    transaction: COPY into the staging table, then one set-based insert (the service's key
+    rule, lanes, offsets and database-clock deliver_ts). -> how many were created (the rest
+    hold a key an unfinished message of their topic already holds)."""
     cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     with cursor:
+        cursor.execute("SET LOCAL work_mem = '64MB'")  # the (topic, key) sort stays in memory
         cursor.execute(_STAGE)
         cursor.execute("TRUNCATE pipeline_bulk_stage")  # a second batch in one transaction
-        with cursor.copy(f"COPY pipeline_bulk_stage ({_STAGE_COLUMNS}) FROM STDIN") as copy:
-            for m in messages:
-                copy.write_row(
-                    (
-                        m.topic,
-                        m.key,
-                        m.tags,
-                        m.body,
-                        m.body_is_json,
-                        json.dumps(m.properties) if m.properties is not None else None,
-                        m.delay_level,
-                        m.lane,
-                        m.delay_ms,
-                        m.deliver_at,
-                    )
-                )
+        with cursor.copy(f"COPY pipeline_bulk_stage ({COPY_COLUMNS}) FROM STDIN") as copy:
+            copy.write(rows)
         cursor.execute(_INSERT_STAGED)
         row = cursor.fetchone()
     return int(row[0]) if row else 0
+
+
+# ---------------------------------------------------------------- reading the report
+
+REPORT_ROW_COLUMNS = (
+    "hour",
+    "topic",
+    "level",
+    "messages",
+    "lateness_p50_ms",
+    "lateness_p95_ms",
+    "lateness_p99_ms",
+    "lateness_max_ms",
+    "duration_p50_ms",
+    "duration_p95_ms",
+    "duration_p99_ms",
+    "retried",
+    "dead",
+    "retry_rate",
+    "dead_rate",
+    "run_id",
+)
+MAX_REPORT_HOURS = 24 * 400
+
+
+def recent_report_rows(
+    engine_or_conn: Engine | Connection, hours: int, topic: str | None = None
+) -> list[dict[str, Any]]:
+    """`report_hourly` rows whose hour began within the last `hours` (database clock), oldest
+    first, ordered by (hour, topic, level), one dict per row with REPORT_ROW_COLUMNS:
+    `level` -1 is the timer lane; lateness and duration percentiles in ms (None when the
+    hour had no delivered or no run message); `retry_rate` = retried / messages and
+    `dead_rate` = dead / messages (0..1). Reads the primary key's range only."""
+    if isinstance(hours, bool) or not isinstance(hours, int) or not 1 <= hours <= MAX_REPORT_HOURS:
+        raise ValidationError(
+            "hours", f"must be a whole number 1-{MAX_REPORT_HOURS}, got {hours!r}"
+        )
+    if topic is not None:
+        validate_topic(topic)
+    query = text(
+        "SELECT hour, topic, level, messages, lateness_p50_ms, lateness_p95_ms, "
+        "lateness_p99_ms, lateness_max_ms, duration_p50_ms, duration_p95_ms, duration_p99_ms, "
+        "retried, dead, retried::float8 / NULLIF(messages, 0) AS retry_rate, "
+        "dead::float8 / NULLIF(messages, 0) AS dead_rate, run_id FROM report_hourly "
+        "WHERE hour >= date_trunc('hour', now()) - make_interval(hours => :hours - 1) "
+        + ("AND topic = :topic " if topic is not None else "")
+        + "ORDER BY hour, topic, level"
+    )
+    params = {"hours": hours, "topic": topic}
+    if isinstance(engine_or_conn, Engine):
+        with engine_or_conn.connect() as conn:
+            rows = conn.execute(query, params).mappings().all()
+    else:
+        rows = engine_or_conn.execute(query, params).mappings().all()
+    return [dict(row) for row in rows]

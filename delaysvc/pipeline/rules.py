@@ -1,0 +1,341 @@
+"""The producer's rules as Spark column expressions: bulk-schedule's fast path.
+
+`prepare(frame, settings, key_from_row)` adds to every input row
+
+- `_fast`: true when the JVM has checked every rule but the body's and knows the row is valid
+  with exactly the values the producer would store;
+- `_head`: for those rows, the COPY text of every stored column but the body (topic, key,
+  tags, properties, delay_level, lane, delay_ms, deliver_at), escaped for COPY;
+- `_body`: the body cell as text (the Python side encodes it with the producer's own
+  `encode_body`, which decides its JSON-ness, canonical bytes and size);
+- `_orig`: for every other row, the original cells, which the Python side runs through the
+  producer's own code (`bulk.to_options` + `Producer.prepare`) for the exact decision and
+  reason.
+
+So the JVM only ever *accepts*, and only where its answer is provably the producer's: rows it
+is not sure of (a bad row of any kind, or an unusual but valid spelling such as a JSON escape
+in `tags`, an ISO time without a colon in its offset, a level like ` 3`) fall back to the
+producer's code. The rules mirrored here, with the producer's name for each:
+
+- topic: `validation.TOPIC_PATTERN`; key: 1-`MAX_KEY_CHARS` characters, no control character;
+- tags: a JSON array of at most `MAX_TAGS` strings matching `TAG_PATTERN` (no escapes);
+- properties: a flat JSON object of string -> string (no escapes, no control characters,
+  no repeated name), at most `MAX_PROPERTIES`, names 1-`MAX_PROPERTY_NAME` characters;
+- at most one of delay_level / delay / delay_ms / deliver_at, else the topic's default delay
+  (`DELAYSVC_TOPIC_DELAYS`), else due now (`producer.resolve_schedule`): a level is clamped
+  (0 or below: due now), a delay or delay_ms (`levels.parse_duration_ms`) of 0 is due now, one
+  equal to a level's delay goes to that level's FIFO lane, others to the timer lane, and over
+  `max_delay` is refused; deliver_at must carry an offset and be at most `max_delay` ahead;
+- every other column must be empty.
+
+JSON Lines rows always take the producer's path: Spark's JSON reader re-spells nested values
+(`2.50` -> `2.5`, big integers) and cannot tell `"key": 42` from `"key": "42"`.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    ByteType,
+    IntegerType,
+    LongType,
+    ShortType,
+    StringType,
+    TimestampType,
+)
+
+from delaysvc.schema import NO_LANE, TIMER_LANE
+from delaysvc.settings import Settings
+from delaysvc.validation import MAX_KEY_CHARS, MAX_PROPERTIES, MAX_PROPERTY_NAME, MAX_TAGS
+
+FIELDS = (
+    "topic",
+    "body",
+    "delay",
+    "delay_ms",
+    "delay_level",
+    "deliver_at",
+    "key",
+    "tags",
+    "properties",
+)
+_WS = r"[ \t\n\r]*"  # JSON's whitespace, as Python's json reads it
+_TOPIC = r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,126}\z"  # validation.TOPIC_PATTERN, whole string
+_TAG = r"[A-Za-z0-9._:-]{1,64}"  # validation.TAG_PATTERN
+_TAGS = rf"\A{_WS}\[{_WS}(?:\"{_TAG}\"{_WS}(?:,{_WS}\"{_TAG}\"{_WS}){{0,{MAX_TAGS - 1}}})?\]{_WS}\z"
+_STR = r'"[^"\\\x00-\x1f]*+"'  # a JSON string without escapes or control characters
+_PAIR = rf"{_STR}{_WS}:{_WS}{_STR}"
+_PROPERTIES = rf"\A{_WS}\{{{_WS}(?:{_PAIR}{_WS}(?:,{_WS}{_PAIR}{_WS})*+)?\}}{_WS}\z"
+_PROPERTIES_MAX_CHARS = 4096  # longer ones (legal up to 64 x 4 KiB) take the producer's path
+_CONTROL = r"[\x00-\x1f\x7f]"
+_WHOLE = r"\A-?[0-9]{1,9}\z"
+_DELAY_MS = r"\A[0-9]{1,15}\z"
+_DURATION = r"\A(?:[0-9]{1,9}(?:ms|s|m|h|d)){1,16}\z"  # levels._DURATION, bounded
+_INSTANT = (
+    r"\A([0-9]{4})-([0-9]{2})-([0-9]{2})[T ]([0-9]{2}):([0-9]{2})"
+    r"(?::([0-9]{2})(?:\.([0-9]{1,6}))?)?(Z|[+-][0-9]{2}:[0-9]{2})\z"
+)
+_INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
+NULL = r"\N"  # COPY text's NULL
+RID = "_rid"  # the row id bulk.run gives every input row
+
+
+def prepare(frame: DataFrame, settings: Settings, key_from_row: bool) -> DataFrame:
+    """The frame with `_fast`, `_head`, `_body` and `_orig` (see the module's docstring).
+
+    Built in steps (`_step`): a value used by several expressions is computed once as a
+    column of its own (Spark does not merge projections that would repeat a costly one)."""
+    source = [c for c in frame.columns if c != RID]
+    plain: list[Column] = []  # conditions that the cells are usable as text
+    cells: dict[str, Column] = {}
+    for name in FIELDS:
+        text, usable = _cell(frame, name)
+        cells[f"__{name}"] = text
+        plain.append(usable)
+    for name in (c for c in source if c not in FIELDS):  # must be empty
+        column = F.col(f"`{name}`")
+        if isinstance(frame.schema[name].dataType, StringType):
+            plain.append(column.isNull() | (column == ""))
+        else:
+            plain.append(column.isNull())
+    if "deliver_at" in source and isinstance(frame.schema["deliver_at"].dataType, TimestampType):
+        cells["__at_ts"] = F.col("deliver_at")
+    original = F.struct(*(F.col(f"`{c}`") for c in source))
+    frame = frame.select(
+        RID,
+        original.alias("__orig"),
+        _all(plain).alias("__plain"),
+        *(c.alias(n) for n, c in cells.items()),
+    )
+    frame = _schedule(frame, settings)
+
+    topic, body, key = F.col("__topic"), F.col("__body"), F.col("__key")
+    ok_topic = topic.isNotNull() & topic.rlike(_TOPIC)
+    ok_body = body.isNotNull()
+    # a keyless row's derived key (--key-from-row) is the producer path's
+    ok_key = key.isNotNull() if key_from_row else F.lit(True)
+    ok_key = ok_key & (
+        key.isNull() | (F.length(key).between(1, MAX_KEY_CHARS) & ~key.rlike(_CONTROL))
+    )
+    tags, ok_tags = _tags(F.col("__tags"))
+    properties, ok_properties = _properties(F.col("__properties"))
+    fast = F.coalesce(
+        _all([F.col("__plain"), ok_topic, ok_body, ok_key, ok_tags, ok_properties]),
+        F.lit(False),
+    ) & F.coalesce(F.col("__schedule_ok"), F.lit(False))
+    frame = _step(frame, _fast=fast)
+    head = F.concat_ws(
+        "\t",
+        topic,
+        F.coalesce(_copy_escape(key), F.lit(NULL)),
+        F.coalesce(tags, F.lit(NULL)),
+        F.coalesce(_copy_escape(properties), F.lit(NULL)),
+        *(
+            F.coalesce(F.col(part), F.lit(NULL))
+            for part in ("__out_delay_level", "__out_lane", "__out_delay_ms", "__out_deliver_at")
+        ),
+    )
+    fast = F.col("_fast")
+    return frame.select(
+        RID,
+        fast,
+        F.when(fast, head).alias("_head"),
+        F.when(fast, body).alias("_body"),
+        F.when(~fast, F.col("__orig")).alias("_orig"),
+    )
+
+
+def _step(frame: DataFrame, **columns: Column) -> DataFrame:
+    return frame.select("*", *(c.alias(name) for name, c in columns.items()))
+
+
+def _all(conditions: list[Column]) -> Column:
+    result = F.lit(True)
+    for condition in conditions:
+        result = result & condition
+    return result
+
+
+def _cell(frame: DataFrame, name: str) -> tuple[Column, Column]:
+    """A field as text (empty -> null) and whether the JVM can use that text: strings and
+    whole numbers can; other types (and a timestamp deliver_at, used as is) are the producer
+    path's unless empty."""
+    if name not in frame.columns:
+        return F.lit(None).cast("string"), F.lit(True)
+    column = F.col(f"`{name}`")
+    data_type = frame.schema[name].dataType
+    if isinstance(data_type, StringType):
+        return F.nullif(column, F.lit("")), F.lit(True)
+    if isinstance(data_type, _INTEGRAL):
+        return column.cast("string"), F.lit(True)
+    if name == "deliver_at" and isinstance(data_type, TimestampType):
+        return F.date_format(column, "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"), F.lit(True)
+    return F.lit(None).cast("string"), column.isNull()
+
+
+def _copy_escape(text: Column) -> Column:
+    """COPY text format: a backslash is doubled (the fast path's values hold no tab, newline
+    or carriage return: keys refuse control characters, JSON is re-written compactly)."""
+    return F.replace(text, F.lit("\\"), F.lit("\\\\"))
+
+
+def _tags(text: Column) -> tuple[Column, Column]:
+    """-> (the text[] literal, usable). Every element quoted, so a tag `NULL` stays text."""
+    elements = F.regexp_extract_all(text, F.lit(f'"({_TAG})"'), F.lit(1))
+    literal = F.concat(
+        F.lit("{"),
+        F.array_join(F.transform(elements, lambda e: F.concat(F.lit('"'), e, F.lit('"'))), ","),
+        F.lit("}"),
+    )
+    ok = text.isNull() | text.rlike(_TAGS)
+    return F.when(text.isNotNull(), literal), ok
+
+
+def _properties(text: Column) -> tuple[Column, Column]:
+    """-> (compact JSON for the jsonb column, usable)."""
+    parsed = F.from_json(text, "map<string,string>")
+    names = F.map_keys(parsed)
+    ok = text.isNull() | (
+        (F.length(text) <= _PROPERTIES_MAX_CHARS)
+        & text.rlike(_PROPERTIES)
+        & (F.size(parsed) <= MAX_PROPERTIES)
+        & (F.size(F.array_distinct(names)) == F.size(parsed))
+        & F.forall(names, lambda n: F.length(n).between(1, MAX_PROPERTY_NAME))
+    )
+    return F.when(text.isNotNull(), F.to_json(parsed)), ok
+
+
+def _schedule(frame: DataFrame, settings: Settings) -> DataFrame:
+    """Adds `__out_delay_level`, `__out_lane`, `__out_delay_ms`, `__out_deliver_at` (text) and
+    `__schedule_ok`: the producer's `resolve_schedule` for the rows whose timing the JVM can
+    decide."""
+    levels = settings.levels
+    level_text, delay_text = F.col("__delay_level"), F.col("__delay")
+    ms_text, at_text = F.col("__delay_ms"), F.col("__deliver_at")
+    given = sum(
+        (c.isNotNull().cast("int") for c in (level_text, delay_text, ms_text, at_text)),
+        F.lit(0),
+    )
+
+    # delay / delay_ms / the topic's default: a number of ms
+    pieces = F.regexp_extract_all(delay_text, F.lit("[0-9]+(?:ms|s|m|h|d)"), F.lit(0))
+    duration_ms = F.aggregate(
+        pieces,
+        F.lit(0).cast("long"),
+        lambda total, p: F.try_add(
+            total, F.try_multiply(F.regexp_extract(p, "^[0-9]+", 0).try_cast("long"), _unit_ms(p))
+        ),
+    )
+    defaults = settings.default_delays_ms
+    if defaults:
+        default_ms = F.create_map(*(F.lit(x) for kv in defaults.items() for x in kv))[
+            F.col("__topic")
+        ]
+    else:
+        default_ms = F.lit(None).cast("long")
+    ms = (
+        F.when(delay_text.isNotNull(), F.when(delay_text.rlike(_DURATION), duration_ms))
+        .when(ms_text.isNotNull(), F.when(ms_text.rlike(_DELAY_MS), ms_text.try_cast("long")))
+        .otherwise(default_ms)
+    )
+    instant, instant_ok = _instant(frame, at_text)
+    frame = _step(
+        frame,
+        __given=given,
+        __level=F.least(
+            F.greatest(level_text.try_cast("long"), F.lit(0)), F.lit(levels.max_level)
+        ).cast("int"),
+        __ms=ms,
+        __instant=instant,
+        __instant_ok=instant_ok,
+    )
+    level, ms, instant = F.col("__level"), F.col("__ms"), F.col("__instant")
+    ms_ok = ms.isNotNull() | (delay_text.isNull() & ms_text.isNull())
+    ms_ok = ms_ok & (F.coalesce(ms, F.lit(0)) <= settings.max_delay_ms)
+    exact = F.array_position(F.array(*(F.lit(d) for d in levels.delays_ms)), ms).cast("int")
+    ahead_ms = (F.unix_micros(instant) - F.unix_micros(F.current_timestamp())) / 1000
+    at_ok = F.col("__instant_ok") & (ahead_ms <= settings.max_delay_ms)
+    by_level = level_text.isNotNull()
+    by_time = at_text.isNotNull()
+    frame = _step(
+        frame,
+        __exact=exact,
+        __due_now=F.when(by_level, level == 0).otherwise(F.coalesce(ms, F.lit(0)) == 0),
+        __schedule_ok=(F.col("__given") <= 1)
+        & F.when(by_level, level_text.rlike(_WHOLE)).when(by_time, at_ok).otherwise(ms_ok),
+    )
+    exact, due_now = F.col("__exact"), F.col("__due_now")
+    level_delays = F.array(*(F.lit(ms) for ms in (0, *levels.delays_ms)))
+    lane = (
+        F.when(by_time, F.lit(TIMER_LANE))
+        .when(due_now, F.lit(NO_LANE))
+        .when(by_level, level)
+        .when(exact > 0, exact)
+        .otherwise(F.lit(TIMER_LANE))
+    )
+    delay_level = (
+        F.when(by_time, F.lit(None))
+        .when(due_now, F.lit(0))
+        .when(by_level, level)
+        .when(exact > 0, exact)
+    )
+    delay_ms = (
+        F.when(by_time, F.lit(None))
+        .when(due_now, F.lit(0))
+        .when(by_level, F.element_at(level_delays, level + 1))
+        .otherwise(ms)
+    )
+    deliver_at = F.when(by_time, F.date_format(instant, "yyyy-MM-dd HH:mm:ss.SSSSSSXXX"))
+    return _step(
+        frame,
+        __out_delay_level=delay_level.cast("string"),
+        __out_lane=lane.cast("string"),
+        __out_delay_ms=delay_ms.cast("string"),
+        __out_deliver_at=deliver_at,
+    )
+
+
+def _unit_ms(piece: Column) -> Column:
+    unit = F.regexp_extract(piece, "[a-z]+$", 0)
+    result = F.lit(86_400_000).cast("long")
+    for name, ms in (("h", 3_600_000), ("m", 60_000), ("s", 1_000), ("ms", 1)):
+        result = F.when(unit == name, F.lit(ms).cast("long")).otherwise(result)
+    return result
+
+
+def _instant(frame: DataFrame, text: Column) -> tuple[Column, Column]:
+    """deliver_at -> (the instant, usable): a timestamp column as it is; text in the ISO 8601
+    form `YYYY-MM-DD[T ]HH:MM[:SS[.ffffff]](Z|+HH:MM)`, years 1970-2999, which Python's
+    `datetime.fromisoformat` reads as the same instant."""
+    if "__at_ts" in frame.columns:
+        column = F.col("__at_ts")
+        return column, F.year(column).between(1970, 2999)
+    part = [F.regexp_extract(text, _INSTANT, i) for i in range(9)]
+    matched = text.rlike(_INSTANT)
+    second = F.when(part[6] == "", F.lit("0")).otherwise(part[6])
+    fraction = F.when(part[7] == "", F.lit("0")).otherwise(part[7])
+    local = F.try_make_timestamp(
+        part[1].try_cast("int"),
+        part[2].try_cast("int"),
+        part[3].try_cast("int"),
+        part[4].try_cast("int"),
+        part[5].try_cast("int"),
+        F.concat(second, F.lit("."), fraction).try_cast("decimal(8,6)"),
+        F.lit("UTC"),
+    )
+    zone = part[8]
+    sign = F.when(F.substring(zone, 1, 1) == "-", F.lit(-1)).otherwise(F.lit(1))
+    offset_h = F.when(zone == "Z", F.lit(0)).otherwise(F.substring(zone, 2, 2).try_cast("int"))
+    offset_m = F.when(zone == "Z", F.lit(0)).otherwise(F.substring(zone, 5, 2).try_cast("int"))
+    offset_us = sign * (offset_h * 3600 + offset_m * 60) * F.lit(1_000_000).cast("long")
+    instant = F.timestamp_micros(F.unix_micros(local) - offset_us)
+    ok = (
+        matched
+        & local.isNotNull()
+        & part[1].try_cast("int").between(1970, 2999)
+        & (second.try_cast("int") <= 59)
+        & (offset_h <= 23)
+        & (offset_m <= 59)
+    )
+    return F.when(matched, instant), ok
