@@ -97,7 +97,8 @@ def _summary(
     first claim to the end of sending (plus the delay), not the drain after it."""
     flowing = [s for s in samples[1:] if s["at"] <= flowing_until]
     first = next((i for i, s in enumerate(flowing) if s["claimed_per_s"] > 0), len(flowing))
-    rates = [s["claimed_per_s"] for s in flowing[first:]]
+    # the first window with claims is partial (the flow began inside it): leave it out
+    rates = [s["claimed_per_s"] for s in flowing[first + 1 :]]
     # statistics arrive about once a second: average at least 3 samples at each end
     tenth = max(3, len(rates) // 10)
     start, end = rates[:tenth], rates[-tenth:]
