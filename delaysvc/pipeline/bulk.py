@@ -386,11 +386,14 @@ def run(
     frame = extract(spark, path, fmt).withColumn(RID, F.monotonically_increasing_id())
     columns = [c for c in frame.columns if c != RID]
     # a CSV read with multiLine (quoted newlines) is one partition: spread the rows before
-    # validating, so every core validates and stores
+    # validating, so every core validates and stores. By range of (topic, key): partitions
+    # writing at once then insert into different parts of the key index (round-robin rows
+    # interleave there, and sessions inserting into the same index pages wait on each other)
     source = frame
     wanted = partitions or max(spark.sparkContext.defaultParallelism, 1)
     if partitions or source.rdd.getNumPartitions() < wanted:
-        source = source.repartition(wanted)
+        by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
+        source = source.repartitionByRange(wanted, *by) if by else source.repartition(wanted)
     prepared = rules.prepare(source, settings, key_from_row)
     # collect() runs the stores exactly once (a second action would store again)
     out = prepared.rdd.mapPartitions(
