@@ -536,8 +536,9 @@ def test_cli_bulk_schedule_ends_with_one_summary_line(
     env = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 8s"}
     result = CliRunner().invoke(cli, ["pipeline", "bulk-schedule", str(path)], env=env)
     assert result.exit_code == 0, result.output
-    summary = result.output.strip().splitlines()
+    summary = result.stdout.strip().splitlines()
     assert len(summary) == 1
+    assert "spark: master local[2]" in result.stderr  # which master ran it
     assert summary[0].startswith("bulk-schedule: read 2, written 1, rejected 1, ")
     assert summary[0].endswith(f"; duplicates 0; rejects -> {tmp_path / 'jobs.rejects.csv'}")
     assert _count(engine, "topic = 'bulk.cli'") == 1
@@ -815,7 +816,7 @@ def test_end_to_end_bulk_schedule_then_delivered_by_real_workers_archived_and_re
     def pipeline(*args: str) -> str:
         result = CliRunner().invoke(cli, ["pipeline", *args], env=env)
         assert result.exit_code == 0, result.output
-        return result.output.strip().splitlines()[-1]
+        return result.stdout.strip().splitlines()[-1]
 
     assert pipeline("bulk-schedule", str(jobs)).startswith(
         f"bulk-schedule: read {rows}, written {rows}, rejected 0, "

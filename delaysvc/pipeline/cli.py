@@ -56,7 +56,10 @@ class Services:
     def spark(self) -> Any:
         from delaysvc.pipeline.spark import session
 
-        return session(self.master, self.jars)
+        spark = session(self.master, self.jars)
+        # on stderr, where Spark's progress goes: which master ran the job (spark-submit's?)
+        click.echo(f"spark: master {spark.sparkContext.master}", err=True)
+        return spark
 
 
 @click.group(cls=Group)
