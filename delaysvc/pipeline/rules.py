@@ -24,8 +24,9 @@ producer's code. The rules mirrored here, with the producer's name for each:
 - at most one of delay_level / delay / delay_ms / deliver_at, else the topic's default delay
   (`DELAYSVC_TOPIC_DELAYS`), else due now (`producer.resolve_schedule`): a level is clamped
   (0 or below: due now), a delay or delay_ms (`levels.parse_duration_ms`) of 0 is due now, one
-  equal to a level's delay goes to that level's FIFO lane, others to the timer lane, and over
-  `max_delay` is refused; deliver_at must carry an offset and be at most `max_delay` ahead;
+  equal to a level's delay goes to that level's FIFO lane, others to the timer lane; a delay
+  over `max_delay`, or a deliver_at without an offset or more than `max_delay` ahead, is left
+  to the producer's path (which refuses it);
 - every other column must be empty.
 
 JSON Lines rows always take the producer's path: Spark's JSON reader re-spells nested values
