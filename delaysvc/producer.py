@@ -92,6 +92,25 @@ class Message:
             body=decode_body(row.body, row.body_is_json) if hasattr(row, "body") else None,
         )
 
+    @classmethod
+    def sent(cls, new: store.NewMessage, row: Any, created: bool = True) -> Message:
+        """A message just stored: what the database decided (`id, stored_at, deliver_ts`) and
+        what was sent. The body is not carried back (the caller has it)."""
+        ready = new.lane < 0
+        return cls(
+            id=row.id,
+            topic=new.topic,
+            key=new.key,
+            status="ready" if ready else "scheduled",
+            delay_level=new.delay_level,
+            deliver_at=row.deliver_ts,
+            stored_at=row.stored_at,
+            created=created,
+            tags=list(new.tags) if new.tags else [],
+            properties=dict(new.properties) if new.properties else {},
+            delivered_at=row.stored_at if ready else None,
+        )
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -240,8 +259,8 @@ class Producer:
         self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
     ) -> Message:
         new = self.prepare(topic, body, **options)
-        ((row, created),) = self._write(connection, lambda conn: self._store(conn, [new]))
-        message = Message.from_row(row, created)
+        ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
+        message = Message.sent(new, row) if created else Message.from_row(row, created=False)
         log.info(
             "message.sent" if created else "message.duplicate_key",
             extra={"message_id": message.id, "topic": message.topic, "lane": new.lane},
@@ -258,14 +277,20 @@ class Producer:
         if len(messages) > MAX_BATCH:
             raise ValidationError("messages", f"{len(messages)} items, at most {MAX_BATCH}")
         prepared = []
+        now = datetime.now().astimezone()
         for index, item in enumerate(messages):
             try:
-                prepared.append(self._prepare_item(item))
+                prepared.append(self._prepare_item(item, now))
             except ValidationError as exc:
                 raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
         results = self._write(connection, lambda conn: self._store(conn, prepared))
         log.info("messages.sent", extra={"count": len(results)})
-        return [Message.from_row(row, created) for row, created in results]
+        return [
+            Message.sent(prepared[origin], row, created)
+            if origin is not None
+            else Message.from_row(row, created=False)
+            for row, created, origin in results
+        ]
 
     def _write(self, joined: Joinable | None, write: Callable[[Connection], _T]) -> _T:
         """`write` in the caller's transaction, or in one of ours, tried a second time if the
@@ -283,7 +308,7 @@ class Producer:
 
     def _store(
         self, conn: Connection, messages: Sequence[store.NewMessage]
-    ) -> list[tuple[Any, bool]]:
+    ) -> list[tuple[Any, bool, int | None]]:
         """Insert, within the backlog caps (see `delaysvc.caps`)."""
         capped = self.settings.caps
         if capped:
@@ -296,7 +321,7 @@ class Producer:
             caps.after_insert(conn, capped, messages)
         return results
 
-    def _prepare_item(self, item: Mapping[str, Any]) -> store.NewMessage:
+    def _prepare_item(self, item: Mapping[str, Any], now: datetime) -> store.NewMessage:
         if not isinstance(item, Mapping):
             raise ValidationError("item", "must be an object with topic and body")
         allowed = {
@@ -316,7 +341,7 @@ class Producer:
         if "topic" not in item or "body" not in item:
             raise ValidationError("topic" if "topic" not in item else "body", "is required")
         options = {k: v for k, v in item.items() if k not in ("topic", "body")}
-        return self.prepare(item["topic"], item["body"], **options)
+        return self.prepare(item["topic"], item["body"], now=now, **options)
 
     def cancel(
         self,

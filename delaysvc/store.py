@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, TextClause, text
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from delaysvc.errors import DuplicateKey, SchemaNotReady
 from delaysvc.levels import DelayLevels
@@ -53,10 +54,6 @@ _ENQUEUE_FROM = """
 MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
     queue_offset, status, stored_at, deliver_ts, delivered_at, started_at, finished_at,
     attempts, duration_ms, last_error, errors"""
-# what a send returns: the caller has the body already, so it does not travel back
-SENT_COLUMNS = """id, topic, key, tags, properties, delay_level, lane, queue_offset, status,
-    stored_at, deliver_ts, delivered_at, started_at, finished_at, attempts, duration_ms,
-    last_error"""
 
 
 @dataclass(frozen=True)
@@ -147,49 +144,53 @@ def check_levels(conn: Connection, levels: DelayLevels) -> None:
 
 # ---------------------------------------------------------------- producing
 
-_INSERT_ONE = f"""
+# One statement per send, returning only what the database decides (id, stored_at,
+# deliver_ts): the producer has the rest. One form per kind of lane, so each plans to a single
+# insert into commit_log and one into the lane.
+_INSERT_ONE = """
 WITH msg AS (
     INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
         lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
     VALUES (:topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
-        CAST(:properties AS jsonb), :delay_level, :lane,
-        {_NEXT_OFFSET.format(lane="CAST(:lane AS int)")},
-        CASE WHEN :lane < 0 THEN 'ready' ELSE 'scheduled' END,
-        statement_timestamp(),
+        CAST(:properties AS jsonb), CAST(:delay_level AS smallint), CAST(:lane AS smallint),
+        {offset}, {status}, statement_timestamp(),
         COALESCE(CAST(:deliver_at AS timestamptz),
                  statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
-        CASE WHEN :lane < 0 THEN statement_timestamp() END)
+        {delivered_at})
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING {SENT_COLUMNS}
-){_ENQUEUE_FROM.format(src="msg")}
-SELECT * FROM msg
+    RETURNING id, topic, queue_offset, stored_at, deliver_ts
+), queued AS (
+    {enqueue}
+)
+SELECT id, stored_at, deliver_ts FROM msg
 """
+_INSERT_ONE_LEVEL = _INSERT_ONE.format(
+    offset="nextval(format('consume_queue_%s_seq', CAST(:lane AS int))::regclass)",
+    status="'scheduled'",
+    delivered_at="NULL",
+    enqueue="INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
+    "SELECT CAST(:lane AS smallint), queue_offset, id, topic, deliver_ts FROM msg",
+)
+_INSERT_ONE_TIMER = _INSERT_ONE.format(
+    offset="nextval('timer_queue_seq')",
+    status="'scheduled'",
+    delivered_at="NULL",
+    enqueue="INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic) "
+    "SELECT deliver_ts, queue_offset, id, topic FROM msg",
+)
+_INSERT_ONE_READY = _INSERT_ONE.format(
+    offset="NULL",
+    status="'ready'",
+    delivered_at="statement_timestamp()",
+    enqueue="INSERT INTO topic_queue (message_id, topic, deliver_ts) "
+    "SELECT id, topic, deliver_ts FROM msg",
+)
 
-_INSERT_MANY = f"""
-WITH input AS (
-    SELECT * FROM unnest(CAST(:topic AS text[]), CAST(:key AS text[]), CAST(:tags AS text[]),
-        CAST(:body AS bytea[]), CAST(:body_is_json AS boolean[]), CAST(:properties AS jsonb[]),
-        CAST(:delay_level AS smallint[]), CAST(:lane AS smallint[]),
-        CAST(:delay_ms AS bigint[]), CAST(:deliver_at AS timestamptz[]))
-        WITH ORDINALITY AS t(topic, key, tags, body, body_is_json, properties, delay_level,
-                             lane, delay_ms, deliver_at, ord)
-), msg AS (
-    INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
-        lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
-    SELECT topic, key,
-        CASE WHEN tags IS NOT NULL THEN ARRAY(SELECT json_array_elements_text(tags::json)) END,
-        body, body_is_json, properties, delay_level, lane,
-        {_NEXT_OFFSET.format(lane="lane")},
-        CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
-        statement_timestamp(),
-        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
-        CASE WHEN lane < 0 THEN statement_timestamp() END
-    FROM input ORDER BY ord
-    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING {SENT_COLUMNS}
-){_ENQUEUE_FROM.format(src="msg")}
-SELECT * FROM msg ORDER BY id
-"""
+
+def _insert_one_statement(lane: int) -> str:
+    if lane > 0:
+        return _INSERT_ONE_LEVEL
+    return _INSERT_ONE_TIMER if lane == TIMER_LANE else _INSERT_ONE_READY
 
 
 def _message_params(message: NewMessage) -> dict[str, Any]:
@@ -207,49 +208,162 @@ def _message_params(message: NewMessage) -> dict[str, Any]:
     }
 
 
-def insert_message(conn: Connection, message: NewMessage) -> tuple[Any, bool]:
-    """Store one message and put it in its lane. -> (row, created). A key already held by an
-    unfinished message of the topic returns that message with created=False."""
+def insert_message(conn: Connection, message: NewMessage) -> tuple[Any, bool, int | None]:
+    """Store one message and put it in its lane, in one statement. -> (row, created, origin)
+    as `insert_messages` gives them: a new message's row holds only `id, stored_at,
+    deliver_ts` (the caller has the rest; origin 0); a key already held by an unfinished
+    message of the topic gives that message's whole row, created=False, origin None."""
+    statement = _sql(_insert_one_statement(message.lane))
+    params = _message_params(message)
     for _ in range(5):
-        row = conn.execute(_sql(_INSERT_ONE), _message_params(message)).first()
+        row = conn.execute(statement, params).first()
         if row is not None:
-            return row, True
+            return row, True, 0
         existing = find_unfinished_by_key(conn, message.topic, message.key)
         if existing is not None:
-            return existing, False
+            return existing, False, None
         # The holder of the key finished between the two statements: try again.
     raise DuplicateKey(f"key {message.key!r} of topic {message.topic!r} is changing hands; retry")
 
 
-def insert_messages(conn: Connection, messages: Sequence[NewMessage]) -> list[tuple[Any, bool]]:
-    """Store many messages in one statement. -> [(row, created)] in input order."""
-    columns: dict[str, list[Any]] = {name: [] for name in _message_params(messages[0])}
-    for message in messages:
-        for name, value in _message_params(message).items():
-            columns[name].append(value)
-    columns["tags"] = [json.dumps(t) if t is not None else None for t in columns["tags"]]
-    inserted = list(conn.execute(_sql(_INSERT_MANY), columns))
-    by_key = {(row.topic, row.key): row for row in inserted if row.key is not None}
-    unkeyed = iter(row for row in inserted if row.key is None)
-    results: list[tuple[Any, bool]] = []
-    seen_keys: set[tuple[str, str]] = set()
-    for message in messages:
-        if message.key is None:
-            results.append((next(unkeyed), True))
-            continue
-        pair = (message.topic, message.key)
-        row = by_key.get(pair)
-        if row is not None and pair not in seen_keys:
-            seen_keys.add(pair)
-            results.append((row, True))
-            continue
-        existing = row or find_unfinished_by_key(conn, message.topic, message.key)
-        if existing is None:
+# A batch is COPYed into a temporary staging table (one per session, emptied by the insert
+# that reads it, and at commit), then stored by one statement: ids are drawn in batch order
+# first, so each created row maps back to its item; lanes, offsets, the key rule and
+# database-clock deliver_ts are the single send's. A key held already, or earlier in the batch,
+# creates nothing (ON CONFLICT DO NOTHING sees rows this statement inserted).
+_STAGE_TABLE = "delaysvc_send_stage"
+_STAGE_COLUMNS = (
+    "ord, topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, deliver_at"
+)
+_CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
+    ord int, topic text, key text, tags text[], body bytea, body_is_json boolean,
+    properties jsonb, delay_level smallint, lane smallint, delay_ms bigint,
+    deliver_at timestamptz
+) ON COMMIT DELETE ROWS"""
+_COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
+_INSERT_STAGED = f"""
+WITH staged AS (
+    DELETE FROM {_STAGE_TABLE} RETURNING *
+), numbered AS (
+    SELECT nextval('commit_log_id_seq') AS id, s.*
+    FROM (SELECT * FROM staged ORDER BY ord) s
+), msg AS (
+    INSERT INTO commit_log (id, topic, key, tags, body, body_is_json, properties,
+        delay_level, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    SELECT id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
+        {_NEXT_OFFSET.format(lane="lane")},
+        CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
+        statement_timestamp(),
+        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
+        CASE WHEN lane < 0 THEN statement_timestamp() END
+    FROM numbered ORDER BY ord
+    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
+    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts
+){_ENQUEUE_FROM.format(src="msg")}
+SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id = m.id
+"""
+
+
+def _stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
+    properties = message.properties
+    return (
+        ord_,
+        message.topic,
+        message.key,
+        message.tags,
+        message.body,
+        message.body_is_json,
+        json.dumps(properties) if properties is not None else None,
+        message.delay_level,
+        message.lane,
+        message.delay_ms,
+        message.deliver_at,
+    )
+
+
+def insert_messages(
+    conn: Connection, messages: Sequence[NewMessage]
+) -> list[tuple[Any, bool, int | None]]:
+    """Store many messages in the caller's transaction: COPY into the staging table, one
+    insert. -> [(row, created, origin)] in input order. A created row holds `id, stored_at,
+    deliver_ts` and `origin` is the item's index; a key taken earlier in the batch gives that
+    item's row and index with created=False; a key held by an unfinished message already gives
+    that message's whole row, created=False and origin None."""
+    with driver_errors(conn, _COPY_STAGE) as cursor:
+        cursor.execute(_CREATE_STAGE)
+        with cursor.copy(_COPY_STAGE) as copy:
+            for ord_, message in enumerate(messages):
+                copy.write_row(_stage_row(ord_, message))
+    created: list[Any] = [None] * len(messages)
+    for row in conn.execute(_sql(_INSERT_STAGED)):
+        created[row.ord] = row
+    results: list[tuple[Any, bool, int | None]] = []
+    missing = [m for m, row in zip(messages, created, strict=True) if row is None]
+    holders = find_unfinished_by_keys(conn, [(m.topic, m.key) for m in missing if m.key])
+    first_in_batch: dict[tuple[str, str], int] = {}
+    for index, (message, row) in enumerate(zip(messages, created, strict=True)):
+        pair = (message.topic, message.key) if message.key is not None else None
+        if row is not None:
+            if pair is not None:
+                first_in_batch.setdefault(pair, index)
+            results.append((row, True, index))
+        elif pair is not None and pair in first_in_batch:
+            origin = first_in_batch[pair]
+            results.append((created[origin], False, origin))
+        elif pair is not None and pair in holders:
+            results.append((holders[pair], False, None))
+        else:
             raise DuplicateKey(
                 f"key {message.key!r} of topic {message.topic!r} is changing hands; retry"
             )
-        results.append((existing, False))
     return results
+
+
+@contextmanager
+def driver_errors(conn: Connection, statement: str) -> Iterator[Any]:
+    """A cursor of the connection's driver (for COPY, which SQLAlchemy has no API for), whose
+    errors become SQLAlchemy's like those of `conn.execute`: a lost connection is invalidated
+    and reported as `connection_invalidated`."""
+    dbapi_connection = conn.connection.dbapi_connection
+    assert dbapi_connection is not None
+    cursor = dbapi_connection.cursor()
+    try:
+        yield cursor
+    except conn.dialect.loaded_dbapi.Error as exc:
+        lost = conn.dialect.is_disconnect(exc, dbapi_connection, cursor)
+        if lost:
+            conn.invalidate(exc)
+        raise DBAPIError.instance(
+            statement,
+            None,
+            exc,
+            conn.dialect.loaded_dbapi.Error,
+            connection_invalidated=lost,
+            dialect=conn.dialect,
+        ) from exc
+    finally:
+        if not cursor.closed:
+            cursor.close()
+
+
+def find_unfinished_by_keys(
+    conn: Connection, pairs: Sequence[tuple[str, str | None]]
+) -> dict[tuple[str, str], Any]:
+    """The unfinished messages holding these (topic, key) pairs, in one statement."""
+    wanted = {(topic, key) for topic, key in pairs if key is not None}
+    if not wanted:
+        return {}
+    topics, keys = zip(*wanted, strict=True)
+    rows = conn.execute(
+        _sql(
+            f"SELECT {MESSAGE_COLUMNS} FROM commit_log WHERE key IS NOT NULL AND "
+            "finished_at IS NULL AND "
+            "(topic, key) IN (SELECT * FROM unnest(CAST(:topics AS text[]), "
+            "CAST(:keys AS text[])))"
+        ),
+        {"topics": list(topics), "keys": list(keys)},
+    )
+    return {(row.topic, row.key): row for row in rows}
 
 
 def find_unfinished_by_key(conn: Connection, topic: str, key: str | None) -> Any:
