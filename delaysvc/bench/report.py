@@ -15,7 +15,14 @@ from sqlalchemy import Engine, text
 from delaysvc.bench.suites import Figures
 
 PEER_SAMPLES = "peer_lateness_ms:"  # + peer label: samples plotted together as CDFs
-PG_SETTINGS = ("shared_buffers", "synchronous_commit", "fsync", "max_connections", "work_mem")
+PG_SETTINGS = (
+    "shared_buffers",
+    "synchronous_commit",
+    "fsync",
+    "max_connections",
+    "work_mem",
+    "autovacuum",  # off here (the machine's conf.d/90-ci.conf): dead tuples then only grow
+)
 
 
 def machine_facts(engine: Engine) -> dict[str, Any]:
