@@ -9,11 +9,13 @@ runtime the task wrappers share (engine, consumer). Queues:
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from functools import cached_property
 
 from celery import Celery
+from celery.schedules import schedule
 from sqlalchemy import Engine
 
 from delaysvc.consumption import Consumer, load_handler_modules
@@ -44,6 +46,18 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
     }
 
 
+def monotonic_now() -> datetime:
+    """Beat's clock. Celery's interval schedules compare wall-clock times, so a wall clock
+    stepped back (NTP, a resumed VM) would hold every entry back for as long as the step; the
+    monotonic clock never steps. Its datetimes mean nothing across reboots, which is why beat
+    keeps its schedule in memory (`beat_scheduler` below)."""
+    return datetime.fromtimestamp(time.monotonic(), tz=UTC)
+
+
+def every(seconds: float) -> schedule:
+    return schedule(timedelta(seconds=seconds), nowfun=monotonic_now)
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     broker_url, transport_options = broker_options(settings)
@@ -70,11 +84,14 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         task_default_queue=CONSUME_QUEUE,
         task_time_limit=settings.lease_seconds,
         worker_max_memory_per_child=settings.worker_max_memory_mb * 1024 or None,
+        # every entry runs every few seconds: nothing is worth persisting across restarts, and
+        # the monotonic times of `every` would be wrong after a reboot
+        beat_scheduler="celery.beat:Scheduler",
         beat_schedule={
             **{
                 f"deliver-lane-{lane}": {
                     "task": "delaysvc.deliver_lane",
-                    "schedule": timedelta(seconds=budget),
+                    "schedule": every(budget),
                     "args": (lane,),
                     "options": {"expires": budget},
                 }
@@ -82,17 +99,17 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             },
             "consume-sweep": {
                 "task": "delaysvc.consume_sweep",
-                "schedule": timedelta(seconds=SWEEP_SECONDS),
+                "schedule": every(SWEEP_SECONDS),
                 "options": {"expires": SWEEP_SECONDS},
             },
             "sample-stats": {
                 "task": "delaysvc.sample_stats",
-                "schedule": timedelta(seconds=STATS_SECONDS),
+                "schedule": every(STATS_SECONDS),
                 "options": {"expires": STATS_SECONDS},
             },
             "rescue-leases": {
                 "task": "delaysvc.rescue_leases",
-                "schedule": timedelta(seconds=rescue_every),
+                "schedule": every(rescue_every),
                 "options": {"expires": rescue_every},
             },
         },

@@ -11,10 +11,12 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -325,3 +327,44 @@ def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
     assert stored == acked  # nothing acknowledged lost, nothing stored twice
     wait_for(lambda: service.count_status("succeeded") == len(stored), 180, "all to run")
     assert sorted(_runs_per_message(service)) == sorted(stored.values())
+
+
+def _faketime_env(clock_file: Path) -> dict[str, str]:
+    """libfaketime (its PyPI wheel vendors a build whose sleeps work under Python) preloaded
+    into a process: its wall clock is shifted by what `clock_file` says, read again on every
+    call; its monotonic clock is left alone, as NTP stepping a clock leaves it."""
+    from libfaketime import get_reload_information
+
+    _, env = get_reload_information()
+    env = dict(env, FAKETIME_TIMESTAMP_FILE=str(clock_file), FAKETIME_NO_CACHE="1")
+    env["LD_PRELOAD"] = str(Path(env["LD_LIBRARY_PATH"]) / env["LD_PRELOAD"])
+    return env
+
+
+def test_a_clock_moved_backwards_on_the_workers_and_beat_changes_nothing(
+    service: Service, producer: Producer, tmp_path: Path
+) -> None:
+    clock = tmp_path / "clock"
+    clock.write_text("+0\n")
+    service.env.update(_faketime_env(clock))
+    service.start()
+    ids = _send_over(producer, "e2e.record", 150, 1.5)
+    clock.write_text("-1h\n")  # the delivery worker, the consumer and beat step back an hour
+    shifted = subprocess.run(
+        [sys.executable, "-c", "import time; print(time.time())"],
+        env=service.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert 3590 < time.time() - float(shifted.stdout) < 3610  # the step is real
+    ids += _send_over(producer, "e2e.record", 150, 1.5)
+    # before beat's schedule used the monotonic clock, it stalled here for the hour
+    wait_for(lambda: service.count_status("succeeded") == 300, 120, "all 300 to run", every=0.5)
+    assert sorted(_runs_per_message(service)) == sorted(ids)
+    assert service.scalar("SELECT sum(moved_total) FROM schedule_offset") == 300
+    assert service.scalar("SELECT count(*) FROM commit_log WHERE delivered_at < deliver_ts") == 0
+    late = service.scalar(
+        "SELECT max(extract(epoch FROM delivered_at - deliver_ts)) FROM commit_log"
+    )
+    assert late < 5.0  # delivered on the database's time, not an hour late
