@@ -121,6 +121,18 @@ def _soak(ctx: BenchContext) -> suites.Figures:
     return soak.soak_suite(ctx)
 
 
+def _http(ctx: BenchContext) -> suites.Figures:
+    from delaysvc.bench import http
+
+    return http.http_suite(ctx)
+
+
+def _dashboard(ctx: BenchContext) -> suites.Figures:
+    from delaysvc.bench import dashboard
+
+    return dashboard.dashboard_suite(ctx)
+
+
 def _pipeline(ctx: BenchContext) -> suites.Figures:
     from delaysvc.bench import pipeline
 
@@ -162,6 +174,20 @@ SUITES: dict[str, Suite] = {
             PROCESSES,
         ),
         "throughput at the end vs the start; table sizes and dead tuples over time",
+    ),
+    "http": Suite(
+        _http,
+        (
+            Size("http_clients", 50, 10, "Concurrent HTTP connections (wrk)."),
+            Size("http_seconds", 300.0, 10.0, "Load duration, seconds."),
+            Size("http_workers", 4, 4, "gunicorn worker processes."),
+        ),
+        "POST /api/v1/messages under wrk: requests/s, latency percentiles, errors",
+    ),
+    "dashboard": Suite(
+        _dashboard,
+        (Size("dashboard_rows", 10_000_000, 200_000, "Messages in the tables (half pending)."),),
+        "every dashboard page and JSON endpoint timed with many rows in the tables",
     ),
     "pipeline": Suite(
         _pipeline,

@@ -60,7 +60,7 @@ def run_wrk(url: str, token: str, clients: int, seconds: float) -> dict[str, Any
     """wrk against `url` (…/api/v1/messages); -> its RESULT line as a dict."""
     wrk = shutil.which("wrk")
     if wrk is None:
-        raise RuntimeError("the http suite needs wrk: apt-get install wrk")
+        raise RuntimeError("wrk is not installed (apt-get install wrk)")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(WRK_SCRIPT % {"token": token, "topic": TOPIC})
     try:
@@ -87,6 +87,10 @@ def run_wrk(url: str, token: str, clients: int, seconds: float) -> dict[str, Any
 
 
 def http_suite(ctx: BenchContext) -> Figures:
+    if shutil.which("wrk") is None:
+        reason = "wrk is not installed (apt-get install wrk)"
+        step(f"http: NOT RUN: {reason}")
+        return Figures(results={"http": {"skipped": reason}})
     clients, seconds = ctx.size("http_clients"), ctx.seconds("http_seconds")
     workers = ctx.size("http_workers")
     figures = Figures()

@@ -149,6 +149,22 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"| {name}: peak table sizes; dead tuples at the end | {sizes}; {dead} | - | - | "
             "bounded |",
         ]
+    if "requests_per_s" in r:
+        late, errors = r["latency_ms"], sum(r["errors"].values())
+        return [
+            f"| {name}: POST /api/v1/messages, {r['clients']} clients for {r['seconds']:g} s "
+            f"(gunicorn -w {r['gunicorn_workers']}) | {r['requests_per_s']:,} req/s; p50 "
+            f"{late['p50']:.1f} ms, p99 {late['p99']:.1f} ms; {errors} errors; lost "
+            f"{r['lost']} | {r['raw_insert_per_s']:,} tx/s | {r['ratio_to_raw']:.1%} | "
+            "0 errors, p99 reported |"
+        ]
+    if "pages_ms" in r:
+        slowest = sorted(r["pages_ms"].items(), key=lambda item: -item[1]["p95"])[:4]
+        listed = "; ".join(f"{page} {t['p95']} ms" for page, t in slowest)
+        return [
+            f"| {name}: slowest pages (p95) with {r['rows']:,} rows | {listed} | - | - | "
+            "responsive |"
+        ]
     if "first_rows_per_s" in r:
         return [
             f"| {name}: Spark bulk-schedule rows/s ({r['rows']:,} rows, {r['partitions']} "
