@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -1047,15 +1047,20 @@ SELECT id, topic FROM back
 
 
 def topics_with_ready(conn: Connection) -> list[str]:
-    """Distinct topics in topic_queue by a loose index scan (one probe per topic)."""
+    return distinct_topics(conn, "topic_queue")
+
+
+def distinct_topics(conn: Connection, table: Literal["topic_queue", "dead_letter"]) -> list[str]:
+    """Distinct topics of `table` by a loose index scan along its topic index (one probe per
+    topic), never a scan of the table."""
     return list(
         conn.execute(
             text(
-                """
+                f"""
 WITH RECURSIVE t AS (
-    (SELECT topic FROM topic_queue ORDER BY topic LIMIT 1)
+    (SELECT topic FROM {table} ORDER BY topic LIMIT 1)
     UNION ALL
-    SELECT (SELECT topic FROM topic_queue WHERE topic > t.topic ORDER BY topic LIMIT 1)
+    SELECT (SELECT topic FROM {table} WHERE topic > t.topic ORDER BY topic LIMIT 1)
     FROM t WHERE t.topic IS NOT NULL
 )
 SELECT topic FROM t WHERE topic IS NOT NULL
@@ -1232,8 +1237,10 @@ def topic_stats(conn: Connection, limit_count: int = 100_000) -> list[Any]:
                 """
 WITH topics AS (
     SELECT topic FROM topic_state
-    UNION SELECT topic FROM dead_letter
-    UNION SELECT topic FROM commit_log WHERE status IN ('running', 'retrying')
+    UNION SELECT unnest(CAST(:dead_topics AS text[]))
+    -- each branch matches a partial index's predicate exactly, so neither scans the table
+    UNION SELECT topic FROM commit_log WHERE status = 'running'
+    UNION SELECT topic FROM commit_log WHERE status = 'retrying'
     UNION SELECT topic FROM handler_duration_histogram
           WHERE minute > clock_timestamp() - interval '1 hour'
     UNION SELECT unnest(CAST(:ready_topics AS text[]))
@@ -1251,6 +1258,10 @@ SELECT t.topic,
 FROM topics t ORDER BY t.topic
 """
             ),
-            {"ready_topics": topics_with_ready(conn), "cap": limit_count},
+            {
+                "ready_topics": topics_with_ready(conn),
+                "dead_topics": distinct_topics(conn, "dead_letter"),
+                "cap": limit_count,
+            },
         )
     )
