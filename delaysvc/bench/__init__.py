@@ -11,6 +11,7 @@ its flags from the registry.
 
 from __future__ import annotations
 
+import importlib
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -103,40 +104,17 @@ def _consume(ctx: BenchContext) -> suites.Figures:
     )
 
 
-def _peers(ctx: BenchContext) -> suites.Figures:
-    from delaysvc.bench import peers
+def _suite_in(module: str) -> Callable[[BenchContext], suites.Figures]:
+    """`delaysvc.bench.<module>.<module>_suite`, imported when the suite runs (the peers need
+    their clients, the pipeline needs pyspark)."""
 
-    return peers.peers_suite(ctx)
+    def run(ctx: BenchContext) -> suites.Figures:
+        found: Callable[[BenchContext], suites.Figures] = getattr(
+            importlib.import_module(f"delaysvc.bench.{module}"), f"{module}_suite"
+        )
+        return found(ctx)
 
-
-def _scale(ctx: BenchContext) -> suites.Figures:
-    from delaysvc.bench import scale
-
-    return scale.scale_suite(ctx)
-
-
-def _soak(ctx: BenchContext) -> suites.Figures:
-    from delaysvc.bench import soak
-
-    return soak.soak_suite(ctx)
-
-
-def _http(ctx: BenchContext) -> suites.Figures:
-    from delaysvc.bench import http
-
-    return http.http_suite(ctx)
-
-
-def _dashboard(ctx: BenchContext) -> suites.Figures:
-    from delaysvc.bench import dashboard
-
-    return dashboard.dashboard_suite(ctx)
-
-
-def _pipeline(ctx: BenchContext) -> suites.Figures:
-    from delaysvc.bench import pipeline
-
-    return pipeline.pipeline_suite(ctx)
+    return run
 
 
 SUITES: dict[str, Suite] = {
@@ -148,7 +126,7 @@ SUITES: dict[str, Suite] = {
         _consume, (JOBS, PROCESSES, RATE, FLOW_SECONDS), "no-op jobs/s; deliver -> start"
     ),
     "peers": Suite(
-        _peers,
+        _suite_in("peers"),
         (
             Size("peer_jobs", 20_000, 2_000, "Jobs per peer in the lateness workload."),
             Size("peer_delay", 5.0, 2.0, "Their fixed delay, seconds."),
@@ -158,7 +136,7 @@ SUITES: dict[str, Suite] = {
         "Celery countdown, Procrastinate, RabbitMQ TTL+DLX and delaysvc on one workload",
     ),
     "scale": Suite(
-        _scale,
+        _suite_in("scale"),
         (
             Size("pending", 2_000_000, 200_000, "Pending messages for scale (full: 10M)."),
             Size("scale_seconds", 10.0, 3.0, "Send measurement per phase, seconds."),
@@ -167,7 +145,7 @@ SUITES: dict[str, Suite] = {
         "send rate and tick cost with a big backlog vs empty; worker/beat RSS",
     ),
     "soak": Suite(
-        _soak,
+        _suite_in("soak"),
         (
             Size("soak_messages", 600_000, 30_000, "Messages through the whole path (full: 10M)."),
             Size("soak_rate", 3_000, 3_000, "Their steady send rate, msg/s."),
@@ -176,7 +154,7 @@ SUITES: dict[str, Suite] = {
         "throughput at the end vs the start; table sizes and dead tuples over time",
     ),
     "http": Suite(
-        _http,
+        _suite_in("http"),
         (
             Size("http_clients", 50, 10, "Concurrent HTTP connections (wrk)."),
             Size("http_seconds", 300.0, 10.0, "Load duration, seconds."),
@@ -185,12 +163,12 @@ SUITES: dict[str, Suite] = {
         "POST /api/v1/messages under wrk: requests/s, latency percentiles, errors",
     ),
     "dashboard": Suite(
-        _dashboard,
+        _suite_in("dashboard"),
         (Size("dashboard_rows", 10_000_000, 200_000, "Messages in the tables (half pending)."),),
         "every dashboard page and JSON endpoint timed with many rows in the tables",
     ),
     "pipeline": Suite(
-        _pipeline,
+        _suite_in("pipeline"),
         (
             Size("pipeline_rows", 200_000, 20_000, "Rows for the Spark bulk-schedule bench."),
             Size("pipeline_partitions", 2, 2, "Spark partitions."),
