@@ -258,7 +258,14 @@ class Producer:
     def send(
         self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
     ) -> Message:
-        new = self.prepare(topic, body, **options)
+        return self._send_one(self.prepare(topic, body, **options), connection)
+
+    def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
+        """`send` with its arguments as one mapping, as an HTTP body holds them
+        (`{"topic": ..., "body": ..., "delay": "5m"}`); unknown fields are refused."""
+        return self._send_one(self._prepare_item(item, datetime.now().astimezone()), connection)
+
+    def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
         ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
         message = Message.sent(new, row) if created else Message.from_row(row, created=False)
         log.info(

@@ -52,7 +52,12 @@ def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 def json_body() -> dict[str, Any]:
     if not request.is_json:
         return _raise_unsupported()
-    data = request.get_json(silent=True)
+    try:
+        data = request.get_json(silent=True)  # malformed JSON or bad UTF-8 -> None
+    except RecursionError:
+        raise ValidationError(
+            "body", "the JSON is nested too deeply to parse (keep it under ~900 levels)"
+        ) from None
     if not isinstance(data, dict):
         raise ValidationError("body", "the request body must be a JSON object")
     return data
@@ -97,7 +102,7 @@ def message_options(item: dict[str, Any]) -> dict[str, Any]:
 def send_message():
     options = message_options(json_body())
     producer = services()["producer"]
-    [message] = producer.send_batch([options])
+    message = producer.send_item(options)
     return jsonify(message_json(message, full=False)), 201 if message.created else 200
 
 
