@@ -160,6 +160,35 @@ def test_a_broker_restart_loses_nothing_stored(service: Service, producer: Produ
     assert sorted(_runs_per_message(service)) == sorted(first + later)
 
 
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _rabbitmq_up(), reason="needs a RabbitMQ on 127.0.0.1:5672 (CI has one)")
+def test_a_rabbitmq_broker_restart_loses_nothing_stored(
+    service_factory,  # type: ignore[no-untyped-def]
+    producer: Producer,
+) -> None:
+    service = service_factory(broker_url=RABBITMQ)
+    service.start()
+    first = _send_over(producer, "e2e.record", 100, 1.0)
+    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
+    try:
+        later = _send_over(producer, "e2e.record", 100, 1.0)  # stored while it is down
+    finally:
+        subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+    wait_for(tolerant(lambda: service.count_status("succeeded") == 200), 180, "all 200 to run")
+    assert sorted(_runs_per_message(service)) == sorted(first + later)
+    assert service.scalar("SELECT sum(moved_total) FROM schedule_offset") == 200
+
+
 def test_a_long_transaction_holding_back_vacuum_does_not_stop_the_flow(
     service: Service, producer: Producer
 ) -> None:
