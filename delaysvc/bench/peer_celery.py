@@ -26,7 +26,9 @@ def received(i: int, due: float) -> None:
 
 
 def make_app(broker: str) -> Celery:
-    app = Celery("delaysvc_bench_peer", broker=broker)
+    # not the process's current app: importing it (the bench does) must not take over the
+    # `shared_task`s of the service's own tasks
+    app = Celery("delaysvc_bench_peer", broker=broker, set_as_current=False)
     app.conf.update(
         task_acks_late=True,
         task_reject_on_worker_lost=True,
