@@ -153,6 +153,8 @@ dead_letter = Table(
     Column("died_at", Timestamp, nullable=False, server_default=text("now()")),
     Column("reason", Text, nullable=False),
     Column("attempts", Integer, nullable=False),
+    # what the letter is grouped by: the last handler error, else the reason
+    Column("error", Text, nullable=False),
     Index("ix_dead_letter_topic_died_at", "topic", "died_at"),
 )
 

@@ -624,8 +624,8 @@ def skip_stuck_head(conn: Connection, lane: int) -> int | None:
     )
     conn.execute(
         text(
-            "INSERT INTO dead_letter (message_id, topic, reason, attempts) "
-            "SELECT id, topic, :reason, attempts FROM commit_log WHERE id = :id "
+            "INSERT INTO dead_letter (message_id, topic, reason, attempts, error) "
+            "SELECT id, topic, :reason, attempts, :reason FROM commit_log WHERE id = :id "
             "ON CONFLICT (message_id) DO NOTHING"
         ),
         {"id": head.message_id, "reason": reason},
@@ -937,10 +937,10 @@ WITH buried AS (
     WHERE c.id = :id AND c.status = 'running' AND c.attempts = :attempt
     RETURNING c.id, c.topic, c.attempts
 )
-INSERT INTO dead_letter (message_id, topic, reason, attempts)
-SELECT id, topic, :reason, attempts FROM buried
+INSERT INTO dead_letter (message_id, topic, reason, attempts, error)
+SELECT id, topic, :reason, attempts, COALESCE(CAST(:error AS text), :reason) FROM buried
 ON CONFLICT (message_id) DO UPDATE SET reason = EXCLUDED.reason, died_at = now(),
-    attempts = EXCLUDED.attempts
+    attempts = EXCLUDED.attempts, error = EXCLUDED.error
 """
 
 

@@ -291,21 +291,18 @@ from turning it into a hash join over the whole commit log)."""
 
 def dead_groups(conn: Connection, topic: str | None = None, limit: int = 200) -> list[Any]:
     """Dead letters grouped by (topic, error), biggest group first, over the newest
-    DEAD_GROUP_WINDOW letters. The error is the last handler error, else the dead reason."""
+    DEAD_GROUP_WINDOW letters, reading dead_letter alone: its `error` is the last handler
+    error, else the reason the letter died (kept on the letter when it died)."""
     topic_filter = "WHERE d.topic = :topic" if topic is not None else ""
     return list(
         conn.execute(
             text(
                 f"""
-WITH recent AS (
-    SELECT d.message_id, d.topic, d.died_at, COALESCE(c.last_error, d.reason) AS error
-    FROM (SELECT message_id, topic, died_at, reason FROM dead_letter d {topic_filter}
-          ORDER BY message_id DESC LIMIT :window) d
-    {_LAST_ERROR}
-)
 SELECT topic, error, count(*) AS letters, min(died_at) AS first_died,
        max(died_at) AS last_died, max(message_id) AS newest_id
-FROM recent GROUP BY topic, error
+FROM (SELECT message_id, topic, died_at, error FROM dead_letter d {topic_filter}
+      ORDER BY message_id DESC LIMIT :window) recent
+GROUP BY topic, error
 ORDER BY count(*) DESC, topic, max(message_id) DESC LIMIT :limit
 """
             ),
@@ -320,7 +317,7 @@ def _group_filter(topic: str | None, error: str | None) -> tuple[str, dict[str, 
         where.append("d.topic = :topic")
         params["topic"] = topic
     if error is not None:
-        where.append("COALESCE(c.last_error, d.reason) = :error")
+        where.append("d.error = :error")
         params["error"] = error
     return " AND ".join(where), params
 
@@ -370,7 +367,7 @@ def dead_ids_in_group(
     return list(
         conn.execute(
             text(
-                f"SELECT d.message_id FROM dead_letter d {_LAST_ERROR} "
+                "SELECT d.message_id FROM dead_letter d "
                 + (f"WHERE {where} " if where else "")
                 + "ORDER BY d.message_id LIMIT :limit"
             ),

@@ -160,3 +160,27 @@ def test_changed_levels_are_detected_until_migrated(engine: Engine) -> None:
     upgrade(engine, changed)
     with engine.connect() as conn:
         store.check_levels(conn, changed)
+
+
+def test_0005_keeps_each_dead_letters_grouping_error_on_the_letter(empty_engine: Engine) -> None:
+    """Letters that died before 0005 get their error from commit_log (the last handler error,
+    else the reason they died), so the dashboard's groups do not change across the upgrade."""
+    upgrade(empty_engine, _levels(TEST_LEVELS), revision="0004")
+    with empty_engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO commit_log (id, topic, body, body_is_json, lane, status, deliver_ts, "
+                "last_error) VALUES (1, 't', '', false, -1, 'dead', now(), 'ValueError: bad'), "
+                "(2, 't', '', false, -1, 'dead', now(), NULL)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO dead_letter (message_id, topic, reason, attempts) "
+                "VALUES (1, 't', 'retries exhausted', 3), (2, 't', 'expired', 0)"
+            )
+        )
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    with empty_engine.connect() as conn:
+        errors = conn.execute(text("SELECT message_id, error FROM dead_letter ORDER BY 1")).all()
+    assert [tuple(row) for row in errors] == [(1, "ValueError: bad"), (2, "expired")]

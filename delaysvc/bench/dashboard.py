@@ -104,8 +104,9 @@ WITH m AS (
          LATERAL (SELECT now() - interval '7 days' + (:start + g) * interval '50 ms') AS x(t)
     RETURNING id, topic, status, finished_at
 )
-INSERT INTO dead_letter (message_id, topic, died_at, reason, attempts)
-SELECT id, topic, finished_at, 'retries exhausted', 17 FROM m WHERE status = 'dead'
+INSERT INTO dead_letter (message_id, topic, died_at, reason, attempts, error)
+SELECT id, topic, finished_at, 'retries exhausted', 17,
+    'ConnectionError: billing API unreachable' FROM m WHERE status = 'dead'
 """
                 ),
                 {"topics": TOPICS, "start": chunk, "size": size, "body": b'{"order_id": 42}'},
