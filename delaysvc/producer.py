@@ -31,6 +31,7 @@ from delaysvc.levels import DelayLevels, parse_duration_ms
 from delaysvc.schema import NO_LANE, TIMER_LANE, WAITING
 from delaysvc.settings import Settings
 from delaysvc.validation import (
+    MESSAGE_FIELDS,
     decode_body,
     encode_body,
     validate_key,
@@ -331,20 +332,9 @@ class Producer:
     def _prepare_item(self, item: Mapping[str, Any], now: datetime) -> store.NewMessage:
         if not isinstance(item, Mapping):
             raise ValidationError("item", "must be an object with topic and body")
-        allowed = {
-            "topic",
-            "body",
-            "delay_level",
-            "delay",
-            "delay_ms",
-            "deliver_at",
-            "key",
-            "tags",
-            "properties",
-        }
-        unknown = sorted(set(item) - allowed)
+        unknown = sorted(set(item) - set(MESSAGE_FIELDS))
         if unknown:
-            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(allowed)}")
+            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(MESSAGE_FIELDS)}")
         if "topic" not in item or "body" not in item:
             raise ValidationError("topic" if "topic" not in item else "body", "is required")
         options = {k: v for k, v in item.items() if k not in ("topic", "body")}

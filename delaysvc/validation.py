@@ -21,6 +21,19 @@ from delaysvc.errors import TooLarge, ValidationError
 
 TOPIC_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+MESSAGE_FIELDS = (
+    "topic",
+    "body",
+    "delay",
+    "delay_ms",
+    "delay_level",
+    "deliver_at",
+    "key",
+    "tags",
+    "properties",
+)
+"""What a message is sent with (`send`'s arguments; an HTTP item, a bulk-schedule row)."""
+
 MAX_KEY_CHARS = 256
 MAX_TAGS = 16
 MAX_PROPERTIES = 64

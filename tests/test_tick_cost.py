@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store
+from delaysvc.bench.scale import fill_lane
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
 
 BATCH = 100
@@ -18,27 +19,7 @@ BATCH = 100
 
 def _fill(engine: Engine, lane: int, count: int) -> None:
     """`count` waiting messages in `lane`, due in an hour, written straight by SQL (fast)."""
-    sequence = f"consume_queue_{lane}_seq" if lane else "timer_queue_seq"
-    target = (
-        "INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
-        f"SELECT {lane}, queue_offset, id, topic, deliver_ts FROM m"
-        if lane
-        else "INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic) "
-        "SELECT deliver_ts, queue_offset, id, topic FROM m"
-    )
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "WITH m AS (INSERT INTO commit_log (topic, body, body_is_json, delay_level, lane,"
-                " queue_offset, status, stored_at, deliver_ts) "
-                f"SELECT 't.cost', '\\x7b7d', true, {lane or 'NULL'}, {lane}, "
-                f"nextval('{sequence}'), 'scheduled', now(), "
-                "now() + interval '1 hour' + g * interval '1 microsecond' "
-                "FROM generate_series(1, :count) g RETURNING id, topic, queue_offset, deliver_ts) "
-                + target
-            ),
-            {"count": count},
-        )
+    fill_lane(engine, lane, count, "now() + interval '1 hour'", topic="t.cost")
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE"))
 

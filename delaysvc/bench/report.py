@@ -200,35 +200,71 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _chart(
+    out: Path,
+    plt: Any,
+    filename: str,
+    draw: Any,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    legend: bool = False,
+) -> str:
+    """One PNG: `draw(ax)` puts the data on the axes; the rest is the same for every chart."""
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    draw(ax)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / filename, dpi=100)
+    plt.close(fig)
+    return filename
+
+
+def _line(points: list[tuple[float, float]], color: str, scale: float = 1) -> Any:
+    return lambda ax: ax.plot([t for t, _ in points], [v / scale for _, v in points], color=color)
+
+
 def _soak_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
     made = []
     throughput = figures.series.get("soak_throughput")
     if throughput:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot([t for t, _ in throughput], [v for _, v in throughput], color="#3b6ea5")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("jobs claimed per second")
-        ax.set_title("soak: throughput over time")
-        fig.tight_layout()
-        fig.savefig(out / "soak_throughput.png", dpi=100)
-        plt.close(fig)
-        made.append("soak_throughput.png")
+        made.append(
+            _chart(
+                out,
+                plt,
+                "soak_throughput.png",
+                _line(throughput, "#3b6ea5"),
+                "soak: throughput over time",
+                "seconds",
+                "jobs claimed per second",
+            )
+        )
     for kind, label in (("soak_bytes", "MiB"), ("soak_dead", "dead tuples")):
         series = {k.split(":", 1)[1]: v for k, v in figures.series.items() if k.startswith(kind)}
         if not series:
             continue
-        fig, ax = plt.subplots(figsize=(7, 3.5))
         scale = 1024 * 1024 if kind == "soak_bytes" else 1
-        for table, points in series.items():
-            ax.plot([t for t, _ in points], [v / scale for _, v in points], label=table)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel(label)
-        ax.set_title(f"soak: {label} of the hot tables over time")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"{kind}.png", dpi=100)
-        plt.close(fig)
-        made.append(f"{kind}.png")
+
+        def draw(ax: Any, series: dict[str, Any] = series, scale: float = scale) -> None:
+            for table, points in series.items():
+                ax.plot([t for t, _ in points], [v / scale for _, v in points], label=table)
+
+        made.append(
+            _chart(
+                out,
+                plt,
+                f"{kind}.png",
+                draw,
+                f"soak: {label} of the hot tables over time",
+                "seconds",
+                label,
+                legend=True,
+            )
+        )
     return made
 
 
@@ -291,45 +327,49 @@ def _plots(out: Path, figures: Figures) -> list[str]:
         values = figures.samples.get(name)
         if not values:
             continue
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.hist(values, bins=100, color="#3b6ea5")
-        ax.set_yscale("log")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("messages")
-        ax.set_title(title)
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=100)
-        plt.close(fig)
-        made.append(f"{name}.png")
+
+        def histogram(ax: Any, values: list[float] = values) -> None:
+            ax.hist(values, bins=100, color="#3b6ea5")
+            ax.set_yscale("log")
+
+        made.append(_chart(out, plt, f"{name}.png", histogram, title, "ms", "messages"))
     backlog = figures.series.get("backlog")
     if backlog:
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot([t for t, _ in backlog], [v for _, v in backlog], color="#a53b3b")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("pending messages")
-        ax.set_title("backlog during the steady flow")
-        fig.tight_layout()
-        fig.savefig(out / "backlog.png", dpi=100)
-        plt.close(fig)
-        made.append("backlog.png")
+        made.append(
+            _chart(
+                out,
+                plt,
+                "backlog.png",
+                _line(backlog, "#a53b3b"),
+                "backlog during the steady flow",
+                "seconds",
+                "pending messages",
+            )
+        )
     made += _soak_plots(out, figures, plt)
     peer_samples = {
         k.split(":", 1)[1]: v for k, v in figures.samples.items() if k.startswith(PEER_SAMPLES)
     }
     if any(peer_samples.values()):
-        fig, ax = plt.subplots(figsize=(7, 3.5))
-        for label, values in peer_samples.items():
-            if values:
-                ordered = sorted(max(v, 0.1) for v in values)
-                share = [(i + 1) / len(ordered) for i in range(len(ordered))]
-                ax.plot(ordered, share, label=label)
-        ax.set_xscale("log")
-        ax.set_xlabel("due -> handler received (ms, log)")
-        ax.set_ylabel("share of jobs")
-        ax.set_title("lateness of the same workload on each peer (CDF)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / "peers_lateness.png", dpi=100)
-        plt.close(fig)
-        made.append("peers_lateness.png")
+
+        def cdf(ax: Any) -> None:
+            for label, values in peer_samples.items():
+                if values:
+                    ordered = sorted(max(v, 0.1) for v in values)
+                    share = [(i + 1) / len(ordered) for i in range(len(ordered))]
+                    ax.plot(ordered, share, label=label)
+            ax.set_xscale("log")
+
+        made.append(
+            _chart(
+                out,
+                plt,
+                "peers_lateness.png",
+                cdf,
+                "lateness of the same workload on each peer (CDF)",
+                "due -> handler received (ms, log)",
+                "share of jobs",
+                legend=True,
+            )
+        )
     return made

@@ -106,7 +106,7 @@ def _measure(ctx: BenchContext, seconds: float, due: int, send_level: int | None
         producer.send(SCALE_TOPIC, BODY, **options)
         sent += 1
     send_per_s = sent / (time.perf_counter() - started)
-    _fill(ctx.engine, 1, due, "now() - interval '1 minute'")
+    fill_lane(ctx.engine, 1, due, "now() - interval '1 minute'")
     batch = ctx.settings.delivery_batch
     times: list[float] = []
     with ctx.engine.connect() as conn:
@@ -128,8 +128,11 @@ def _measure(ctx: BenchContext, seconds: float, due: int, send_level: int | None
     }
 
 
-def _fill(engine: Engine, lane: int, count: int, deliver_ts: str) -> None:
-    """`count` messages in `lane`, as the producer would store them, in one statement."""
+def fill_lane(
+    engine: Engine, lane: int, count: int, deliver_ts: str, topic: str = SCALE_TOPIC
+) -> None:
+    """`count` messages in `lane`, as the producer would store them, in one statement;
+    `deliver_ts` is an SQL expression for the first one's due time."""
     sequence = f"consume_queue_{lane}_seq" if lane != TIMER_LANE else "timer_queue_seq"
     target = (
         "INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
@@ -149,7 +152,7 @@ def _fill(engine: Engine, lane: int, count: int, deliver_ts: str) -> None:
                 "FROM generate_series(1, :count) g RETURNING id, topic, queue_offset, deliver_ts) "
                 + target
             ),
-            {"count": count, "topic": SCALE_TOPIC, "body": b'{"order_id": 42}'},
+            {"count": count, "topic": topic, "body": b'{"order_id": 42}'},
         )
 
 
@@ -167,7 +170,7 @@ def _fill_backlog(engine: Engine, pending: int, levels: list[int], settings: Any
         )
         for chunk in range(0, count, FILL_CHUNK):
             size = min(FILL_CHUNK, count - chunk)
-            _fill(engine, lane, size, delay)
+            fill_lane(engine, lane, size, delay)
             done += size
             progress.update(done)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:

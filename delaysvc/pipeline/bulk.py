@@ -42,21 +42,11 @@ from delaysvc.pipeline import store
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.store import NewMessage
+from delaysvc.validation import MESSAGE_FIELDS as FIELDS
 from delaysvc.validation import encode_body
 
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
-FIELDS = (
-    "topic",
-    "body",
-    "delay",
-    "delay_ms",
-    "delay_level",
-    "deliver_at",
-    "key",
-    "tags",
-    "properties",
-)
 BATCH = 20_000
 REJECT, COUNTS = "reject", "counts"
 RID = "_rid"

@@ -48,19 +48,14 @@ from pyspark.sql.types import (
 
 from delaysvc.schema import NO_LANE, TIMER_LANE
 from delaysvc.settings import Settings
-from delaysvc.validation import MAX_KEY_CHARS, MAX_PROPERTIES, MAX_PROPERTY_NAME, MAX_TAGS
-
-FIELDS = (
-    "topic",
-    "body",
-    "delay",
-    "delay_ms",
-    "delay_level",
-    "deliver_at",
-    "key",
-    "tags",
-    "properties",
+from delaysvc.validation import (
+    MAX_KEY_CHARS,
+    MAX_PROPERTIES,
+    MAX_PROPERTY_NAME,
+    MAX_TAGS,
 )
+from delaysvc.validation import MESSAGE_FIELDS as FIELDS
+
 _WS = r"[ \t\n\r]*"  # JSON's whitespace, as Python's json reads it
 _TOPIC = r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,126}\z"  # validation.TOPIC_PATTERN, whole string
 _TAG = r"[A-Za-z0-9._:-]{1,64}"  # validation.TAG_PATTERN
