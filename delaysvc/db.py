@@ -8,10 +8,12 @@ With no `DELAYSVC_DATABASE_URL`, `database_url()` starts (or reuses) a PostgreSQ
 from __future__ import annotations
 
 import logging
+import select
 import warnings
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, exc
 
 from delaysvc.settings import Settings
 
@@ -56,11 +58,11 @@ def database_url(settings: Settings) -> str:
 def make_engine(settings: Settings, url: str | None = None, **options: object) -> Engine:
     engine = create_engine(
         sqlalchemy_url(url or database_url(settings)),
-        pool_pre_ping=False,  # a round trip per checkout; a dropped connection is
-        # invalidated with the pool on its first error instead (see README, Operations)
+        pool_pre_ping=False,  # a round trip per checkout: `_closed_by_server` costs none
         pool_recycle=1800,
         **options,
     )
+    event.listen(engine, "checkout", _closed_by_server)
 
     @event.listens_for(engine, "connect")
     def _session_defaults(dbapi_connection, _record):
@@ -69,3 +71,17 @@ def make_engine(settings: Settings, url: str | None = None, **options: object) -
         dbapi_connection.commit()
 
     return engine
+
+
+def _closed_by_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+    """A pooled connection the server ended while it sat idle (a restart, an administrator's
+    `pg_terminate_backend`, an idle timeout) has the server's goodbye or end-of-file waiting
+    on its socket: an idle connection is sent nothing else. Seen without a round trip, it is
+    replaced before anyone writes to it (SQLAlchemy retries the checkout on a
+    DisconnectionError), so a statement sent on it is never in doubt."""
+    try:
+        readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], 0)
+    except Exception:  # psycopg: "the connection is lost" (no socket any more)
+        readable = [True]
+    if readable:
+        raise exc.DisconnectionError("the server closed this pooled connection")

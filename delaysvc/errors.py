@@ -62,9 +62,11 @@ class SchemaNotReady(DelaysvcError):
 
 class DatabaseUnavailable(DelaysvcError):
     """The database could not be reached, or the connection was lost mid-call (a restart, a
-    failover). `maybe_stored` is True only when it was lost while committing: the write may
-    have landed, so send again with the same key (a resend of a keyed message cannot
-    duplicate it)."""
+    failover). `maybe_stored` is True only when it was lost after the write was sent (a
+    single send commits with its one statement; a batch, at COMMIT): the write may have
+    landed, so send again with the same key (a resend of a keyed message cannot duplicate
+    it). A pooled connection the server closed while idle is replaced before use, so a
+    restart between two sends costs no error at all."""
 
     code = "unavailable"
 

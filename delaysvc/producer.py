@@ -267,7 +267,9 @@ class Producer:
         return self._send_one(self._prepare_item(item, datetime.now().astimezone()), connection)
 
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
-        ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
+        ((row, created, _),) = self._write(
+            connection, lambda conn: self._store(conn, [new]), one_statement=True
+        )
         message = Message.sent(new, row) if created else Message.from_row(row, created=False)
         log.info(
             "message.sent" if created else "message.duplicate_key",
@@ -300,13 +302,21 @@ class Producer:
             for row, created, origin in results
         ]
 
-    def _write(self, joined: Joinable | None, write: Callable[[Connection], _T]) -> _T:
+    def _write(
+        self,
+        joined: Joinable | None,
+        write: Callable[[Connection], _T],
+        one_statement: bool = False,
+    ) -> _T:
         """`write` in the caller's transaction, or in one of ours, tried a second time if the
-        first lost its connection before committing (nothing was stored, and the pool has
-        reconnected since: a database restart costs a producer no error)."""
+        first could not reach the database (nothing was stored, and the pool has reconnected
+        since: a database restart costs a producer no error). `one_statement`: the write is
+        a single statement (a single send without caps), run in autocommit: one round trip
+        instead of three (BEGIN, statement, COMMIT)."""
+        autocommit = one_statement and not self.settings.caps
         for attempt in (1, 2):
             try:
-                with self._connection(joined) as conn:
+                with self._connection(joined, autocommit) as conn:
                     return write(conn)
             except DatabaseUnavailable as exc:
                 if joined is not None or exc.maybe_stored or attempt == 2:
@@ -402,8 +412,11 @@ class Producer:
         return row
 
     @contextmanager
-    def _connection(self, joined: Joinable | None) -> Iterator[Connection]:
-        """The caller's connection (their transaction, their commit) or a fresh transaction."""
+    def _connection(
+        self, joined: Joinable | None, autocommit: bool = False
+    ) -> Iterator[Connection]:
+        """The caller's connection (their transaction, their commit) or a fresh transaction
+        (`autocommit`: each statement commits by itself)."""
         if isinstance(joined, Session):
             yield joined.connection()
         elif joined is not None:
@@ -411,10 +424,16 @@ class Producer:
         else:
             started = committing = False
             try:
-                with self.engine.begin() as conn:
+                with self.engine.connect() as conn:
                     started = True
-                    yield conn
-                    committing = True
+                    if autocommit:
+                        conn.execution_options(isolation_level="AUTOCOMMIT")
+                        committing = True  # a statement sent may have committed
+                        yield conn
+                    else:
+                        with conn.begin():
+                            yield conn
+                            committing = True
             except DBAPIError as exc:
                 lost = exc.connection_invalidated or (
                     isinstance(exc, OperationalError) and not started  # could not connect
@@ -423,7 +442,7 @@ class Producer:
                     raise DatabaseUnavailable(
                         f"the database is unavailable ({str(exc.orig).strip()}); "
                         + (
-                            "the connection was lost while committing, so the write may be "
+                            "the connection was lost after the write was sent, so it may be "
                             "stored: send again with the same key to be sure"
                             if committing
                             else "nothing was stored"

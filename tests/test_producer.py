@@ -1,7 +1,7 @@
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 
 from delaysvc.errors import NotCancellable, NotFound, TooLarge, ValidationError
@@ -213,3 +213,29 @@ def test_a_level_the_database_was_never_given_is_a_clear_error(settings, engine)
     more_levels = settings.model_copy(update={"delay_levels": "1s 2s 3s 5s 8s 13s"})
     with pytest.raises(SchemaNotReady, match="run `delaysvc migrate`"):
         Producer(more_levels, engine).send("t.level6", {}, delay_level=6)
+
+
+def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
+    producer: Producer, engine: Engine
+) -> None:
+    """A single send (no caps) is one autocommitted statement: no BEGIN, no COMMIT round
+    trips; a batch (COPY, then the insert) is one transaction."""
+    seen: list[str] = []
+
+    def statement(conn, *_):  # type: ignore[no-untyped-def]
+        autocommit = conn.connection.driver_connection.autocommit  # psycopg sends no BEGIN
+        seen.append("autocommitted statement" if autocommit else "statement")
+
+    listeners = {"commit": lambda conn: seen.append("commit"), "before_cursor_execute": statement}
+    for name, listener in listeners.items():
+        event.listen(engine, name, listener)
+    try:
+        producer.send("rt.one", {"n": 1}, delay="1h")
+        assert seen == ["autocommitted statement"]
+        seen.clear()
+        producer.send_batch([{"topic": "rt.one", "body": {"n": n}} for n in range(3)])
+        assert "autocommitted statement" not in seen and seen[-1] == "commit"
+        assert seen.count("commit") == 1
+    finally:
+        for name, listener in listeners.items():
+            event.remove(engine, name, listener)
