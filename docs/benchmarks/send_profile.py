@@ -1,0 +1,90 @@
+"""Where a send's time goes: the service's insert statement alone (psycopg, prepared,
+autocommit) next to the raw one-row insert, then `Producer.send`; a batch of 1,000 split into
+validation, the database write and building the returned Message objects.
+
+Run from the repository root: python docs/benchmarks/send_profile.py [SERVER_URL]
+(default postgresql://root@127.0.0.1:5432/postgres); it works in a database of its own.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import psycopg
+from sqlalchemy import create_engine, text
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from delaysvc import store
+from delaysvc.bench.raw import BODY, _fresh
+from delaysvc.db import libpq_url, make_engine, sqlalchemy_url
+from delaysvc.migrate import upgrade
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+DATABASE = "delaysvc_send_profile"
+N = 4000
+
+
+def per_call_us(call, n: int = N) -> float:  # type: ignore[no-untyped-def]
+    for _ in range(100):
+        call()
+    started = time.perf_counter()
+    for _ in range(n):
+        call()
+    return (time.perf_counter() - started) / n * 1e6
+
+
+def main() -> None:
+    admin = create_engine(sqlalchemy_url(SERVER), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
+        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
+    url = SERVER.rsplit("/", 1)[0] + "/" + DATABASE
+    settings = Settings(database_url=url)
+    engine = make_engine(settings, url)
+    upgrade(engine, settings.levels)
+    producer = Producer(settings, engine)
+    new = producer.prepare("profile.t", BODY, delay="1h")
+    params = store._message_params(new)
+    statement = store._insert_one_statement(new.lane).replace("%", "%%")
+    statement = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", statement)  # psycopg's placeholders
+    with psycopg.connect(libpq_url(url), autocommit=True) as conn:
+        _fresh(conn, "bench_raw_insert")
+        raw = per_call_us(
+            lambda: conn.execute(
+                "INSERT INTO bench_raw_insert (topic, body) VALUES (%s, %s)", ("t", BODY)
+            )
+        )
+        ours = per_call_us(lambda: conn.execute(statement, params, prepare=True).fetchone())
+    send = per_call_us(lambda: producer.send("profile.t", BODY, delay="1h"))
+    print(f"raw one-row INSERT, autocommit:          {raw:6.0f} us")
+    print(f"the service's insert statement, psycopg: {ours:6.0f} us ({raw / ours:.0%} of raw)")
+    print(f"Producer.send:                           {send:6.0f} us ({raw / send:.0%} of raw)")
+
+    items = [{"topic": "profile.t", "body": BODY, "delay": "1h"}] * 1000
+    rounds = 50
+    batch = per_call_us(lambda: producer.send_batch(items), rounds) / 1000
+    now = datetime.now().astimezone()
+    prepared = [producer._prepare_item(item, now) for item in items]
+    validate = per_call_us(lambda: [producer._prepare_item(i, now) for i in items], rounds) / 1000
+    write = per_call_us(
+        lambda: producer._write(None, lambda c: producer._store(c, prepared)), rounds
+    )
+    write /= 1000
+    print(
+        f"send_batch of 1,000: {batch:.1f} us/message = validation {validate:.1f} + database "
+        f"write {write:.1f} + returned Message objects {batch - validate - write:.1f}"
+    )
+    engine.dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
+
+
+if __name__ == "__main__":
+    main()
