@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scratch import scratch_database
 
 from delaysvc import store
 from delaysvc.bench.scale import LONG_LEVEL_MS, _fill_backlog, fill_lane
-from delaysvc.db import make_engine, sqlalchemy_url
-from delaysvc.migrate import upgrade
 from delaysvc.producer import Producer
 from delaysvc.schema import LATENESS_BUCKETS_MS
 from delaysvc.settings import Settings
@@ -83,15 +82,7 @@ def profile(engine: Engine, settings: Settings, send_level: int) -> dict[str, di
     return out
 
 
-def main() -> None:
-    admin = create_engine(sqlalchemy_url(SERVER), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
-    url = SERVER.rsplit("/", 1)[0] + "/" + DATABASE
-    settings = Settings(database_url=url)
-    engine = make_engine(settings, url)
-    upgrade(engine, settings.levels)
+def measure(engine: Engine, settings: Settings) -> dict[str, dict[str, dict[str, float]]]:
     if len(sys.argv) > 3:  # an experiment: commit_log's fillfactor
         with engine.begin() as conn:
             conn.execute(text(f"ALTER TABLE commit_log SET (fillfactor = {int(sys.argv[3])})"))
@@ -103,6 +94,12 @@ def main() -> None:
     phases = {"empty": profile(engine, settings, levels[0])}
     _fill_backlog(engine, PENDING, levels, settings)
     phases[f"{PENDING:,} pending"] = profile(engine, settings, levels[0])
+    return phases
+
+
+def main() -> None:
+    with scratch_database(SERVER, DATABASE) as (engine, settings):
+        phases = measure(engine, settings)
     print(f"median of {RUNS} runs each, rolled back")
     for statement in phases["empty"]:
         print(f"\n{statement}")
@@ -116,9 +113,6 @@ def main() -> None:
             for name, value in f.items():
                 if ": " in name and value:
                     print(f"  {'':>20}    {name} {value:.0f}")
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE {DATABASE} WITH (FORCE)"))
 
 
 if __name__ == "__main__":

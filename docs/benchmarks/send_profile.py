@@ -15,14 +15,14 @@ from datetime import datetime
 from pathlib import Path
 
 import psycopg
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scratch import scratch_database
 
 from delaysvc import store
 from delaysvc.bench.raw import BODY, _fresh
-from delaysvc.db import libpq_url, make_engine, sqlalchemy_url
-from delaysvc.migrate import upgrade
+from delaysvc.db import libpq_url
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
@@ -41,14 +41,12 @@ def per_call_us(call, n: int = N) -> float:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    admin = create_engine(sqlalchemy_url(SERVER), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
-    url = SERVER.rsplit("/", 1)[0] + "/" + DATABASE
-    settings = Settings(database_url=url)
-    engine = make_engine(settings, url)
-    upgrade(engine, settings.levels)
+    with scratch_database(SERVER, DATABASE) as (engine, settings):
+        profile(engine, settings)
+
+
+def profile(engine: Engine, settings: Settings) -> None:
+    url = settings.database_url
     producer = Producer(settings, engine)
     new = producer.prepare("profile.t", BODY, delay="1h")
     params = store._message_params(new)
@@ -81,9 +79,6 @@ def main() -> None:
         f"send_batch of 1,000: {batch:.1f} us/message = validation {validate:.1f} + database "
         f"write {write:.1f} + returned Message objects {batch - validate - write:.1f}"
     )
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from sqlalchemy import create_engine, text
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scratch import scratch_database
 
-from delaysvc.db import make_engine, sqlalchemy_url
-from delaysvc.migrate import upgrade
-from delaysvc.settings import Settings
 from tests.test_tick_cost import _buffers, _fill
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
@@ -24,26 +20,16 @@ DATABASE = "delaysvc_tick_cost"
 
 
 def main() -> None:
-    admin = create_engine(sqlalchemy_url(SERVER), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {DATABASE} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {DATABASE}"))
-    url = SERVER.rsplit("/", 1)[0] + "/" + DATABASE
-    settings = Settings(database_url=url, delay_levels="1s 2s")
-    engine = make_engine(settings)
-    upgrade(engine, settings.levels)
-    for lane in (1, 0):
-        filled = 0
-        for pending in (10_000, 100_000, 1_000_000):
-            _fill(engine, lane, pending - filled)
-            filled = pending
-            with engine.connect() as conn:
-                touched = _buffers(conn, lane)
-            name = "timer" if lane == 0 else f"level {lane}"
-            print(f"{name}: {pending:>9,} pending -> a move of 100 touches {touched} buffers")
-    engine.dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE {DATABASE} WITH (FORCE)"))
+    with scratch_database(SERVER, DATABASE, delay_levels="1s 2s") as (engine, _):
+        for lane in (1, 0):
+            filled = 0
+            for pending in (10_000, 100_000, 1_000_000):
+                _fill(engine, lane, pending - filled)
+                filled = pending
+                with engine.connect() as conn:
+                    touched = _buffers(conn, lane)
+                name = "timer" if lane == 0 else f"level {lane}"
+                print(f"{name}: {pending:>9,} pending -> a move of 100 touches {touched} buffers")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 from sqlalchemy import Engine, text
@@ -195,23 +195,35 @@ HOLD_SECONDS = float(os.environ.get("DELAYSVC_TEST_HOLD_SECONDS", "120"))
 QUEUE_TABLES = ("commit_log", "consume_queue", "timer_queue", "topic_queue", "schedule_offset")
 
 
-class PacedFlow:
-    """A producer thread sending `rate` messages a second, in batches every 0.1 s, over
-    levels 1-2 and the timer lane, until stopped; `ids` holds what was acknowledged."""
+class ProducerThread:
+    """A producer sending from a thread of its own while the test goes on (`with` starts it,
+    leaving the block stops it); subclasses say what it sends in `_run`."""
 
-    def __init__(self, producer: Producer, rate: int):
-        self.producer, self.per_batch = producer, max(1, rate // 10)
-        self.ids: list[int] = []
+    def __init__(self, producer: Producer):
+        self.producer = producer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> PacedFlow:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class PacedFlow(ProducerThread):
+    """`rate` messages a second, in batches every 0.1 s, over levels 1-2 and the timer lane,
+    until stopped; `ids` holds what was acknowledged."""
+
+    def __init__(self, producer: Producer, rate: int):
+        super().__init__(producer)
+        self.per_batch = max(1, rate // 10)
+        self.ids: list[int] = []
 
     def _run(self) -> None:
         options = [{"delay_level": 1}, {"delay_level": 2}, {"delay_ms": 1500}]
@@ -335,26 +347,17 @@ def _keys_and_ids(service: Service) -> dict[str, int]:
     return {row.key: row.id for row in rows}
 
 
-class KeyedSender:
+class KeyedSender(ProducerThread):
     """A producer thread sending keyed messages (`{prefix}-{n}`) until stopped, recording
     each outcome: acknowledged, or refused with DatabaseUnavailable (and whether the write may
     have landed). Anything else is a failure of the test."""
 
     def __init__(self, producer: Producer, prefix: str, topic: str = "e2e.record"):
-        self.producer, self.prefix, self.topic = producer, prefix, topic
+        super().__init__(producer)
+        self.prefix, self.topic = prefix, topic
         self.acked: dict[str, int] = {}
         self.refused: dict[str, bool] = {}  # key -> maybe_stored
         self.unexpected: list[BaseException] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> KeyedSender:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
 
     def _run(self) -> None:
         n = 0
