@@ -132,6 +132,7 @@ def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path
         assert 0 <= late["p50"] <= late["p95"] <= late["p99"] <= late["max"]
         assert result["enqueue_per_s"] > 0
         assert result["memory"]["pending"] == 40
+        assert result["memory"]["enqueued_by"]  # the peer's bulk way, or one call per job
         assert "worker RSS growth" in result["memory"]["bytes"]
         assert result["not_durable"]
     table = (out / "results.md").read_text()

@@ -289,7 +289,8 @@ def peers_table(peers: dict[str, dict[str, Any]]) -> list[str]:
         memory = r.get("memory", {})
         mem = "; ".join(f"{k} {_mib(v)}" for k, v in memory.get("bytes", {}).items())
         if memory:
-            mem = f"{memory.get('pending', 0):,} pending: {mem}"
+            how = f" ({memory['enqueued_by']})" if memory.get("enqueued_by") else ""
+            mem = f"{memory.get('pending', 0):,} pending{how}: {mem}"
         got = f"{r['received']:,} of {r['sent']:,}"
         if r.get("duplicates"):
             got += f", {r['duplicates']:,} duplicates"
