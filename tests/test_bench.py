@@ -195,6 +195,27 @@ def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
     assert len(document["series"]["soak_throughput"]) >= 2
     for plot in ("soak_throughput.png", "soak_bytes.png", "soak_dead.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "soak-worker-logs").exists()  # kept only when not all ran
+
+
+def test_a_soak_that_does_not_drain_keeps_the_workers_logs(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from delaysvc.bench import soak
+
+    monkeypatch.setattr(soak, "DRAIN_SECONDS", 0.0)  # level 1 is 1 s: the last are not run yet
+    out = run(
+        settings.model_copy(update={"lane_budget_seconds": 1.0}),
+        ["soak"],
+        tmp_path / "soak",
+        soak_messages=2000,
+        soak_rate=1000,
+        processes=1,
+    )
+    result = json.loads((out / "results.json").read_text())["results"]["soak"]
+    assert result["drained"] is False
+    logs = list((out / "soak-worker-logs").glob("*.out"))
+    assert logs, "the workers' logs were kept"
 
 
 def test_a_suite_that_raises_is_reported_failed_and_the_others_still_run(

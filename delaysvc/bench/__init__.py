@@ -51,6 +51,8 @@ class BenchContext:
     engine: Engine
     url: str
     sizes: Mapping[str, int | float]
+    out: Path | None = None
+    """The run's output folder, for what a suite keeps beside the report (worker logs)."""
 
     def size(self, name: str) -> int:
         return int(self.sizes[name])
@@ -265,7 +267,7 @@ def run(
             step(f"suite {name}")
             began = datetime.now(UTC)
             try:
-                got = SUITES[name].run(BenchContext(settings, engine, url, resolved))
+                got = SUITES[name].run(BenchContext(settings, engine, url, resolved, out))
             except Exception as exc:
                 # the other suites' figures still count; this one says why it has none
                 traceback.print_exc()

@@ -11,6 +11,7 @@ are reported and plotted.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 import time
@@ -52,6 +53,7 @@ def soak_suite(ctx: BenchContext) -> Figures:
             args=(ctx.engine, workers, samples, stop, max(1.0, min(SAMPLE_SECONDS, seconds / 20))),
             daemon=True,
         )
+        drained = False
         try:
             producer = Producer(ctx.settings, ctx.engine)
             _warm_up(ctx.engine, producer)
@@ -74,6 +76,12 @@ def soak_suite(ctx: BenchContext) -> Figures:
             stop.set()
             _stop(workers)
             peer.cleanup()
+            if ctx.out is not None and not drained:  # keep what the workers said, to find why
+                kept = ctx.out / "soak-worker-logs"
+                kept.mkdir(parents=True, exist_ok=True)
+                for log in Path(folder).glob("*.out"):
+                    shutil.copy(log, kept / log.name)
+                step(f"soak: NOT all ran; the workers' logs are in {kept}")
     return Figures(
         results={"soak": _summary(samples, sent, rate, drained, sending_ended + LEVEL_1_SECONDS)},
         series={
