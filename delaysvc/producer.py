@@ -422,18 +422,18 @@ class Producer:
         elif joined is not None:
             yield joined
         else:
-            started = committing = False
+            started = maybe_stored = False
             try:
                 with self.engine.connect() as conn:
                     started = True
                     if autocommit:
                         conn.execution_options(isolation_level="AUTOCOMMIT")
-                        committing = True  # a statement sent may have committed
+                        maybe_stored = True  # a statement sent may have committed
                         yield conn
                     else:
                         with conn.begin():
                             yield conn
-                            committing = True
+                            maybe_stored = True  # committing
             except DBAPIError as exc:
                 lost = exc.connection_invalidated or (
                     isinstance(exc, OperationalError) and not started  # could not connect
@@ -444,10 +444,10 @@ class Producer:
                         + (
                             "the connection was lost after the write was sent, so it may be "
                             "stored: send again with the same key to be sure"
-                            if committing
+                            if maybe_stored
                             else "nothing was stored"
                         ),
-                        maybe_stored=committing,
+                        maybe_stored=maybe_stored,
                     ) from exc
                 if isinstance(exc, IntegrityError) and store.unique_violation(
                     exc, "uq_commit_log_topic_key"

@@ -516,23 +516,17 @@ def measure(
                 step(f"peers: {peer.label}: {action.__name__} failed: {exc}")
 
 
-def _enqueue(peer: Peer, count: int, delay: float, label: str) -> float:
-    progress = Progress(f"{peer.name} {label}", count, "jobs")
-    started = time.perf_counter()
-    for i in range(count):
-        peer.enqueue(i, time.time() + delay, delay)
-        progress.update(i + 1)
-    elapsed = time.perf_counter() - started
-    progress.done()
-    return count / elapsed
-
-
-def _enqueue_many(peer: Peer, count: int, delay: float, label: str, chunk: int = 1000) -> float:
+def _enqueue(peer: Peer, count: int, delay: float, label: str, chunk: int = 1) -> float:
+    """Jobs/s putting `count` jobs in: one `enqueue` (the peer's single-job API) each when
+    `chunk` is 1, else `enqueue_many` (the peer's bulk way) per `chunk` jobs."""
     progress = Progress(f"{peer.name} {label}", count, "jobs")
     started = time.perf_counter()
     for first in range(0, count, chunk):
         size = min(chunk, count - first)
-        peer.enqueue_many(first, size, time.time() + delay, delay)
+        if chunk == 1:
+            peer.enqueue(first, time.time() + delay, delay)
+        else:
+            peer.enqueue_many(first, size, time.time() + delay, delay)
         progress.update(first + size)
     elapsed = time.perf_counter() - started
     progress.done()
@@ -545,7 +539,7 @@ def _memory_at_pending(
     """Growth of the broker / database and of the worker processes while `pending` jobs wait
     (due in an hour, beyond the run)."""
     stored_before, rss_before = peer.stored_bytes(), _rss(processes)
-    rate = _enqueue_many(peer, pending, PENDING_DELAY, f"{pending:,} pending")
+    rate = _enqueue(peer, pending, PENDING_DELAY, f"{pending:,} pending", chunk=1000)
     peer.settle(processes)
     stored_after, rss_after = peer.stored_bytes(), _rss(processes)
     grown = {f"{k} growth": stored_after[k] - stored_before[k] for k in stored_after}

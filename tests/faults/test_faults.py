@@ -48,12 +48,15 @@ def _runs_per_message(service: Service, note: str | None = None) -> dict[int, in
     return {row.message_id: row.n for row in rows}
 
 
+LANES: list[dict[str, Any]] = [{"delay_level": 1}, {"delay_level": 2}, {"delay_ms": 1500}]
+"""The options the fault workloads cycle through: levels 1-2 and the timer lane."""
+
+
 def _send_over(producer: Producer, topic: str, count: int, seconds: float) -> list[int]:
     """`count` messages spread over `seconds`, at levels 1-2 and through the timer lane."""
     ids = []
     for n in range(count):
-        options = [{"delay_level": 1}, {"delay_level": 2}, {"delay_ms": 1500}][n % 3]
-        ids.append(producer.send(topic, {"n": n}, **options).id)
+        ids.append(producer.send(topic, {"n": n}, **LANES[n % 3]).id)
         time.sleep(seconds / count)
     return ids
 
@@ -227,11 +230,10 @@ class PacedFlow(ProducerThread):
         self.ids: list[int] = []
 
     def _run(self) -> None:
-        options = [{"delay_level": 1}, {"delay_level": 2}, {"delay_ms": 1500}]
         next_at = time.monotonic()
         while not self._stop.is_set():
             batch = [
-                {"topic": "e2e.record", "body": {"n": n}, **options[n % 3]}
+                {"topic": "e2e.record", "body": {"n": n}, **LANES[n % 3]}
                 for n in range(self.per_batch)
             ]
             self.ids += [m.id for m in self.producer.send_batch(batch)]
