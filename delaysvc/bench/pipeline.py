@@ -22,8 +22,9 @@ TARGET_ROWS_PER_S = 100_000  # DESIGN.md: bulk scheduling
 
 def missing() -> str | None:
     """Why the suite cannot run here, or None."""
-    if importlib.util.find_spec("pyspark") is None:
-        return "pyspark is not installed (pip install 'delaysvc[pipeline]')"
+    absent = [m for m in ("pyspark", "pyarrow", "pandas") if importlib.util.find_spec(m) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed (pip install 'delaysvc[pipeline]')"
     java_home = os.environ.get("JAVA_HOME")
     if not shutil.which("java") and not (java_home and Path(java_home, "bin", "java").exists()):
         return "no Java runtime (install Java 17, e.g. apt-get install openjdk-17-jre-headless)"

@@ -7,18 +7,24 @@ Validation has two paths with one outcome (tests/test_pipeline.py runs generated
 both and `Producer.prepare` and compares decisions and stored values):
 
 - the fast path (`rules.prepare`): Spark column expressions, evaluated in the JVM, check every
-  rule but the body's and build the COPY text of the stored columns; the Python task only
-  encodes the body with the producer's own `encode_body` (JSON or not, canonical bytes, size);
+  rule and build each row's COPY text line, body included; for a body the JVM cannot encode
+  exactly as the producer would (nested JSON, plain text, escapes), the Python task encodes it
+  with the producer's own `encode_body`;
 - the producer's path: every row the JVM does not accept (a bad row, or an unusual spelling)
   is turned into send options (`to_options`) and validated by `Producer.prepare` itself,
   which gives the exact reason for a reject.
+
+A run is one pass over the input for the fast path (`store_fast`: the rows reach Python as
+Arrow batches, so a row the JVM encoded costs Python no work but joining its line), then,
+only if the JVM left rows to the producer's path, a second pass over just those rows (by row
+id) through `store_partition`. JSON Lines rows always take the producer's path.
 
 Each Spark task stores its good rows BATCH at a time, each batch in its own transaction,
 through `store.insert_copy_text`: COPY into a staging table, then one set-based insert with
 the service's lanes, offsets, key rule and database-clock deliver_ts. Rows with a key are
 deduplicated by the service's key rule, so running the same file again adds nothing; keyless
 rows are not, unless `key_from_row` gives each a key derived from its content. Rejects are
-reported by row id and their original cells read back in a second pass (only when there are
+reported by row id and their original cells read back in a further pass (only when there are
 any), so good rows carry nothing extra.
 """
 
@@ -48,8 +54,12 @@ from delaysvc.validation import encode_body
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
 BATCH = 20_000
-REJECT, COUNTS = "reject", "counts"
+REJECT, COUNTS, SLOW = "reject", "counts", "slow"
+# what a Spark task reports: (tag, a, b, reason): (REJECT, row id, -, reason), (COUNTS,
+# created, duplicates, -), (SLOW, row id, -, -) for a row left to the producer's path
+REPORT = "tag string, a long, b long, reason string"
 RID = "_rid"
+FAST_COLUMNS = (RID, "_fast", "_line", "_head", "_body")
 NULL = "\\N"  # COPY text's NULL
 WHOLE_NUMBER = re.compile(r" *(-?[0-9]+) *")  # a level or delay_ms cell: ASCII digits
 
@@ -186,11 +196,75 @@ def _record(row: Any, fmt: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- load
 
 
+def store_fast(batches: Iterable[Any], settings: Settings) -> Iterator[Any]:
+    """Store one partition of `rules.prepare`'s rows, given as Arrow record batches: the rows
+    the JVM encoded whole (`_line`) as they are, the fast rows with a body left to Python
+    (`_head`, `_body`) once it is encoded. Yields one Arrow batch of REPORT rows: the rejects,
+    the rows left to the producer's path (SLOW), and the counts."""
+    import pyarrow as pa
+
+    engine = make_engine(settings, pool_size=1)
+    created = duplicates = 0
+    report: list[tuple[str, int, int | None, str | None]] = []
+    lines: list[str] = []
+    ids: list[int] = []
+
+    def flush() -> None:
+        nonlocal created, duplicates
+        new, refused = _store_batch(engine, settings, lines)
+        created += new
+        duplicates += len(lines) - new - len(refused)
+        report.extend((REJECT, ids[i], None, reason) for i, reason in refused)
+        lines.clear()
+        ids.clear()
+
+    try:
+        for batch in batches:
+            rids = batch.column(RID).to_pylist()
+            encoded = batch.column("_line")
+            if encoded.null_count == 0:  # the JVM encoded every row: the common case
+                lines.extend(encoded.to_pylist())
+                ids.extend(rids)
+            else:
+                columns = ("_fast", "_line", "_head", "_body")
+                rows = zip(rids, *(batch.column(c).to_pylist() for c in columns), strict=True)
+                for rid, fast, line, head, body in rows:
+                    if not fast:
+                        report.append((SLOW, rid, None, None))
+                        continue
+                    try:
+                        lines.append(line if line is not None else fast_line(head, body, settings))
+                        ids.append(rid)
+                    except ValidationError as exc:
+                        report.append((REJECT, rid, None, str(exc)))
+            if len(lines) >= BATCH:
+                flush()
+        if lines:
+            flush()
+    finally:
+        engine.dispose()
+    report.append((COUNTS, created, duplicates, None))
+    yield pa.RecordBatch.from_pylist(
+        [dict(zip(("tag", "a", "b", "reason"), r, strict=True)) for r in report],
+        schema=pa.schema(
+            [("tag", pa.string()), ("a", pa.int64()), ("b", pa.int64()), ("reason", pa.string())]
+        ),
+    )
+
+
+def fast_line(head: str, body: str, settings: Settings) -> str:
+    """A fast row's COPY text line from its head and a body the JVM left to the producer's
+    `encode_body`. Raises ValidationError (a body too large, or not encodable)."""
+    data, is_json = encode_body(body_value(body), settings.max_body_bytes)
+    return f"{head}\t{'t' if is_json else 'f'}\t\\\\x{data.hex()}\n"
+
+
 def store_partition(
     rows: Iterable[Any], settings: Settings, fmt: str, key_from_row: bool
-) -> Iterator[tuple[str, int, Any]]:
-    """Validate and store one partition of (_rid, _fast, _head, _body, _orig) rows. Yields
-    (REJECT, row id, reason) per refused row, then one (COUNTS, created, duplicates)."""
+) -> Iterator[tuple[str, int, Any, Any]]:
+    """Validate and store one partition of `rules.prepare`'s rows, given as Spark Rows, any
+    path. Yields REPORT tuples: (REJECT, row id, None, reason) per refused row, then one
+    (COUNTS, created, duplicates, None)."""
     engine = make_engine(settings, pool_size=1)
     producer = Producer(settings, engine)
     created = duplicates = 0
@@ -200,7 +274,7 @@ def store_partition(
         for batch in _batches(rows, BATCH):
             for rid, line, reason in validate(batch, producer, fmt, key_from_row):
                 if line is None:
-                    yield (REJECT, rid, reason)
+                    yield (REJECT, rid, None, reason)
                 else:
                     lines.append(line)
                     ids.append(rid)
@@ -208,26 +282,26 @@ def store_partition(
                 new, refused = _store_batch(engine, settings, lines)
                 created += new
                 duplicates += len(lines) - new - len(refused)
-                yield from ((REJECT, ids[i], reason) for i, reason in refused)
+                yield from ((REJECT, ids[i], None, reason) for i, reason in refused)
             lines, ids = [], []
     finally:
         engine.dispose()
-    yield (COUNTS, created, duplicates)
+    yield (COUNTS, created, duplicates, None)
 
 
 def validate(
     rows: Iterable[Any], producer: Producer, fmt: str, key_from_row: bool
 ) -> Iterator[tuple[int, str | None, str | None]]:
-    """-> (row id, COPY text line or None, reason or None) per (_rid, _fast, _head, _body,
-    _orig) row: the fast path encodes the body the JVM left to it; every other row goes
-    through the producer's own `prepare`."""
-    max_bytes = producer.settings.max_body_bytes
+    """-> (row id, COPY text line or None, reason or None) per `rules.prepare` row (_rid,
+    _fast, _line, _head, _body, _orig): a line the JVM built is taken as it is, a body the JVM
+    left is encoded here; every other row goes through the producer's own `prepare`."""
     now = datetime.now().astimezone()
-    for rid, fast, head, body, original in rows:
+    for rid, fast, line, head, body, original in rows:
         try:
-            if fast:
-                data, is_json = encode_body(body_value(body), max_bytes)
-                yield rid, f"{head}\t{'t' if is_json else 'f'}\t\\\\x{data.hex()}\n", None
+            if line is not None:
+                yield rid, line, None
+            elif fast:
+                yield rid, fast_line(head, body, producer.settings), None
             else:
                 options = to_options(_record(original, fmt), key_from_row)
                 yield rid, message_line(producer.prepare(**options, now=now)), None
@@ -384,14 +458,26 @@ def run(
     if partitions or source.rdd.getNumPartitions() < wanted:
         by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
         source = source.repartitionByRange(wanted, *by) if by else source.repartition(wanted)
-    prepared = rules.prepare(source, settings, key_from_row)
-    # collect() runs the stores exactly once (a second action would store again)
-    out = prepared.rdd.mapPartitions(
-        lambda rows: store_partition(rows, settings, fmt, key_from_row)
-    ).collect()
-    written = sum(a for tag, a, _ in out if tag == COUNTS)
-    duplicates = sum(b for tag, _, b in out if tag == COUNTS)
-    reasons = {rid: reason for tag, rid, reason in out if tag == REJECT}
+    report: list[tuple[Any, ...]] = []
+    slow = source if fmt == "jsonl" else None  # JSON Lines: the producer's path (rules.py)
+    if fmt != "jsonl":
+        fast = rules.prepare(source, settings, key_from_row).select(*FAST_COLUMNS)
+        # collect() runs the stores exactly once (a second action would store again)
+        stored = fast.mapInArrow(lambda batches: store_fast(batches, settings), REPORT)
+        report = [tuple(row) for row in stored.collect()]
+        slow_ids = [rid for tag, rid, _, _ in report if tag == SLOW]
+        # the second pass takes the rows the first left by id, not by deciding again: a rule
+        # that reads the clock (deliver_at within the longest delay) could decide otherwise
+        if slow_ids:
+            slow = _rows_with_ids(spark, frame, slow_ids)
+    if slow is not None:
+        rows = rules.prepare(slow, settings, key_from_row).rdd
+        report += rows.mapPartitions(
+            lambda rows: store_partition(rows, settings, fmt, key_from_row)
+        ).collect()
+    written = sum(a for tag, a, _, _ in report if tag == COUNTS)
+    duplicates = sum(b for tag, _, b, _ in report if tag == COUNTS)
+    reasons = {rid: reason for tag, rid, _, reason in report if tag == REJECT}
     refused = _refused_rows(spark, frame, reasons, fmt)
     write_rejects(spark, refused, columns, fmt, rejects)
     read = written + duplicates + len(refused)
@@ -405,7 +491,16 @@ def _refused_rows(
     """(reason, the row's original cells as JSON) per refused row id, in input order."""
     if not reasons:
         return []
-    ids = spark.createDataFrame([(rid,) for rid in reasons], f"{RID} long")
-    rows = frame.join(ids, RID).collect()
+    rows = _rows_with_ids(spark, frame, list(reasons)).collect()
     rows.sort(key=lambda row: row[RID])
     return [(reasons[row[RID]], _raw(row, fmt)) for row in rows]
+
+
+def _rows_with_ids(spark: Any, frame: Any, ids: list[int]) -> Any:
+    """The input rows with these row ids (a second read of the input gives each row the same
+    id), spread over the cores."""
+    from pyspark.sql import functions as F
+
+    wanted = spark.createDataFrame([(rid,) for rid in ids], f"{RID} long")
+    rows = frame.join(F.broadcast(wanted), RID)
+    return rows.repartition(max(spark.sparkContext.defaultParallelism, 1))

@@ -6,8 +6,12 @@
   with exactly the values the producer would store;
 - `_head`: for those rows, the COPY text of every stored column but the body (topic, key,
   tags, properties, delay_level, lane, delay_ms, deliver_at), escaped for COPY;
-- `_body`: the body cell as text (the Python side encodes it with the producer's own
-  `encode_body`, which decides its JSON-ness, canonical bytes and size);
+- `_line`: for those rows whose body the JVM can encode exactly as the producer would (a JSON
+  scalar, or a flat object or array of strings without escapes, whole numbers, true, false
+  and null, with no repeated name, within the size limit: `_body_bytes`), the whole COPY text
+  line, so the row needs no Python work at all;
+- `_body`: for the other fast rows, the body cell as text (the Python side encodes it with
+  the producer's own `encode_body`, which decides its JSON-ness, canonical bytes and size);
 - `_orig`: for every other row, the original cells, which the Python side runs through the
   producer's own code (`bulk.to_options` + `Producer.prepare`) for the exact decision and
   reason.
@@ -61,6 +65,15 @@ _TOPIC = r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,126}\z"  # validation.TOPIC_PATTERN, wh
 _TAG = r"[A-Za-z0-9._:-]{1,64}"  # validation.TAG_PATTERN
 _TAGS = rf"\A{_WS}\[{_WS}(?:\"{_TAG}\"{_WS}(?:,{_WS}\"{_TAG}\"{_WS}){{0,{MAX_TAGS - 1}}})?\]{_WS}\z"
 _STR = r'"[^"\\\x00-\x1f]*+"'  # a JSON string without escapes or control characters
+_STR_CAPTURE = r'"([^"\\\x00-\x1f]*+)"'
+# a body whose canonical JSON (`validation.encode_body`: compact separators, key order kept,
+# ensure_ascii off) is its text without whitespace: a scalar or a flat object or array of
+# strings without escapes, whole numbers as Python prints them (no -0, no leading zero, at
+# most 18 digits), true, false and null
+_SCALAR = rf"(?:{_STR}|(?:0|-?[1-9][0-9]{{0,17}})(?![0-9.eE])|true|false|null)"
+_MEMBERS = rf"(?:{_STR}{_WS}:{_WS}{_SCALAR}{_WS}(?:,{_WS}{_STR}{_WS}:{_WS}{_SCALAR}{_WS})*+)?"
+_ITEMS = rf"(?:{_SCALAR}{_WS}(?:,{_WS}{_SCALAR}{_WS})*+)?"
+_BODY = rf"\A{_WS}(?:{_SCALAR}|\{{{_WS}{_MEMBERS}\}}|\[{_WS}{_ITEMS}\]){_WS}\z"
 _PAIR = rf"{_STR}{_WS}:{_WS}{_STR}"
 _PROPERTIES = rf"\A{_WS}\{{{_WS}(?:{_PAIR}{_WS}(?:,{_WS}{_PAIR}{_WS})*+)?\}}{_WS}\z"
 _PROPERTIES_MAX_CHARS = 4096  # longer ones (legal up to 64 x 4 KiB) take the producer's path
@@ -68,6 +81,7 @@ _CONTROL = r"[\x00-\x1f\x7f]"
 _WHOLE = r"\A-?[0-9]{1,9}\z"
 _DELAY_MS = r"\A[0-9]{1,15}\z"
 _DURATION = r"\A(?:[0-9]{1,9}(?:ms|s|m|h|d)){1,16}\z"  # levels._DURATION, bounded
+_ONE_DURATION = r"\A([0-9]{1,9})(ms|s|m|h|d)\z"
 _INSTANT = (
     r"\A([0-9]{4})-([0-9]{2})-([0-9]{2})[T ]([0-9]{2}):([0-9]{2})"
     r"(?::([0-9]{2})(?:\.([0-9]{1,6}))?)?(Z|[+-][0-9]{2}:[0-9]{2})\z"
@@ -133,13 +147,35 @@ def prepare(frame: DataFrame, settings: Settings, key_from_row: bool) -> DataFra
         ),
     )
     fast = F.col("_fast")
+    frame = _body_bytes(frame, settings.max_body_bytes)
+    encoded = F.col("__body_bytes")
+    line = F.concat(head, F.lit("\tt\t\\\\x"), F.lower(F.hex(encoded)), F.lit("\n"))
     return frame.select(
         RID,
         fast,
-        F.when(fast, head).alias("_head"),
-        F.when(fast, body).alias("_body"),
+        F.when(fast & encoded.isNotNull(), line).alias("_line"),
+        F.when(fast & encoded.isNull(), head).alias("_head"),
+        F.when(fast & encoded.isNull(), body).alias("_body"),
         F.when(~fast, F.col("__orig")).alias("_orig"),
     )
+
+
+def _body_bytes(frame: DataFrame, max_bytes: int) -> DataFrame:
+    """Adds `__body_bytes`: the bytes `encode_body(body_value(body))` stores, for the bodies
+    whose canonical form is the text without the whitespace between tokens (a JSON scalar, or
+    a flat object or array of strings without escapes, whole numbers, true, false and null, no
+    repeated name, and within `max_bytes`); null for every other body, which Python encodes."""
+    text = F.col("__body")
+    compact = F.regexp_replace(text, F.lit(f"({_STR})|[ \\t\\n\\r]+"), F.lit("$1"))
+    frame = _step(frame, __compact=F.when(text.rlike(_BODY), compact))
+    compact = F.col("__compact")
+    # in a flat object without escapes every `":` ends a name: with two or more, look for a
+    # repeated one (JSON keeps the last, the text would keep both)
+    names = (F.length(compact) - F.length(F.replace(compact, F.lit('":'), F.lit("")))) / 2
+    spelled = F.regexp_extract_all(compact, F.lit(f"{_STR_CAPTURE}:"), F.lit(1))
+    distinct = (names <= 1) | (F.size(F.array_distinct(spelled)) == names)
+    data = F.encode(compact, "UTF-8")
+    return _step(frame, __body_bytes=F.when(distinct & (F.octet_length(data) <= max_bytes), data))
 
 
 def _step(frame: DataFrame, **columns: Column) -> DataFrame:
@@ -230,8 +266,13 @@ def _schedule(frame: DataFrame, settings: Settings) -> DataFrame:
         ]
     else:
         default_ms = F.lit(None).cast("long")
+    # one number and unit, the usual spelling, without the higher-order function
+    single = F.regexp_extract(delay_text, _ONE_DURATION, 1).try_cast("long") * _unit_ms(
+        F.regexp_extract(delay_text, _ONE_DURATION, 2)
+    )
     ms = (
-        F.when(delay_text.isNotNull(), F.when(delay_text.rlike(_DURATION), duration_ms))
+        F.when(delay_text.rlike(_ONE_DURATION), single)
+        .when(delay_text.isNotNull(), F.when(delay_text.rlike(_DURATION), duration_ms))
         .when(ms_text.isNotNull(), F.when(ms_text.rlike(_DELAY_MS), ms_text.try_cast("long")))
         .otherwise(default_ms)
     )
