@@ -473,20 +473,28 @@ def test_bulk_schedule_json_lines_with_keys_from_rows_and_parquet_with_parquet_r
     assert stored[2][1] == datetime(2026, 12, 1, tzinfo=UTC)
 
 
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
 def test_bulk_schedule_writes_many_rows_in_parallel_partitions_once(
-    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, fmt: str
 ) -> None:
     from delaysvc.pipeline.bench import bench_bulk
 
-    result = bench_bulk(spark, settings, 12_000, tmp_path, partitions=2)
-    assert (result["first"]["written"], result["rerun"]["duplicates"]) == (12_000, 12_000)
-    assert _count(engine, "topic = 'bulk.bench'") == 12_000
+    result = bench_bulk(spark, settings, 30_000, tmp_path, fmt=fmt)
+    assert (result["first"]["written"], result["rerun"]["duplicates"]) == (30_000, 30_000)
+    # the ceiling's own inserts were rolled back: only the pipeline's rows are there
+    assert _count(engine, "topic = 'bulk.bench'") == 30_000
+    assert _count(engine, "key LIKE 'ceiling-%'") == 0
+    assert result["ceiling_rows_per_s"] > 0
+    assert result["first_of_ceiling"] == pytest.approx(
+        result["first_rows_per_s"] / result["ceiling_rows_per_s"], abs=0.001
+    )
     with engine.connect() as conn:
         lanes = dict(
             conn.execute(text("SELECT lane, count(*) FROM commit_log GROUP BY lane")).all()
         )
-    assert lanes == {0: 12_000}  # 5m, 30m, 1h are no test level: the timer lane
-    assert json.loads((tmp_path / "bench-bulk.json").read_text())["rows"] == 12_000
+    assert lanes == {0: 30_000}  # 5m, 30m, 1h are no test level: the timer lane
+    saved = json.loads((tmp_path / "bench-bulk.json").read_text())
+    assert (saved["rows"], saved["format"]) == (30_000, fmt)
 
 
 # ---------------------------------------------------------------- CLI

@@ -36,15 +36,18 @@ def pipeline_suite(ctx: BenchContext) -> Figures:
     if reason:
         step(f"pipeline: NOT RUN: {reason}")
         return Figures(results={"pipeline_bulk": {"skipped": reason}})
-    from delaysvc.pipeline.bench import bench_bulk
+    from delaysvc.pipeline.bench import FORMATS, bench_bulk
     from delaysvc.pipeline.spark import session
 
     rows, partitions = ctx.size("pipeline_rows"), ctx.size("pipeline_partitions")
-    step(f"pipeline: Spark bulk-schedule of {rows:,} rows, {partitions} partitions, local[2]")
+    results = {}
     spark = session("local[2]")
     try:
-        with tempfile.TemporaryDirectory(prefix="delaysvc-bench-pipeline-") as workdir:
-            result = bench_bulk(spark, ctx.settings, rows, Path(workdir), partitions)
+        for fmt in FORMATS:
+            step(f"pipeline: Spark bulk-schedule of {rows:,} {fmt} rows, {partitions} partitions")
+            with tempfile.TemporaryDirectory(prefix="delaysvc-bench-pipeline-") as workdir:
+                result = bench_bulk(spark, ctx.settings, rows, Path(workdir), partitions, fmt=fmt)
+            results[f"pipeline_bulk_{fmt}"] = {**result, "target_rows_per_s": TARGET_ROWS_PER_S}
     finally:
         spark.stop()
-    return Figures(results={"pipeline_bulk": {**result, "target_rows_per_s": TARGET_ROWS_PER_S}})
+    return Figures(results=results)

@@ -1,36 +1,120 @@
-"""The bulk-schedule benchmark: generate a CSV of N keyed jobs, schedule it (every row new),
-then schedule it again (every row a duplicate by key). Rates are rows per second of the whole
+"""The bulk-schedule benchmark: generate N keyed jobs as CSV or Parquet, measure what
+PostgreSQL alone takes of the same rows (the ceiling), schedule the file (every row new), then
+schedule it again (every row a duplicate by key). Rates are rows per second of the whole
 `bulk.run`, Spark's reading and the rejects file included.
 
-`bench_bulk` is a plain function (`delaysvc pipeline bench` calls it; a bench suite registry
-can too): give it a SparkSession, or none and a master (`local[2]`, the issue's setting).
-It schedules into the database `settings` names: use a scratch database."""
+The ceiling is the pipeline's own statements with no Spark: two sessions at once (as
+`local[2]` writes), each COPYing half the rows into the staging table and running the
+set-based insert into the service's tables, then rolling back, so it leaves no message behind
+(only dead rows, which a VACUUM then clears). The pipeline's rate as a share of it says how
+much Spark and Python cost on top of the database.
+
+`bench_bulk` is a plain function (`delaysvc pipeline bench` and the `pipeline` suite of
+`delaysvc bench` call it): give it a SparkSession, or none and a master (`local[2]`, the
+issue's setting). It schedules into the database `settings` names: use a scratch database."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
 import os
 import platform
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from delaysvc.pipeline import bulk
+import psycopg
+
+from delaysvc.db import libpq_url
+from delaysvc.pipeline import bulk, store
 from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
-DELAYS = ("5m", "30m", "1h")
+DELAYS = ("5m", "30m", "1h")  # no default level: the timer lane
+DELAYS_MS = (300_000, 1_800_000, 3_600_000)
+FORMATS = ("csv", "parquet")
+TOPIC = "bulk.bench"
+PARQUET_ROW_GROUP = 50_000  # row groups are what Spark splits a Parquet file by
 
 
-def generate_csv(path: Path, rows: int, topic: str = "bulk.bench") -> Path:
+def generate(path: Path, rows: int, fmt: str = "csv") -> Path:
+    """N keyed jobs: body {"n": N}, key bench-N, delays 5m / 30m / 1h in turn."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table(
+            {
+                "topic": [TOPIC] * rows,
+                "body": [f'{{"n": {n}}}' for n in range(rows)],
+                "delay": [DELAYS[n % len(DELAYS)] for n in range(rows)],
+                "key": [f"bench-{n}" for n in range(rows)],
+            }
+        )
+        pq.write_table(table, path, row_group_size=PARQUET_ROW_GROUP)
+        return path
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["topic", "body", "delay", "key"])
         for n in range(rows):
-            writer.writerow([topic, f'{{"n": {n}}}', DELAYS[n % len(DELAYS)], f"bench-{n}"])
+            writer.writerow([TOPIC, f'{{"n": {n}}}', DELAYS[n % len(DELAYS)], f"bench-{n}"])
     return path
+
+
+def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
+    """-> rows/s PostgreSQL takes the bench's rows at through the pipeline's own statements
+    (COPY into the staging table + the set-based insert), `sessions` at once, rolled back."""
+    url = libpq_url(settings.database_url)
+    share = rows // sessions
+    texts = [_copy_text(f"ceiling-{s}", share) for s in range(sessions)]
+    ready = threading.Barrier(sessions + 1)
+    errors: list[BaseException] = []
+
+    def insert(text: str) -> None:
+        try:
+            with psycopg.connect(url) as conn, conn.cursor() as cur:
+                ready.wait()
+                cur.execute(store._STAGE)
+                with cur.copy(f"COPY pipeline_bulk_stage ({store.COPY_COLUMNS}) FROM STDIN") as c:
+                    c.write(text)
+                cur.execute(store._INSERT_STAGED)
+                ready.wait()
+                conn.rollback()
+        except BaseException as exc:
+            errors.append(exc)
+            ready.abort()
+
+    threads = [threading.Thread(target=insert, args=(t,)) for t in texts]
+    for thread in threads:
+        thread.start()
+    started = time.monotonic()
+    with contextlib.suppress(threading.BrokenBarrierError):  # a session failed: raised below
+        ready.wait()  # every session connected
+        started = time.monotonic()
+        ready.wait()  # every session inserted
+    seconds = time.monotonic() - started
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    with psycopg.connect(url, autocommit=True) as conn:  # the rolled-back rows' dead tuples
+        conn.execute("VACUUM commit_log, timer_queue")
+    return share * sessions / seconds
+
+
+def _copy_text(prefix: str, rows: int) -> str:
+    """The bench's rows as the fast path writes them (store.COPY_COLUMNS)."""
+    line = "{topic}\t{prefix}-{n}\t\\N\t\\N\t\\N\t0\t{ms}\t\\N\tt\t\\\\x{body}\n"
+    return "".join(
+        line.format(
+            topic=TOPIC, prefix=prefix, n=n, ms=DELAYS_MS[n % 3], body=f'{{"n":{n}}}'.encode().hex()
+        )
+        for n in range(rows)
+    )
 
 
 def bench_bulk(
@@ -40,22 +124,30 @@ def bench_bulk(
     workdir: Path = Path("var/bench-pipeline"),
     partitions: int | None = None,
     master: str = "local[2]",
+    fmt: str = "csv",
 ) -> dict[str, Any]:
-    """-> the result (also written to WORKDIR/bench-bulk.json): rows/s of the first run
-    (every row new) and of the re-run (every row a duplicate)."""
+    """-> the result (also written to WORKDIR/bench-bulk.json): the database's ceiling, rows/s
+    of the first run (every row new) and of the re-run (every row a duplicate)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     if spark is None:
         from delaysvc.pipeline.spark import session
 
         spark = session(master)
-    source = generate_csv(workdir / f"bulk-{rows}.csv", rows)
-    first = bulk.run(spark, settings, source, "csv", partitions=partitions)
-    again = bulk.run(spark, settings, source, "csv", partitions=partitions)
+    source = generate(workdir / f"bulk-{rows}.{fmt}", rows, fmt)
+    ceiling = insert_ceiling(settings, rows)
+    first = bulk.run(spark, settings, source, fmt, partitions=partitions)
+    again = bulk.run(spark, settings, source, fmt, partitions=partitions)
+    first_rate = first.read / first.seconds
     result = {
         "rows": rows,
+        "format": fmt,
         "partitions": partitions or spark.sparkContext.defaultParallelism,
         "master": spark.sparkContext.master,
+        "ceiling_rows_per_s": round(ceiling),
         "first": {"written": first.written, "seconds": round(first.seconds, 2)},
-        "first_rows_per_s": round(first.read / first.seconds),
+        "first_rows_per_s": round(first_rate),
+        "first_of_ceiling": round(first_rate / ceiling, 3),
         "rerun": {"duplicates": again.duplicates, "seconds": round(again.seconds, 2)},
         "rerun_rows_per_s": round(again.read / again.seconds),
         "machine": {"cores": os.cpu_count(), "platform": platform.platform()},
