@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 
-from delaysvc.db import libpq_url
+from delaysvc.db import database_url, libpq_url
 from delaysvc.pipeline import bulk, store
 from delaysvc.settings import Settings
 
@@ -68,7 +68,7 @@ def generate(path: Path, rows: int, fmt: str = "csv") -> Path:
 def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
     """-> rows/s PostgreSQL takes the bench's rows at through the pipeline's own statements
     (COPY into the staging table + the set-based insert), `sessions` at once, rolled back."""
-    url = libpq_url(settings.database_url)
+    url = libpq_url(database_url(settings))
     share = rows // sessions
     texts = [_copy_text(f"ceiling-{s}", share) for s in range(sessions)]
     ready = threading.Barrier(sessions + 1)
