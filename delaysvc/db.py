@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import select
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, exc
+from psycopg.pq import TransactionStatus
+from sqlalchemy import Dialect, Engine, create_engine, event, exc
 
 from delaysvc.settings import Settings
 
@@ -85,3 +88,61 @@ def _closed_by_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
         readable = [True]
     if readable:
         raise exc.DisconnectionError("the server closed this pooled connection")
+
+
+_AUTOCOMMIT_CURSOR = "delaysvc.autocommit_cursor"
+
+
+@contextmanager
+def autocommit_cursor(engine: Engine) -> Iterator[Any]:
+    """A cursor of a pooled connection's driver (psycopg) whose statements each commit by
+    themselves, for a write that is one statement (a single send): one round trip, no BEGIN
+    or COMMIT, and none of SQLAlchemy's per-connection and per-statement objects, which cost
+    more Python than all the rest of a send (docs/benchmarks/README.md, "Send"). The
+    connection comes from the engine's pool, so its checkout listeners apply
+    (`_closed_by_server`), and goes back to it with autocommit off. Errors are SQLAlchemy's,
+    as `Connection.execute` raises them: a failure to connect is an OperationalError raised
+    before anything is yielded; a lost connection is invalidated (never pooled again) and
+    reported as `connection_invalidated`."""
+    dialect = engine.dialect
+    try:
+        pooled = engine.raw_connection()
+    except dialect.loaded_dbapi.Error as error:
+        raise sqlalchemy_error(error, dialect) from error
+    driver = pooled.driver_connection
+    assert driver is not None
+    # one cursor per connection, kept with it in the pool (its `info` goes when it does):
+    # making and closing a cursor costs half as much Python as executing the statement
+    cursor = pooled.info.get(_AUTOCOMMIT_CURSOR)
+    if cursor is None or cursor.connection is not driver:
+        cursor = pooled.info[_AUTOCOMMIT_CURSOR] = driver.cursor()
+    try:
+        driver.autocommit = True
+        yield cursor
+    except dialect.loaded_dbapi.Error as error:
+        lost = dialect.is_disconnect(error, driver, cursor)
+        if lost:
+            pooled.invalidate(error)
+        raise sqlalchemy_error(error, dialect, lost=lost) from error
+    finally:
+        if driver.info.transaction_status == TransactionStatus.IDLE:
+            driver.autocommit = False
+        elif pooled.is_valid:  # broken, or stopped mid-statement: never pooled again
+            pooled.invalidate()
+        pooled.close()
+
+
+def sqlalchemy_error(
+    error: Exception, dialect: Dialect, statement: str | None = None, *, lost: bool = False
+) -> exc.StatementError:
+    """The driver's `error` as SQLAlchemy raises it from `Connection.execute` (a DBAPIError:
+    OperationalError, IntegrityError, ..., what the callers and the web layer handle); `lost`:
+    the connection was lost and has been invalidated."""
+    return exc.DBAPIError.instance(
+        statement,
+        None,
+        error,
+        dialect.loaded_dbapi.Error,
+        connection_invalidated=lost,
+        dialect=dialect,
+    )

@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session
 
-from delaysvc import caps, store
+from delaysvc import caps, db, store
 from delaysvc.errors import (
     DatabaseUnavailable,
     DuplicateKey,
@@ -138,11 +138,12 @@ def resolve_schedule(
     deliver_at: datetime | None = None,
     default_delay_ms: int | None = None,
     max_delay_ms: int,
-    now: datetime,
+    now: datetime | None = None,
 ) -> Schedule:
     """Turn the producer's one timing option into a lane. At most one option may be given;
     none means the topic's default delay, else due now. A delay equal to a level's delay uses
-    that level's FIFO queue; other delays use the timer lane."""
+    that level's FIFO queue; other delays use the timer lane. `now` (default: the clock, read
+    only for `deliver_at`) bounds how far ahead `deliver_at` may be."""
     given = [
         name
         for name, value in (
@@ -165,7 +166,7 @@ def resolve_schedule(
             return Schedule(NO_LANE, 0, 0, None)
         return Schedule(level, level, levels.delay_ms(level), None)
     if deliver_at is not None:
-        return _absolute(deliver_at, max_delay_ms, now)
+        return _absolute(deliver_at, max_delay_ms, now or datetime.now().astimezone())
     field_name = "delay" if delay is not None else "delay_ms"
     if delay is not None:
         ms = parse_duration_ms(delay)
@@ -237,7 +238,7 @@ class Producer:
             deliver_at=deliver_at,
             default_delay_ms=self.settings.default_delays_ms.get(topic),
             max_delay_ms=self.settings.max_delay_ms,
-            now=now or datetime.now().astimezone(),
+            now=now,
         )
         return store.NewMessage(
             topic=topic,
@@ -264,12 +265,13 @@ class Producer:
     def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
         """`send` with its arguments as one mapping, as an HTTP body holds them
         (`{"topic": ..., "body": ..., "delay": "5m"}`); unknown fields are refused."""
-        return self._send_one(self._prepare_item(item, datetime.now().astimezone()), connection)
+        return self._send_one(self._prepare_item(item, None), connection)
 
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
-        ((row, created, _),) = self._write(
-            connection, lambda conn: self._store(conn, [new]), one_statement=True
-        )
+        if connection is None and not self.settings.caps:
+            row, created, _ = self._retried(lambda: self._insert_autocommitted(new))
+        else:
+            ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
         message = Message.sent(new, row) if created else Message.from_row(row, created=False)
         log.info(
             "message.sent" if created else "message.duplicate_key",
@@ -302,27 +304,40 @@ class Producer:
             for row, created, origin in results
         ]
 
-    def _write(
-        self,
-        joined: Joinable | None,
-        write: Callable[[Connection], _T],
-        one_statement: bool = False,
-    ) -> _T:
-        """`write` in the caller's transaction, or in one of ours, tried a second time if the
-        first could not reach the database (nothing was stored, and the pool has reconnected
-        since: a database restart costs a producer no error). `one_statement`: the write is
-        a single statement (a single send without caps), run in autocommit: one round trip
-        instead of three (BEGIN, statement, COMMIT)."""
-        autocommit = one_statement and not self.settings.caps
-        for attempt in (1, 2):
-            try:
-                with self._connection(joined, autocommit) as conn:
-                    return write(conn)
-            except DatabaseUnavailable as exc:
-                if joined is not None or exc.maybe_stored or attempt == 2:
-                    raise
-                log.warning("producer.reconnecting", extra={"error": str(exc)})
-        raise AssertionError("unreachable")
+    def _write(self, joined: Joinable | None, write: Callable[[Connection], _T]) -> _T:
+        """`write` in the caller's transaction, or in one of ours (`_retried`)."""
+
+        def attempt() -> _T:
+            with self._connection(joined) as conn:
+                return write(conn)
+
+        return attempt() if joined is not None else self._retried(attempt)
+
+    @staticmethod
+    def _retried(attempt: Callable[[], _T]) -> _T:
+        """A write of our own, tried a second time if the first could not reach the database:
+        nothing was stored, and the pool has reconnected since, so a database restart costs a
+        producer no error. A write that may be stored is never repeated behind the caller's
+        back (`DatabaseUnavailable.maybe_stored`: they resend with the same key)."""
+        try:
+            return attempt()
+        except DatabaseUnavailable as exc:
+            if exc.maybe_stored:
+                raise
+            log.warning("producer.reconnecting", extra={"error": str(exc)})
+        return attempt()
+
+    def _insert_autocommitted(self, new: store.NewMessage) -> tuple[Any, bool, int | None]:
+        """A single send without caps: one statement committing by itself, so one round trip
+        instead of three (BEGIN, statement, COMMIT), on a pooled connection's driver cursor."""
+        sent = False
+        try:
+            with db.autocommit_cursor(self.engine) as cursor:
+                sent = True  # from here on, a statement sent may have committed
+                return store.insert_message(cursor, new)
+        except DBAPIError as exc:
+            _raise_domain_error(exc, connected=sent, maybe_stored=sent)
+            raise
 
     def _store(
         self, conn: Connection, messages: Sequence[store.NewMessage]
@@ -332,14 +347,15 @@ class Producer:
         if capped:
             caps.before_insert(conn, capped, messages)
         if len(messages) == 1:
-            results = [store.insert_message(conn, messages[0])]
+            with store.driver_errors(conn) as cursor:
+                results = [store.insert_message(cursor, messages[0])]
         else:
             results = store.insert_messages(conn, messages)
         if capped:
             caps.after_insert(conn, capped, messages)
         return results
 
-    def _prepare_item(self, item: Mapping[str, Any], now: datetime) -> store.NewMessage:
+    def _prepare_item(self, item: Mapping[str, Any], now: datetime | None) -> store.NewMessage:
         if not isinstance(item, Mapping):
             raise ValidationError("item", "must be an object with topic and body")
         unknown = sorted(set(item) - set(MESSAGE_FIELDS))
@@ -412,11 +428,8 @@ class Producer:
         return row
 
     @contextmanager
-    def _connection(
-        self, joined: Joinable | None, autocommit: bool = False
-    ) -> Iterator[Connection]:
-        """The caller's connection (their transaction, their commit) or a fresh transaction
-        (`autocommit`: each statement commits by itself)."""
+    def _connection(self, joined: Joinable | None) -> Iterator[Connection]:
+        """The caller's connection (their transaction, their commit) or a fresh transaction."""
         if isinstance(joined, Session):
             yield joined.connection()
         elif joined is not None:
@@ -426,40 +439,38 @@ class Producer:
             try:
                 with self.engine.connect() as conn:
                     started = True
-                    if autocommit:
-                        conn.execution_options(isolation_level="AUTOCOMMIT")
-                        maybe_stored = True  # a statement sent may have committed
+                    with conn.begin():
                         yield conn
-                    else:
-                        with conn.begin():
-                            yield conn
-                            maybe_stored = True  # committing
+                        maybe_stored = True  # committing
             except DBAPIError as exc:
-                lost = exc.connection_invalidated or (
-                    isinstance(exc, OperationalError) and not started  # could not connect
-                )
-                if lost:
-                    raise DatabaseUnavailable(
-                        f"the database is unavailable ({str(exc.orig).strip()}); "
-                        + (
-                            "the connection was lost after the write was sent, so it may be "
-                            "stored: send again with the same key to be sure"
-                            if maybe_stored
-                            else "nothing was stored"
-                        ),
-                        maybe_stored=maybe_stored,
-                    ) from exc
-                if isinstance(exc, IntegrityError) and store.unique_violation(
-                    exc, "uq_commit_log_topic_key"
-                ):
-                    raise DuplicateKey(str(exc.orig)) from None
-                if isinstance(exc, ProgrammingError) and "consume_queue_" in str(exc.orig):
-                    # a level the database was never given
-                    raise SchemaNotReady(
-                        f"the database has no queue for a configured delay level ({exc.orig}); "
-                        "run `delaysvc migrate` after changing DELAYSVC_DELAY_LEVELS"
-                    ) from None
+                _raise_domain_error(exc, connected=started, maybe_stored=maybe_stored)
                 raise
+
+
+def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool) -> None:
+    """Raise the domain error a database error on one of our own connections stands for, if
+    it stands for one: a lost connection (or none to be had) -> `DatabaseUnavailable`, saying
+    whether the write may be stored; the key rule -> `DuplicateKey`; a level missing in the
+    database -> `SchemaNotReady`."""
+    if exc.connection_invalidated or (isinstance(exc, OperationalError) and not connected):
+        raise DatabaseUnavailable(
+            f"the database is unavailable ({str(exc.orig).strip()}); "
+            + (
+                "the connection was lost after the write was sent, so it may be "
+                "stored: send again with the same key to be sure"
+                if maybe_stored
+                else "nothing was stored"
+            ),
+            maybe_stored=maybe_stored,
+        ) from exc
+    if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):
+        raise DuplicateKey(str(exc.orig)) from None
+    if isinstance(exc, ProgrammingError) and "consume_queue_" in str(exc.orig):
+        # a level the database was never given
+        raise SchemaNotReady(
+            f"the database has no queue for a configured delay level ({exc.orig}); "
+            "run `delaysvc migrate` after changing DELAYSVC_DELAY_LEVELS"
+        ) from None
 
 
 def _lookup_key(key: object) -> str:

@@ -17,15 +17,20 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+from psycopg import Cursor
+from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, TextClause, text
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
+from sqlalchemy.exc import IntegrityError
 
+from delaysvc.db import sqlalchemy_error
 from delaysvc.errors import DuplicateKey, SchemaNotReady
 from delaysvc.levels import DelayLevels
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE, level_partition, level_sequence
 
+_PSYCOPG = psycopg_dialect()
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
 
 
@@ -33,6 +38,13 @@ NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
 def _sql(statement: str) -> TextClause:
     """The hot statements, parsed once (text() scans its string for parameters each time)."""
     return text(statement)
+
+
+@functools.cache
+def _driver_sql(statement: str) -> str:
+    """A hot statement as SQLAlchemy would send it to psycopg (`%(name)s` placeholders, `%`
+    doubled), for the driver's own cursor (`driver_errors`)."""
+    return _sql(statement).compile(dialect=_PSYCOPG).string
 
 
 _NEXT_OFFSET = """CASE WHEN {lane} > 0
@@ -208,20 +220,36 @@ def _message_params(message: NewMessage) -> dict[str, Any]:
     }
 
 
-def insert_message(conn: Connection, message: NewMessage) -> tuple[Any, bool, int | None]:
+class Stored(NamedTuple):
+    """What the database decided for a message just stored."""
+
+    id: int
+    stored_at: datetime
+    deliver_ts: datetime
+
+
+def insert_message(cursor: Cursor[Any], message: NewMessage) -> tuple[Any, bool, int | None]:
     """Store one message and put it in its lane, in one statement. -> (row, created, origin)
-    as `insert_messages` gives them: a new message's row holds only `id, stored_at,
-    deliver_ts` (the caller has the rest; origin 0); a key already held by an unfinished
-    message of the topic gives that message's whole row, created=False, origin None."""
-    statement = _sql(_insert_one_statement(message.lane))
+    as `insert_messages` gives them: a new message's row is `Stored` (the caller has the rest;
+    origin 0); a key already held by an unfinished message of the topic gives that message's
+    whole row, created=False, origin None.
+
+    `cursor` is the driver's (an autocommitted single send: `db.autocommit_cursor`; in a
+    transaction: `driver_errors`): the statement is prepared on the server once per connection,
+    and SQLAlchemy's execution and result objects, which cost more Python than the statement's
+    own execution, are skipped (docs/benchmarks/README.md, "Send")."""
+    statement = _driver_sql(_insert_one_statement(message.lane))
     params = _message_params(message)
     for _ in range(5):
-        row = conn.execute(statement, params).first()
+        row = cursor.execute(statement, params, prepare=True).fetchone()
         if row is not None:
-            return row, True, 0
-        existing = find_unfinished_by_key(conn, message.topic, message.key)
-        if existing is not None:
-            return existing, False, None
+            return Stored(*row), True, 0
+        if message.key is not None:
+            with cursor.connection.cursor(row_factory=namedtuple_row) as named:
+                lookup = {"topic": message.topic, "key": message.key}
+                existing = named.execute(_driver_sql(_FIND_UNFINISHED_BY_KEY), lookup).fetchone()
+            if existing is not None:
+                return existing, False, None
         # The holder of the key finished between the two statements: try again.
     raise DuplicateKey(f"key {message.key!r} of topic {message.topic!r} is changing hands; retry")
 
@@ -320,10 +348,13 @@ def insert_messages(
 
 
 @contextmanager
-def driver_errors(conn: Connection, statement: str) -> Iterator[Any]:
-    """A cursor of the connection's driver (for COPY, which SQLAlchemy has no API for), whose
-    errors become SQLAlchemy's like those of `conn.execute`: a lost connection is invalidated
-    and reported as `connection_invalidated`."""
+def driver_errors(conn: Connection, statement: str | None = None) -> Iterator[Any]:
+    """A cursor of the connection's driver (for COPY, which SQLAlchemy has no API for, and a
+    single send's statement) in the connection's transaction (begun here if it has none yet,
+    as `conn.execute` would), whose errors become SQLAlchemy's like those of `conn.execute`:
+    a lost connection is invalidated and reported as `connection_invalidated`."""
+    if not conn.in_transaction():
+        conn.begin()
     dbapi_connection = conn.connection.dbapi_connection
     assert dbapi_connection is not None
     cursor = dbapi_connection.cursor()
@@ -333,14 +364,7 @@ def driver_errors(conn: Connection, statement: str) -> Iterator[Any]:
         lost = conn.dialect.is_disconnect(exc, dbapi_connection, cursor)
         if lost:
             conn.invalidate(exc)
-        raise DBAPIError.instance(
-            statement,
-            None,
-            exc,
-            conn.dialect.loaded_dbapi.Error,
-            connection_invalidated=lost,
-            dialect=conn.dialect,
-        ) from exc
+        raise sqlalchemy_error(exc, conn.dialect, statement, lost=lost) from exc
     finally:
         if not cursor.closed:
             cursor.close()
@@ -366,16 +390,14 @@ def find_unfinished_by_keys(
     return {(row.topic, row.key): row for row in rows}
 
 
+_FIND_UNFINISHED_BY_KEY = f"""SELECT {MESSAGE_COLUMNS} FROM commit_log
+    WHERE topic = :topic AND key = :key AND finished_at IS NULL"""
+
+
 def find_unfinished_by_key(conn: Connection, topic: str, key: str | None) -> Any:
     if key is None:
         return None
-    return conn.execute(
-        text(
-            f"SELECT {MESSAGE_COLUMNS} FROM commit_log "
-            "WHERE topic = :topic AND key = :key AND finished_at IS NULL"
-        ),
-        {"topic": topic, "key": key},
-    ).first()
+    return conn.execute(_sql(_FIND_UNFINISHED_BY_KEY), {"topic": topic, "key": key}).first()
 
 
 def get_message(conn: Connection, message_id: int) -> Any:

@@ -1,6 +1,11 @@
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from psycopg import pq
 from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 
@@ -71,6 +76,7 @@ def test_same_topic_and_key_returns_the_existing_message(producer, engine):
     assert second.id == first.id
     assert second.created is False
     assert second.body == {"n": 1}
+    assert second == replace(producer.get(first.id), created=False)  # every field, as stored
     other_topic = producer.send("order.remind", {"n": 3}, delay="3s", key="order-7")
     assert other_topic.id != first.id
     assert len(lane_rows(engine)["levels"]) == 2
@@ -93,6 +99,20 @@ def test_joining_a_transaction_that_rolls_back_leaves_nothing(producer, engine):
     with pytest.raises(NotFound):
         producer.get(message.id)
     assert lane_rows(engine) == {"levels": [], "timer": [], "ready": []}
+
+
+def test_a_send_on_a_connection_begins_its_transaction_as_execute_would(producer, engine):
+    """The send is the first statement on the caller's connection: it runs in the transaction
+    that connection begins, which the caller's commit (or its absence) decides."""
+    with engine.connect() as conn:
+        kept = producer.send("order.cancel", {"id": 1}, delay="3s", connection=conn)
+        assert conn.in_transaction()
+        conn.commit()
+    with engine.connect() as conn:
+        dropped = producer.send("order.cancel", {"id": 2}, delay="3s", connection=conn)
+    assert producer.get(kept.id).status == "scheduled"
+    with pytest.raises(NotFound):
+        producer.get(dropped.id)
 
 
 def test_joining_a_session_that_commits_stores_both(producer, engine):
@@ -215,27 +235,46 @@ def test_a_level_the_database_was_never_given_is_a_clear_error(settings, engine)
         Producer(more_levels, engine).send("t.level6", {}, delay_level=6)
 
 
+@contextmanager
+def wire(engine: Engine) -> Iterator[list[tuple[str, str]]]:
+    """The protocol messages the client sends ("F") on every connection checked out meanwhile,
+    as libpq traces them: [(message type, its first field)], e.g. ("Query", '"BEGIN"')."""
+    sent: list[tuple[str, str]] = []
+    with tempfile.TemporaryFile() as trace:
+
+        def start(dbapi_connection, *_):  # type: ignore[no-untyped-def]
+            dbapi_connection.pgconn.trace(trace.fileno())
+            dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
+
+        def stop(dbapi_connection, *_):  # type: ignore[no-untyped-def]
+            if not dbapi_connection.closed:
+                dbapi_connection.pgconn.untrace()
+
+        event.listen(engine, "checkout", start)
+        event.listen(engine, "checkin", stop)
+        try:
+            yield sent
+        finally:
+            event.remove(engine, "checkout", start)
+            event.remove(engine, "checkin", stop)
+        trace.seek(0)
+        for line in trace.read().decode().splitlines():
+            if line.startswith("F\t"):  # not a continuation line of a multi-line statement
+                _, _, kind, *fields = line.split("\t")
+                sent.append((kind, fields[0].split(" ")[1] if fields else ""))
+
+
 def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
     producer: Producer, engine: Engine
 ) -> None:
-    """A single send (no caps) is one autocommitted statement: no BEGIN, no COMMIT round
-    trips; a batch (COPY, then the insert) is one transaction."""
-    seen: list[str] = []
-
-    def statement(conn, *_):  # type: ignore[no-untyped-def]
-        autocommit = conn.connection.driver_connection.autocommit  # psycopg sends no BEGIN
-        seen.append("autocommitted statement" if autocommit else "statement")
-
-    listeners = {"commit": lambda conn: seen.append("commit"), "before_cursor_execute": statement}
-    for name, listener in listeners.items():
-        event.listen(engine, name, listener)
-    try:
+    """A single send (no caps) is one autocommitted, prepared statement: one round trip, no
+    BEGIN, no COMMIT; a batch (COPY, then the insert) is one transaction."""
+    producer.send("rt.one", {"n": 0}, delay="1h")  # the pooled connection prepares it
+    with wire(engine) as sent:
         producer.send("rt.one", {"n": 1}, delay="1h")
-        assert seen == ["autocommitted statement"]
-        seen.clear()
+    assert sent == [("Bind", '""'), ("Describe", "P"), ("Execute", '""'), ("Sync", "")]
+    with wire(engine) as sent:
         producer.send_batch([{"topic": "rt.one", "body": {"n": n}} for n in range(3)])
-        assert "autocommitted statement" not in seen and seen[-1] == "commit"
-        assert seen.count("commit") == 1
-    finally:
-        for name, listener in listeners.items():
-            event.remove(engine, name, listener)
+    queries = [text for kind, text in sent if kind == "Query"]
+    assert queries[0] == '"BEGIN"' and queries[-1] == '"COMMIT"'
+    assert queries.count('"BEGIN"') == 1 and queries.count('"COMMIT"') == 1

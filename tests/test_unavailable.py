@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, event, text
+from sqlalchemy import Connection, Engine, event, text
 from sqlalchemy.exc import OperationalError
 
 from delaysvc.db import make_engine
@@ -85,7 +85,9 @@ def _cut_own_backend(killer: Engine) -> Any:
     """An engine event listener that terminates the backend of the connection it fires on."""
 
     def cut(conn: Any, *_: Any) -> None:
-        pid = conn.connection.driver_connection.info.backend_pid
+        # an engine event passes a Connection, a pool event the driver's connection
+        driver = conn.connection.driver_connection if isinstance(conn, Connection) else conn
+        pid = driver.info.backend_pid
         with killer.connect() as other:
             other.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid})
 
@@ -95,7 +97,9 @@ def _cut_own_backend(killer: Engine) -> Any:
 @pytest.mark.parametrize(
     "when, send",
     [
-        ("before_cursor_execute", lambda p: p.send("svc.lost", {"n": 1}, key="order-7")),
+        # cut once the pooled connection was checked out (and found alive): the send's one
+        # statement goes out on it and its answer never comes
+        ("checkout", lambda p: p.send("svc.lost", {"n": 1}, key="order-7")),
         ("commit", lambda p: p.send_batch([{"topic": "svc.lost", "body": {}, "key": "order-7"}])),
     ],
     ids=["single-send-statement", "batch-commit"],
