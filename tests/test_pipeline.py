@@ -740,9 +740,7 @@ def test_the_spark_transform_decides_every_kind_of_cell_as_the_producer_does(
     settings = _equivalence_settings(settings)
     records = _one_change_rows()
     for key_from_row in (False, True):
-        by_spark, by_producer, encoded = _decisions(
-            spark, settings, engine, records, key_from_row
-        )
+        by_spark, by_producer, encoded = _decisions(spark, settings, engine, records, key_from_row)
         _assert_same(records, by_spark, by_producer)
         assert encoded > len(records) // 3  # the JVM decided and encoded most good rows
     accepted = sum(1 for line, _ in by_producer.values() if line)
