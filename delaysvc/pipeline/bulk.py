@@ -211,10 +211,10 @@ def store_fast(batches: Iterable[Any], settings: Settings) -> Iterator[Any]:
 
     def flush() -> None:
         nonlocal created, duplicates
-        new, refused = _store_batch(engine, settings, lines)
+        new, repeated, refused = _store_batch(engine, settings, lines, ids)
         created += new
-        duplicates += len(lines) - new - len(refused)
-        report.extend((REJECT, ids[i], None, reason) for i, reason in refused)
+        duplicates += repeated
+        report.extend(refused)
         lines.clear()
         ids.clear()
 
@@ -279,10 +279,10 @@ def store_partition(
                     lines.append(line)
                     ids.append(rid)
             if lines:
-                new, refused = _store_batch(engine, settings, lines)
+                new, repeated, refused = _store_batch(engine, settings, lines, ids)
                 created += new
-                duplicates += len(lines) - new - len(refused)
-                yield from ((REJECT, ids[i], None, reason) for i, reason in refused)
+                duplicates += repeated
+                yield from refused
             lines, ids = [], []
     finally:
         engine.dispose()
@@ -348,10 +348,11 @@ def _number(value: int | None) -> str:
 
 
 def _store_batch(
-    engine: Any, settings: Settings, lines: list[str]
-) -> tuple[int, list[tuple[int, str]]]:
-    """One transaction; the backlog caps apply as they do to the producer's sends. -> (how
-    many were created, [(index, reason)] refused by a cap)."""
+    engine: Any, settings: Settings, lines: list[str], ids: list[int]
+) -> tuple[int, int, list[tuple[str, int, None, str]]]:
+    """Store the rows `ids` as COPY text `lines` in one transaction; the backlog caps apply
+    as they do to the producer's sends. -> (how many were created, how many were duplicates
+    of a held key, a REJECT report per row refused by a cap)."""
     from delaysvc import caps
 
     placed = []
@@ -367,8 +368,8 @@ def _store_batch(
             if settings.caps:
                 caps.after_insert(conn, settings.caps, placed)
     except BacklogFull as exc:
-        return 0, [(i, f"backlog_full: {exc}") for i in range(len(lines))]
-    return created, []
+        return 0, 0, [(REJECT, rid, None, f"backlog_full: {exc}") for rid in ids]
+    return created, len(lines) - created, []
 
 
 def _raw(row: Any, fmt: str) -> str:
@@ -459,8 +460,9 @@ def run(
         by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
         source = source.repartitionByRange(wanted, *by) if by else source.repartition(wanted)
     report: list[tuple[Any, ...]] = []
-    slow = source if fmt == "jsonl" else None  # JSON Lines: the producer's path (rules.py)
-    if fmt != "jsonl":
+    if fmt == "jsonl":  # every row takes the producer's path (rules.py says why)
+        slow = source
+    else:
         fast = rules.prepare(source, settings, key_from_row).select(*FAST_COLUMNS)
         # collect() runs the stores exactly once (a second action would store again)
         stored = fast.mapInArrow(lambda batches: store_fast(batches, settings), REPORT)
@@ -468,8 +470,7 @@ def run(
         slow_ids = [rid for tag, rid, _, _ in report if tag == SLOW]
         # the second pass takes the rows the first left by id, not by deciding again: a rule
         # that reads the clock (deliver_at within the longest delay) could decide otherwise
-        if slow_ids:
-            slow = _rows_with_ids(spark, frame, slow_ids)
+        slow = _rows_with_ids(spark, frame, slow_ids).repartition(wanted) if slow_ids else None
     if slow is not None:
         rows = rules.prepare(slow, settings, key_from_row).rdd
         report += rows.mapPartitions(
@@ -498,9 +499,8 @@ def _refused_rows(
 
 def _rows_with_ids(spark: Any, frame: Any, ids: list[int]) -> Any:
     """The input rows with these row ids (a second read of the input gives each row the same
-    id), spread over the cores."""
+    id)."""
     from pyspark.sql import functions as F
 
     wanted = spark.createDataFrame([(rid,) for rid in ids], f"{RID} long")
-    rows = frame.join(F.broadcast(wanted), RID)
-    return rows.repartition(max(spark.sparkContext.defaultParallelism, 1))
+    return frame.join(F.broadcast(wanted), RID)
