@@ -70,7 +70,7 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
     (COPY into the staging table + the set-based insert), `sessions` at once, rolled back."""
     url = libpq_url(database_url(settings))
     share = rows // sessions
-    texts = [_copy_text(f"ceiling-{s}", share) for s in range(sessions)]
+    texts = [copy_text(f"ceiling-{s}", share) for s in range(sessions)]
     ready = threading.Barrier(sessions + 1)
     errors: list[BaseException] = []
 
@@ -106,7 +106,7 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
     return share * sessions / seconds
 
 
-def _copy_text(prefix: str, rows: int) -> str:
+def copy_text(prefix: str, rows: int) -> str:
     """The bench's rows as the fast path writes them (store.COPY_COLUMNS)."""
     line = "{topic}\t{prefix}-{n}\t\\N\t\\N\t\\N\t0\t{ms}\t\\N\tt\t\\\\x{body}\n"
     return "".join(
