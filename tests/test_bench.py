@@ -176,17 +176,22 @@ def test_scale_measures_send_and_moves_empty_and_with_a_backlog(
     assert "| scale: send msgs/s, 3,000 pending vs empty |" in (out / "results.md").read_text()
 
 
-def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
-    settings: Settings, tmp_path: Path
-) -> None:
-    out = run(
+def _soak(settings: Settings, tmp_path: Path, messages: int) -> Path:
+    """The soak suite with MESSAGES at 1,000/s, one consumer process, 1 s lane budgets."""
+    return run(
         settings.model_copy(update={"lane_budget_seconds": 1.0}),
         ["soak"],
         tmp_path / "soak",
-        soak_messages=6000,
+        soak_messages=messages,
         soak_rate=1000,
         processes=1,
     )
+
+
+def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
+    settings: Settings, tmp_path: Path
+) -> None:
+    out = _soak(settings, tmp_path, 6000)
     document = json.loads((out / "results.json").read_text())
     result = document["results"]["soak"]
     assert (result["messages"], result["drained"]) == (6000, True)
@@ -204,14 +209,7 @@ def test_a_soak_that_does_not_drain_keeps_the_workers_logs(
     from delaysvc.bench import soak
 
     monkeypatch.setattr(soak, "DRAIN_SECONDS", 0.0)  # level 1 is 1 s: the last are not run yet
-    out = run(
-        settings.model_copy(update={"lane_budget_seconds": 1.0}),
-        ["soak"],
-        tmp_path / "soak",
-        soak_messages=2000,
-        soak_rate=1000,
-        processes=1,
-    )
+    out = _soak(settings, tmp_path, 2000)
     result = json.loads((out / "results.json").read_text())["results"]["soak"]
     assert result["drained"] is False
     logs = list((out / "soak-worker-logs").glob("*.out"))
