@@ -263,13 +263,13 @@ _STAGE_TABLE = "delaysvc_send_stage"
 _STAGE_COLUMNS = (
     "ord, topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, deliver_at"
 )
-_CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
+CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
     ord int, topic text, key text, tags text[], body bytea, body_is_json boolean,
     properties jsonb, delay_level smallint, lane smallint, delay_ms bigint,
     deliver_at timestamptz
 ) ON COMMIT DELETE ROWS"""
-_COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
-_INSERT_STAGED = f"""
+COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
+INSERT_STAGED = f"""
 WITH staged AS (
     DELETE FROM {_STAGE_TABLE} RETURNING *
 ), numbered AS (
@@ -292,7 +292,7 @@ SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id
 """
 
 
-def _stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
+def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
     properties = message.properties
     return (
         ord_,
@@ -317,13 +317,13 @@ def insert_messages(
     deliver_ts` and `origin` is the item's index; a key taken earlier in the batch gives that
     item's row and index with created=False; a key held by an unfinished message already gives
     that message's whole row, created=False and origin None."""
-    with driver_errors(conn, _COPY_STAGE) as cursor:
-        cursor.execute(_CREATE_STAGE)
-        with cursor.copy(_COPY_STAGE) as copy:
+    with driver_errors(conn, COPY_STAGE) as cursor:
+        cursor.execute(CREATE_STAGE)
+        with cursor.copy(COPY_STAGE) as copy:
             for ord_, message in enumerate(messages):
-                copy.write_row(_stage_row(ord_, message))
+                copy.write_row(stage_row(ord_, message))
     created: list[Any] = [None] * len(messages)
-    for row in conn.execute(_sql(_INSERT_STAGED)):
+    for row in conn.execute(_sql(INSERT_STAGED)):
         created[row.ord] = row
     results: list[tuple[Any, bool, int | None]] = []
     missing = [m for m, row in zip(messages, created, strict=True) if row is None]

@@ -22,8 +22,10 @@ from delaysvc.bench import (
     run,
 )
 from delaysvc.bench.peers import PEERS
-from delaysvc.bench.suites import Figures
+from delaysvc.bench.suites import NOOP_TOPIC, Figures, _batch_database_write
 from delaysvc.cli import cli
+from delaysvc.db import libpq_url
+from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
 
@@ -48,6 +50,7 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
         "send_single_c1",
         "send_single_c4",
         "send_batch_1000",
+        "send_batch_database_write",
         "delivery_drain",
         "delivery_flow",
         "consume_drain",
@@ -59,8 +62,36 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
     assert document["machine"]["cores"] >= 1
     table = (out / "results.md").read_text()
     assert "| delivery_drain: msgs/s |" in table
+    assert "| send_batch_database_write: msgs/s through a batch's own statements" in table
     for plot in ("lateness_ms.png", "start_latency_ms.png", "backlog.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_batch_database_write_stores_every_message_in_its_lane(
+    settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """What the send suite times as a batch's database write is the service's own write: every
+    message lands in the commit log and its lane, as `send_batch` would store it."""
+    rate = _batch_database_write(libpq_url(settings.database_url), producer, 3000)
+    assert rate > 0
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT count(*), count(DISTINCT queue_offset) FROM commit_log WHERE topic = :t"),
+            {"t": NOOP_TOPIC},
+        ).one()
+        lanes = (
+            "SELECT message_id, queue_offset, deliver_ts FROM consume_queue "
+            "UNION ALL SELECT message_id, queue_offset, deliver_ts FROM timer_queue"
+        )
+        in_lanes = conn.execute(text(f"SELECT count(*) FROM ({lanes}) q")).scalar_one()
+        matching = conn.execute(
+            text(
+                f"SELECT count(*) FROM commit_log c JOIN ({lanes}) q ON q.message_id = c.id "
+                "AND q.queue_offset = c.queue_offset AND q.deliver_ts = c.deliver_ts"
+            )
+        ).scalar_one()
+    assert tuple(stored) == (3000, 3000)
+    assert in_lanes == matching == 3000
 
 
 def test_a_registered_suite_runs_with_its_quick_sizes_and_lands_in_the_report(

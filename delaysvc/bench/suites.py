@@ -1,7 +1,8 @@
 """The service's own figures, each measured beside the raw limit it is compared with.
 
 - send: `Producer.send` one message per transaction at several concurrencies (raw: one-row
-  INSERT per transaction at the same concurrency); `send_batch` of 1,000 (raw: COPY).
+  INSERT per transaction at the same concurrency); `send_batch` of 1,000 (raw: COPY), and the
+  same batches through the batch's database statements alone (no Python of ours).
 - delivery: drain a due backlog through `delivery.run_once` (raw: moving rows between two plain
   tables in batches of the same size); a steady flow at a fixed rate for a while, delivered by
   `LaneRunner`s (what the Celery delivery task runs), reporting lateness = delivered_at -
@@ -20,8 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from sqlalchemy import Engine, text
 
+from delaysvc import store
 from delaysvc.bench import raw
 from delaysvc.bench.load import send_at_rate
 from delaysvc.bench.progress import Progress, step
@@ -127,7 +130,40 @@ def send_suite(
         "ratio": round(rate / raw_copy, 3),
         "target_ratio": 0.5,
     }
+    reset_tables(engine)
+    step(f"send: the batch's database write alone, {batch_rows:,} messages")
+    written = _batch_database_write(libpq_url(url), producer, batch_rows)
+    figures.results["send_batch_database_write"] = {
+        "msgs_per_s": round(written),
+        "raw_copy_per_s": round(raw_copy),
+        "ratio": round(written / raw_copy, 3),
+    }
     return figures
+
+
+def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
+    """Messages/s PostgreSQL stores through a batch send's own statements (COPY into the
+    staging table, then the set-based insert into the commit log and the lanes), 1,000 per
+    transaction, fed rows validated once: what `send_batch` would reach with no Python cost
+    of its own (the raw COPY's client cost, psycopg's `write_row`, is in it too)."""
+    staged = [
+        store.stage_row(n, producer.prepare(NOOP_TOPIC, BODY, delay="1h")) for n in range(1000)
+    ]
+    progress = Progress("batch database write", rows)
+    with psycopg.connect(url) as conn, conn.cursor() as cursor:
+        started = time.perf_counter()
+        for done in range(0, rows, 1000):
+            cursor.execute(store.CREATE_STAGE)
+            with cursor.copy(store.COPY_STAGE) as copy:
+                for row in staged:
+                    copy.write_row(row)
+            cursor.execute(store.INSERT_STAGED)
+            cursor.fetchall()
+            conn.commit()
+            progress.update(done + 1000)
+        seconds = time.perf_counter() - started
+    progress.done()
+    return rows / seconds
 
 
 def _send_single(producer: Producer, clients: int, seconds: float) -> float:
