@@ -231,7 +231,22 @@ def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
     assert len(document["series"]["soak_throughput"]) >= 2
     for plot in ("soak_throughput.png", "soak_bytes.png", "soak_dead.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
-    assert not (out / "soak-worker-logs").exists()  # kept only when not all ran
+    assert result["stalls"] == ""
+    assert not (out / "soak-worker-logs").exists()  # kept only when not all ran, or stalled
+
+
+def test_the_soak_names_the_spans_in_which_no_job_was_claimed_while_sending() -> None:
+    from delaysvc.bench.soak import _stalls
+
+    rates = [4000, 0, 0, 0, 0, 0, 0, 3000, 4000, 0, 4000, 0, 0, 0, 0, 0, 0, 0]
+    samples = [{"t": 0.0, "at": 100.0}] + [
+        {"t": 2.0 * i, "at": 100.0 + 2 * i, "claimed_per_s": rate}
+        for i, rate in enumerate(rates, start=1)
+    ]
+    # 4-16 s: 12 s without a claim; 20-22 s: too short to count; 24-36 s: until sending ended
+    assert _stalls(samples, sending_ended=100.0 + 2 * 18) == "4-16 s, 24-36 s"
+    assert _stalls(samples, sending_ended=100.0 + 2 * 14) == "4-16 s"  # 24-28 s: too short
+    assert _stalls(samples, sending_ended=100.0 + 2 * 5) == ""  # 4-10 s: too short
 
 
 def test_a_soak_that_does_not_drain_keeps_the_workers_logs(

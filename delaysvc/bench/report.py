@@ -143,7 +143,8 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         dead = ", ".join(f"{k} {v:,}" for k, v in r["final_dead_tuples"].items())
         return [
             f"| {name}: jobs claimed/s at the end vs the start ({r['messages']:,} msgs at "
-            f"{r['rate_per_s']:,}/s{', all run' if r['drained'] else ', NOT all run'}) | "
+            f"{r['rate_per_s']:,}/s{', all run' if r['drained'] else ', NOT all run'}"
+            f"{'; no job claimed at ' + r['stalls'] if r.get('stalls') else ''}) | "
             f"{r['claimed_per_s_end']:,} vs {r['claimed_per_s_start']:,} | - | "
             f"{r['end_vs_start']} | >= {r['target_ratio']} |",
             f"| {name}: peak table sizes; dead tuples at the end | {sizes}; {dead} | - | - | "

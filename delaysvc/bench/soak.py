@@ -35,6 +35,7 @@ HOT_TABLES = ("commit_log", "topic_queue", "consume_queue_1", "timer_queue")
 DRAIN_SECONDS = 60.0
 TARGET_RATIO = 0.8
 WARM_UP_SECONDS = 60.0
+STALL_SECONDS = 10.0  # no claim for this long while sending: the workers' logs are kept
 LEVEL_1_SECONDS = 1.0  # messages go in at level 1: the last is claimed about this much later
 
 
@@ -53,7 +54,8 @@ def soak_suite(ctx: BenchContext) -> Figures:
             args=(ctx.engine, workers, samples, stop, max(1.0, min(SAMPLE_SECONDS, seconds / 20))),
             daemon=True,
         )
-        drained = False
+        drained, sent, sending_ended = False, 0, 0.0
+        _log_waits_and_slow_statements(ctx.engine)
         try:
             producer = Producer(ctx.settings, ctx.engine)
             _warm_up(ctx.engine, producer)
@@ -76,14 +78,19 @@ def soak_suite(ctx: BenchContext) -> Figures:
             stop.set()
             _stop(workers)
             peer.cleanup()
-            if ctx.out is not None and not drained:  # keep what the workers said, to find why
+            stalled = _stalls(samples, sending_ended if sent else 0.0)
+            if ctx.out is not None and (not drained or stalled):  # keep what the workers said
                 kept = ctx.out / "soak-worker-logs"
                 kept.mkdir(parents=True, exist_ok=True)
                 for log in Path(folder).glob("*.out"):
                     shutil.copy(log, kept / log.name)
-                step(f"soak: NOT all ran; the workers' logs are in {kept}")
+                why = "NOT all ran" if not drained else f"claims stalled ({stalled})"
+                step(f"soak: {why}; the workers' logs are in {kept}")
     return Figures(
-        results={"soak": _summary(samples, sent, rate, drained, sending_ended + LEVEL_1_SECONDS)},
+        results={
+            "soak": _summary(samples, sent, rate, drained, sending_ended + LEVEL_1_SECONDS)
+            | {"stalls": stalled}
+        },
         series={
             "soak_throughput": [(s["t"], s["claimed_per_s"]) for s in samples[1:]],
             **{
@@ -128,6 +135,35 @@ def _summary(
         "rss_bytes_start": samples[0]["rss"] if samples else 0,
         "rss_bytes_end": last.get("rss", 0),
     }
+
+
+def _stalls(samples: list[dict[str, Any]], sending_ended: float) -> str:
+    """The spans of STALL_SECONDS or more, while messages were being sent, in which no job
+    was claimed: "from s to s, ..." (empty if none)."""
+    spans, since = [], None
+    flowing = [s for s in samples[1:] if s["at"] <= sending_ended]
+    for sample in flowing:
+        if sample["claimed_per_s"] == 0 and since is None:
+            since = sample["t"]
+        elif since is not None and (sample["claimed_per_s"] > 0 or sample is flowing[-1]):
+            if sample["t"] - since >= STALL_SECONDS:
+                spans.append(f"{since:.0f}-{sample['t']:.0f} s")
+            since = None
+    return ", ".join(spans)
+
+
+def _log_waits_and_slow_statements(engine: Engine) -> None:
+    """Have the server log lock waits and statements over a second in the bench database,
+    so a stall can be traced in its log (needs a superuser; skipped otherwise)."""
+    with engine.connect() as conn:
+        if not conn.execute(
+            text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+        ).scalar():
+            return
+        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        for setting in ("log_lock_waits = on", "log_min_duration_statement = 1000"):
+            conn.execute(text(f'ALTER DATABASE "{database}" SET {setting}'))
+        conn.commit()
 
 
 def _warm_up(engine: Engine, producer: Producer) -> None:
