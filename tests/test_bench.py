@@ -249,6 +249,31 @@ def test_the_soak_names_the_spans_in_which_no_job_was_claimed_while_sending() ->
     assert _stalls(samples, sending_ended=100.0 + 2 * 5) == ""  # 4-10 s: too short
 
 
+def test_the_soak_database_logs_lock_waits_slow_statements_and_their_plans(
+    settings: Settings, engine: Engine
+) -> None:
+    from delaysvc.bench.soak import SLOW_PLAN_MS, _log_waits_and_slow_statements
+
+    _log_waits_and_slow_statements(engine)
+    engine.dispose()  # the settings apply to new sessions
+    with engine.connect() as conn:
+        shown = {
+            name: conn.execute(text(f"SHOW {name}")).scalar_one()
+            for name in (
+                "log_lock_waits",
+                "log_min_duration_statement",
+                "session_preload_libraries",
+            )
+        }
+        plans = conn.execute(text("SHOW auto_explain.log_min_duration")).scalar_one()
+    assert shown == {
+        "log_lock_waits": "on",
+        "log_min_duration_statement": "1s",
+        "session_preload_libraries": "auto_explain",
+    }
+    assert plans == f"{SLOW_PLAN_MS // 1000}s"
+
+
 def test_a_soak_that_does_not_drain_keeps_the_workers_logs(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

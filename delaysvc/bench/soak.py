@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 
 from delaysvc.bench.load import send_at_rate
 from delaysvc.bench.peer_handlers import SOAK_TOPIC
@@ -35,6 +36,7 @@ HOT_TABLES = ("commit_log", "topic_queue", "consume_queue_1", "timer_queue")
 DRAIN_SECONDS = 60.0
 TARGET_RATIO = 0.8
 WARM_UP_SECONDS = 60.0
+SLOW_PLAN_MS = 5000
 STALL_SECONDS = 10.0  # no claim for this long while sending: the workers' logs are kept
 LEVEL_1_SECONDS = 1.0  # messages go in at level 1: the last is claimed about this much later
 
@@ -153,15 +155,24 @@ def _stalls(samples: list[dict[str, Any]], sending_ended: float) -> str:
 
 
 def _log_waits_and_slow_statements(engine: Engine) -> None:
-    """Have the server log lock waits and statements over a second in the bench database,
-    so a stall can be traced in its log (needs a superuser; skipped otherwise)."""
+    """Have the server log lock waits and statements over a second in the bench database, and
+    the plans of those over SLOW_PLAN_MS (auto_explain, where the server has it), so a stall
+    can be traced in its log. Needs a superuser; skipped otherwise."""
     with engine.connect() as conn:
-        if not conn.execute(
-            text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
-        ).scalar():
+        superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
+        if not conn.execute(text(superuser)).scalar():
             return
+        settings = ["log_lock_waits = on", "log_min_duration_statement = 1000"]
+        try:
+            conn.execute(text("LOAD 'auto_explain'"))  # a missing library would fail every login
+            settings += [
+                "session_preload_libraries = 'auto_explain'",
+                f"auto_explain.log_min_duration = {SLOW_PLAN_MS}",
+            ]
+        except DBAPIError:
+            conn.rollback()
         database = conn.execute(text("SELECT current_database()")).scalar_one()
-        for setting in ("log_lock_waits = on", "log_min_duration_statement = 1000"):
+        for setting in settings:
             conn.execute(text(f'ALTER DATABASE "{database}" SET {setting}'))
         conn.commit()
 
