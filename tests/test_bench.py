@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -272,6 +273,19 @@ def test_the_soak_database_logs_lock_waits_slow_statements_and_their_plans(
         "session_preload_libraries": "auto_explain",
     }
     assert plans == f"{SLOW_PLAN_MS // 1000}s"
+
+
+def test_the_soak_sampler_sees_a_transaction_held_open(engine: Engine) -> None:
+    from delaysvc.bench.soak import long_running
+
+    with engine.connect() as holder, engine.connect() as sampler:
+        holder.execute(text("SELECT 1"))  # a transaction begun and left open
+        pid = holder.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        time.sleep(1.2)
+        seen = {row["pid"]: row for row in long_running(sampler, seconds=1)}
+    assert seen[pid]["state"] == "idle in transaction"
+    assert seen[pid]["transaction_s"] >= 1.0
+    json.dumps(list(seen.values()), default=str)  # goes into results.json as it is
 
 
 def test_a_soak_that_does_not_drain_keeps_the_workers_logs(

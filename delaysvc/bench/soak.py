@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from delaysvc.bench.load import send_at_rate
@@ -37,6 +37,8 @@ DRAIN_SECONDS = 60.0
 TARGET_RATIO = 0.8
 WARM_UP_SECONDS = 60.0
 SLOW_PLAN_MS = 5000
+LONG_RUNNING_KEPT = 50
+LONG_RUNNING_SECONDS = 5  # statements and transactions older than this are sampled
 STALL_SECONDS = 10.0  # no claim for this long while sending: the workers' logs are kept
 LEVEL_1_SECONDS = 1.0  # messages go in at level 1: the last is claimed about this much later
 
@@ -136,6 +138,10 @@ def _summary(
         "final_dead_tuples": last["dead"],
         "rss_bytes_start": samples[0]["rss"] if samples else 0,
         "rss_bytes_end": last.get("rss", 0),
+        # the first samples that saw statements or transactions running long
+        "long_running": [
+            {"t": s["t"], "sessions": s["long_running"]} for s in samples if "long_running" in s
+        ][:LONG_RUNNING_KEPT],
     }
 
 
@@ -204,6 +210,24 @@ def _claimed(engine: Engine) -> int:
         )
 
 
+# What was running long at a sample: a stalled claim shows here with what it waits for.
+_LONG_RUNNING = """
+SELECT pid, application_name AS app, state, wait_event_type, wait_event,
+    round(extract(epoch FROM now() - query_start)::numeric, 1)::float8 AS statement_s,
+    round(extract(epoch FROM now() - xact_start)::numeric, 1)::float8 AS transaction_s,
+    age(backend_xmin) AS xmin_age, left(regexp_replace(query, '\\s+', ' ', 'g'), 160) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND state <> 'idle'
+    AND (now() - query_start > :seconds * interval '1 second'
+         OR now() - xact_start > :seconds * interval '1 second')
+"""
+
+
+def long_running(conn: Connection, seconds: float = LONG_RUNNING_SECONDS) -> list[dict[str, Any]]:
+    """The sessions of this database whose statement or transaction has run over `seconds`."""
+    return [dict(row._mapping) for row in conn.execute(text(_LONG_RUNNING), {"seconds": seconds})]
+
+
 def _sample_until(
     engine: Engine,
     workers: list[Any],
@@ -226,6 +250,7 @@ def _sample_until(
                     {"names": list(HOT_TABLES)},
                 )
             }
+            running_long = long_running(conn)
         now = time.monotonic() - started
         claimed = int(stats["topic_queue"].n_tup_del) if "topic_queue" in stats else 0
         sample = {
@@ -236,6 +261,8 @@ def _sample_until(
             "dead": {t: int(stats[t].n_dead_tup) if t in stats else 0 for t in HOT_TABLES},
             "rss": _rss(workers),
         }
+        if running_long:
+            sample["long_running"] = running_long
         if samples:
             previous = samples[-1]
             sample["claimed_per_s"] = (claimed - previous["claimed"]) / (now - previous["t"])
