@@ -885,7 +885,7 @@ _CLAIM_READY = """
 WITH claimed AS (
     DELETE FROM topic_queue WHERE message_id IN (
         SELECT message_id FROM topic_queue WHERE topic = :topic
-        ORDER BY seq LIMIT :limit FOR UPDATE SKIP LOCKED)
+        ORDER BY seq LIMIT {limit} FOR UPDATE SKIP LOCKED)
     AND NOT EXISTS (SELECT 1 FROM topic_state WHERE topic = :topic AND paused)
     RETURNING message_id, seq
 )
@@ -898,11 +898,19 @@ RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.
 """
 
 
+def claim_statement(limit: int) -> str:
+    """The claim with its batch size written in, not a parameter: psycopg prepares a statement
+    run often, and PostgreSQL then may switch to its generic plan, which for `LIMIT $n` expects
+    a tenth of the queue and hashes all of commit_log on every claim (a claim then costs
+    O(history), not O(batch); tests/test_tick_cost.py checks both plans)."""
+    return _CLAIM_READY.format(limit=int(limit))
+
+
 def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) -> list[Any]:
     """Take up to `limit` ready jobs of a topic in queue order and lease them: they are
     `running` once the caller commits. Nothing is held open while they run."""
     rows = conn.execute(
-        _sql(_CLAIM_READY), {"topic": topic, "limit": limit, "lease_seconds": lease_seconds}
+        _sql(claim_statement(limit)), {"topic": topic, "lease_seconds": lease_seconds}
     )
     return sorted(rows, key=lambda row: row.seq)
 

@@ -67,3 +67,66 @@ def test_a_tick_touches_the_same_buffers_at_20k_and_200k_pending(engine: Engine,
     assert small > BATCH  # it did touch the rows it moved
     # O(batch): ten times the backlog, at most one more index level per lookup
     assert large <= small * 1.25, (small, large)
+
+
+def _fill_history(engine: Engine, finished: int, ready: int) -> None:
+    """`finished` succeeded messages (the history commit_log keeps) and `ready` jobs waiting in
+    the topic queue, written straight by SQL."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO commit_log (topic, body, body_is_json, lane, status, stored_at, "
+                "deliver_ts, delivered_at, finished_at, attempts) "
+                "SELECT 't.cost', :body, true, -1, 'succeeded', now(), now(), now(), now(), 1 "
+                "FROM generate_series(1, :n)"
+            ),
+            {"n": finished, "body": b'{"order_id": 42}'},
+        )
+        conn.execute(
+            text(
+                "WITH m AS (INSERT INTO commit_log (topic, body, body_is_json, lane, status, "
+                "stored_at, deliver_ts, delivered_at) "
+                "SELECT 't.cost', :body, true, -1, 'ready', now(), now(), now() "
+                "FROM generate_series(1, :n) RETURNING id, topic, deliver_ts) "
+                "INSERT INTO topic_queue (message_id, topic, deliver_ts) "
+                "SELECT id, topic, deliver_ts FROM m ORDER BY id"
+            ),
+            {"n": ready, "body": b'{"order_id": 42}'},
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+
+
+def _claim_buffers(conn: Connection, plan_cache_mode: str) -> int:
+    """Shared buffers one claim of BATCH jobs touches, run as the prepared statement psycopg
+    makes of it, with PostgreSQL's generic or custom plan forced; rolled back."""
+    statement = store.claim_statement(BATCH)
+    statement = statement.replace(":topic", "$1").replace(":lease_seconds", "$2")
+    with conn.begin() as transaction:
+        conn.exec_driver_sql(f"SET LOCAL plan_cache_mode = {plan_cache_mode}")
+        conn.exec_driver_sql(f"PREPARE claim_cost (text, int) AS {statement}")
+        plan = conn.exec_driver_sql(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE claim_cost('t.cost', 60)"
+        ).scalar_one()
+        transaction.rollback()
+    conn.exec_driver_sql("DEALLOCATE claim_cost")
+    top = (json.loads(plan) if isinstance(plan, str) else plan)[0]["Plan"]
+    assert top["Actual Rows"] == BATCH
+    assert "commit_log" not in _seq_scans(top), "a claim scans the whole commit log"
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["force_generic_plan", "force_custom_plan"])
+def test_a_claim_touches_the_same_buffers_with_20k_and_200k_finished_messages(
+    engine: Engine, plan_cache_mode: str
+) -> None:
+    """Whichever plan PostgreSQL picks for the prepared claim (a session switches to the
+    generic one when it looks no costlier), its cost does not grow with the history."""
+    _fill_history(engine, 20_000, 50 * BATCH)
+    with engine.connect() as conn:
+        small = _claim_buffers(conn, plan_cache_mode)
+    _fill_history(engine, 180_000, 0)
+    with engine.connect() as conn:
+        large = _claim_buffers(conn, plan_cache_mode)
+    assert small > BATCH
+    assert large <= small * 1.25, (small, large)
