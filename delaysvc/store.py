@@ -899,19 +899,26 @@ RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.
 
 
 def claim_statement(limit: int) -> str:
-    """The claim with its batch size written in, not a parameter: psycopg prepares a statement
-    run often, and PostgreSQL then may switch to its generic plan, which for `LIMIT $n` expects
-    a tenth of the queue and hashes all of commit_log on every claim (a claim then costs
-    O(history), not O(batch); tests/test_tick_cost.py checks both plans)."""
+    """The claim, with its batch size written in (its plan never guesses the LIMIT)."""
     return _CLAIM_READY.format(limit=int(limit))
 
 
 def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) -> list[Any]:
     """Take up to `limit` ready jobs of a topic in queue order and lease them: they are
-    `running` once the caller commits. Nothing is held open while they run."""
-    rows = conn.execute(
-        _sql(claim_statement(limit)), {"topic": topic, "lease_seconds": lease_seconds}
-    )
+    `running` once the caller commits. Nothing is held open while they run.
+
+    Never a prepared statement (psycopg prepares a statement run five times on a
+    connection, and PostgreSQL may then keep one plan for the session): the topic queue is
+    empty one minute and holds a backlog the next, and a plan made while it was nearly empty
+    (a nested loop re-running the locking subquery for every queued row) makes a claim
+    O(queue^2) until something invalidates it; consumers then stopped claiming for minutes
+    (docs/benchmarks/README.md, "Soak: 10M messages"). Planned afresh, a claim costs its
+    planning time (about a millisecond per claim of up to `consume_batch` jobs)."""
+    statement = _driver_sql(claim_statement(limit))
+    params = {"topic": topic, "lease_seconds": lease_seconds}
+    with driver_errors(conn, statement) as cursor:
+        cursor.row_factory = namedtuple_row
+        rows = cursor.execute(statement, params, prepare=False).fetchall()
     return sorted(rows, key=lambda row: row.seq)
 
 
