@@ -561,7 +561,7 @@ def move_due(
         "now": now,
         "bounds": list(LATENESS_BUCKETS_MS),
     }
-    row = conn.execute(_sql(statement), params).one()
+    (row,) = _unprepared(conn, statement, params)  # never prepared: see `_unprepared`
     return Moved(
         row.moved,
         row.max_offset,
@@ -882,12 +882,14 @@ def unique_violation(exc: IntegrityError, constraint: str) -> bool:
 # ---------------------------------------------------------------- consuming
 
 _CLAIM_READY = """
-WITH claimed AS (
-    DELETE FROM topic_queue WHERE message_id IN (
-        SELECT message_id FROM topic_queue WHERE topic = :topic
-        ORDER BY seq LIMIT {limit} FOR UPDATE SKIP LOCKED)
+WITH picked AS (
+    SELECT ctid FROM topic_queue WHERE topic = :topic
+    ORDER BY seq LIMIT {limit} FOR UPDATE SKIP LOCKED
+), claimed AS (
+    -- by the locked rows' ctids: a TID scan, whatever the planner thinks of the queue's size
+    DELETE FROM topic_queue q WHERE q.ctid = ANY(ARRAY(SELECT ctid FROM picked))
     AND NOT EXISTS (SELECT 1 FROM topic_state WHERE topic = :topic AND paused)
-    RETURNING message_id, seq
+    RETURNING q.message_id, q.seq
 )
 UPDATE commit_log c SET status = 'running', started_at = clock_timestamp(),
     attempts = c.attempts + 1,
@@ -896,6 +898,20 @@ FROM claimed WHERE c.id = claimed.message_id
 RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.attempts,
     c.deliver_ts, c.stored_at, c.started_at, claimed.seq
 """
+
+
+def _unprepared(conn: Connection, statement: str, params: dict[str, Any]) -> list[Any]:
+    """The rows of a queue statement, run on the connection's driver cursor and never
+    prepared, in the connection's transaction. psycopg prepares a statement a connection has
+    run five times, and PostgreSQL may then keep one plan for the session; the queues are
+    empty one minute and hold a backlog the next, and a plan made for an empty queue (sorts of
+    sequential scans, a nested loop re-running a subquery per row, a hash of all of commit_log)
+    stays until something invalidates it. Planned afresh, a statement follows the tables'
+    size; the planning costs about a millisecond per claim or move of up to a batch."""
+    sql = _driver_sql(statement)
+    with driver_errors(conn, sql) as cursor:
+        cursor.row_factory = namedtuple_row
+        return cursor.execute(sql, params, prepare=False).fetchall()
 
 
 def claim_statement(limit: int) -> str:
@@ -907,18 +923,12 @@ def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) ->
     """Take up to `limit` ready jobs of a topic in queue order and lease them: they are
     `running` once the caller commits. Nothing is held open while they run.
 
-    Never a prepared statement (psycopg prepares a statement run five times on a
-    connection, and PostgreSQL may then keep one plan for the session): the topic queue is
-    empty one minute and holds a backlog the next, and a plan made while it was nearly empty
-    (a nested loop re-running the locking subquery for every queued row) makes a claim
-    O(queue^2) until something invalidates it; consumers then stopped claiming for minutes
-    (docs/benchmarks/README.md, "Soak: 10M messages"). Planned afresh, a claim costs its
-    planning time (about a millisecond per claim of up to `consume_batch` jobs)."""
-    statement = _driver_sql(claim_statement(limit))
-    params = {"topic": topic, "lease_seconds": lease_seconds}
-    with driver_errors(conn, statement) as cursor:
-        cursor.row_factory = namedtuple_row
-        rows = cursor.execute(statement, params, prepare=False).fetchall()
+    Never prepared (`_unprepared`): a plan kept from a nearly empty topic queue re-ran the
+    locking subquery for every queued row, O(queue^2) per claim, and consumers stopped
+    claiming for minutes (docs/benchmarks/README.md, "Soak: 10M messages")."""
+    rows = _unprepared(
+        conn, claim_statement(limit), {"topic": topic, "lease_seconds": lease_seconds}
+    )
     return sorted(rows, key=lambda row: row.seq)
 
 

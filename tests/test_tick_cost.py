@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy import Connection, Engine, text
@@ -146,3 +147,60 @@ def test_a_claim_touches_the_same_buffers_with_20k_and_200k_finished_messages(
         large = _claim_buffers(conn, plan_cache_mode)
     assert small > BATCH
     assert large <= small * 1.25, (small, large)
+
+
+def _plan_after_growth(
+    engine: Engine, run: Callable[[Connection], object], grow: Callable[[], None]
+) -> str:
+    """The plan PostgreSQL used for `run` (auto_explain, sent to this client as notices) on a
+    connection that ran it twelve times while the queues were empty, after `grow` filled them
+    with no ANALYZE since: what a worker's pooled connection sees when a backlog arrives."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+    with engine.connect() as conn:
+        notices: list[str] = []
+        driver = conn.connection.driver_connection
+        driver.add_notice_handler(lambda notice: notices.append(notice.message_primary or ""))
+        for setting in (
+            "LOAD 'auto_explain'",
+            "SET auto_explain.log_min_duration = 0",
+            "SET auto_explain.log_level = 'notice'",
+        ):
+            conn.exec_driver_sql(setting)
+        conn.commit()
+        for _ in range(12):
+            with conn.begin():
+                run(conn)
+        grow()
+        notices.clear()
+        with conn.begin():
+            run(conn)
+    return "\n".join(notices)
+
+
+QUEUES = re.compile(r"Seq Scan on (commit_log|topic_queue|timer_queue|consume_queue_\d+)\b")
+
+
+@pytest.mark.parametrize("lane", [1, TIMER_LANE], ids=["level", "timer"])
+def test_a_move_is_planned_for_the_backlog_it_finds_not_for_the_empty_lane_it_began_with(
+    engine: Engine, lane: int
+) -> None:
+    plan = _plan_after_growth(
+        engine,
+        lambda conn: store.move_due(conn, lane, 1000, BATCH),
+        lambda: fill_lane(engine, lane, 50_000, "now() - interval '1 hour'", topic="t.cost"),
+    )
+    assert "Index Scan" in plan, plan
+    assert not QUEUES.findall(plan), plan
+
+
+def test_a_claim_is_planned_for_the_backlog_it_finds_not_for_the_empty_queue_it_began_with(
+    engine: Engine,
+) -> None:
+    plan = _plan_after_growth(
+        engine,
+        lambda conn: store.claim_ready(conn, "t.cost", BATCH, 60),
+        lambda: _fill_history(engine, 0, 20_000),
+    )
+    assert "Index Scan" in plan, plan
+    assert not QUEUES.findall(plan), plan
