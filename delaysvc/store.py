@@ -925,7 +925,8 @@ def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) ->
 
     Never prepared (`_unprepared`): a plan kept from a nearly empty topic queue re-ran the
     locking subquery for every queued row, O(queue^2) per claim, and consumers stopped
-    claiming for minutes (docs/benchmarks/README.md, "Soak: 10M messages")."""
+    claiming for minutes (docs/benchmarks/README.md, "Soak: 10M messages";
+    tests/test_tick_cost.py reproduces it)."""
     rows = _unprepared(
         conn, claim_statement(limit), {"topic": topic, "lease_seconds": lease_seconds}
     )

@@ -195,33 +195,3 @@ def test_purge_and_redrive_by_filter(producer, consumer, engine):
         assert store.dead_ids(conn, "d", "m1", 100) == [ids[1]]
         assert store.purge_dead(conn, [ids[0]]) == 1
         assert sorted(store.dead_ids(conn, "d", None, 100)) == ids[1:]
-
-
-def test_a_claim_stays_fast_when_the_queue_grows_from_empty_under_one_connection(engine):
-    """A consumer's connection claims from an empty queue many times (psycopg prepares a
-    statement from its fifth run, and PostgreSQL may then keep one plan for the session),
-    then 20,000 jobs arrive, with no ANALYZE since the queue was empty. A plan kept from the
-    empty queue re-ran the claim's locking subquery for every queued row: minutes per claim.
-    Planned afresh, a claim of 100 is well inside a 5 s statement timeout."""
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE topic_queue, commit_log"))
-    with engine.connect() as conn:
-        for _ in range(12):
-            with conn.begin():
-                assert store.claim_ready(conn, "t.grow", 100, 60) == []
-        with engine.begin() as filler:
-            filler.execute(
-                text(
-                    "WITH m AS (INSERT INTO commit_log (topic, body, body_is_json, lane, status,"
-                    " stored_at, deliver_ts, delivered_at) "
-                    "SELECT 't.grow', '\\x7b7d', true, -1, 'ready', now(), now(), now() "
-                    "FROM generate_series(1, 20000) RETURNING id, topic, deliver_ts) "
-                    "INSERT INTO topic_queue (message_id, topic, deliver_ts) "
-                    "SELECT id, topic, deliver_ts FROM m ORDER BY id"
-                )
-            )
-        with conn.begin():
-            conn.execute(text("SET LOCAL statement_timeout = '5s'"))
-            claimed = store.claim_ready(conn, "t.grow", 100, 60)
-    assert len(claimed) == 100
-    assert [row.seq for row in claimed] == sorted(row.seq for row in claimed)

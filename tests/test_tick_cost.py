@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from sqlalchemy import Connection, Engine, text
@@ -150,11 +151,13 @@ def test_a_claim_touches_the_same_buffers_with_20k_and_200k_finished_messages(
 
 
 def _plan_after_growth(
-    engine: Engine, run: Callable[[Connection], object], grow: Callable[[], None]
-) -> str:
-    """The plan PostgreSQL used for `run` (auto_explain, sent to this client as notices) on a
-    connection that ran it twelve times while the queues were empty, after `grow` filled them
-    with no ANALYZE since: what a worker's pooled connection sees when a backlog arrives."""
+    engine: Engine, run: Callable[[Connection], Any], grow: Callable[[], None]
+) -> tuple[str, Any]:
+    """(the plan PostgreSQL used, what `run` returned) for `run` on a connection that ran it
+    twelve times while the queues were empty, after `grow` filled them with no ANALYZE since:
+    what a worker's pooled connection sees when a backlog arrives. The plan comes from
+    auto_explain, sent to this client as notices; the last run has a 5 s statement timeout (a
+    plan kept from the empty queue took minutes)."""
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM ANALYZE"))
     with engine.connect() as conn:
@@ -174,8 +177,9 @@ def _plan_after_growth(
         grow()
         notices.clear()
         with conn.begin():
-            run(conn)
-    return "\n".join(notices)
+            conn.execute(text("SET LOCAL statement_timeout = '5s'"))
+            result = run(conn)
+    return "\n".join(notices), result
 
 
 QUEUES = re.compile(r"Seq Scan on (commit_log|topic_queue|timer_queue|consume_queue_\d+)\b")
@@ -185,7 +189,7 @@ QUEUES = re.compile(r"Seq Scan on (commit_log|topic_queue|timer_queue|consume_qu
 def test_a_move_is_planned_for_the_backlog_it_finds_not_for_the_empty_lane_it_began_with(
     engine: Engine, lane: int
 ) -> None:
-    plan = _plan_after_growth(
+    plan, _ = _plan_after_growth(
         engine,
         lambda conn: store.move_due(conn, lane, 1000, BATCH),
         lambda: fill_lane(engine, lane, 50_000, "now() - interval '1 hour'", topic="t.cost"),
@@ -197,10 +201,14 @@ def test_a_move_is_planned_for_the_backlog_it_finds_not_for_the_empty_lane_it_be
 def test_a_claim_is_planned_for_the_backlog_it_finds_not_for_the_empty_queue_it_began_with(
     engine: Engine,
 ) -> None:
-    plan = _plan_after_growth(
+    """The consumers' stall: a plan kept from the empty queue re-ran the claim's locking
+    subquery for every queued row and a claim ran past the 5 s timeout."""
+    plan, claimed = _plan_after_growth(
         engine,
         lambda conn: store.claim_ready(conn, "t.cost", BATCH, 60),
         lambda: _fill_history(engine, 0, 20_000),
     )
     assert "Index Scan" in plan, plan
     assert not QUEUES.findall(plan), plan
+    assert len(claimed) == BATCH
+    assert [row.seq for row in claimed] == sorted(row.seq for row in claimed)

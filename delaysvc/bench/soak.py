@@ -58,7 +58,7 @@ def soak_suite(ctx: BenchContext) -> Figures:
             args=(ctx.engine, workers, samples, stop, max(1.0, min(SAMPLE_SECONDS, seconds / 20))),
             daemon=True,
         )
-        drained, sent, sending_ended = False, 0, 0.0
+        drained, sent, sending_ended = False, 0, 0.0  # what the report says if sending failed
         _log_waits_and_slow_statements(ctx.engine)
         try:
             producer = Producer(ctx.settings, ctx.engine)
@@ -82,7 +82,7 @@ def soak_suite(ctx: BenchContext) -> Figures:
             stop.set()
             _stop(workers)
             peer.cleanup()
-            stalled = _stalls(samples, sending_ended if sent else 0.0)
+            stalled = _stalls(samples, sending_ended)
             if ctx.out is not None and (not drained or stalled):  # keep what the workers said
                 kept = ctx.out / "soak-worker-logs"
                 kept.mkdir(parents=True, exist_ok=True)
