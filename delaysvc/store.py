@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -263,12 +263,12 @@ _STAGE_TABLE = "delaysvc_send_stage"
 _STAGE_COLUMNS = (
     "ord, topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, deliver_at"
 )
-CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
+_CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
     ord int, topic text, key text, tags text[], body bytea, body_is_json boolean,
     properties jsonb, delay_level smallint, lane smallint, delay_ms bigint,
     deliver_at timestamptz
 ) ON COMMIT DELETE ROWS"""
-COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
+_COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
 INSERT_STAGED = f"""
 WITH staged AS (
     DELETE FROM {_STAGE_TABLE} RETURNING *
@@ -290,6 +290,15 @@ WITH staged AS (
 ){_ENQUEUE_FROM.format(src="msg")}
 SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id = m.id
 """
+
+
+def stage_rows(cursor: Cursor[Any], rows: Iterable[tuple[Any, ...]]) -> None:
+    """COPY `stage_row`s into the session's staging table (made if it is missing), for
+    INSERT_STAGED to store, in the cursor's transaction."""
+    cursor.execute(_CREATE_STAGE)
+    with cursor.copy(_COPY_STAGE) as copy:
+        for row in rows:
+            copy.write_row(row)
 
 
 def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
@@ -317,11 +326,8 @@ def insert_messages(
     deliver_ts` and `origin` is the item's index; a key taken earlier in the batch gives that
     item's row and index with created=False; a key held by an unfinished message already gives
     that message's whole row, created=False and origin None."""
-    with driver_errors(conn, COPY_STAGE) as cursor:
-        cursor.execute(CREATE_STAGE)
-        with cursor.copy(COPY_STAGE) as copy:
-            for ord_, message in enumerate(messages):
-                copy.write_row(stage_row(ord_, message))
+    with driver_errors(conn, _COPY_STAGE) as cursor:
+        stage_rows(cursor, (stage_row(ord_, message) for ord_, message in enumerate(messages)))
     created: list[Any] = [None] * len(messages)
     for row in conn.execute(_sql(INSERT_STAGED)):
         created[row.ord] = row

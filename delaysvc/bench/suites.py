@@ -153,10 +153,7 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
     with psycopg.connect(url) as conn, conn.cursor() as cursor:
         started = time.perf_counter()
         for done in range(0, rows, 1000):
-            cursor.execute(store.CREATE_STAGE)
-            with cursor.copy(store.COPY_STAGE) as copy:
-                for row in staged:
-                    copy.write_row(row)
+            store.stage_rows(cursor, staged)
             cursor.execute(store.INSERT_STAGED)
             cursor.fetchall()
             conn.commit()
