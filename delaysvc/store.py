@@ -489,11 +489,12 @@ _MOVED_TO_TOPIC = f"""
 )
 SELECT count(*) AS moved, max(queue_offset) AS max_offset,
        array_agg(DISTINCT topic) AS topics,
-       max(extract(epoch FROM ({NOW} - deliver_ts)) * 1000) AS max_lateness_ms,
-       (SELECT extract(epoch FROM deliver_ts - clock_timestamp()) FROM next_head)
+       max(date_part('epoch', {NOW} - deliver_ts) * 1000) AS max_lateness_ms,
+       (SELECT date_part('epoch', deliver_ts - clock_timestamp()) FROM next_head)
            AS next_due_seconds,
        (SELECT json_object_agg(bucket, n) FROM (
-            SELECT width_bucket(extract(epoch FROM clock_timestamp() - deliver_ts) * 1000,
+            -- date_part, not extract: a float8, not a numeric (which costs 4x per row)
+            SELECT width_bucket(date_part('epoch', clock_timestamp() - deliver_ts) * 1000,
                                 CAST(:bounds AS float8[])) AS bucket, count(*) AS n
             FROM moved GROUP BY 1) b) AS lateness_buckets
 FROM moved
@@ -503,21 +504,19 @@ _MOVE_DUE_LEVEL = f"""
 WITH head AS (
     SELECT queue_offset, deliver_ts FROM consume_queue
     WHERE level = :lane ORDER BY queue_offset LIMIT :batch
-), flagged AS (
-    -- the longest due prefix of the head, so topic order stays send order; a head more than
-    -- one level-delay in the future means the clock went back: deliver it now (RocketMQ's
-    -- correctDeliverTimestamp)
-    SELECT queue_offset, deliver_ts, bool_and(deliver_ts <= {NOW}
-            OR deliver_ts > {NOW} + :delay_ms * interval '1 millisecond')
-        OVER (ORDER BY queue_offset) AS in_prefix
-    FROM head
 ), next_head AS (
-    SELECT deliver_ts FROM flagged WHERE NOT in_prefix ORDER BY queue_offset LIMIT 1
+    -- the head's first row not yet due: the move stops before it, so topic order stays send
+    -- order. A row more than one level-delay in the future means the clock went back: it is
+    -- delivered now (RocketMQ's correctDeliverTimestamp)
+    SELECT queue_offset, deliver_ts FROM head
+    WHERE deliver_ts > {NOW} AND deliver_ts <= {NOW} + :delay_ms * interval '1 millisecond'
+    ORDER BY queue_offset LIMIT 1
 ), locked AS (
-    -- the due prefix is the head up to its last due offset: one range scan of the index
+    -- the due prefix of the head: one range scan of the index
     SELECT ctid FROM consume_queue
     WHERE level = :lane
-      AND queue_offset <= (SELECT max(queue_offset) FROM flagged WHERE in_prefix)
+      AND queue_offset <= (SELECT max(queue_offset) FROM head
+                           WHERE queue_offset < ALL (SELECT queue_offset FROM next_head))
     ORDER BY queue_offset
     FOR UPDATE SKIP LOCKED
 ), moved AS (

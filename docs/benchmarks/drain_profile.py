@@ -1,0 +1,81 @@
+"""Where a drain's time goes: the delivery move of a due level backlog, whole and with parts of
+its statement left out, against the raw move (two plain tables) on the same server.
+
+Run from the repository root: python docs/benchmarks/drain_profile.py [SERVER_URL] [ROWS]
+(default postgresql://root@127.0.0.1:5432/postgres, 200000); it works in a database of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from scratch import scratch_database
+from sqlalchemy import Engine, text
+
+from delaysvc import store
+from delaysvc.bench import raw
+from delaysvc.bench.progress import Progress
+from delaysvc.bench.scale import fill_lane
+from delaysvc.db import libpq_url
+from delaysvc.store import LATENESS_BUCKETS_MS
+
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+ROWS = int(sys.argv[2]) if len(sys.argv) > 2 else 200_000
+DATABASE = "delaysvc_drain_profile"
+BATCH = 1000
+
+_MARKED_AT = store._MOVE_DUE_LEVEL.index(", marked AS (")
+MARKED = store._MOVE_DUE_LEVEL[_MARKED_AT : store._MOVE_DUE_LEVEL.index(", advanced AS (")]
+NO_MARK = store._MOVE_DUE_LEVEL.replace(MARKED, "")
+# the move's figures cut to the count and the offset (no topics, lateness, next head)
+BARE = NO_MARK[: NO_MARK.index("SELECT count(*) AS moved")] + (
+    "SELECT count(*) AS moved, max(queue_offset) AS max_offset FROM moved"
+)
+VARIANTS = {
+    "service move": (store._MOVE_DUE_LEVEL, ""),
+    "no commit_log update": (NO_MARK, ""),
+    "no commit_log update, bare figures": (BARE, ""),
+    "and no topic_queue (topic, seq) index": (BARE, "DROP INDEX ix_topic_queue_topic_seq"),
+}
+
+
+def drain(engine: Engine, statement: str, before: str) -> float:
+    if before:
+        with engine.begin() as conn:
+            conn.execute(text(before))
+    fill_lane(engine, 1, ROWS, "now() - interval '1 hour'")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+    params = {"lane": 1, "delay_ms": 1000, "batch": BATCH, "now": None}
+    if "bounds" in statement:
+        params["bounds"] = list(LATENESS_BUCKETS_MS)
+    moved, started = 0, time.perf_counter()
+    with engine.connect() as conn:
+        while True:
+            with conn.begin():
+                store.lock_lane(conn, 1)
+                (row,) = store._unprepared(conn, statement, params)
+            if not row.moved:
+                break
+            moved += row.moved
+    rate = moved / (time.perf_counter() - started)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE commit_log, topic_queue, consume_queue"))
+    return rate
+
+
+def main() -> None:
+    with scratch_database(SERVER, DATABASE, delay_levels="1s 2s") as (engine, settings):
+        url = libpq_url(settings.database_url)
+        raw_rate = raw.move_rows(url, ROWS, BATCH, Progress("raw move", ROWS))
+        print(f"raw move: {raw_rate:,.0f} rows/s")
+        for name, (statement, before) in VARIANTS.items():
+            rate = drain(engine, statement, before)
+            print(f"{name}: {rate:,.0f} rows/s = {rate / raw_rate:.0%} of raw")
+
+
+if __name__ == "__main__":
+    main()
