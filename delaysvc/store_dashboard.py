@@ -228,10 +228,15 @@ class MessagePage:
     """Cursor for the previous (newer) page: pass as `after`; None on the newest page."""
 
 
+# read through store.MESSAGE_STATE: a moved message's commit_log row is as it was
 _SEARCH_COLUMNS = (
-    "id, topic, key, status, delay_level, lane, stored_at, deliver_ts, delivered_at, "
-    "started_at, finished_at, attempts, last_error"
+    f"c.id, c.topic, c.key, {store.STATUS} AS status, c.delay_level, {store.LANE} AS lane, "
+    f"c.stored_at, c.deliver_ts, {store.DELIVERED_AT} AS delivered_at, "
+    "c.started_at, c.finished_at, c.attempts, c.last_error"
 )
+
+
+_MAYBE_MOVED = ("scheduled", "retrying", "ready")
 
 
 def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str, Any]]:
@@ -239,14 +244,18 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
     `:x IS NULL OR ...`), so the planner walks the primary key from the cursor."""
     where, params = [], {"limit": limit}
     fields = [
-        ("id", "id = :id"),
-        ("topic", "topic = :topic"),
-        ("key", "key = :key"),
-        ("status", "status = :status"),
-        ("stored_from", "stored_at >= :stored_from"),
-        ("stored_to", "stored_at < :stored_to"),
-        ("before", "id < :before"),
-        ("after", "id > :after"),
+        ("id", "c.id = :id"),
+        ("topic", "c.topic = :topic"),
+        ("key", "c.key = :key"),
+        # only a waiting or ready status may be a moved message's (store.MESSAGE_STATE)
+        (
+            "status",
+            f"{store.STATUS} = :status" if search.status in _MAYBE_MOVED else "c.status = :status",
+        ),
+        ("stored_from", "c.stored_at >= :stored_from"),
+        ("stored_to", "c.stored_at < :stored_to"),
+        ("before", "c.id < :before"),
+        ("after", "c.id > :after"),
     ]
     for name, condition in fields:
         value = getattr(search, name)
@@ -255,7 +264,7 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
             params[name] = value
     order = "ASC" if search.after is not None and search.before is None else "DESC"
     clause = f"WHERE {' AND '.join(where)} " if where else ""
-    sql = f"SELECT {_SEARCH_COLUMNS} FROM commit_log {clause}ORDER BY id {order} LIMIT :limit"
+    sql = f"SELECT {_SEARCH_COLUMNS} FROM commit_log c {clause}ORDER BY c.id {order} LIMIT :limit"
     return sql, params
 
 

@@ -617,7 +617,8 @@ def test_search_messages_keyset_cursors(engine: Engine, producer: Producer) -> N
 
 def test_keyset_page_walks_the_primary_key_backwards(engine: Engine, producer: Producer) -> None:
     """The plan of a page at any depth: a LIMIT over a backward scan of commit_log's primary
-    key starting at the cursor; no sort and no count, so page cost does not grow with the table."""
+    key starting at the cursor (a moved message's state probes the topic queue's); no sort
+    and no count, so page cost does not grow with the table."""
     for _ in range(2):
         producer.send_batch([{"topic": "dash.bulk", "body": {"n": n}} for n in range(10_000)])
     with engine.begin() as conn:

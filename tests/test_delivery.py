@@ -45,6 +45,56 @@ def test_a_level_message_is_not_delivered_before_its_time_and_is_after(producer,
     assert stored.delivered_at is not None
 
 
+def test_a_move_writes_the_topic_queue_not_the_commit_log_and_the_claim_writes_it_down(
+    producer, engine
+):
+    """The commit log is written once per delivery, by the claim: between the move and the
+    claim, readers see the message as ready, delivered when it entered the topic queue."""
+    from delaysvc import store_dashboard
+
+    first, second = (producer.send("t.moved", i, delay_level=2) for i in range(2))
+
+    def raw_row(message_id):
+        with engine.connect() as conn:
+            return conn.execute(
+                text("SELECT xmin, status, lane, delivered_at FROM commit_log WHERE id = :id"),
+                {"id": message_id},
+            ).one()
+
+    before = raw_row(first.id)
+    assert tick(engine, 2, second.deliver_at).moved == 2
+    assert raw_row(first.id) == before  # not a single write
+    with engine.connect() as conn:
+        entered = conn.execute(
+            text("SELECT enqueued_at FROM topic_queue WHERE message_id = :id"), {"id": first.id}
+        ).scalar_one()
+        found = store_dashboard.search_messages(
+            conn, store_dashboard.MessageSearch(topic="t.moved", status="ready")
+        )
+        waiting = store_dashboard.search_messages(
+            conn, store_dashboard.MessageSearch(topic="t.moved", status="scheduled")
+        )
+        seen = store.get_message(conn, first.id)
+    assert (seen.status, seen.lane, seen.queue_offset, seen.delivered_at) == (
+        "ready",
+        -1,
+        None,
+        entered,
+    )
+    assert producer.get(first.id).status == "ready"
+    assert sorted(row.id for row in found.rows) == [first.id, second.id]
+    assert [row.status for row in found.rows] == ["ready", "ready"]
+    assert waiting.rows == []
+
+    with engine.begin() as conn:
+        [claimed] = store.claim_ready(conn, "t.moved", 1, lease_seconds=60)
+    assert claimed.id == first.id
+    after = raw_row(first.id)
+    assert (after.status, after.lane, after.delivered_at) == ("running", -1, entered)
+    assert producer.cancel(second.id).status == "cancelled"  # out of the topic queue
+    assert topic_queue(engine) == []
+
+
 def test_order_within_a_level_is_send_order_and_offset_advances(producer, engine):
     sent = [producer.send("t", i, delay_level=1).id for i in range(25)]
     now = db_now(engine) + timedelta(seconds=2)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
+from delaysvc import store
 from delaysvc.settings import Settings
 from delaysvc.up import beat_command, web_command, worker_commands
 from tests.conftest import ROOT, TEST_LEVELS
@@ -133,8 +134,9 @@ class Service:
 
     def count_status(self, status: str, topic: str | None = None) -> int:
         return self.scalar(
-            "SELECT count(*) FROM commit_log WHERE status = :status "
-            "AND (CAST(:topic AS text) IS NULL OR topic = :topic)",
+            # the state as readers see it: a moved message's commit_log row is as it was
+            f"SELECT count(*) FROM commit_log c WHERE {store.STATUS} = :status "
+            "AND (CAST(:topic AS text) IS NULL OR c.topic = :topic)",
             status=status,
             topic=topic,
         )
