@@ -504,7 +504,8 @@ _MOVED_TO_TOPIC = f"""
     WHERE lane = :lane AND EXISTS (SELECT 1 FROM moved)
 )
 SELECT count(*) AS moved, max(queue_offset) AS max_offset,
-       array_agg(DISTINCT topic) AS topics,
+       -- hashed, not sorted: a sort of the batch's topic names compares them by the locale
+       (SELECT array_agg(topic) FROM (SELECT DISTINCT topic FROM moved) d) AS topics,
        max(date_part('epoch', {NOW} - deliver_ts) * 1000) AS max_lateness_ms,
        (SELECT date_part('epoch', deliver_ts - clock_timestamp()) FROM next_head)
            AS next_due_seconds,
@@ -528,11 +529,12 @@ WITH head AS (
     WHERE deliver_ts > {NOW} AND deliver_ts <= {NOW} + :delay_ms * interval '1 millisecond'
     ORDER BY queue_offset LIMIT 1
 ), locked AS (
-    -- the due prefix of the head: one range scan of the index
+    -- the due prefix of the head (up to the row before next_head, else all of it): one range
+    -- scan of the index
     SELECT ctid FROM consume_queue
     WHERE level = :lane
-      AND queue_offset <= (SELECT max(queue_offset) FROM head
-                           WHERE queue_offset < ALL (SELECT queue_offset FROM next_head))
+      AND queue_offset <= COALESCE((SELECT queue_offset - 1 FROM next_head),
+                                   (SELECT max(queue_offset) FROM head))
     ORDER BY queue_offset
     FOR UPDATE SKIP LOCKED
 ), moved AS (
