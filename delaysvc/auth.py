@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
 from typing import Any
 
+from cachetools import TTLCache
 from sqlalchemy import Engine
 from werkzeug.security import check_password_hash, generate_password_hash
 
@@ -17,6 +19,14 @@ ROLES = ("admin", "viewer")
 TOKEN_PREFIX = "dsvc_"
 MAX_FAILED_LOGINS = 5
 LOCKOUT_SECONDS = 300
+
+# A live token, once found, is trusted for TOKEN_CACHE_SECONDS without asking the database
+# again: an HTTP send is then one statement, not two transactions. A token revoked by another
+# process (`delaysvc revoke-token`) stops working on a web worker within that time; revoked in
+# this process, at once. Unknown tokens are never cached, so made-up ones cannot fill it.
+TOKEN_CACHE_SECONDS = 5
+_live_tokens: TTLCache[tuple[str, str], Any] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
+_live_tokens_lock = threading.Lock()
 
 
 def _hash_token(token: str) -> str:
@@ -37,15 +47,28 @@ def create_token(engine: Engine, name: str, scope: str = "send") -> str:
 
 def authenticate_token(engine: Engine, token: str) -> Any:
     """-> the token row (name, scope) or None. Looked up by its SHA-256: an attacker cannot
-    steer the hash, so the lookup leaks nothing about stored tokens through timing."""
+    steer the hash, so the lookup leaks nothing about stored tokens through timing. Live
+    tokens are remembered for TOKEN_CACHE_SECONDS."""
+    key = (str(engine.url), _hash_token(token))
+    with _live_tokens_lock:
+        found = _live_tokens.get(key)
+    if found is not None:
+        return found
     with engine.connect() as conn:
-        return store.find_token(conn, _hash_token(token))
+        found = store.find_token(conn, key[1])
+    if found is not None:
+        with _live_tokens_lock:
+            _live_tokens[key] = found
+    return found
 
 
 def revoke_token(engine: Engine, name: str) -> bool:
     """Revoke the live tokens named `name`. -> whether there was one."""
     with engine.begin() as conn:
-        return store.revoke_token(conn, name)
+        revoked = store.revoke_token(conn, name)
+    with _live_tokens_lock:
+        _live_tokens.clear()
+    return revoked
 
 
 def create_user(engine: Engine, name: str, password: str, role: str = "viewer") -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +12,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
-from delaysvc import auth
+from delaysvc import auth, store
 from delaysvc.consumption import Consumer, handler
 from delaysvc.settings import Settings
 from web import create_app
@@ -153,6 +154,25 @@ def test_auth_no_token_401_revoked_401_wrong_scope_403(
         401,
         "unauthorized",
     )
+
+
+def test_a_token_revoked_elsewhere_stops_working_once_its_cache_entry_expires(
+    client: FlaskClient,
+    send_token: dict[str, str],
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another process (the CLI) revoking a token: a web worker that has seen it keeps it for
+    the cache's time, then asks the database again."""
+    from cachetools import TTLCache
+
+    monkeypatch.setattr(auth, "_live_tokens", TTLCache(maxsize=16, ttl=0.5))
+    assert client.get("/api/v1/levels", headers=send_token).status_code == 200
+    with engine.begin() as conn:  # as `delaysvc revoke-token` in another process would
+        assert store.revoke_token(conn, "shop")
+    assert client.get("/api/v1/levels", headers=send_token).status_code == 200  # cached
+    time.sleep(0.6)
+    _error(client.get("/api/v1/levels", headers=send_token), 401, "unauthorized")
 
 
 def test_levels_and_topics(

@@ -5,7 +5,8 @@
   same batches through the batch's database statements alone (no Python of ours).
 - delivery: drain a due backlog through `delivery.run_once` (raw: moving rows between two plain
   tables in batches of the same size); a steady flow at a fixed rate for a while, delivered by
-  `LaneRunner`s (what the Celery delivery task runs), reporting lateness = delivered_at -
+  `LaneRunner`s (what the Celery delivery task runs), reporting lateness = delivered_at (when
+  it entered the topic queue: `store.DELIVERED_AT`) -
   deliver_ts (both on the database clock).
 - consume: a ready backlog of a no-op handler's jobs run by consumer processes calling
   `Consumer.run_once` (what each Celery consume task runs): jobs/s through claim -> run ->
@@ -240,7 +241,7 @@ def steady_flow(
     sent = _produce_at_rate(producer, rate, seconds, figures, engine)
     # let the last messages fall due and be delivered
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _count(engine, "delivered_at IS NULL") > 0:
+    while time.monotonic() < deadline and _count(engine, f"{store.DELIVERED_AT} IS NULL") > 0:
         time.sleep(0.2)
     if consumers:
         while time.monotonic() < deadline + 20 and _count(engine, "started_at IS NULL") > 0:
@@ -249,7 +250,7 @@ def steady_flow(
     for thread in threads:
         thread.join()
     _stop_consumers(workers)
-    lateness = _lateness(engine, "delivered_at")
+    lateness = _lateness(engine, store.DELIVERED_AT)  # a moved row is as it was
     figures.samples["lateness_ms"] = lateness
     figures.results["flow"] = {
         "rate_per_s": rate,
@@ -307,15 +308,16 @@ def _pending(engine: Engine) -> int:
 def _count(engine: Engine, condition: str) -> int:
     with engine.connect() as conn:
         return conn.execute(
-            text(f"SELECT count(*) FROM commit_log WHERE {condition} AND status <> 'cancelled'")
+            text(f"SELECT count(*) FROM commit_log c WHERE {condition} AND status <> 'cancelled'")
         ).scalar_one()
 
 
 def _lateness(engine: Engine, column: str) -> list[float]:
+    """`column` (an expression over commit_log c) - deliver_ts, ms, where it is set."""
     with engine.connect() as conn:
         rows = conn.execute(
             text(
-                f"SELECT extract(epoch FROM {column} - deliver_ts) * 1000 FROM commit_log "
+                f"SELECT date_part('epoch', {column} - deliver_ts) * 1000 FROM commit_log c "
                 f"WHERE {column} IS NOT NULL"
             )
         )
