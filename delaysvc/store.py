@@ -73,18 +73,19 @@ MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay
 # path (a third of a drain's time: docs/benchmarks/drain_profile.py). Whoever reads a
 # message's state reads it through MESSAGE_STATE: in the topic queue, it is ready, delivered when
 # it entered the queue.
+WAITING = "c.status IN ('scheduled', 'retrying')"
 IN_TOPIC_QUEUE = "EXISTS (SELECT 1 FROM topic_queue tq WHERE tq.message_id = c.id)"
-MOVED = f"c.status IN ('scheduled', 'retrying') AND {IN_TOPIC_QUEUE}"
+MOVED = f"{WAITING} AND {IN_TOPIC_QUEUE}"
 STATUS = f"CASE WHEN {MOVED} THEN 'ready' ELSE c.status END"
 LANE = f"CASE WHEN {MOVED} THEN -1 ELSE c.lane END"
-DELIVERED_AT = """COALESCE((SELECT tq.enqueued_at FROM topic_queue tq
-    WHERE tq.message_id = c.id AND c.status IN ('scheduled', 'retrying')), c.delivered_at)"""
+DELIVERED_AT = f"""COALESCE((SELECT tq.enqueued_at FROM topic_queue tq
+    WHERE tq.message_id = c.id AND {WAITING}), c.delivered_at)"""
 MESSAGE_STATE = f"""c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties,
     c.delay_level, {LANE} AS lane, CASE WHEN {MOVED} THEN NULL ELSE c.queue_offset END
     AS queue_offset, {STATUS} AS status, c.stored_at, c.deliver_ts,
     {DELIVERED_AT} AS delivered_at,
     c.started_at, c.finished_at, c.attempts, c.duration_ms, c.last_error, c.errors"""
-NOT_MOVED = "NOT EXISTS (SELECT 1 FROM topic_queue tq WHERE tq.message_id = c.id)"
+NOT_MOVED = f"NOT {IN_TOPIC_QUEUE}"
 
 
 @dataclass(frozen=True)
@@ -785,7 +786,7 @@ def topic_pending(conn: Connection, topic: str, up_to: int) -> int:
     return conn.execute(
         text(
             "SELECT count(*) FROM (SELECT 1 FROM commit_log c WHERE c.topic = :topic "
-            f"AND c.status IN ('scheduled', 'retrying') AND {NOT_MOVED} LIMIT :up_to) w"
+            f"AND {WAITING} AND {NOT_MOVED} LIMIT :up_to) w"
         ),
         {"topic": topic, "up_to": up_to},
     ).scalar_one()
@@ -806,7 +807,7 @@ def oldest_waiting_of_topic(conn: Connection, topic: str, count: int) -> list[in
     rows = conn.execute(
         text(
             "SELECT c.id FROM commit_log c WHERE c.topic = :topic "
-            f"AND c.status IN ('scheduled', 'retrying') AND {NOT_MOVED} "
+            f"AND {WAITING} AND {NOT_MOVED} "
             "ORDER BY c.deliver_ts LIMIT :count"
         ),
         {"topic": topic, "count": count},
