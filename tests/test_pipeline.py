@@ -497,6 +497,33 @@ def test_bulk_schedule_writes_many_rows_in_parallel_partitions_once(
     assert (saved["rows"], saved["format"]) == (30_000, fmt)
 
 
+def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_transaction(
+    producer: Producer, engine: Engine
+) -> None:
+    """The plain insert a task tries first fails on a held key (or a key twice in the batch);
+    the batch is then stored by the skipping insert, from the same staging rows, and the
+    caller's transaction goes on."""
+
+    def lines(*keys: str | None) -> str:
+        return "".join(
+            bulk.message_line(producer.prepare(topic="bulk.k", body={"k": k}, delay="1s", key=k))
+            for k in keys
+        )
+
+    with engine.begin() as conn:
+        assert pipeline_store.insert_copy_text(conn, lines("a", "b"), keys_may_be_held=False) == 2
+    with engine.begin() as conn:
+        held = lines("b", "c", None, "d", "d")
+        assert pipeline_store.insert_copy_text(conn, held, keys_may_be_held=False) == 3
+        conn.execute(text("INSERT INTO topic_state (topic) VALUES ('bulk.k')"))  # still usable
+    with engine.connect() as conn:
+        keys = conn.execute(text("SELECT key FROM commit_log ORDER BY id")).scalars().all()
+        lane_rows = conn.execute(text("SELECT count(*) FROM consume_queue")).scalar_one()
+        paused = conn.execute(text("SELECT count(*) FROM topic_state")).scalar_one()
+    assert sorted(k or "" for k in keys) == ["", "a", "b", "c", "d"]
+    assert (lane_rows, paused) == (5, 1)
+
+
 # ---------------------------------------------------------------- CLI
 
 

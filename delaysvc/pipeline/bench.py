@@ -29,11 +29,13 @@ from typing import Any
 import psycopg
 
 from delaysvc.db import database_url, libpq_url
+from delaysvc.levels import DelayLevels
 from delaysvc.pipeline import bulk, store
+from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
-DELAYS = ("5m", "30m", "1h")  # no default level: the timer lane
+DELAYS = ("5m", "30m", "1h")  # levels 9, 16 and 17 of the default levels
 DELAYS_MS = (300_000, 1_800_000, 3_600_000)
 FORMATS = ("csv", "parquet")
 TOPIC = "bulk.bench"
@@ -70,7 +72,7 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
     (COPY into the staging table + the set-based insert), `sessions` at once, rolled back."""
     url = libpq_url(database_url(settings))
     share = rows // sessions
-    texts = [copy_text(f"ceiling-{s}", share) for s in range(sessions)]
+    texts = [copy_text(f"ceiling-{s}", share, settings.levels) for s in range(sessions)]
     ready = threading.Barrier(sessions + 1)
     errors: list[BaseException] = []
 
@@ -81,7 +83,7 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
                 cur.execute(store._STAGE)
                 with cur.copy(f"COPY pipeline_bulk_stage ({store.COPY_COLUMNS}) FROM STDIN") as c:
                     c.write(text)
-                cur.execute(store._INSERT_STAGED)
+                cur.execute(store.INSERT_STAGED_NEW)
                 ready.wait()
                 conn.rollback()
         except BaseException as exc:
@@ -102,16 +104,24 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
     if errors:
         raise errors[0]
     with psycopg.connect(url, autocommit=True) as conn:  # the rolled-back rows' dead tuples
-        conn.execute("VACUUM commit_log, timer_queue")
+        conn.execute("VACUUM commit_log, consume_queue, timer_queue")
     return share * sessions / seconds
 
 
-def copy_text(prefix: str, rows: int) -> str:
-    """The bench's rows as the fast path writes them (store.COPY_COLUMNS)."""
-    line = "{topic}\t{prefix}-{n}\t\\N\t\\N\t\\N\t0\t{ms}\t\\N\tt\t\\\\x{body}\n"
+def copy_text(prefix: str, rows: int, levels: DelayLevels) -> str:
+    """The bench's rows as the fast path writes them (store.COPY_COLUMNS): a delay equal to a
+    level's goes to that level's lane, any other to the timer lane, as the producer does."""
+    line = "{topic}\t{prefix}-{n}\t\\N\t\\N\t{level}\t{lane}\t{ms}\t\\N\tt\t\\\\x{body}\n"
+    lanes = [levels.level_for_delay_ms(ms) for ms in DELAYS_MS]
     return "".join(
         line.format(
-            topic=TOPIC, prefix=prefix, n=n, ms=DELAYS_MS[n % 3], body=f'{{"n":{n}}}'.encode().hex()
+            topic=TOPIC,
+            prefix=prefix,
+            n=n,
+            level=lanes[n % 3] or "\\N",
+            lane=lanes[n % 3] or TIMER_LANE,
+            ms=DELAYS_MS[n % 3],
+            body=f'{{"n":{n}}}'.encode().hex(),
         )
         for n in range(rows)
     )

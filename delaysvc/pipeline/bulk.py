@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -211,7 +212,7 @@ def store_fast(batches: Iterable[Any], settings: Settings) -> Iterator[Any]:
 
     def flush() -> None:
         nonlocal created, duplicates
-        new, repeated, refused = _store_batch(engine, settings, lines, ids)
+        new, repeated, refused = _store_batch(engine, settings, lines, ids, duplicates > 0)
         created += new
         duplicates += repeated
         report.extend(refused)
@@ -279,7 +280,7 @@ def store_partition(
                     lines.append(line)
                     ids.append(rid)
             if lines:
-                new, repeated, refused = _store_batch(engine, settings, lines, ids)
+                new, repeated, refused = _store_batch(engine, settings, lines, ids, duplicates > 0)
                 created += new
                 duplicates += repeated
                 yield from refused
@@ -348,11 +349,12 @@ def _number(value: int | None) -> str:
 
 
 def _store_batch(
-    engine: Any, settings: Settings, lines: list[str], ids: list[int]
+    engine: Any, settings: Settings, lines: list[str], ids: list[int], keys_may_be_held: bool
 ) -> tuple[int, int, list[tuple[str, int, None, str]]]:
     """Store the rows `ids` as COPY text `lines` in one transaction; the backlog caps apply
     as they do to the producer's sends. -> (how many were created, how many were duplicates
-    of a held key, a REJECT report per row refused by a cap)."""
+    of a held key, a REJECT report per row refused by a cap). A task whose batches have met
+    no held key yet tries the plain insert first (`store.insert_copy_text`)."""
     from delaysvc import caps
 
     placed = []
@@ -364,7 +366,9 @@ def _store_batch(
         with engine.begin() as conn:
             if settings.caps:
                 caps.before_insert(conn, settings.caps, placed)
-            created = store.insert_copy_text(conn, "".join(lines))
+            created = store.insert_copy_text(
+                conn, "".join(lines), keys_may_be_held=keys_may_be_held
+            )
             if settings.caps:
                 caps.after_insert(conn, settings.caps, placed)
     except BacklogFull as exc:
@@ -394,10 +398,11 @@ def _text(value: Any) -> str | None:
 
 
 def write_rejects(
-    spark: Any, rejected: list[tuple[str, str]], columns: list[str], fmt: str, path: Path
+    rejected: list[tuple[str, str]], columns: list[str], fmt: str, path: Path
 ) -> None:
     """The refused rows with a `reason` column, in the input's format family: CSV -> CSV,
-    JSON Lines -> JSON Lines, Parquet -> a Parquet folder (every column as text)."""
+    JSON Lines -> JSON Lines, Parquet -> a Parquet folder (every column as text). Written by
+    the driver, which holds them (no Spark job: a run without rejects costs nothing here)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "jsonl":
         with path.open("w") as f:
@@ -412,9 +417,15 @@ def write_rejects(
             writer.writeheader()
             writer.writerows(records)
         return
-    schema = ", ".join(f"`{n}` string" for n in names)
-    rows = [tuple(r.get(n) for n in names) for r in records]
-    spark.createDataFrame(rows, schema).coalesce(1).write.mode("overwrite").parquet(str(path))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.is_dir():
+        shutil.rmtree(path)
+    path.unlink(missing_ok=True)
+    path.mkdir()
+    table = pa.table({n: pa.array([r.get(n) for r in records], pa.string()) for n in names})
+    pq.write_table(table, path / "part-00000.parquet")
 
 
 def _jsonl_reject(raw: str, reason: str) -> dict[str, Any]:
@@ -480,7 +491,7 @@ def run(
     duplicates = sum(b for tag, _, b, _ in report if tag == COUNTS)
     reasons = {rid: reason for tag, rid, _, reason in report if tag == REJECT}
     refused = _refused_rows(spark, frame, reasons, fmt)
-    write_rejects(spark, refused, columns, fmt, rejects)
+    write_rejects(refused, columns, fmt, rejects)
     read = written + duplicates + len(refused)
     log.info("bulk.done", extra={"read": read, "written": written, "rejected": len(refused)})
     return BulkResult(read, written, duplicates, len(refused), time.monotonic() - started, rejects)

@@ -4,8 +4,8 @@ the service's tables when nothing else runs, measured with the pipeline's own st
     python docs/benchmarks/pipeline_insert_ceiling.py postgresql://root@127.0.0.1:5432/SCRATCH
 
 The database must be migrated (`delaysvc migrate`). Prints rows/s of (1) COPY into the staging
-table alone, (2) the set-based insert (`pipeline.store._INSERT_STAGED`: commit_log + its
-indexes + the timer lane) in one session, (3) the same in two sessions at once (as
+table alone, (2) the set-based insert (`pipeline.store.INSERT_STAGED_NEW`: commit_log + its
+indexes + the level lanes) in one session, (3) the same in two sessions at once (as
 `local[2]` writes). (2) and (3) are `delaysvc.pipeline.bench.insert_ceiling`, which
 `delaysvc pipeline bench` runs before every bench (rolled back: nothing stays behind).
 """
@@ -25,9 +25,10 @@ from delaysvc.settings import Settings
 ROWS = 200_000
 
 
-def copy_only(url: str, rows: int) -> float:
+def copy_only(settings: Settings, rows: int) -> float:
     """-> rows/s of COPY into the staging table alone, rolled back."""
-    text = copy_text("copy", rows)
+    text = copy_text("copy", rows, settings.levels)
+    url = libpq_url(settings.database_url)
     with psycopg.connect(url) as conn, conn.cursor() as cur:
         cur.execute(store._STAGE)
         start = time.monotonic()
@@ -40,7 +41,7 @@ def copy_only(url: str, rows: int) -> float:
 
 def main(url: str) -> None:
     settings = Settings.from_env(database_url=url)
-    print(f"COPY into the staging table only: {copy_only(libpq_url(url), ROWS):,.0f} rows/s")
+    print(f"COPY into the staging table only: {copy_only(settings, ROWS):,.0f} rows/s")
     for sessions in (1, 2):
         rate = insert_ceiling(settings, ROWS, sessions)
         print(f"COPY + set-based insert, {sessions} session(s): {rate:,.0f} rows/s")
