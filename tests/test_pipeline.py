@@ -495,6 +495,9 @@ def test_bulk_schedule_writes_many_rows_in_parallel_partitions_once(
     assert lanes == {0: 30_000}  # 5m, 30m, 1h are no test level: the timer lane
     saved = json.loads((tmp_path / "bench-bulk.json").read_text())
     assert (saved["rows"], saved["format"]) == (30_000, fmt)
+    # a second bench in the same database measures new rows too (keys of its own)
+    again = bench_bulk(spark, settings, 3_000, tmp_path, fmt=fmt)
+    assert (again["first"]["written"], again["rerun"]["duplicates"]) == (3_000, 3_000)
 
 
 def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_transaction(

@@ -23,6 +23,7 @@ import os
 import platform
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,8 @@ TOPIC = "bulk.bench"
 PARQUET_ROW_GROUP = 50_000  # row groups are what Spark splits a Parquet file by
 
 
-def generate(path: Path, rows: int, fmt: str = "csv") -> Path:
-    """N keyed jobs: body {"n": N}, key bench-N, delays 5m / 30m / 1h in turn."""
+def generate(path: Path, rows: int, fmt: str = "csv", run: str = "") -> Path:
+    """N keyed jobs: body {"n": N}, key bench-RUN-N, delays 5m / 30m / 1h in turn."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
         import pyarrow as pa
@@ -54,7 +55,7 @@ def generate(path: Path, rows: int, fmt: str = "csv") -> Path:
                 "topic": [TOPIC] * rows,
                 "body": [f'{{"n": {n}}}' for n in range(rows)],
                 "delay": [DELAYS[n % len(DELAYS)] for n in range(rows)],
-                "key": [f"bench-{n}" for n in range(rows)],
+                "key": [f"bench-{run}-{n}" for n in range(rows)],
             }
         )
         pq.write_table(table, path, row_group_size=PARQUET_ROW_GROUP)
@@ -63,7 +64,7 @@ def generate(path: Path, rows: int, fmt: str = "csv") -> Path:
         writer = csv.writer(f)
         writer.writerow(["topic", "body", "delay", "key"])
         for n in range(rows):
-            writer.writerow([TOPIC, f'{{"n": {n}}}', DELAYS[n % len(DELAYS)], f"bench-{n}"])
+            writer.writerow([TOPIC, f'{{"n": {n}}}', DELAYS[n % len(DELAYS)], f"bench-{run}-{n}"])
     return path
 
 
@@ -144,9 +145,12 @@ def bench_bulk(
         from delaysvc.pipeline.spark import session
 
         spark = session(master)
-    source = generate(workdir / f"bulk-{rows}.{fmt}", rows, fmt)
+    run = uuid.uuid4().hex[:8]  # keys of their own: the first run's rows are new
+    source = generate(workdir / f"bulk-{rows}.{fmt}", rows, fmt, run)
     ceiling = insert_ceiling(settings, rows)
     first = bulk.run(spark, settings, source, fmt, partitions=partitions)
+    if first.written != rows:
+        raise RuntimeError(f"the first run wrote {first.written:,} of {rows:,} new rows")
     again = bulk.run(spark, settings, source, fmt, partitions=partitions)
     first_rate = first.read / first.seconds
     result = {

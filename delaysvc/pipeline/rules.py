@@ -50,6 +50,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from delaysvc.levels import format_ms
 from delaysvc.schema import NO_LANE, TIMER_LANE
 from delaysvc.settings import Settings
 from delaysvc.validation import (
@@ -270,11 +271,14 @@ def _schedule(frame: DataFrame, settings: Settings) -> DataFrame:
     single = F.regexp_extract(delay_text, _ONE_DURATION, 1).try_cast("long") * _unit_ms(
         F.regexp_extract(delay_text, _ONE_DURATION, 2)
     )
-    ms = (
+    # a level's own spelling (`30m`), the most usual delay of all, is looked up
+    spelled = F.create_map(*(F.lit(x) for d in levels.delays_ms for x in (format_ms(d), d)))
+    ms = F.coalesce(
+        spelled[delay_text].cast("long"),
         F.when(delay_text.rlike(_ONE_DURATION), single)
         .when(delay_text.isNotNull(), F.when(delay_text.rlike(_DURATION), duration_ms))
         .when(ms_text.isNotNull(), F.when(ms_text.rlike(_DELAY_MS), ms_text.try_cast("long")))
-        .otherwise(default_ms)
+        .otherwise(default_ms),
     )
     instant, instant_ok = _instant(frame, at_text)
     frame = _step(
