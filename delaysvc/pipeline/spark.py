@@ -43,10 +43,11 @@ def session(master: str | None = None, jars: str | None = None) -> SparkSession:
         .config("spark.ui.showConsoleProgress", "true")
         .config("spark.sql.shuffle.partitions", "8")
         .config("spark.sql.session.timeZone", "UTC")
-        # a file is split by size alone, into as many even parts as there are cores (the
-        # default counts 4 MB more per file, which split a 14 MB Parquet file 2:1 across
-        # local[2]'s two tasks: one core idle for a third of a bulk-schedule)
-        .config("spark.sql.files.openCostInBytes", "0")
+        # a file is split by size, into as many even parts as there are cores (the default
+        # counts 4 MB more per file, which split a 14 MB Parquet file 2:1 across local[2]'s
+        # two tasks: one core idle for a third of a bulk-schedule). One byte, not zero: with
+        # zero, a file of an odd size got a third, empty, split (a task and a tail wait)
+        .config("spark.sql.files.openCostInBytes", "1")
         # a JVM this process starts (local masters' only JVM) collects garbage by throughput,
         # as a batch job wants: G1's concurrent work took a share of two cores (1M rows of
         # bulk-schedule, 12.8 -> 12.3 s); spark-submit's JVM is already running and keeps its own
