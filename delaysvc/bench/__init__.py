@@ -172,7 +172,13 @@ SUITES: dict[str, Suite] = {
     "pipeline": Suite(
         _suite_in("pipeline"),
         (
-            Size("pipeline_rows", 200_000, 20_000, "Rows for the Spark bulk-schedule bench."),
+            Size(
+                "pipeline_rows",
+                5_000_000,
+                20_000,
+                "Rows for the Spark bulk-schedule bench: a bulk load of millions, where the "
+                "JVM's ~5 s start is amortized (docs/pipeline.md plots the rate by size).",
+            ),
             Size("pipeline_partitions", 2, 2, "Spark partitions."),
         ),
         "Spark bulk-schedule rows/s (needs pyspark and Java)",
