@@ -70,6 +70,7 @@ commit_log = Table(
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("duration_ms", Integer),
     Column("lease_until", Timestamp),
+    Column("claim_id", BigInteger),
     Column("last_error", Text),
     Column("errors", JSONB),
     _status_check(),
@@ -160,6 +161,21 @@ dead_letter = Table(
     Index("ix_dead_letter_topic_died_at", "topic", "died_at"),
 )
 
+claim_seq = Sequence("claim_seq", metadata=metadata)
+
+# The waiting messages of each lane, as deltas: every statement that puts messages into a lane or
+# takes them out appends one row per lane it changed, in its own transaction, and
+# `store.fold_lane_counts` folds them into one row per lane. Appending never waits on another
+# writer (a counter row updated in place would serialise every send of a level, and a producer's
+# long transaction would hold it); the sum is exact at any snapshot.
+lane_count = Table(
+    "lane_count",
+    metadata,
+    Column("lane", SmallInteger, nullable=False),
+    Column("delta", BigInteger, nullable=False),
+    postgresql_with=HOT_TABLE_STORAGE,
+)
+
 topic_state = Table(
     "topic_state",
     metadata,
@@ -177,6 +193,7 @@ api_token = Table(
     Column("scope", Text, nullable=False),
     Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
     Column("revoked_at", Timestamp),
+    Column("topics", ARRAY(Text)),
     CheckConstraint("scope IN ('send', 'admin')", name="ck_api_token_scope"),
 )
 
