@@ -84,8 +84,15 @@ def migrate(ctx: Context) -> None:
     """Upgrade the schema and create one consume queue per configured level."""
     from delaysvc.migrate import upgrade
 
-    upgrade(ctx.engine, ctx.settings.levels)
+    for change in upgrade(ctx.engine, ctx.settings.levels):
+        click.echo(change.describe())
     click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
+
+
+def require_levels(ctx: Context) -> None:
+    """A process that delivers, consumes or serves runs only with the database's levels."""
+    with ctx.engine.connect() as conn:
+        store.check_levels(conn, ctx.settings.levels)
 
 
 @cli.command()
@@ -385,6 +392,7 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
     """Run Celery workers (delivery: threads, one per lane; consume: processes)."""
     from delaysvc.up import run_processes, worker_commands
 
+    require_levels(ctx)
     sys.exit(run_processes(worker_commands(ctx.settings, delivery, consume, concurrency)))
 
 
@@ -394,6 +402,7 @@ def beat(ctx: Context) -> None:
     """Run Celery beat (fires every lane's delivery task, the consume sweep, lease rescue)."""
     from delaysvc.up import beat_command, run_processes
 
+    require_levels(ctx)
     sys.exit(run_processes([beat_command(ctx.settings)]))
 
 
@@ -406,6 +415,7 @@ def web(ctx: Context, host: str, port: int, workers: int) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
     from delaysvc.up import run_processes, web_command
 
+    require_levels(ctx)
     sys.exit(run_processes([web_command(host, port, workers)]))
 
 

@@ -7,8 +7,10 @@ in `DELAYSVC_HANDLERS` so the decorators run.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import importlib
 import logging
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
 
-from delaysvc import store
+from delaysvc import db, store
 from delaysvc.errors import DeadLetter, RetryLater, ValidationError
 from delaysvc.schema import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
 from delaysvc.validation import decode_body, validate_topic
@@ -112,11 +114,21 @@ class ConsumeResult:
     retried: int = 0
     dead: int = 0
     dispatched: int = 0
+    released: int = 0  # claimed, not started within half a lease: back in the queue
 
 
 FLUSH_SECONDS = 0.25
 """Outcomes of a batch are written at least this often, so a crash late in a batch of slow
 jobs reruns only the jobs of the last quarter second, not the whole batch."""
+
+BATCH_LEASE_FACTOR = 1.5
+"""A claimed batch is leased for 1.5 leases (and Celery stops its task then: tasks.app), and
+starts no job after half a lease (the rest go back to the queue, uncharged): every handler
+gets at least DELAYSVC_LEASE_SECONDS, and its job is taken again only once it was stopped."""
+
+
+def batch_lease_seconds(lease_seconds: int) -> int:
+    return math.ceil(lease_seconds * BATCH_LEASE_FACTOR)
 
 
 class _Outcomes:
@@ -127,8 +139,8 @@ class _Outcomes:
 
     def clear(self) -> None:
         self.since = time.monotonic()
-        self.succeeded: list[tuple[int, int, int]] = []
-        self.failed: list[tuple[Job, BaseException, int]] = []
+        self.succeeded: list[tuple[int, int, int]] = []  # (id, claim_id, duration_ms)
+        self.failed: list[tuple[Job, int, BaseException, int]] = []
         self.durations: list[int] = []
 
     def histogram(self) -> list[int]:
@@ -138,18 +150,18 @@ class _Outcomes:
             counts[bisect.bisect_right(DURATION_BUCKETS_MS, ms)] += 1
         return counts
 
-    def add(self, job: Job, error: BaseException | None, duration_ms: int) -> None:
+    def add(self, job: Job, claim_id: int, error: BaseException | None, duration_ms: int) -> None:
         self.durations.append(duration_ms)
         if error is None:
-            self.succeeded.append((job.id, job.attempts, duration_ms))
+            self.succeeded.append((job.id, claim_id, duration_ms))
         else:
-            self.failed.append((job, error, duration_ms))
+            self.failed.append((job, claim_id, error, duration_ms))
 
     def age(self) -> float:
         return time.monotonic() - self.since
 
 
-Dispatch = Callable[[str, Job], None]
+Dispatch = Callable[[str, Job, int], None]
 """Sends a job of a Celery-task topic to that task (see `tasks.consume`)."""
 
 
@@ -174,25 +186,31 @@ class Consumer:
     def run_once(self, topic: str, limit: int | None = None) -> ConsumeResult:
         """Claim up to `limit` jobs (one transaction), run them with no transaction open, and
         record their outcomes every FLUSH_SECONDS and at the end (one statement for all
-        successes)."""
+        successes). Each job's attempt is counted as its handler starts; jobs not started
+        within half a lease go back to the queue uncharged."""
         result = ConsumeResult(topic)
         if not self.can_run(topic):
             return result
+        lease = batch_lease_seconds(self.settings.lease_seconds)
         with self.engine.begin() as conn:
-            rows = store.claim_ready(
-                conn, topic, limit or self.settings.consume_batch, self.settings.lease_seconds
-            )
+            rows = store.claim_ready(conn, topic, limit or self.settings.consume_batch, lease)
         result.claimed = len(rows)
         if not rows:
             return result
+        claim_id = rows[0].claim_id
         jobs = [Job.from_row(row) for row in rows]
         task_name = self.settings.task_topics.get(topic)
         if task_name is not None and registered(topic) is None:
-            return self._dispatch_all(task_name, jobs, result)
+            return self._dispatch_all(task_name, jobs, claim_id, result)
+        start_by = time.monotonic() + self.settings.lease_seconds / 2
         pending = _Outcomes()
-        for job in jobs:
-            error, duration_ms = self._run(job)
-            pending.add(job, error, duration_ms)
+        for index, job in enumerate(jobs):
+            if time.monotonic() > start_by:
+                self._release(jobs[index:], claim_id, result)
+                break
+            outcome = self._start_and_run(job, claim_id)
+            if outcome is not None:
+                pending.add(outcome[0], claim_id, outcome[1], outcome[2])
             if pending.age() >= FLUSH_SECONDS:
                 self._record(pending, result)
         self._record(pending, result)
@@ -204,9 +222,31 @@ class Consumer:
                 "succeeded": result.succeeded,
                 "retried": result.retried,
                 "dead": result.dead,
+                "released": result.released,
             },
         )
         return result
+
+    def _start_and_run(
+        self, job: Job, claim_id: int
+    ) -> tuple[Job, BaseException | None, int] | None:
+        """Count the attempt, then run the handler. None: the claim was lost meanwhile."""
+        attempts_done = job.attempts
+        if attempts_done > self.max_retries(job.topic):
+            # every attempt was charged by a process that died running it
+            return job, DeadLetter(f"out of retries after {attempts_done} attempts"), 0
+        with db.autocommit_cursor(self.engine) as cursor:
+            attempt = store.start_job(cursor, job.id, claim_id)
+        if attempt is None:
+            log.warning("consume.claim_lost", extra={"message_id": job.id, "topic": job.topic})
+            return None
+        job = dataclasses.replace(job, attempts=attempt)
+        error, duration_ms = self._run(job)
+        return job, error, duration_ms
+
+    def _release(self, jobs: list[Job], claim_id: int, result: ConsumeResult) -> None:
+        with self.engine.begin() as conn:
+            result.released += store.release_unstarted(conn, [job.id for job in jobs], claim_id)
 
     def _record(self, outcomes: _Outcomes, result: ConsumeResult) -> None:
         """Write the outcomes so far: all successes in one statement, then each failure, and
@@ -218,8 +258,8 @@ class Consumer:
                 conn, result.topic, outcomes.histogram(), float(max(outcomes.durations))
             )
             result.succeeded += store.finish_succeeded(conn, outcomes.succeeded)
-            for job, error, duration_ms in outcomes.failed:
-                if self._record_failure(conn, job, error, duration_ms):
+            for job, claim_id, error, duration_ms in outcomes.failed:
+                if self._record_failure(conn, job, claim_id, error, duration_ms):
                     result.dead += 1
                 else:
                     result.retried += 1
@@ -228,8 +268,6 @@ class Consumer:
     def _run(self, job: Job) -> tuple[BaseException | None, int]:
         found = registered(job.topic)
         assert found is not None
-        if job.attempts > self.max_retries(job.topic) + 1:
-            return DeadLetter(f"out of retries after {job.attempts - 1} attempts"), 0
         started = time.perf_counter()
         try:
             found.func(job)
@@ -238,31 +276,38 @@ class Consumer:
         return None, _ms_since(started)
 
     def _dispatch_all(
-        self, task_name: str, jobs: list[Job], result: ConsumeResult
+        self, task_name: str, jobs: list[Job], claim_id: int, result: ConsumeResult
     ) -> ConsumeResult:
         assert self.dispatch is not None, "Celery-task topics need a dispatcher (tasks.consume)"
+        with self.engine.begin() as conn:
+            attempts = store.start_jobs(conn, [job.id for job in jobs], claim_id)
         for job in jobs:
-            self.dispatch(task_name, job)
-        result.dispatched = len(jobs)
+            if job.id in attempts:
+                self.dispatch(
+                    task_name, dataclasses.replace(job, attempts=attempts[job.id]), claim_id
+                )
+        result.dispatched = len(attempts)
         return result
 
     # -- outcomes -------------------------------------------------------------
 
-    def record_success(self, message_id: int, attempt: int, duration_ms: int) -> bool:
+    def record_success(self, message_id: int, claim_id: int, duration_ms: int) -> bool:
         with self.engine.begin() as conn:
-            return store.finish_succeeded(conn, [(message_id, attempt, duration_ms)]) == 1
+            return store.finish_succeeded(conn, [(message_id, claim_id, duration_ms)]) == 1
 
-    def record_failure_of(self, job: Job, error: BaseException, duration_ms: int) -> bool:
+    def record_failure_of(
+        self, job: Job, claim_id: int, error: BaseException, duration_ms: int
+    ) -> bool:
         """-> True if the job is now dead."""
         with self.engine.begin() as conn:
-            return self._record_failure(conn, job, error, duration_ms)
+            return self._record_failure(conn, job, claim_id, error, duration_ms)
 
     def _record_failure(
-        self, conn: Connection, job: Job, error: BaseException, duration_ms: int
+        self, conn: Connection, job: Job, claim_id: int, error: BaseException, duration_ms: int
     ) -> bool:
         failure = store.Failure(
             message_id=job.id,
-            attempt=job.attempts,
+            claim_id=claim_id,
             error=f"{type(error).__name__}: {error}",
             traceback="".join(traceback.format_exception(error)[-8:]),
             duration_ms=duration_ms,

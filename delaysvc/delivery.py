@@ -47,34 +47,57 @@ class TickResult:
     max_lateness_ms: float | None = None
     next_due_seconds: float | None = None
     lateness_buckets: dict[int, int] = field(default_factory=dict)
+    delay_ms: int | None = None  # the lane's delay, as the database has it
 
 
-def run_once(
-    conn: Connection, lane: int, delay_ms: int, batch: int, now: datetime | None = None
-) -> TickResult:
-    """Move one batch of due messages of `lane`, in one transaction of its own on `conn`."""
+def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = None) -> TickResult:
+    """Move one batch of due messages of `lane`, in one transaction of its own on `conn`. The
+    lane's delay is the database's (its schedule_offset row), never this process's settings."""
     try:
         with conn.begin():
-            if store.lock_lane(conn, lane) is None:
+            locked = store.lock_lane(conn, lane)
+            if locked is None:
                 return TickResult(lane, busy=True)
-            moved = store.move_due(conn, lane, delay_ms, batch, now)
+            moved = store.move_due(conn, lane, locked.delay_ms, batch, now)
+            relocated = (
+                _relocate_misplaced(conn, lane, locked.delay_ms, batch, now)
+                if moved.misplaced
+                else store.Relocated(0, 0, ())
+            )
     except OperationalError:
         raise  # the database is away: the caller backs off and tries again later
     except DBAPIError as exc:
         if batch > 1:
             log.warning("delivery.batch_failed", extra={"lane": lane, "error": str(exc.orig)})
-            return run_once(conn, lane, delay_ms, 1, now)
+            return run_once(conn, lane, 1, now)
         return _mark_stuck(conn, lane, exc)
     if moved.count:
         log.debug("delivery.moved", extra={"lane": lane, "count": moved.count})
     return TickResult(
         lane,
-        moved.count,
-        moved.topics,
+        moved.count + relocated.delivered,
+        tuple(sorted({*moved.topics, *relocated.topics})),
         max_lateness_ms=moved.max_lateness_ms,
-        next_due_seconds=moved.next_due_seconds,
+        # after a relocation the new head may be due now
+        next_due_seconds=0.0 if moved.misplaced else moved.next_due_seconds,
         lateness_buckets=moved.lateness_buckets,
+        delay_ms=locked.delay_ms,
     )
+
+
+def _relocate_misplaced(
+    conn: Connection, lane: int, delay_ms: int, batch: int, now: datetime | None
+) -> store.Relocated:
+    relocated = store.relocate_misplaced(conn, lane, delay_ms, batch, now)
+    log.warning(
+        "delivery.misplaced_head",
+        extra={
+            "lane": lane,
+            "moved_to_timer_lane": relocated.to_timer,  # sent with another delay
+            "delivered_now": relocated.delivered,  # stored while the clock was ahead
+        },
+    )
+    return relocated
 
 
 def _mark_stuck(conn: Connection, lane: int, exc: DBAPIError) -> TickResult:
@@ -128,7 +151,6 @@ class LaneRunner:
 
     engine: Engine
     lane: int
-    delay_ms: int
     batch: int
     idle_poll_seconds: float
     on_moved: Callable[[tuple[str, ...]], None] = lambda topics: None
@@ -154,7 +176,7 @@ class LaneRunner:
 
     def _loop(self, conn: Connection, deadline: float) -> None:
         while not self.stop.is_set() and time.monotonic() < deadline:
-            result = run_once(conn, self.lane, self.delay_ms, self.batch)
+            result = run_once(conn, self.lane, self.batch)
             if result.moved:
                 self.moved_total += result.moved
                 self.lateness.add(result)
@@ -168,10 +190,10 @@ class LaneRunner:
             elif result.busy:
                 wait = self.idle_poll_seconds
             else:
-                wait = self._wait(result.next_due_seconds)
+                wait = self._wait(result.next_due_seconds, result.delay_ms or 0)
             self.stop.wait(max(MIN_TICK_SECONDS, min(wait, deadline - time.monotonic())))
 
-    def _wait(self, until_head: float | None) -> float:
+    def _wait(self, until_head: float | None, delay_ms: int) -> float:
         if self.lane == TIMER_LANE:
             # a new send may be due before the current head
             return (
@@ -181,7 +203,7 @@ class LaneRunner:
             )
         if until_head is None:
             # a send into this empty level is due one level-delay later: half of it is early
-            return max(self.idle_poll_seconds, min(self.delay_ms / 2000, 1.0))
+            return max(self.idle_poll_seconds, min(delay_ms / 2000, 1.0))
         return until_head
 
     def _try_lock(self, conn: Connection) -> bool:

@@ -54,6 +54,12 @@ class BacklogFull(DelaysvcError):
     code = "backlog_full"
 
 
+class NotStuck(DelaysvcError):
+    """An operator asked to skip a lane's head, but the lane is not stuck on it (any more)."""
+
+    code = "not_stuck"
+
+
 class SchemaNotReady(DelaysvcError):
     """The database has not been migrated for the configured delay levels."""
 

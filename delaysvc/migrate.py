@@ -29,15 +29,27 @@ def heads() -> list[str]:
     return list(ScriptDirectory.from_config(alembic_config()).get_heads())
 
 
-def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> None:
-    """Idempotent; safe to run from several processes at once."""
+def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list[store.LevelChange]:
+    """Idempotent; safe to run from several processes at once. -> the levels whose delay
+    changed or that went (`store.ensure_levels`: their waiting messages keep their due times)."""
     config = alembic_config()
     with engine.begin() as conn:
         conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
-        store.ensure_levels(conn, levels)
+        changes = store.ensure_levels(conn, levels)
+    for change in changes:
+        log.warning(
+            "schema.level_changed",
+            extra={
+                "level": change.level,
+                "old_ms": change.old_ms,
+                "new_ms": change.new_ms,
+                "relocated_to_timer_lane": change.relocated,
+            },
+        )
     log.info("schema.migrated", extra={"levels": str(levels)})
+    return changes
 
 
 def downgrade(engine: Engine, revision: str) -> None:

@@ -5,8 +5,15 @@ the database clock (`statement_timestamp()`) unless a test passes `now=`.
 
 Lanes (see `delaysvc.schema`): a waiting message sits in lane N >= 1 (consume queue of level N,
 FIFO by offset) or lane 0 (the timer lane, by deliver_ts); lane -1 means it is in its topic's
-queue (or beyond). `_NEXT_OFFSET` and `_ENQUEUE_FROM` are the two pieces every write that puts a
-message into a lane shares (send, batch send, retry, redrive).
+queue (or beyond). `_PLACED_LANE`, `_NEXT_OFFSET` and `_ENQUEUE_FROM` are the pieces every write
+that puts a message into a lane shares (send, batch send, retry, bulk schedule).
+
+The database is the one truth for a level's delay (`schedule_offset.delay_ms`): a message goes
+into a level's FIFO queue only if its delay is that level's delay in the database, else into the
+timer lane at the same due time, so a producer or a worker whose DELAYSVC_DELAY_LEVELS drifted
+from the database can never make a level's offset order differ from its due order. Every write
+that adds messages to a lane or takes them out appends their count to `lane_count` in the same
+statement: the backlog figures and the level caps read exact counts, not offsets.
 """
 
 from __future__ import annotations
@@ -23,11 +30,11 @@ from psycopg import Cursor
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, TextClause, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from delaysvc.db import sqlalchemy_error
-from delaysvc.errors import DuplicateKey, SchemaNotReady
-from delaysvc.levels import DelayLevels
+from delaysvc.errors import DuplicateKey, NotStuck, SchemaNotReady
+from delaysvc.levels import DelayLevels, format_ms
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE, level_partition, level_sequence
 
 _PSYCOPG = psycopg_dialect()
@@ -47,6 +54,12 @@ def _driver_sql(statement: str) -> str:
     return _sql(statement).compile(dialect=_PSYCOPG).string
 
 
+# A level's FIFO queue only takes messages whose delay is the level's delay in the database
+# (`{delay_ms}` is the delay the sender computed); any other goes to the timer lane (0), due at
+# the same time. Cheap: a primary-key probe of a table of a few dozen rows.
+_PLACED_LANE = """CASE WHEN {lane} > 0 AND NOT EXISTS (SELECT 1 FROM schedule_offset so
+        WHERE so.lane = {lane} AND so.delay_ms = {delay_ms}) THEN 0 ELSE {lane} END"""
+
 _NEXT_OFFSET = """CASE WHEN {lane} > 0
         THEN nextval(format('consume_queue_%s_seq', {lane})::regclass)
         WHEN {lane} = 0 THEN nextval('timer_queue_seq') END"""
@@ -61,6 +74,9 @@ _ENQUEUE_FROM = """
 ), ready_rows AS (
     INSERT INTO topic_queue (message_id, topic, deliver_ts)
     SELECT id, topic, deliver_ts FROM {src} WHERE lane < 0 ORDER BY id
+), lane_counted AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT lane, count(*) FROM {src} WHERE lane >= 0 GROUP BY lane
 )"""
 
 MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
@@ -107,10 +123,63 @@ class NewMessage:
 # ---------------------------------------------------------------- levels and lanes
 
 
-def ensure_levels(conn: Connection, levels: DelayLevels) -> None:
-    """Create the consume-queue partition, offset sequence and schedule_offset row of every
-    configured level (and the timer lane's row). Refuses to forget a level that still holds
-    messages; drops empty ones no longer configured."""
+LEVEL_CHANGE_LOCK_TIMEOUT = "10s"
+
+
+def stored_levels(conn: Connection) -> dict[int, int]:
+    """{level: delay_ms} as the database has them: the one truth for a level's delay."""
+    rows = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset WHERE lane > 0"))
+    return {row.lane: row.delay_ms for row in rows}
+
+
+@dataclass(frozen=True)
+class LevelChange:
+    level: int
+    old_ms: int
+    new_ms: int | None  # None: the level is no longer configured
+    relocated: int  # waiting messages moved to the timer lane, due times unchanged
+
+    def describe(self) -> str:
+        old = format_ms(self.old_ms)
+        what = (
+            f"level {self.level} removed (was {old})"
+            if self.new_ms is None
+            else f"level {self.level}: {old} -> {format_ms(self.new_ms)}"
+        )
+        if self.relocated:
+            what += (
+                f"; its {self.relocated} waiting messages moved to the timer lane, "
+                "due when they were due"
+            )
+        return what
+
+
+def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
+    """Make the database's levels the configured ones, keeping every waiting message's due
+    time: create the queue, offset sequence and schedule_offset row of each new level; a level
+    whose delay gets shorter, or that is no longer configured, first hands its waiting messages
+    to the timer lane (same due times; in its FIFO queue they would now be due before their time
+    or out of order), then takes its new delay or goes. A longer delay keeps its messages: they
+    are due before any sent from now on, so offset order stays due order.
+
+    A change of delay locks schedule_offset exclusively until the caller commits: sends to
+    levels and moves wait, and a send that waited sees the new delay (`_PLACED_LANE`)."""
+    changed = {
+        lane: ms
+        for lane, ms in stored_levels(conn).items()
+        if lane > levels.max_level or levels.delay_ms(lane) != ms
+    }
+    if changed:
+        conn.execute(text(f"SET LOCAL lock_timeout = '{LEVEL_CHANGE_LOCK_TIMEOUT}'"))
+        try:
+            conn.execute(text("LOCK TABLE schedule_offset IN ACCESS EXCLUSIVE MODE"))
+        except OperationalError as exc:
+            raise SchemaNotReady(
+                "the delay levels could not be changed: another transaction kept "
+                f"schedule_offset for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
+                "transaction, or a second migrate); try again"
+            ) from exc
+        conn.execute(text("SET LOCAL lock_timeout = 0"))
     conn.execute(
         text(
             "INSERT INTO schedule_offset (lane, delay_ms) VALUES (:lane, 0) "
@@ -131,91 +200,152 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> None:
         conn.execute(
             text(
                 "INSERT INTO schedule_offset (lane, delay_ms) VALUES (:lane, :delay_ms) "
-                "ON CONFLICT (lane) DO UPDATE SET delay_ms = EXCLUDED.delay_ms"
+                "ON CONFLICT (lane) DO NOTHING"
             ),
             {"lane": level, "delay_ms": levels.delay_ms(level)},
         )
-    for lane in existing_level_lanes(conn):
-        if lane > levels.max_level:
-            _drop_level(conn, lane, levels)
+    return [_change_level(conn, lane, old_ms, levels) for lane, old_ms in sorted(changed.items())]
 
 
-def existing_level_lanes(conn: Connection) -> list[int]:
-    rows = conn.execute(text("SELECT lane FROM schedule_offset WHERE lane > 0 ORDER BY lane"))
-    return [row.lane for row in rows]
-
-
-def _drop_level(conn: Connection, level: int, levels: DelayLevels) -> None:
-    waiting = conn.execute(
-        text("SELECT count(*) FROM consume_queue WHERE level = :level"), {"level": level}
-    ).scalar_one()
-    if waiting:
-        raise SchemaNotReady(
-            f"level {level} is no longer configured (there are {levels.max_level} levels now) "
-            f"but {waiting} messages wait in it; keep the level until they are delivered"
+def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels) -> LevelChange:
+    new_ms = levels.delay_ms(level) if level <= levels.max_level else None
+    relocated = 0
+    if new_ms is None or new_ms < old_ms:
+        relocated = relocate_to_timer(conn, level)
+    if new_ms is None:
+        conn.execute(text(f"DROP TABLE {level_partition(level)}"))
+        conn.execute(text(f"DROP SEQUENCE IF EXISTS {level_sequence(level)}"))
+        conn.execute(text("DELETE FROM schedule_offset WHERE lane = :lane"), {"lane": level})
+        conn.execute(text("DELETE FROM lane_count WHERE lane = :lane"), {"lane": level})
+    else:
+        conn.execute(
+            text("UPDATE schedule_offset SET delay_ms = :ms WHERE lane = :lane"),
+            {"lane": level, "ms": new_ms},
         )
-    conn.execute(text(f"DROP TABLE IF EXISTS {level_partition(level)}"))
-    conn.execute(text(f"DROP SEQUENCE IF EXISTS {level_sequence(level)}"))
-    conn.execute(text("DELETE FROM schedule_offset WHERE lane = :lane"), {"lane": level})
+    return LevelChange(level, old_ms, new_ms, relocated)
+
+
+# The waiting messages of a level's queue (all, or those named) move to the timer lane with
+# their due times unchanged (their commit_log rows follow: lane 0, a timer offset), counted out
+# of the level and into the timer lane.
+_RELOCATE_TO_TIMER = """
+WITH taken AS (
+    DELETE FROM consume_queue q WHERE q.level = :lane
+      AND (CAST(:ids AS bigint[]) IS NULL OR q.message_id = ANY(:ids))
+    RETURNING q.message_id, q.topic, q.deliver_ts
+), placed AS (
+    SELECT message_id, topic, deliver_ts, nextval('timer_queue_seq') AS queue_offset FROM taken
+), timed AS (
+    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    SELECT deliver_ts, queue_offset, message_id, topic FROM placed
+), relaned AS (
+    UPDATE commit_log c SET lane = 0, queue_offset = p.queue_offset
+    FROM placed p WHERE c.id = p.message_id
+), counted AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM placed)),
+                                (CAST(0 AS smallint), (SELECT count(*) FROM placed))) v(lane, n)
+    WHERE n <> 0
+)
+SELECT count(*) FROM placed
+"""
+
+
+def relocate_to_timer(
+    conn: Connection, level: int, message_ids: Sequence[int] | None = None
+) -> int:
+    """Move a level's waiting messages (all, or those given) to the timer lane, due times
+    unchanged. -> how many moved."""
+    params = {"lane": level, "ids": list(message_ids) if message_ids is not None else None}
+    return conn.execute(_sql(_RELOCATE_TO_TIMER), params).scalar_one()
 
 
 def check_levels(conn: Connection, levels: DelayLevels) -> None:
-    """SchemaNotReady unless the database has every configured level with the same delays."""
+    """SchemaNotReady unless the database has every configured level with the same delays:
+    every long-lived process (worker, beat, web) calls this at start."""
     try:
-        rows = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset WHERE lane > 0"))
-        stored = {row.lane: row.delay_ms for row in rows}
-    except Exception as exc:  # the table itself is missing: never migrated
+        stored = stored_levels(conn)
+    except ProgrammingError as exc:  # the table itself is missing: never migrated
         raise SchemaNotReady("the database is not migrated; run `delaysvc migrate`") from exc
     wanted = {level: levels.delay_ms(level) for level in range(1, levels.max_level + 1)}
     if stored != wanted:
+        differences = [
+            f"level {lane}: {_ms_or_none(wanted.get(lane))} configured, "
+            f"{_ms_or_none(stored.get(lane))} in the database"
+            for lane in sorted(set(stored) | set(wanted))
+            if stored.get(lane) != wanted.get(lane)
+        ]
         raise SchemaNotReady(
-            "the database's delay levels differ from DELAYSVC_DELAY_LEVELS "
-            f"({levels}); run `delaysvc migrate` to create or update them"
+            f"DELAYSVC_DELAY_LEVELS ({levels}) differs from the database's levels ("
+            + "; ".join(differences[:5])
+            + (f"; {len(differences) - 5} more" if len(differences) > 5 else "")
+            + "); run `delaysvc migrate` with these levels to apply them (waiting messages "
+            "keep their due times), or start with the database's levels"
         )
+
+
+def _ms_or_none(ms: int | None) -> str:
+    return "none" if ms is None else format_ms(ms)
 
 
 # ---------------------------------------------------------------- producing
 
 # One statement per send, returning only what the database decides (id, stored_at,
-# deliver_ts): the producer has the rest. One form per kind of lane, so each plans to a single
-# insert into commit_log and one into the lane.
+# deliver_ts, and the lane, which for a level is the level only if the database agrees on its
+# delay: `_PLACED_LANE`): the producer has the rest. One form per kind of lane.
 _INSERT_ONE = """
-WITH msg AS (
+WITH {placed}msg AS (
     INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
         lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
-    VALUES (:topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
-        CAST(:properties AS jsonb), CAST(:delay_level AS smallint), CAST(:lane AS smallint),
+    SELECT :topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
+        CAST(:properties AS jsonb), CAST(:delay_level AS smallint), {lane},
         {offset}, {status}, statement_timestamp(),
         COALESCE(CAST(:deliver_at AS timestamptz),
                  statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
-        {delivered_at})
+        {delivered_at}{source}
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING id, topic, queue_offset, stored_at, deliver_ts
-), queued AS (
-    {enqueue}
-)
-SELECT id, stored_at, deliver_ts FROM msg
+    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts
+){enqueue}
+SELECT id, stored_at, deliver_ts, lane FROM msg
 """
 _INSERT_ONE_LEVEL = _INSERT_ONE.format(
-    offset="nextval(format('consume_queue_%s_seq', CAST(:lane AS int))::regclass)",
+    placed="placed AS (SELECT CAST("
+    + _PLACED_LANE.format(lane="CAST(:lane AS int)", delay_ms="CAST(:delay_ms AS bigint)")
+    + " AS smallint) AS lane), ",
+    lane="placed.lane",
+    offset=_NEXT_OFFSET.format(lane="placed.lane"),
     status="'scheduled'",
     delivered_at="NULL",
-    enqueue="INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
-    "SELECT CAST(:lane AS smallint), queue_offset, id, topic, deliver_ts FROM msg",
+    source=" FROM placed",
+    enqueue=_ENQUEUE_FROM.format(src="msg"),
 )
 _INSERT_ONE_TIMER = _INSERT_ONE.format(
+    placed="",
+    lane="CAST(0 AS smallint)",
     offset="nextval('timer_queue_seq')",
     status="'scheduled'",
     delivered_at="NULL",
-    enqueue="INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic) "
-    "SELECT deliver_ts, queue_offset, id, topic FROM msg",
+    source="",
+    enqueue="""
+, timer_rows AS (
+    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    SELECT deliver_ts, queue_offset, id, topic FROM msg
+), lane_counted AS (
+    INSERT INTO lane_count (lane, delta) SELECT 0, 1 FROM msg
+)""",
 )
 _INSERT_ONE_READY = _INSERT_ONE.format(
+    placed="",
+    lane="CAST(-1 AS smallint)",
     offset="NULL",
     status="'ready'",
     delivered_at="statement_timestamp()",
-    enqueue="INSERT INTO topic_queue (message_id, topic, deliver_ts) "
-    "SELECT id, topic, deliver_ts FROM msg",
+    source="",
+    enqueue="""
+, queued AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    SELECT id, topic, deliver_ts FROM msg
+)""",
 )
 
 
@@ -246,6 +376,7 @@ class Stored(NamedTuple):
     id: int
     stored_at: datetime
     deliver_ts: datetime
+    lane: int
 
 
 def insert_message(cursor: Cursor[Any], message: NewMessage) -> tuple[Any, bool, int | None]:
@@ -293,7 +424,10 @@ INSERT_STAGED = f"""
 WITH staged AS (
     DELETE FROM {_STAGE_TABLE} RETURNING *
 ), numbered AS (
-    SELECT nextval('commit_log_id_seq') AS id, s.*
+    SELECT nextval('commit_log_id_seq') AS id, s.ord, s.topic, s.key, s.tags, s.body,
+        s.body_is_json, s.properties, s.delay_level,
+        CAST({_PLACED_LANE.format(lane="s.lane", delay_ms="s.delay_ms")} AS smallint) AS lane,
+        s.delay_ms, s.deliver_at
     FROM (SELECT * FROM staged ORDER BY ord) s
 ), msg AS (
     INSERT INTO commit_log (id, topic, key, tags, body, body_is_json, properties,
@@ -447,15 +581,21 @@ def find_message_by_key(conn: Connection, topic: str, key: str) -> Any:
 
 
 def take_out_of_lane(conn: Connection, lane: int, offset: int, deliver_ts: datetime) -> bool:
-    """Delete a waiting message's lane row. False when it is not there any more (moved)."""
+    """Delete a waiting message's lane row (counted out of the lane). False when it is not
+    there any more (moved)."""
     if lane > 0:
-        statement = "DELETE FROM consume_queue WHERE level = :lane AND queue_offset = :offset"
+        delete = "DELETE FROM consume_queue WHERE level = :lane AND queue_offset = :offset"
     elif lane == TIMER_LANE:
-        statement = "DELETE FROM timer_queue WHERE deliver_ts = :ts AND queue_offset = :offset"
+        delete = "DELETE FROM timer_queue WHERE deliver_ts = :ts AND queue_offset = :offset"
     else:
         return False
+    statement = (
+        f"WITH gone AS ({delete} RETURNING 1), counted AS (INSERT INTO lane_count (lane, delta) "
+        "SELECT CAST(:lane AS smallint), -count(*) FROM gone HAVING count(*) > 0) "
+        "SELECT count(*) FROM gone"
+    )
     params = {"lane": lane, "offset": offset, "ts": deliver_ts}
-    return conn.execute(text(statement), params).rowcount == 1
+    return conn.execute(text(statement), params).scalar_one() == 1
 
 
 def take_out_of_topic_queue(conn: Connection, message_id: int) -> bool:
@@ -490,6 +630,7 @@ def lock_lane(conn: Connection, lane: int) -> Any:
     ).first()
 
 
+CLOCK_MARGIN_MS = 1000
 _MOVED_TO_TOPIC = f"""
 , ready AS (
     -- commit_log is not written: see MESSAGE_STATE (the claim writes the delivery down)
@@ -503,6 +644,9 @@ _MOVED_TO_TOPIC = f"""
         last_moved_at = {NOW},
         stuck_offset = NULL, stuck_error = NULL, stuck_since = NULL
     WHERE lane = :lane AND EXISTS (SELECT 1 FROM moved)
+), lane_counted AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT CAST(:lane AS smallint), -count(*) FROM moved HAVING count(*) > 0
 )
 SELECT count(*) AS moved, max(queue_offset) AS max_offset,
        -- hashed, not sorted: a sort of the batch's topic names compares them by the locale
@@ -510,6 +654,13 @@ SELECT count(*) AS moved, max(queue_offset) AS max_offset,
        max(date_part('epoch', {NOW} - deliver_ts) * 1000) AS max_lateness_ms,
        (SELECT date_part('epoch', deliver_ts - clock_timestamp()) FROM next_head)
            AS next_due_seconds,
+       -- a level's first row not due is due within one delay of now, unless the database
+       -- clock went back or it was sent with another delay (`relocate_misplaced`). Compared
+       -- with the clock after this statement's snapshot, plus a margin: a send that committed
+       -- before the snapshot computed its due time from an earlier clock, so it never trips it
+       (SELECT CAST(:lane AS int) > 0 AND deliver_ts > COALESCE(CAST(:now AS timestamptz),
+                   clock_timestamp()) + (:delay_ms + {CLOCK_MARGIN_MS}) * interval '1 millisecond'
+        FROM next_head) AS misplaced,
        (SELECT json_object_agg(bucket, n) FROM (
             -- date_part, not extract: a float8, not a numeric (which costs 4x per row)
             SELECT width_bucket(date_part('epoch', clock_timestamp() - deliver_ts) * 1000,
@@ -524,10 +675,8 @@ WITH head AS (
     WHERE level = :lane ORDER BY queue_offset LIMIT :batch
 ), next_head AS (
     -- the head's first row not yet due: the move stops before it, so topic order stays send
-    -- order. A row more than one level-delay in the future means the clock went back: it is
-    -- delivered now (RocketMQ's correctDeliverTimestamp)
-    SELECT queue_offset, deliver_ts FROM head
-    WHERE deliver_ts > {NOW} AND deliver_ts <= {NOW} + :delay_ms * interval '1 millisecond'
+    -- order (one more than a delay ahead is `misplaced`, handled by `relocate_misplaced`)
+    SELECT queue_offset, deliver_ts FROM head WHERE deliver_ts > {NOW}
     ORDER BY queue_offset LIMIT 1
 ), locked AS (
     -- the due prefix of the head (up to the row before next_head, else all of it): one range
@@ -570,6 +719,8 @@ class Moved:
     or the batch was full)."""
     lateness_buckets: dict[int, int]
     """Moved rows per lateness bucket (index into LATENESS_BUCKETS_MS; the last is beyond)."""
+    misplaced: bool = False
+    """The level's first row not due is more than one delay ahead (`relocate_misplaced`)."""
 
 
 def move_due(
@@ -593,7 +744,70 @@ def move_due(
         float(row.max_lateness_ms) if row.max_lateness_ms is not None else None,
         float(row.next_due_seconds) if row.next_due_seconds is not None else None,
         {int(b): int(n) for b, n in (row.lateness_buckets or {}).items()},
+        bool(row.misplaced),
     )
+
+
+# The head rows of a level more than one delay (+ margin) ahead. Sent when the database clock
+# was ahead (stored "in the future"): delivered now, as RocketMQ's correctDeliverTimestamp
+# does, so the level is not blocked for as long as the clock was off. Sent with another delay
+# than the level's (a producer in a transaction that began before a level change): moved to
+# the timer lane, due when they were always due, never early.
+_RELOCATE_MISPLACED = f"""
+WITH head AS (
+    SELECT ctid, message_id, deliver_ts FROM consume_queue
+    WHERE level = :lane ORDER BY queue_offset LIMIT :batch
+), beyond AS (
+    SELECT h.ctid, h.message_id, c.stored_at > clock.t AS clock_back
+    FROM head h
+    CROSS JOIN (SELECT COALESCE(CAST(:now AS timestamptz), clock_timestamp()) AS t) clock
+    JOIN commit_log c ON c.id = h.message_id
+    WHERE h.deliver_ts > clock.t + (:delay_ms + {CLOCK_MARGIN_MS}) * interval '1 millisecond'
+), taken AS (
+    DELETE FROM consume_queue q
+    WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM beyond))
+    RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
+), sorted AS (
+    SELECT t.*, b.clock_back FROM taken t JOIN beyond b USING (message_id)
+), placed AS (
+    SELECT message_id, topic, deliver_ts, nextval('timer_queue_seq') AS queue_offset
+    FROM sorted WHERE NOT clock_back
+), timed AS (
+    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    SELECT deliver_ts, queue_offset, message_id, topic FROM placed
+), relaned AS (
+    UPDATE commit_log c SET lane = 0, queue_offset = p.queue_offset
+    FROM placed p WHERE c.id = p.message_id
+), now_due AS (
+    INSERT INTO topic_queue (message_id, topic, deliver_ts, enqueued_at)
+    SELECT message_id, topic, deliver_ts, clock_timestamp() FROM sorted WHERE clock_back
+    ORDER BY queue_offset
+), counted AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM sorted)),
+                                (CAST(0 AS smallint), (SELECT count(*) FROM placed))) v(lane, n)
+    WHERE n <> 0
+)
+SELECT (SELECT count(*) FROM placed) AS to_timer,
+       (SELECT count(*) FROM sorted WHERE clock_back) AS delivered,
+       (SELECT array_agg(DISTINCT topic) FROM sorted WHERE clock_back) AS topics
+"""
+
+
+class Relocated(NamedTuple):
+    to_timer: int  # sent with another delay than the level's: now in the timer lane
+    delivered: int  # stored while the database clock was ahead: delivered now
+    topics: tuple[str, ...]  # of the delivered ones
+
+
+def relocate_misplaced(
+    conn: Connection, lane: int, delay_ms: int, batch: int, now: datetime | None = None
+) -> Relocated:
+    """Take the level's head rows that are more than one delay ahead out of its FIFO queue
+    (see _RELOCATE_MISPLACED), in the caller's transaction, which holds `lock_lane`."""
+    params = {"lane": lane, "delay_ms": delay_ms, "batch": batch, "now": now}
+    (row,) = _unprepared(conn, _RELOCATE_MISPLACED, params)
+    return Relocated(int(row.to_timer), int(row.delivered), tuple(row.topics or ()))
 
 
 def add_lateness(conn: Connection, lane: int, counts: Sequence[int], max_ms: float) -> None:
@@ -648,34 +862,48 @@ def mark_stuck(conn: Connection, lane: int, offset: int | None, error: str) -> N
     )
 
 
-def skip_stuck_head(conn: Connection, lane: int) -> int | None:
-    """Operator action: move the lane's head message to the dead letters. -> its id."""
-    head = lane_head(conn, lane)
-    if head is None:
-        return None
-    locked = lock_lane(conn, lane)
+def skip_stuck_head(conn: Connection, lane: int) -> int:
+    """Operator action: move a stuck lane's head message to the dead letters. -> its id.
+
+    The lane is locked first (no move can run meanwhile), then its stuck offset and head are
+    read; the head must still be the row the lane is stuck on, and each change names the state
+    it expects, so a message just delivered is never dead-lettered, nor dead and running."""
+    name = "the timer lane" if lane == TIMER_LANE else f"level {lane}"
+    locked = conn.execute(
+        text(
+            "SELECT stuck_offset, stuck_error FROM schedule_offset "
+            "WHERE lane = :lane FOR UPDATE SKIP LOCKED"
+        ),
+        {"lane": lane},
+    ).first()
     if locked is None:
-        raise SchemaNotReady(f"lane {lane} is being delivered right now; try again")
-    row = conn.execute(
-        text("SELECT stuck_error FROM schedule_offset WHERE lane = :lane"), {"lane": lane}
-    ).one()
-    take_out_of_lane(conn, lane, head.queue_offset, head.deliver_ts)
-    reason = f"skipped by an operator: {row.stuck_error or 'head could not be moved'}"
-    conn.execute(
+        raise NotStuck(f"{name} is being delivered right now (or does not exist); try again")
+    if locked.stuck_offset is None:
+        raise NotStuck(f"{name} is not stuck: its head moves; nothing to skip")
+    head = lane_head(conn, lane)
+    if head is None or head.queue_offset != locked.stuck_offset:
+        raise NotStuck(f"{name}'s head is no longer the message it was stuck on; nothing skipped")
+    if not take_out_of_lane(conn, lane, head.queue_offset, head.deliver_ts):
+        raise NotStuck(f"{name}'s head was just taken by a cancel; nothing skipped")
+    reason = f"skipped by an operator: {locked.stuck_error or 'head could not be moved'}"
+    buried = conn.execute(
         text(
-            "UPDATE commit_log SET status = 'dead', finished_at = statement_timestamp(), "
-            "lane = -1, queue_offset = NULL, last_error = :reason WHERE id = :id"
+            f"""
+WITH buried AS (
+    UPDATE commit_log c SET status = 'dead', finished_at = statement_timestamp(), lane = -1,
+        queue_offset = NULL, last_error = :reason
+    WHERE c.id = :id AND {WAITING} AND {NOT_MOVED}
+    RETURNING c.id, c.topic, c.attempts
+)
+INSERT INTO dead_letter (message_id, topic, reason, attempts, error)
+SELECT id, topic, :reason, attempts, :reason FROM buried
+ON CONFLICT (message_id) DO NOTHING
+RETURNING message_id"""
         ),
         {"id": head.message_id, "reason": reason},
-    )
-    conn.execute(
-        text(
-            "INSERT INTO dead_letter (message_id, topic, reason, attempts, error) "
-            "SELECT id, topic, :reason, attempts, :reason FROM commit_log WHERE id = :id "
-            "ON CONFLICT (message_id) DO NOTHING"
-        ),
-        {"id": head.message_id, "reason": reason},
-    )
+    ).first()
+    if buried is None:
+        raise NotStuck(f"message {head.message_id} is not waiting any more; nothing skipped")
     conn.execute(
         text(
             "UPDATE schedule_offset SET stuck_offset = NULL, stuck_error = NULL, "
@@ -758,26 +986,28 @@ def lock_cap(conn: Connection, target: str) -> None:
     )
 
 
-def level_pending_bound(conn: Connection, level: int) -> int:
-    """An upper bound of a level's waiting messages in O(1): every one of them has an offset
-    between the schedule offset and the sequence's last value."""
+def lane_pending(conn: Connection, lane: int) -> int:
+    """Waiting messages of a lane, exactly: the sum of its `lane_count` deltas (a few thousand
+    rows at most between two folds)."""
     return conn.execute(
-        text(
-            "SELECT GREATEST(COALESCE(q.last_value, 0) - s.schedule_offset, 0) "
-            "FROM schedule_offset s LEFT JOIN pg_sequences q ON q.schemaname = current_schema()"
-            " AND q.sequencename = format('consume_queue_%s_seq', s.lane) WHERE s.lane = :lane"
-        ),
-        {"lane": level},
+        _sql("SELECT COALESCE(sum(delta), 0) FROM lane_count WHERE lane = :lane"), {"lane": lane}
     ).scalar_one()
 
 
-def level_pending(conn: Connection, level: int, up_to: int) -> int:
-    """Waiting messages of a level, counted exactly but never beyond `up_to` (O(up_to))."""
+def fold_lane_counts(conn: Connection) -> int:
+    """Fold every committed delta into one row per lane (exact: a delta committed meanwhile
+    is not seen, so not deleted, and is folded next time). -> rows folded."""
     return conn.execute(
-        text(
-            "SELECT count(*) FROM (SELECT 1 FROM consume_queue WHERE level = :lane LIMIT :up_to) w"
-        ),
-        {"lane": level, "up_to": up_to},
+        _sql(
+            """
+WITH gone AS (
+    DELETE FROM lane_count RETURNING lane, delta
+), folded AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT lane, sum(delta) FROM gone GROUP BY lane HAVING sum(delta) <> 0
+)
+SELECT count(*) FROM gone"""
+        )
     ).scalar_one()
 
 
@@ -841,6 +1071,9 @@ WITH pick AS (
 ), counted AS (
     UPDATE schedule_offset s SET early_total = early_total + m.n
     FROM (SELECT lane, count(*) AS n FROM moved GROUP BY lane) m WHERE s.lane = m.lane
+), lane_counted AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT CAST(lane AS smallint), -count(*) FROM moved GROUP BY lane
 )
 SELECT count(*) FROM moved"""
 
@@ -856,8 +1089,9 @@ def deliver_now(conn: Connection, message_ids: Sequence[int]) -> int:
 
 
 def lane_stats(conn: Connection) -> list[Any]:
-    """Per lane, in O(1) per lane (no COUNT(*)): pending is max offset - schedule offset for
-    levels (RocketMQ's definition) and the planner's live-row estimate for the timer lane."""
+    """Per lane, without a COUNT(*) of a queue: pending is exact (the lane's `lane_count`
+    deltas); max_offset is the last offset the level's sequence gave out (RocketMQ's figure,
+    an upper bound of what was ever queued: a rolled-back send takes one too)."""
     return list(
         conn.execute(
             text(
@@ -865,13 +1099,13 @@ def lane_stats(conn: Connection) -> list[Any]:
 SELECT s.lane, s.delay_ms, s.schedule_offset, s.moved_total, s.early_total, s.last_moved_at,
        s.stuck_offset, s.stuck_error, s.stuck_since,
        CASE WHEN s.lane > 0 THEN COALESCE(seq.last_value, 0) END AS max_offset,
-       CASE WHEN s.lane > 0 THEN GREATEST(COALESCE(seq.last_value, 0) - s.schedule_offset, 0)
-            ELSE (SELECT GREATEST(n_live_tup, 0) FROM pg_stat_user_tables
-                  WHERE relid = 'timer_queue'::regclass) END AS pending,
+       COALESCE(counts.pending, 0) AS pending,
        head.deliver_ts AS next_due,
        rate.moved_per_s,
        clock_timestamp() AS now
 FROM schedule_offset s
+LEFT JOIN (SELECT lane, sum(delta) AS pending FROM lane_count GROUP BY lane) counts
+       ON counts.lane = s.lane
 LEFT JOIN pg_sequences seq
        ON seq.schemaname = current_schema()
       AND seq.sequencename = format('consume_queue_%s_seq', s.lane)
@@ -918,15 +1152,19 @@ WITH picked AS (
     AND NOT EXISTS (SELECT 1 FROM topic_state WHERE topic = :topic AND paused)
     RETURNING q.message_id, q.seq, q.enqueued_at
 )
-UPDATE commit_log c SET status = 'running', started_at = clock_timestamp(),
-    attempts = c.attempts + 1,
+UPDATE commit_log c SET status = 'running', started_at = NULL,
+    -- the attempt is counted when its handler starts (`start_job`), not here: a job of the
+    -- batch that never started was never attempted
     lease_until = clock_timestamp() + :lease_seconds * interval '1 second',
+    claim_id = (SELECT nextval('claim_seq')),  -- one per claim: every later change names it
     -- moved by the delivery, which left its commit_log row as it was (see MESSAGE_STATE)
     delivered_at = CASE WHEN c.status = 'ready' THEN c.delivered_at ELSE claimed.enqueued_at END,
     lane = -1, queue_offset = NULL
 FROM claimed WHERE c.id = claimed.message_id
+    -- a queue row of a message that is no longer waiting (never expected) is dropped, not run
+    AND c.status IN ('scheduled', 'retrying', 'ready')
 RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.attempts,
-    c.deliver_ts, c.stored_at, c.started_at, claimed.seq
+    c.deliver_ts, c.stored_at, c.claim_id, claimed.seq
 """
 
 
@@ -963,21 +1201,60 @@ def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) ->
     return sorted(rows, key=lambda row: row.seq)
 
 
+_START_JOB = """UPDATE commit_log SET attempts = attempts + 1, started_at = clock_timestamp()
+WHERE id = :id AND claim_id = :claim_id AND status = 'running' AND started_at IS NULL
+RETURNING attempts"""
+
+
+def start_job(cursor: Cursor[Any], message_id: int, claim_id: int) -> int | None:
+    """Count the attempt of a claimed job whose handler starts now (its own commit, before the
+    handler runs: a handler that kills its process has been charged). -> the attempt number,
+    or None if the claim was lost (the job was taken again after its lease)."""
+    row = cursor.execute(
+        _driver_sql(_START_JOB), {"id": message_id, "claim_id": claim_id}, prepare=True
+    ).fetchone()
+    return None if row is None else int(row[0])
+
+
+def start_jobs(conn: Connection, message_ids: Sequence[int], claim_id: int) -> dict[int, int]:
+    """`start_job` for jobs that start together (sent to their Celery task). -> {id: attempt}."""
+    rows = conn.execute(
+        text(
+            "UPDATE commit_log SET attempts = attempts + 1, started_at = clock_timestamp() "
+            "WHERE id = ANY(CAST(:ids AS bigint[])) AND claim_id = :claim_id "
+            "AND status = 'running' AND started_at IS NULL RETURNING id, attempts"
+        ),
+        {"ids": list(message_ids), "claim_id": claim_id},
+    )
+    return {row.id: row.attempts for row in rows}
+
+
+def running_job(conn: Connection, message_id: int, claim_id: int) -> Any:
+    """The job if it is still running under this claim, else None."""
+    return conn.execute(
+        text(
+            f"SELECT {MESSAGE_COLUMNS} FROM commit_log WHERE id = :id AND claim_id = :claim_id "
+            "AND status = 'running'"
+        ),
+        {"id": message_id, "claim_id": claim_id},
+    ).first()
+
+
 def finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) -> int:
-    """Mark (id, attempt, duration_ms) succeeded. A job whose lease was lost and taken again
-    (its attempt number moved on) is left to the new owner."""
+    """Mark (id, claim_id, duration_ms) succeeded. A job whose lease was lost and taken again
+    (another claim holds it) is left to the new owner."""
     if not jobs:
         return 0
-    ids, attempts, durations = (list(column) for column in zip(*jobs, strict=True))
+    ids, claims, durations = (list(column) for column in zip(*jobs, strict=True))
     result = conn.execute(
         text(
             "UPDATE commit_log c SET status = 'succeeded', finished_at = clock_timestamp(), "
             "lease_until = NULL, duration_ms = v.duration_ms "
-            "FROM unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[]), "
-            "CAST(:durations AS int[])) AS v(id, attempt, duration_ms) "
-            "WHERE c.id = v.id AND c.status = 'running' AND c.attempts = v.attempt"
+            "FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[]), "
+            "CAST(:durations AS int[])) AS v(id, claim_id, duration_ms) "
+            "WHERE c.id = v.id AND c.status = 'running' AND c.claim_id = v.claim_id"
         ),
-        {"ids": ids, "attempts": attempts, "durations": durations},
+        {"ids": ids, "claims": claims, "durations": durations},
     )
     return result.rowcount
 
@@ -997,7 +1274,7 @@ WITH again AS (
             SELECT e FROM jsonb_array_elements(COALESCE(c.errors, '[]') || {_ERROR_ENTRY}) e
             OFFSET GREATEST(jsonb_array_length(COALESCE(c.errors, '[]')) + 1 - {_KEEP_ERRORS}, 0)
         ) kept)
-    WHERE c.id = :id AND c.status = 'running' AND c.attempts = :attempt
+    WHERE c.id = :id AND c.status = 'running' AND c.claim_id = :claim_id
     RETURNING c.id, c.topic, c.lane, c.queue_offset, c.deliver_ts
 ){_ENQUEUE_FROM.format(src="again")}
 SELECT count(*) FROM again
@@ -1012,7 +1289,7 @@ WITH buried AS (
             SELECT e FROM jsonb_array_elements(COALESCE(c.errors, '[]') || {_ERROR_ENTRY}) e
             OFFSET GREATEST(jsonb_array_length(COALESCE(c.errors, '[]')) + 1 - {_KEEP_ERRORS}, 0)
         ) kept)
-    WHERE c.id = :id AND c.status = 'running' AND c.attempts = :attempt
+    WHERE c.id = :id AND c.status = 'running' AND c.claim_id = :claim_id
     RETURNING c.id, c.topic, c.attempts
 )
 INSERT INTO dead_letter (message_id, topic, reason, attempts, error)
@@ -1027,7 +1304,7 @@ class Failure:
     """What a failed attempt leaves behind."""
 
     message_id: int
-    attempt: int
+    claim_id: int
     error: str
     traceback: str
     duration_ms: int
@@ -1047,7 +1324,7 @@ def schedule_retry(
         _sql(_SCHEDULE_RETRY),
         {
             "id": failure.message_id,
-            "attempt": failure.attempt,
+            "claim_id": failure.claim_id,
             "error": failure.error[:4000],
             "traceback": failure.traceback[-4000:],
             "duration_ms": failure.duration_ms,
@@ -1066,7 +1343,7 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
         _sql(_BURY),
         {
             "id": failure.message_id,
-            "attempt": failure.attempt,
+            "claim_id": failure.claim_id,
             "error": failure.error[:4000],
             "traceback": failure.traceback[-4000:],
             "duration_ms": failure.duration_ms,
@@ -1076,30 +1353,31 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
     return result.rowcount == 1
 
 
-def release_running(conn: Connection, jobs: Sequence[tuple[int, int]]) -> int:
-    """Give (id, attempt) jobs back to their topic queue untouched (graceful shutdown)."""
-    if not jobs:
+def release_unstarted(conn: Connection, message_ids: Sequence[int], claim_id: int) -> int:
+    """Give claimed jobs that never started back to their topic queue, uncharged."""
+    if not message_ids:
         return 0
-    ids, attempts = (list(column) for column in zip(*jobs, strict=True))
     return conn.execute(
         text(
             """
 WITH back AS (
-    UPDATE commit_log c SET status = 'ready', lease_until = NULL, attempts = c.attempts - 1
-    FROM unnest(CAST(:ids AS bigint[]), CAST(:attempts AS int[])) AS v(id, attempt)
-    WHERE c.id = v.id AND c.status = 'running' AND c.attempts = v.attempt
+    UPDATE commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL
+    WHERE c.id = ANY(CAST(:ids AS bigint[])) AND c.claim_id = :claim_id
+      AND c.status = 'running' AND c.started_at IS NULL
     RETURNING c.id, c.topic, c.deliver_ts
 )
-INSERT INTO topic_queue (message_id, topic, deliver_ts) SELECT id, topic, deliver_ts FROM back
+INSERT INTO topic_queue (message_id, topic, deliver_ts)
+SELECT id, topic, deliver_ts FROM back ORDER BY id
 """
         ),
-        {"ids": ids, "attempts": attempts},
+        {"ids": list(message_ids), "claim_id": claim_id},
     ).rowcount
 
 
 def rescue_expired_leases(conn: Connection, limit: int) -> list[Any]:
-    """Jobs whose worker vanished (lease expired) go back to their topic queue; the attempt
-    counts. -> the rescued (id, topic)."""
+    """Jobs whose worker vanished (lease expired) go back to their topic queue; an attempt
+    that started counts, a job that never started was never charged. -> the rescued (id,
+    topic)."""
     return list(
         conn.execute(
             text(
@@ -1108,8 +1386,9 @@ WITH expired AS (
     SELECT id FROM commit_log WHERE status = 'running' AND lease_until < clock_timestamp()
     ORDER BY lease_until LIMIT :limit FOR UPDATE SKIP LOCKED
 ), back AS (
-    UPDATE commit_log c SET status = 'ready', lease_until = NULL,
-        last_error = 'lease expired: the worker running attempt ' || c.attempts || ' was lost'
+    UPDATE commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
+        last_error = CASE WHEN c.started_at IS NULL THEN c.last_error
+            ELSE 'lease expired: the worker running attempt ' || c.attempts || ' was lost' END
     FROM expired WHERE c.id = expired.id
     RETURNING c.id, c.topic, c.deliver_ts
 ), queued AS (

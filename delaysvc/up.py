@@ -164,7 +164,8 @@ def run_all(settings: Settings, host: str, port: int) -> int:
 
     url = database_url(settings)
     engine = make_engine(settings, url)
-    upgrade(engine, settings.levels)
+    for change in upgrade(engine, settings.levels):
+        click.echo(change.describe())
     engine.dispose()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
     if not settings.broker_url:

@@ -16,9 +16,10 @@ from functools import cached_property
 
 from celery import Celery
 from celery.schedules import schedule
+from celery.signals import worker_init
 from sqlalchemy import Engine
 
-from delaysvc.consumption import Consumer, load_handler_modules
+from delaysvc.consumption import Consumer, batch_lease_seconds, load_handler_modules
 from delaysvc.db import make_engine
 from delaysvc.settings import Settings
 from tasks import broker
@@ -28,6 +29,7 @@ CONSUME_QUEUE = "delaysvc.consume"
 SWEEP_SECONDS = 1.0
 RESCUE_SECONDS = 10.0
 STATS_SECONDS = 10.0  # the dashboard's charts and moved/s
+FOLD_SECONDS = 1.0  # lane_count deltas folded
 
 
 def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
@@ -79,10 +81,13 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         task_routes={
             "delaysvc.deliver_lane": {"queue": DELIVERY_QUEUE},
             "delaysvc.sample_stats": {"queue": DELIVERY_QUEUE},
+            "delaysvc.fold_lane_counts": {"queue": DELIVERY_QUEUE},
             "delaysvc.*": {"queue": CONSUME_QUEUE},
         },
         task_default_queue=CONSUME_QUEUE,
-        task_time_limit=settings.lease_seconds,
+        # a consumer batch is leased for 1.5 leases and starts no job after half of one, so
+        # every handler runs for at least a lease before it is stopped (consumption.py)
+        task_time_limit=batch_lease_seconds(settings.lease_seconds),
         worker_max_memory_per_child=settings.worker_max_memory_mb * 1024 or None,
         # every entry runs every few seconds: nothing is worth persisting across restarts, and
         # the monotonic times of `every` would be wrong after a reboot
@@ -102,6 +107,11 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
                 "schedule": every(SWEEP_SECONDS),
                 "options": {"expires": SWEEP_SECONDS},
             },
+            "fold-lane-counts": {
+                "task": "delaysvc.fold_lane_counts",
+                "schedule": every(FOLD_SECONDS),
+                "options": {"expires": FOLD_SECONDS},
+            },
             "sample-stats": {
                 "task": "delaysvc.sample_stats",
                 "schedule": every(STATS_SECONDS),
@@ -118,6 +128,21 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         app.conf.worker_enable_remote_control = False
     app.conf.delaysvc_settings = settings
     return app
+
+
+@worker_init.connect
+def _require_levels(sender: object, **_: object) -> None:
+    """A worker runs only with the database's delay levels (`store.check_levels`); `delaysvc
+    worker` checks before it starts Celery, this covers `celery -A tasks worker`."""
+    from delaysvc import store
+
+    settings = sender.app.conf.delaysvc_settings  # type: ignore[attr-defined]
+    engine = make_engine(settings)
+    try:
+        with engine.connect() as conn:
+            store.check_levels(conn, settings.levels)
+    finally:
+        engine.dispose()
 
 
 @dataclass

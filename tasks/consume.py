@@ -47,7 +47,7 @@ def rescue_leases() -> int:
 # -- topics bound to existing Celery tasks ---------------------------------------------------
 
 
-def dispatch_to_celery(task_name: str, job: Job) -> None:
+def dispatch_to_celery(task_name: str, job: Job, claim_id: int) -> None:
     """Send a due job to its Celery task now (no ETA, no countdown); the outcome comes back
     through the link callbacks into the same retry / dead-letter path as handlers."""
     current_app.send_task(
@@ -55,31 +55,36 @@ def dispatch_to_celery(task_name: str, job: Job) -> None:
         args=[job.body],
         kwargs={},
         headers={"delaysvc_message_id": job.id, "delaysvc_attempt": job.attempts},
-        link=task_succeeded.s(job.id, job.attempts, time.time()),
-        link_error=task_failed.s(job.id, job.attempts, time.time()),
+        link=task_succeeded.s(job.id, claim_id, time.time()),
+        link_error=task_failed.s(job.id, claim_id, time.time()),
     )
 
 
 @shared_task(name="delaysvc.task_succeeded", ignore_result=True)
-def task_succeeded(_result: Any, message_id: int, attempt: int, sent_at: float) -> bool:
-    return runtime().consumer.record_success(message_id, attempt, _elapsed_ms(sent_at))
+def task_succeeded(_result: Any, message_id: int, claim_id: int, sent_at: float) -> bool:
+    return runtime().consumer.record_success(message_id, claim_id, _elapsed_ms(sent_at))
 
 
 @shared_task(name="delaysvc.task_failed", ignore_result=True)
 def task_failed(
-    request: Any, exc: BaseException, _traceback: Any, message_id: int, attempt: int, sent_at: float
+    request: Any,
+    exc: BaseException,
+    _traceback: Any,
+    message_id: int,
+    claim_id: int,
+    sent_at: float,
 ) -> bool:
     rt = runtime()
     with rt.engine.connect() as conn:
         from delaysvc import store
 
-        row = store.get_message(conn, message_id)
-    if row is None or row.status != "running" or row.attempts != attempt:
+        row = store.running_job(conn, message_id, claim_id)
+    if row is None:
         return False
     job = Job.from_row(row)
     if not isinstance(exc, BaseException):
         exc = RuntimeError(str(exc))
-    return rt.consumer.record_failure_of(job, exc, _elapsed_ms(sent_at))
+    return rt.consumer.record_failure_of(job, claim_id, exc, _elapsed_ms(sent_at))
 
 
 def _elapsed_ms(sent_at: float) -> int:

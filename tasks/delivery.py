@@ -29,11 +29,9 @@ def _wake_consumers(topics: tuple[str, ...]) -> None:
 def deliver_lane(lane: int) -> int:
     """Keep `lane` on time for one budget, then hand over to the next run of this task."""
     rt = runtime()
-    delay_ms = rt.settings.levels.delay_ms(lane) if lane > 0 else 0
     runner = LaneRunner(
         rt.engine,
         lane,
-        delay_ms,
         rt.settings.delivery_batch,
         rt.settings.idle_poll_ms / 1000,
         on_moved=_wake_consumers,

@@ -16,3 +16,13 @@ def sample_stats() -> int:
     fires it, so it is also beat's heartbeat."""
     record_heartbeat(runtime().engine, "beat")
     return sample(runtime().engine, runtime().settings.statement_timeout_ms).lanes
+
+
+@shared_task(name="delaysvc.fold_lane_counts", ignore_result=True)
+def fold_lane_counts() -> int:
+    """Fold the lanes' count deltas into one row per lane (every second from beat), so reading
+    a lane's exact backlog sums a few thousand rows at most."""
+    from delaysvc import store
+
+    with runtime().engine.begin() as conn:
+        return store.fold_lane_counts(conn)

@@ -1,11 +1,12 @@
 """Consumption through Consumer.run_once: claims, outcomes, retries, dead letters, leases."""
 
+import time
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
 
-from delaysvc import consumption, store
+from delaysvc import consumption, db, store
 from delaysvc.consumption import Consumer, handler
 from delaysvc.errors import DeadLetter, RetryLater
 from delaysvc.schema import TIMER_LANE
@@ -147,30 +148,95 @@ def test_cancelled_messages_never_run(producer, consumer):
     assert ran == [kept.id]
 
 
-def test_expired_lease_is_rescued_and_counts_as_an_attempt(producer, consumer, engine):
+def claim(engine, topic, lease_seconds=60):
+    with engine.begin() as conn:
+        return store.claim_ready(conn, topic, 10, lease_seconds=lease_seconds)
+
+
+def start(engine, message_id, claim_id):
+    with db.autocommit_cursor(engine) as cursor:
+        return store.start_job(cursor, message_id, claim_id)
+
+
+def expire_leases(engine):
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE commit_log SET lease_until = now() - interval '1 second'"))
+
+
+def test_a_started_attempt_whose_worker_was_lost_counts(producer, consumer, engine):
     handler("t")(lambda m: None)
     message = producer.send("t", 1)
-    with engine.begin() as conn:  # a worker claims the job and dies
-        store.claim_ready(conn, "t", 10, lease_seconds=60)
-        conn.execute(text("UPDATE commit_log SET lease_until = now() - interval '1 second'"))
+    (row,) = claim(engine, "t")
+    assert start(engine, message.id, row.claim_id) == 1  # the handler started; the worker dies
+    expire_leases(engine)
     assert [r.id for r in consumer.rescue_once()] == [message.id]
-    assert producer.get(message.id).status == "ready"
+    lost = producer.get(message.id)
+    assert (lost.status, lost.attempts) == ("ready", 1)
+    assert lost.last_error == "lease expired: the worker running attempt 1 was lost"
     assert consumer.run_once("t").succeeded == 1
     done = producer.get(message.id)
     assert (done.status, done.attempts) == ("succeeded", 2)
 
 
-def test_a_zombie_worker_cannot_finish_a_job_taken_over(producer, consumer, engine):
+def test_a_claimed_job_that_never_started_is_not_charged_an_attempt(producer, consumer, engine):
     handler("t")(lambda m: None)
     message = producer.send("t", 1)
-    with engine.begin() as conn:
-        store.claim_ready(conn, "t", 10, lease_seconds=60)
-        conn.execute(text("UPDATE commit_log SET lease_until = now() - interval '1 second'"))
+    claim(engine, "t")  # a worker claims the job and dies before starting it
+    expire_leases(engine)
+    assert [r.id for r in consumer.rescue_once()] == [message.id]
+    lost = producer.get(message.id)
+    assert (lost.status, lost.attempts, lost.last_error) == ("ready", 0, None)
+    assert consumer.run_once("t").succeeded == 1
+    done = producer.get(message.id)
+    assert (done.status, done.attempts) == ("succeeded", 1)
+
+
+def test_a_zombie_worker_cannot_start_or_finish_a_job_taken_over(producer, consumer, engine):
+    handler("t")(lambda m: None)
+    message = producer.send("t", 1)
+    (old,) = claim(engine, "t")
+    assert start(engine, message.id, old.claim_id) == 1
+    expire_leases(engine)
     consumer.rescue_once()
-    with engine.begin() as conn:
-        store.claim_ready(conn, "t", 10, lease_seconds=60)  # attempt 2 is running
-    assert consumer.record_success(message.id, attempt=1, duration_ms=5) is False
+    (new,) = claim(engine, "t")  # taken again, not started yet
+    assert new.claim_id != old.claim_id
+    assert consumer.record_success(message.id, old.claim_id, duration_ms=5) is False
+    assert start(engine, message.id, old.claim_id) is None
+    assert start(engine, message.id, new.claim_id) == 2
+    assert consumer.record_success(message.id, old.claim_id, duration_ms=5) is False
     assert producer.get(message.id).status == "running"
+    assert consumer.record_success(message.id, new.claim_id, duration_ms=5) is True
+
+
+def test_a_batch_starts_no_job_after_half_a_lease_and_gives_the_rest_back_uncharged(
+    producer, settings, engine
+):
+    slow = Consumer(settings.model_copy(update={"lease_seconds": 2}), engine)
+    ran = []
+
+    @handler("slow")
+    def take_time(message):
+        ran.append((message.id, message.attempts))
+        time.sleep(0.6)
+
+    ids = [producer.send("slow", i).id for i in range(5)]
+    result = slow.run_once("slow")
+    # started at 0, 0.6 s; at 1.2 s half the lease (1 s) has passed: three go back
+    assert (result.claimed, result.succeeded, result.released) == (5, 2, 3)
+    assert ran == [(ids[0], 1), (ids[1], 1)]
+    for message_id in ids[2:]:
+        back = slow_get(engine, message_id)
+        assert (back.status, back.attempts, back.started_at) == ("ready", 0, None)
+    with engine.connect() as conn:
+        assert store.topics_with_ready(conn) == ["slow"]
+    while slow.run_once("slow").claimed:
+        pass
+    assert sorted(ran) == [(message_id, 1) for message_id in ids]  # each ran once, attempt 1
+
+
+def slow_get(engine, message_id):
+    with engine.connect() as conn:
+        return store.get_message(conn, message_id)
 
 
 def test_paused_topic_is_not_claimed(producer, consumer, engine):

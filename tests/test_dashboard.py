@@ -289,7 +289,7 @@ def test_overview_lanes_show_pending_offsets_next_due_and_moved_per_second(
     t0 = datetime(2030, 1, 1, tzinfo=UTC)
     dash.sample_stats(engine, at=t0)
     with engine.connect() as conn:  # deliver level 2 as if 10 s had passed
-        moved = delivery.run_once(conn, 2, 2000, 100, now=datetime.now(UTC) + timedelta(seconds=10))
+        moved = delivery.run_once(conn, 2, 100, now=datetime.now(UTC) + timedelta(seconds=10))
     assert moved.moved == 3
     dash.sample_stats(engine, at=t0 + timedelta(seconds=2))
     lanes = {row["key"]: row for row in admin.get("/ui/overview.json").get_json()["lanes"]}

@@ -3,9 +3,11 @@
 import threading
 from datetime import timedelta
 
+import pytest
 from sqlalchemy import text
 
 from delaysvc import delivery, store
+from delaysvc.errors import NotStuck
 from delaysvc.schema import TIMER_LANE
 
 
@@ -20,10 +22,9 @@ def offsets(engine):
         return {row.lane: row.schedule_offset for row in rows}
 
 
-def tick(engine, lane, now, batch=1000, delay_ms=None):
-    delay = delay_ms if delay_ms is not None else dict(delivery.lanes(engine))[lane]
+def tick(engine, lane, now, batch=1000):
     with engine.connect() as conn:
-        return delivery.run_once(conn, lane, delay, batch, now)
+        return delivery.run_once(conn, lane, batch, now)
 
 
 def db_now(engine):
@@ -121,6 +122,18 @@ def test_clock_moved_back_delivers_a_head_beyond_one_level_delay(producer, engin
     result = tick(engine, 1, message.stored_at - timedelta(minutes=10))
     assert result.moved == 1
     assert topic_queue(engine) == [message.id]
+
+
+def test_a_head_just_beyond_one_delay_waits_a_send_racing_a_move_is_not_taken_for_clock_back(
+    producer, engine
+):
+    """A send whose statement began a moment after the move's computed its due time from a
+    later clock: up to the margin beyond one delay is not a clock that went back."""
+    message = producer.send("t", 1, delay_level=1)  # due 1 s after it was stored
+    result = tick(engine, 1, message.stored_at - timedelta(milliseconds=500))
+    assert result.moved == 0
+    assert topic_queue(engine) == []
+    assert producer.get(message.id).status == "scheduled"
 
 
 def test_head_within_one_delay_still_waits(producer, engine):
@@ -221,7 +234,7 @@ def test_lane_stats_pending_is_max_offset_minus_schedule_offset(producer, engine
 def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
     message = producer.send("t", 1, delay="300ms")
     woken = []
-    runner = delivery.LaneRunner(engine, TIMER_LANE, 0, 100, 0.05, on_moved=woken.append)
+    runner = delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append)
     runner.run(budget_seconds=1.0)
     assert runner.moved_total == 1
     assert woken == [("t",)]
@@ -268,3 +281,51 @@ def test_moves_are_counted_in_the_lateness_histogram(producer, engine):
     assert row.lane == 1
     assert sum(row.counts) == 9
     assert row.counts[LATENESS_BUCKETS_MS.index(1000) + 1] == 9
+
+
+def test_skip_head_of_a_lane_no_longer_stuck_dead_letters_nothing(producer, engine):
+    """An operator skips from a stale page: the stuck head was delivered meanwhile, and the
+    lane's next message is healthy. Before, the next message was dead-lettered."""
+    stuck = producer.send("t", 1, delay_level=1)
+    healthy = producer.send("t", 2, delay_level=1)
+    with engine.begin() as conn:
+        store.mark_stuck(conn, 1, store.lane_head(conn, 1).queue_offset, "transient")
+    assert tick(engine, 1, stuck.deliver_at).moved == 1  # the cause went away
+    with engine.begin() as conn, pytest.raises(NotStuck, match="not stuck"):
+        store.skip_stuck_head(conn, 1)
+    with engine.begin() as conn:  # stuck flag set again on another offset: refused too
+        store.mark_stuck(conn, 1, 999, "stale")
+    with engine.begin() as conn, pytest.raises(NotStuck, match="no longer the message"):
+        store.skip_stuck_head(conn, 1)
+    assert [producer.get(m.id).status for m in (stuck, healthy)] == ["ready", "scheduled"]
+
+
+def test_skip_head_while_a_move_holds_the_lane_waits_for_nothing_and_skips_nothing(
+    producer, engine
+):
+    head = producer.send("t", 1, delay_level=1)
+    with engine.begin() as conn:
+        store.mark_stuck(conn, 1, store.lane_head(conn, 1).queue_offset, "transient")
+    with engine.connect() as mover:  # a real concurrent mover holds the lane
+        with mover.begin():
+            assert store.lock_lane(mover, 1) is not None
+            moved = store.move_due(mover, 1, 1000, 100, head.deliver_at)
+            assert moved.count == 1
+            with engine.begin() as conn, pytest.raises(NotStuck, match="being delivered"):
+                store.skip_stuck_head(conn, 1)
+    assert producer.get(head.id).status == "ready"
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM dead_letter")).scalar_one() == 0
+
+
+def test_a_queued_message_that_is_no_longer_waiting_is_never_claimed(producer, engine):
+    """One message can never be both dead and running: the claim names the states it takes."""
+    message = producer.send("t", 1)  # ready: in the topic queue
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE commit_log SET status = 'dead', finished_at = now() WHERE id = :id"),
+            {"id": message.id},
+        )
+        assert store.claim_ready(conn, "t", 10, 60) == []
+    assert producer.get(message.id).status == "dead"
+    assert topic_queue(engine) == []  # the stray queue row is dropped

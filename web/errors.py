@@ -19,6 +19,7 @@ STATUS = {
     "not_found": 404,
     "not_cancellable": 409,
     "duplicate_key": 409,
+    "not_stuck": 409,
     "backlog_full": 429,
     "schema_not_ready": 503,
     "unavailable": 503,

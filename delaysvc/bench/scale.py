@@ -112,7 +112,7 @@ def _measure(ctx: BenchContext, seconds: float, due: int, send_level: int | None
     with ctx.engine.connect() as conn:
         while True:
             began = time.perf_counter()
-            moved = run_once(conn, 1, ctx.settings.levels.delay_ms(1), batch).moved
+            moved = run_once(conn, 1, batch).moved
             if not moved:
                 break
             times.append((time.perf_counter() - began) * 1000)
@@ -135,12 +135,12 @@ def fill_lane(
     `deliver_ts` is an SQL expression for the first one's due time."""
     sequence = f"consume_queue_{lane}_seq" if lane != TIMER_LANE else "timer_queue_seq"
     target = (
-        "INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
-        f"SELECT {lane}, queue_offset, id, topic, deliver_ts FROM m"
+        ", q AS (INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
+        f"SELECT {lane}, queue_offset, id, topic, deliver_ts FROM m) "
         if lane != TIMER_LANE
-        else "INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic) "
-        "SELECT deliver_ts, queue_offset, id, topic FROM m"
-    )
+        else ", q AS (INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic) "
+        "SELECT deliver_ts, queue_offset, id, topic FROM m) "
+    ) + f"INSERT INTO lane_count (lane, delta) SELECT {lane}, count(*) FROM m"
     with engine.begin() as conn:
         conn.execute(
             text(

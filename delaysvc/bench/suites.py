@@ -67,7 +67,7 @@ def reset_tables(engine: Engine) -> None:
         conn.execute(
             text(
                 "TRUNCATE commit_log, consume_queue, timer_queue, topic_queue, dead_letter, "
-                "topic_state"
+                "topic_state, lane_count"
             )
         )
         conn.execute(
@@ -195,7 +195,7 @@ def delivery_suite(
     progress = Progress("drain", backlog)
     with engine.connect() as conn:
         while moved < backlog:
-            result = run_once(conn, 1, settings.levels.delay_ms(1), batch)
+            result = run_once(conn, 1, batch)
             if not result.moved:
                 break
             moved += result.moved
@@ -227,12 +227,9 @@ def steady_flow(
     figures = Figures()
     producer = Producer(settings, engine)
     stop = threading.Event()
-    lanes = [(1, settings.levels.delay_ms(1)), (TIMER_LANE, 0)]
     runners = [
-        LaneRunner(
-            engine, lane, delay_ms, settings.delivery_batch, settings.idle_poll_ms / 1000, stop=stop
-        )
-        for lane, delay_ms in lanes
+        LaneRunner(engine, lane, settings.delivery_batch, settings.idle_poll_ms / 1000, stop=stop)
+        for lane in (1, TIMER_LANE)
     ]
     threads = [threading.Thread(target=_run_lane, args=(r, stop)) for r in runners]
     workers = _start_consumers(settings, consumers, stop_after=None)

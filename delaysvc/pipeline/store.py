@@ -218,21 +218,26 @@ _STAGE = """CREATE TEMP TABLE IF NOT EXISTS pipeline_bulk_stage (
 _STAGE_COLUMNS = (
     "topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, deliver_at"
 )
-# The service's own insert (store._INSERT_MANY) fed from a staging table filled by COPY:
-# the same lanes, offsets, key rule and database-clock deliver_ts, and the same enqueue
+# The service's own insert (store.INSERT_STAGED) fed from a staging table filled by COPY:
+# the same lanes (a level only if the database agrees on its delay), offsets, key rule,
+# database-clock deliver_ts and lane counts, and the same enqueue
 # fragment, but no parameter arrays and no rows sent back. Rows are taken in (topic, key)
 # order so parallel partitions holding the same keys lock them in the same order.
 _INSERT_STAGED = f"""
 WITH msg AS (
     INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
         lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
-    SELECT topic, key, tags, body, body_is_json, properties, delay_level, lane,
-        {service_store._NEXT_OFFSET.format(lane="lane")},
-        CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
+    SELECT topic, key, tags, body, body_is_json, properties, delay_level, placed.lane,
+        {service_store._NEXT_OFFSET.format(lane="placed.lane")},
+        CASE WHEN placed.lane < 0 THEN 'ready' ELSE 'scheduled' END,
         statement_timestamp(),
         COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
-        CASE WHEN lane < 0 THEN statement_timestamp() END
-    FROM pipeline_bulk_stage ORDER BY topic, key
+        CASE WHEN placed.lane < 0 THEN statement_timestamp() END
+    FROM pipeline_bulk_stage b
+    CROSS JOIN LATERAL (SELECT CAST({
+    service_store._PLACED_LANE.format(lane="b.lane", delay_ms="b.delay_ms")
+} AS smallint) AS lane) placed
+    ORDER BY topic, key
     {{on_conflict}}
     RETURNING id, topic, lane, queue_offset, deliver_ts
 ){service_store._ENQUEUE_FROM.format(src="msg")}

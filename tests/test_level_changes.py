@@ -1,0 +1,188 @@
+"""Changing the delay levels with messages waiting: the database is the one truth for a level's
+delay, and no waiting message is delivered before its time, whatever the settings of the
+producers and workers say (issue: a message sent at a 1h level ran within seconds after the
+level was shortened to 10m)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import Engine, text
+
+from delaysvc import delivery, store
+from delaysvc.errors import SchemaNotReady
+from delaysvc.levels import DelayLevels
+from delaysvc.migrate import upgrade
+from delaysvc.producer import Producer
+from delaysvc.schema import TIMER_LANE
+from delaysvc.settings import Settings
+from tests.conftest import TEST_LEVELS  # "1s 2s 3s 5s 8s"
+
+
+def tick(engine: Engine, lane: int, now=None):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return delivery.run_once(conn, lane, 1000, now)
+
+
+def where(engine: Engine, message_id: int):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return store.get_message(conn, message_id)
+
+
+def pending(engine: Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return {row.lane: row.pending for row in store.lane_stats(conn)}
+
+
+def stored_levels(engine: Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return store.stored_levels(conn)
+
+
+def test_a_shortened_level_does_not_deliver_its_waiting_messages_early(settings, engine):
+    """The issue's reproduction: level 5 is 1h, a message waits in it, the level becomes 10m."""
+    upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 1h"))
+    hour = Producer(
+        Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 1h"), engine
+    )
+    message = hour.send("order.cancel", {"order_id": 42}, delay_level=5)
+    assert message.deliver_at - message.stored_at == timedelta(hours=1)
+
+    changes = upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 10m"))
+    assert [(c.level, c.old_ms, c.new_ms, c.relocated) for c in changes] == [
+        (5, 3_600_000, 600_000, 1)
+    ]
+    # workers with either setting move nothing now: the level is empty, the timer lane's
+    # head is due in an hour
+    for lane in (5, TIMER_LANE):
+        assert tick(engine, lane).moved == 0
+    waiting = where(engine, message.id)
+    assert (waiting.status, waiting.lane, waiting.deliver_ts) == (
+        "scheduled",
+        TIMER_LANE,
+        message.deliver_at,
+    )
+    assert tick(engine, TIMER_LANE, message.deliver_at).moved == 1
+    assert pending(engine)[TIMER_LANE] == 0
+    # and the level takes its new delay
+    ten = Producer(
+        Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 10m"), engine
+    )
+    fresh = ten.send("order.cancel", {"order_id": 43}, delay_level=5)
+    assert fresh.deliver_at - fresh.stored_at == timedelta(minutes=10)
+    assert where(engine, fresh.id).lane == 5
+
+
+def test_a_lengthened_level_keeps_its_messages_in_order_and_on_time(producer, settings, engine):
+    first = producer.send("t", 1, delay_level=4)  # 5 s
+    assert upgrade(engine, DelayLevels.parse("1s 2s 3s 7s 8s"))[0].relocated == 0
+    longer = Producer(
+        Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 7s 8s"), engine
+    )
+    second = longer.send("t", 2, delay_level=4)  # 7 s
+    assert second.deliver_at - second.stored_at == timedelta(seconds=7)
+    assert [where(engine, m.id).lane for m in (first, second)] == [4, 4]
+    assert tick(engine, 4, first.deliver_at - timedelta(milliseconds=1)).moved == 0
+    assert tick(engine, 4, first.deliver_at).moved == 1
+    assert tick(engine, 4, second.deliver_at - timedelta(milliseconds=1)).moved == 0
+    assert tick(engine, 4, second.deliver_at).moved == 1
+
+
+def test_an_added_level_leaves_waiting_messages_alone(producer, engine):
+    waiting = producer.send("t", 1, delay_level=5)
+    assert upgrade(engine, DelayLevels.parse(TEST_LEVELS + " 13s")) == []
+    assert stored_levels(engine)[6] == 13_000
+    assert where(engine, waiting.id).lane == 5
+    assert pending(engine)[5] == 1
+
+
+def test_a_removed_level_hands_its_messages_to_the_timer_lane(producer, engine):
+    kept = [producer.send("t", i, delay_level=5) for i in range(3)]
+    changes = upgrade(engine, DelayLevels.parse("1s 2s 3s"))
+    assert [(c.level, c.new_ms, c.relocated) for c in changes] == [(4, None, 0), (5, None, 3)]
+    assert sorted(stored_levels(engine)) == [1, 2, 3]
+    assert pending(engine)[TIMER_LANE] == 3
+    for message in kept:
+        assert (where(engine, message.id).lane, where(engine, message.id).status) == (
+            0,
+            "scheduled",
+        )
+    assert tick(engine, TIMER_LANE, kept[-1].deliver_at).moved == 3
+    with engine.connect() as conn:
+        moved = conn.execute(text("SELECT message_id FROM topic_queue ORDER BY seq")).scalars()
+        assert list(moved) == [m.id for m in kept]
+
+
+def test_a_producer_with_old_levels_never_puts_a_message_in_a_level_of_another_delay(
+    producer, engine
+):
+    upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 6s"))  # level 5: 8 s -> 6 s
+    stale = producer.send("t", "old settings", delay_level=5)  # this producer still says 8 s
+    row = where(engine, stale.id)
+    assert (row.lane, row.deliver_ts - row.stored_at) == (TIMER_LANE, timedelta(seconds=8))
+    batch = producer.send_batch([{"topic": "t", "body": 1, "delay": "8s"}])
+    assert where(engine, batch[0].id).lane == TIMER_LANE
+    # a producer whose levels agree with the database's uses the level
+    assert where(engine, producer.send("t", 2, delay_level=3).id).lane == 3
+
+
+def test_processes_with_other_levels_are_refused_with_the_difference_named(engine):
+    with engine.connect() as conn, pytest.raises(SchemaNotReady) as refused:
+        store.check_levels(conn, DelayLevels.parse("1s 2s 3s 5s 1h"))
+    assert "level 5: 1h configured, 8s in the database" in str(refused.value)
+    assert "delaysvc migrate" in str(refused.value)
+
+
+def test_the_lane_delay_is_the_databases_not_the_runners(producer, settings, engine):
+    """A lane runner started with other levels moves by the database's delay."""
+    message = producer.send("t", 1, delay_level=5)  # 8 s in the database
+    runner = delivery.LaneRunner(engine, 5, 1000, 0.05)
+    result = tick(engine, 5, message.stored_at + timedelta(seconds=1))
+    assert (result.moved, result.delay_ms) == (0, 8000)
+    assert runner.lane == 5
+
+
+def test_a_level_change_waits_for_a_producer_transaction_and_then_relocates_its_message(
+    settings, engine
+):
+    producer = Producer(settings, engine)
+    with engine.connect() as conn:
+        conn.begin()
+        message = producer.send("t", "in flight", delay_level=5, connection=conn)
+        migrated = threading.Event()
+        changes: list = []
+
+        def migrate() -> None:
+            changes.extend(upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 6s")))
+            migrated.set()
+
+        migrating = threading.Thread(target=migrate)
+        migrating.start()
+        time.sleep(0.5)
+        assert not migrated.is_set()  # the change waits for the producer's transaction
+        conn.commit()
+    migrating.join(timeout=30)
+    assert migrated.is_set() and changes[0].relocated == 1
+    row = where(engine, message.id)
+    assert (row.lane, row.deliver_ts) == (TIMER_LANE, message.deliver_at)
+
+
+def test_cli_migrate_names_each_change(tmp_path, database_url, engine, producer):
+    from click.testing import CliRunner
+
+    from delaysvc.cli import cli
+
+    producer.send("t", 1, delay_level=5)
+    result = CliRunner().invoke(
+        cli,
+        ["migrate"],
+        env={"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 6s"},
+    )
+    assert result.exit_code == 0, result.output
+    assert (
+        "level 5: 8s -> 6s; its 1 waiting messages moved to the timer lane, due when they were due"
+        in result.output
+    )
