@@ -306,13 +306,11 @@ def test_skip_head_while_a_move_holds_the_lane_waits_for_nothing_and_skips_nothi
     head = producer.send("t", 1, delay_level=1)
     with engine.begin() as conn:
         store.mark_stuck(conn, 1, store.lane_head(conn, 1).queue_offset, "transient")
-    with engine.connect() as mover:  # a real concurrent mover holds the lane
-        with mover.begin():
-            assert store.lock_lane(mover, 1) is not None
-            moved = store.move_due(mover, 1, 1000, 100, head.deliver_at)
-            assert moved.count == 1
-            with engine.begin() as conn, pytest.raises(NotStuck, match="being delivered"):
-                store.skip_stuck_head(conn, 1)
+    with engine.connect() as mover, mover.begin():  # a real concurrent mover holds the lane
+        assert store.lock_lane(mover, 1) is not None
+        assert store.move_due(mover, 1, 1000, 100, head.deliver_at).count == 1
+        with engine.begin() as conn, pytest.raises(NotStuck, match="being delivered"):
+            store.skip_stuck_head(conn, 1)
     assert producer.get(head.id).status == "ready"
     with engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM dead_letter")).scalar_one() == 0

@@ -19,7 +19,6 @@ from delaysvc.db import make_engine
 from delaysvc.errors import SchemaNotReady
 from delaysvc.levels import DelayLevels
 from delaysvc.migrate import downgrade, heads, upgrade
-from delaysvc.producer import Producer
 from delaysvc.schema import is_level_partition, metadata
 from delaysvc.settings import Settings
 from tests.conftest import TEST_LEVELS, Server
