@@ -312,7 +312,7 @@ def skip_head(ctx: Context, lane: int) -> None:
     """Move the head of a stuck LANE to the dead letters so the lane moves on."""
     with ctx.engine.begin() as conn:
         skipped = store.skip_stuck_head(conn, lane)
-    click.echo(f"skipped message {skipped}" if skipped else f"lane {lane} is empty")
+    click.echo(f"skipped message {skipped}")
 
 
 @cli.command()

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from delaysvc import caps, db, store
@@ -24,7 +24,6 @@ from delaysvc.errors import (
     DuplicateKey,
     NotCancellable,
     NotFound,
-    SchemaNotReady,
     ValidationError,
 )
 from delaysvc.levels import DelayLevels, parse_duration_ms
@@ -273,6 +272,17 @@ class Producer:
         else:
             ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
         message = Message.sent(new, row) if created else Message.from_row(row, created=False)
+        if created and new.lane > 0 and row.lane == TIMER_LANE:
+            log.warning(
+                "message.level_differs",
+                extra={
+                    "message_id": message.id,
+                    "level": new.lane,
+                    "delay_ms": new.delay_ms,
+                    "hint": "this process's DELAYSVC_DELAY_LEVELS differ from the database's; "
+                    "the message went to the timer lane, due as computed here",
+                },
+            )
         log.info(
             "message.sent" if created else "message.duplicate_key",
             extra={"message_id": message.id, "topic": message.topic, "lane": new.lane},
@@ -465,12 +475,6 @@ def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool)
         ) from exc
     if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):
         raise DuplicateKey(str(exc.orig)) from None
-    if isinstance(exc, ProgrammingError) and "consume_queue_" in str(exc.orig):
-        # a level the database was never given
-        raise SchemaNotReady(
-            f"the database has no queue for a configured delay level ({exc.orig}); "
-            "run `delaysvc migrate` after changing DELAYSVC_DELAY_LEVELS"
-        ) from None
 
 
 def _lookup_key(key: object) -> str:

@@ -990,7 +990,8 @@ def lane_pending(conn: Connection, lane: int) -> int:
     """Waiting messages of a lane, exactly: the sum of its `lane_count` deltas (a few thousand
     rows at most between two folds)."""
     return conn.execute(
-        _sql("SELECT COALESCE(sum(delta), 0) FROM lane_count WHERE lane = :lane"), {"lane": lane}
+        _sql("SELECT CAST(COALESCE(sum(delta), 0) AS bigint) FROM lane_count WHERE lane = :lane"),
+        {"lane": lane},
     ).scalar_one()
 
 
@@ -1104,7 +1105,7 @@ SELECT s.lane, s.delay_ms, s.schedule_offset, s.moved_total, s.early_total, s.la
        rate.moved_per_s,
        clock_timestamp() AS now
 FROM schedule_offset s
-LEFT JOIN (SELECT lane, sum(delta) AS pending FROM lane_count GROUP BY lane) counts
+LEFT JOIN (SELECT lane, CAST(sum(delta) AS bigint) AS pending FROM lane_count GROUP BY lane) counts
        ON counts.lane = s.lane
 LEFT JOIN pg_sequences seq
        ON seq.schemaname = current_schema()

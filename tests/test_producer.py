@@ -9,8 +9,10 @@ from psycopg import pq
 from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 
+from delaysvc import store
 from delaysvc.errors import NotCancellable, NotFound, TooLarge, ValidationError
 from delaysvc.producer import Producer
+from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
 
 
@@ -226,13 +228,19 @@ def test_body_size_limit(database_url, engine):
         producer.send("t", "x" * 99)
 
 
-def test_a_level_the_database_was_never_given_is_a_clear_error(settings, engine):
-    from delaysvc.errors import SchemaNotReady
+def test_a_level_the_database_was_never_given_goes_to_the_timer_lane_due_as_computed(
+    settings, engine, caplog
+):
     from delaysvc.producer import Producer
 
-    more_levels = settings.model_copy(update={"delay_levels": "1s 2s 3s 5s 8s 13s"})
-    with pytest.raises(SchemaNotReady, match="run `delaysvc migrate`"):
-        Producer(more_levels, engine).send("t.level6", {}, delay_level=6)
+    more_levels = Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 8s 13s")
+    sent = Producer(more_levels, engine).send("t.level6", {}, delay_level=6)
+    assert sent.deliver_at - sent.stored_at == timedelta(seconds=13)
+    with engine.connect() as conn:
+        assert store.get_message(conn, sent.id).lane == TIMER_LANE
+    assert next(r.message for r in caplog.records if r.name == "delaysvc.producer") == (
+        "message.level_differs"
+    )
 
 
 @contextmanager

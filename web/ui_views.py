@@ -50,11 +50,7 @@ def skip_head(lane: int) -> Any:
         done(f"not skipped: {exc}")
     else:
         name = "the timer lane" if lane == 0 else f"level {lane}"
-        done(
-            f"message {skipped} moved from {name} to the dead letters"
-            if skipped is not None
-            else f"{name} is empty; nothing to skip"
-        )
+        done(f"message {skipped} moved from {name} to the dead letters")
     return redirect(url_for("dashboard.ui.overview"))
 
 

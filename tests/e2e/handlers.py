@@ -55,6 +55,12 @@ def slow_first_attempt(message):  # type: ignore[no-untyped-def]
     _record(message.id, message.attempts, "done")
 
 
+@handler("e2e.slow")
+def takes_its_time(message):  # type: ignore[no-untyped-def]
+    _record(message.id, message.attempts, "start")
+    time.sleep(message.body["sleep"])
+
+
 def _header(name: str):  # type: ignore[no-untyped-def]
     request = celery_task.request
     return getattr(request, name, None) or (request.headers or {}).get(name)

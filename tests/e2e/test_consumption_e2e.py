@@ -96,6 +96,23 @@ def test_kill_9_of_a_worker_mid_job_runs_the_job_again_after_its_lease(
     assert row.last_error == "lease expired: the worker running attempt 1 was lost"  # but told
 
 
+def test_slow_handlers_at_the_end_of_a_batch_are_never_charged_an_attempt_they_did_not_run(
+    service_factory,
+    producer: Producer,  # type: ignore[no-untyped-def]
+) -> None:
+    """Six 0.7 s jobs claimed in one batch under a 2 s lease. Before, the batch's task was
+    stopped at the lease and its last jobs, charged at the claim without having run, were
+    rescued and ran as attempt 2 (and could reach the dead letters without ever running)."""
+    service = service_factory(lease_seconds="2")
+    sent = [producer.send("e2e.slow", {"sleep": 0.7}) for _ in range(6)]
+    service.consume_worker()
+    service.beat()
+    wait_for(lambda: service.count_status("succeeded") == 6, 90, "all six to succeed")
+    for message in sent:
+        assert _runs(service, message.id, "start") == [1]
+        assert _message(service, message.id).attempts == 1
+
+
 def test_four_consumers_on_one_topic_run_each_message_exactly_once(
     service: Service, producer: Producer
 ) -> None:
