@@ -28,6 +28,16 @@ TOKEN_CACHE_SECONDS = 5
 _live_tokens: TTLCache[tuple[str, str], Any] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
 _live_tokens_lock = threading.Lock()
 
+# What a login for a name that is not a user is checked against: a hash of a password nobody
+# knows, made by generate_password_hash with its defaults (scrypt, n=2**15, r=8, p=1) like the
+# users' own. Checking it costs what checking a user's password costs, so the time a login
+# takes does not tell whether the name exists. (A literal: making one at import would cost a
+# scrypt in every process that imports this module.)
+_NO_USER_HASH = (
+    "scrypt:32768:8:1$eUy74NeGNGBSQeJp$fc0fcbbb33cebe49d5b5c0ccfe4263171a7a846ad25201975e2f55ca"
+    "1ed031f0e8cf619d0d68bdf42facd7b7e423c9caa12dd83bd233c544b69438daf410799c"
+)
+
 
 def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
@@ -82,14 +92,13 @@ def create_user(engine: Engine, name: str, password: str, role: str = "viewer") 
 
 def check_login(engine: Engine, name: str, password: str) -> Any:
     """-> the user row if the password is right and the account is not locked, else None.
-    Repeated failures lock the account for LOCKOUT_SECONDS."""
+    Repeated failures lock the account for LOCKOUT_SECONDS. Every attempt costs exactly one
+    password hash, whether the name is unknown, the account locked or neither, so response
+    times do not tell which names exist or are locked."""
     with engine.begin() as conn:
         user = store.find_user(conn, name)
-        if user is None:
-            check_password_hash(generate_password_hash("x"), password)  # same work either way
+        ok = check_password_hash(_NO_USER_HASH if user is None else user.password_hash, password)
+        if user is None or user.locked:
             return None
-        if user.locked:
-            return None
-        ok = check_password_hash(user.password_hash, password)
         store.record_login(conn, name, ok, MAX_FAILED_LOGINS, LOCKOUT_SECONDS)
     return user if ok else None
