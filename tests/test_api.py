@@ -14,6 +14,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc import auth, store
 from delaysvc.consumption import Consumer, handler
+from delaysvc.errors import ConfigError
 from delaysvc.settings import Settings
 from web import create_app
 
@@ -254,6 +255,33 @@ def test_metrics_show_lanes_topics_and_stored_messages(
     assert 'delaysvc_lane_stuck{delay="2s",lane="2"} 0.0' in lines
     assert 'delaysvc_topic_jobs{state="ready",topic="t.ready"} 1.0' in lines
     assert "delaysvc_messages_stored_total 4.0" in lines
+
+
+def test_metrics_are_open_without_a_metrics_token_and_need_it_when_one_is_set(
+    client: FlaskClient, settings: Settings, admin_token: dict[str, str]
+) -> None:
+    assert client.get("/metrics").status_code == 200  # DELAYSVC_METRICS_TOKEN unset
+    guarded = create_app(settings.model_copy(update={"metrics_token": "scrape-secret-1"}))
+    try:
+        scraper = guarded.test_client()
+        _error(scraper.get("/metrics"), 401, "unauthorized")
+        for wrong in ("scrape-secret-2", "scrape-secret-1x", "", "scrape-secret-ü"):
+            response = scraper.get("/metrics", headers={"Authorization": f"Bearer {wrong}"})
+            _error(response, 401, "unauthorized")
+        _error(scraper.get("/metrics", headers=admin_token), 401, "unauthorized")  # API token
+        right = scraper.get("/metrics", headers={"Authorization": "Bearer scrape-secret-1"})
+        assert right.status_code == 200
+        assert "delaysvc_messages_stored_total 0.0" in right.get_data(as_text=True).splitlines()
+    finally:
+        guarded.extensions["delaysvc"]["engine"].dispose()
+
+
+def test_the_metrics_token_is_read_from_the_environment_and_checked() -> None:
+    assert Settings.from_env({}).metrics_token is None
+    found = Settings.from_env({"DELAYSVC_METRICS_TOKEN": "scrape-secret-1"})
+    assert found.metrics_token == "scrape-secret-1"
+    with pytest.raises(ConfigError, match=r"DELAYSVC_METRICS_TOKEN: .*no spaces"):
+        Settings.from_env({"DELAYSVC_METRICS_TOKEN": "two words"})
 
 
 def _spec_paths(app: Flask) -> set[tuple[str, str]]:
