@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from cachetools import TTLCache
 from sqlalchemy import Engine
 from werkzeug.security import check_password_hash, generate_password_hash
 
-from delaysvc import store
+from delaysvc import store, store_tokens
 from delaysvc.errors import ValidationError
+from delaysvc.validation import validate_topic
 
 SCOPES = ("send", "admin")
 ROLES = ("admin", "viewer")
@@ -20,12 +23,27 @@ TOKEN_PREFIX = "dsvc_"
 MAX_FAILED_LOGINS = 5
 LOCKOUT_SECONDS = 300
 
+
+@dataclass(frozen=True)
+class ApiToken:
+    """A live token as the API sees it. `topics`: the only topics it may send to, read, cancel
+    and (admin) redrive, sorted; None: every topic."""
+
+    id: int
+    name: str
+    scope: str
+    topics: tuple[str, ...] | None
+
+    def allows(self, topic: str) -> bool:
+        return self.topics is None or topic in self.topics
+
+
 # A live token, once found, is trusted for TOKEN_CACHE_SECONDS without asking the database
 # again: an HTTP send is then one statement, not two transactions. A token revoked by another
 # process (`delaysvc revoke-token`) stops working on a web worker within that time; revoked in
 # this process, at once. Unknown tokens are never cached, so made-up ones cannot fill it.
 TOKEN_CACHE_SECONDS = 5
-_live_tokens: TTLCache[tuple[str, str], Any] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
+_live_tokens: TTLCache[tuple[str, str], ApiToken] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
 _live_tokens_lock = threading.Lock()
 
 # What a login for a name that is not a user is checked against: a hash of a password nobody
@@ -43,39 +61,53 @@ def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(engine: Engine, name: str, scope: str = "send") -> str:
-    """-> the new token (shown once; only its hash is stored)."""
+def create_token(
+    engine: Engine, name: str, scope: str = "send", topics: Iterable[str] | None = None
+) -> str:
+    """-> the new token (shown once; only its hash is stored). `topics` limits it to those
+    topics (each must be a valid topic name); None: every topic."""
     if scope not in SCOPES:
         raise ValidationError("scope", f"{scope!r} is not a scope; use one of {SCOPES}")
     if not name or len(name) > 100:
         raise ValidationError("name", "must be 1-100 characters")
+    only = None if topics is None else _token_topics(topics)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as conn:
-        store.insert_token(conn, name, _hash_token(token), scope)
+        store_tokens.insert_token(conn, name, _hash_token(token), scope, only)
     return token
 
 
-def authenticate_token(engine: Engine, token: str) -> Any:
-    """-> the token row (name, scope) or None. Looked up by its SHA-256: an attacker cannot
-    steer the hash, so the lookup leaks nothing about stored tokens through timing. Live
-    tokens are remembered for TOKEN_CACHE_SECONDS."""
+def _token_topics(topics: Iterable[str]) -> list[str]:
+    """Valid topic names, sorted, each once; at least one (no list means every topic)."""
+    valid = sorted({validate_topic(topic) for topic in topics})
+    if not valid:
+        raise ValidationError("topics", "give at least one topic, or none for every topic")
+    return valid
+
+
+def authenticate_token(engine: Engine, token: str) -> ApiToken | None:
+    """-> the live token or None. Looked up by its SHA-256: an attacker cannot steer the
+    hash, so the lookup leaks nothing about stored tokens through timing. Live tokens (with
+    their topics) are remembered for TOKEN_CACHE_SECONDS."""
     key = (str(engine.url), _hash_token(token))
     with _live_tokens_lock:
         found = _live_tokens.get(key)
     if found is not None:
         return found
     with engine.connect() as conn:
-        found = store.find_token(conn, key[1])
-    if found is not None:
-        with _live_tokens_lock:
-            _live_tokens[key] = found
+        row = store_tokens.find_token(conn, key[1])
+    if row is None:
+        return None
+    found = ApiToken(row.id, row.name, row.scope, None if row.topics is None else tuple(row.topics))
+    with _live_tokens_lock:
+        _live_tokens[key] = found
     return found
 
 
 def revoke_token(engine: Engine, name: str) -> bool:
     """Revoke the live tokens named `name`. -> whether there was one."""
     with engine.begin() as conn:
-        revoked = store.revoke_token(conn, name)
+        revoked = store_tokens.revoke_token(conn, name)
     with _live_tokens_lock:
         _live_tokens.clear()
     return revoked
