@@ -5,14 +5,17 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from cachetools import TTLCache
 from sqlalchemy import Engine
 from werkzeug.security import check_password_hash, generate_password_hash
 
-from delaysvc import store
+from delaysvc import store, store_tokens
 from delaysvc.errors import ValidationError
+from delaysvc.validation import validate_topic
 
 SCOPES = ("send", "admin")
 ROLES = ("admin", "viewer")
@@ -20,52 +23,91 @@ TOKEN_PREFIX = "dsvc_"
 MAX_FAILED_LOGINS = 5
 LOCKOUT_SECONDS = 300
 
+
+@dataclass(frozen=True)
+class ApiToken:
+    """A live token as the API sees it. `topics`: the only topics it may send to, read, cancel
+    and (admin) redrive, sorted; None: every topic."""
+
+    id: int
+    name: str
+    scope: str
+    topics: tuple[str, ...] | None
+
+    def allows(self, topic: str) -> bool:
+        return self.topics is None or topic in self.topics
+
+
 # A live token, once found, is trusted for TOKEN_CACHE_SECONDS without asking the database
 # again: an HTTP send is then one statement, not two transactions. A token revoked by another
 # process (`delaysvc revoke-token`) stops working on a web worker within that time; revoked in
 # this process, at once. Unknown tokens are never cached, so made-up ones cannot fill it.
 TOKEN_CACHE_SECONDS = 5
-_live_tokens: TTLCache[tuple[str, str], Any] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
+_live_tokens: TTLCache[tuple[str, str], ApiToken] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
 _live_tokens_lock = threading.Lock()
+
+# What a login for a name that is not a user is checked against: a hash of a password nobody
+# knows, made by generate_password_hash with its defaults (scrypt, n=2**15, r=8, p=1) like the
+# users' own. Checking it costs what checking a user's password costs, so the time a login
+# takes does not tell whether the name exists. (A literal: making one at import would cost a
+# scrypt in every process that imports this module.)
+_NO_USER_HASH = (
+    "scrypt:32768:8:1$eUy74NeGNGBSQeJp$fc0fcbbb33cebe49d5b5c0ccfe4263171a7a846ad25201975e2f55ca"
+    "1ed031f0e8cf619d0d68bdf42facd7b7e423c9caa12dd83bd233c544b69438daf410799c"
+)
 
 
 def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_token(engine: Engine, name: str, scope: str = "send") -> str:
-    """-> the new token (shown once; only its hash is stored)."""
+def create_token(
+    engine: Engine, name: str, scope: str = "send", topics: Iterable[str] | None = None
+) -> str:
+    """-> the new token (shown once; only its hash is stored). `topics` limits it to those
+    topics (each must be a valid topic name); None: every topic."""
     if scope not in SCOPES:
         raise ValidationError("scope", f"{scope!r} is not a scope; use one of {SCOPES}")
     if not name or len(name) > 100:
         raise ValidationError("name", "must be 1-100 characters")
+    only = None if topics is None else _token_topics(topics)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as conn:
-        store.insert_token(conn, name, _hash_token(token), scope)
+        store_tokens.insert_token(conn, name, _hash_token(token), scope, only)
     return token
 
 
-def authenticate_token(engine: Engine, token: str) -> Any:
-    """-> the token row (name, scope) or None. Looked up by its SHA-256: an attacker cannot
-    steer the hash, so the lookup leaks nothing about stored tokens through timing. Live
-    tokens are remembered for TOKEN_CACHE_SECONDS."""
+def _token_topics(topics: Iterable[str]) -> list[str]:
+    """Valid topic names, sorted, each once; at least one (no list means every topic)."""
+    valid = sorted({validate_topic(topic) for topic in topics})
+    if not valid:
+        raise ValidationError("topics", "give at least one topic, or none for every topic")
+    return valid
+
+
+def authenticate_token(engine: Engine, token: str) -> ApiToken | None:
+    """-> the live token or None. Looked up by its SHA-256: an attacker cannot steer the
+    hash, so the lookup leaks nothing about stored tokens through timing. Live tokens (with
+    their topics) are remembered for TOKEN_CACHE_SECONDS."""
     key = (str(engine.url), _hash_token(token))
     with _live_tokens_lock:
         found = _live_tokens.get(key)
     if found is not None:
         return found
     with engine.connect() as conn:
-        found = store.find_token(conn, key[1])
-    if found is not None:
-        with _live_tokens_lock:
-            _live_tokens[key] = found
+        row = store_tokens.find_token(conn, key[1])
+    if row is None:
+        return None
+    found = ApiToken(row.id, row.name, row.scope, None if row.topics is None else tuple(row.topics))
+    with _live_tokens_lock:
+        _live_tokens[key] = found
     return found
 
 
 def revoke_token(engine: Engine, name: str) -> bool:
     """Revoke the live tokens named `name`. -> whether there was one."""
     with engine.begin() as conn:
-        revoked = store.revoke_token(conn, name)
+        revoked = store_tokens.revoke_token(conn, name)
     with _live_tokens_lock:
         _live_tokens.clear()
     return revoked
@@ -82,14 +124,13 @@ def create_user(engine: Engine, name: str, password: str, role: str = "viewer") 
 
 def check_login(engine: Engine, name: str, password: str) -> Any:
     """-> the user row if the password is right and the account is not locked, else None.
-    Repeated failures lock the account for LOCKOUT_SECONDS."""
+    Repeated failures lock the account for LOCKOUT_SECONDS. Every attempt costs exactly one
+    password hash, whether the name is unknown, the account locked or neither, so response
+    times do not tell which names exist or are locked."""
     with engine.begin() as conn:
         user = store.find_user(conn, name)
-        if user is None:
-            check_password_hash(generate_password_hash("x"), password)  # same work either way
+        ok = check_password_hash(_NO_USER_HASH if user is None else user.password_hash, password)
+        if user is None or user.locked:
             return None
-        if user.locked:
-            return None
-        ok = check_password_hash(user.password_hash, password)
         store.record_login(conn, name, ok, MAX_FAILED_LOGINS, LOCKOUT_SECONDS)
     return user if ok else None

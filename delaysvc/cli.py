@@ -334,13 +334,21 @@ def pause(ctx: Context, topic: str, resume: bool) -> None:
 @cli.command("create-token")
 @click.argument("name")
 @click.option("--scope", type=click.Choice(["send", "admin"]), default="send", show_default=True)
+@click.option(
+    "--topic",
+    "topics",
+    multiple=True,
+    metavar="TOPIC",
+    help="Limit the token to this topic (repeat for more); without it, every topic.",
+)
 @pass_ctx
-def create_token(ctx: Context, name: str, scope: str) -> None:
+def create_token(ctx: Context, name: str, scope: str, topics: tuple[str, ...]) -> None:
     """Create an API token; it is printed once, alone on the last line."""
     from delaysvc.auth import create_token as make
 
-    token = make(ctx.engine, name, scope)
-    click.echo(f"token {name!r} created with scope {scope}; it is shown only now:")
+    token = make(ctx.engine, name, scope, topics or None)
+    only = f" for topics {', '.join(sorted(set(topics)))}" if topics else ""
+    click.echo(f"token {name!r} created with scope {scope}{only}; it is shown only now:")
     click.echo(token)
 
 

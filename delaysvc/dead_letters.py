@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from delaysvc import store
@@ -23,18 +23,33 @@ class DeadLetters:
         self.engine = engine
 
     def list(
-        self, topic: str | None = None, after_id: int | None = None, limit: int = 100
+        self,
+        topic: str | None = None,
+        after_id: int | None = None,
+        limit: int = 100,
+        *,
+        topics: Collection[str] | None = None,
     ) -> list[Any]:
+        """Newest first, after `after_id`; of `topic` if given. `topics` (an API token's):
+        only letters of these topics."""
         if topic is not None:
             validate_topic(topic)
+        if topics is None:
+            with self.engine.connect() as conn:
+                return store.list_dead(conn, topic, after_id, limit)
+        # a page per allowed topic (the asked one, if allowed), merged: a token has few topics
+        wanted = [t for t in sorted(topics) if topic in (None, t)]
         with self.engine.connect() as conn:
-            return store.list_dead(conn, topic, after_id, limit)
+            rows = [row for t in wanted for row in store.list_dead(conn, t, after_id, limit)]
+        return sorted(rows, key=lambda row: row.message_id, reverse=True)[:limit]
 
-    def redrive(self, message_id: int) -> Message:
-        """Run a dead message again now with a fresh retry budget."""
+    def redrive(self, message_id: int, *, topics: Collection[str] | None = None) -> Message:
+        """Run a dead message again now with a fresh retry budget. `topics` (an API token's):
+        a letter of any other topic is NotFound, as if it were none."""
         try:
             with self.engine.begin() as conn:
-                row = store.redrive_dead(conn, message_id)
+                hidden = topics is not None and _topic_of(conn, message_id) not in topics
+                row = None if hidden else store.redrive_dead(conn, message_id)
         except IntegrityError as exc:
             if store.unique_violation(exc, "uq_commit_log_topic_key"):
                 raise DuplicateKey(
@@ -78,3 +93,8 @@ class DeadLetters:
                 if not ids:
                     return total
                 total += store.purge_dead(conn, ids)
+
+
+def _topic_of(conn: Connection, message_id: int) -> str | None:
+    found = store.get_message(conn, message_id)
+    return None if found is None else str(found.topic)

@@ -8,7 +8,7 @@ leaves no trace of either. Without it, the call runs in a transaction of its own
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -383,17 +383,24 @@ class Producer:
         topic: str | None = None,
         key: str | None = None,
         connection: Joinable | None = None,
+        topics: Collection[str] | None = None,
     ) -> Message:
         """Cancel a scheduled, retrying or ready message; it will never run. Running or
-        finished -> NotCancellable; unknown -> NotFound."""
+        finished -> NotCancellable; unknown -> NotFound. `topics` (an API token's): a message
+        of any other topic is NotFound too."""
         with self._connection(connection) as conn:
-            return Message.from_row(self._cancel(conn, message_id, topic, key))
+            return Message.from_row(self._cancel(conn, message_id, topic, key, topics))
 
     def _cancel(
-        self, conn: Connection, message_id: int | None, topic: str | None, key: str | None
+        self,
+        conn: Connection,
+        message_id: int | None,
+        topic: str | None,
+        key: str | None,
+        topics: Collection[str] | None,
     ) -> Any:
         for _ in range(5):
-            row = self._locate(conn, message_id, topic, key)
+            row = self._locate(conn, message_id, topic, key, topics)
             if row.status in WAITING:
                 taken = store.take_out_of_lane(conn, row.lane, row.queue_offset, row.deliver_ts)
             elif row.status == "ready":
@@ -407,34 +414,50 @@ class Producer:
             # It moved on between reading and deleting: read its new state and try again.
         raise NotCancellable(f"message {row.id} is changing state; try again")
 
-    def get(self, message_id: int, *, connection: Joinable | None = None) -> Message:
+    def get(
+        self,
+        message_id: int,
+        *,
+        connection: Joinable | None = None,
+        topics: Collection[str] | None = None,
+    ) -> Message:
+        """`topics` (an API token's): a message of any other topic is NotFound."""
         with self._connection(connection) as conn:
-            row = store.get_message(conn, message_id)
-        if row is None:
-            raise NotFound(f"no message with id {message_id}")
-        return Message.from_row(row)
+            return Message.from_row(self._locate(conn, message_id, None, None, topics))
 
-    def find(self, topic: str, key: str, *, connection: Joinable | None = None) -> Message:
+    def find(
+        self,
+        topic: str,
+        key: str,
+        *,
+        connection: Joinable | None = None,
+        topics: Collection[str] | None = None,
+    ) -> Message:
+        """`topics` (an API token's): a message of any other topic is NotFound."""
         with self._connection(connection) as conn:
-            row = store.find_message_by_key(conn, validate_topic(topic), _lookup_key(key))
-        if row is None:
-            raise NotFound(f"no message with topic {topic!r} and key {key!r}")
-        return Message.from_row(row)
+            return Message.from_row(self._locate(conn, None, topic, key, topics))
 
     @staticmethod
     def _locate(
-        conn: Connection, message_id: int | None, topic: str | None, key: str | None
+        conn: Connection,
+        message_id: int | None,
+        topic: str | None,
+        key: str | None,
+        topics: Collection[str] | None,
     ) -> Any:
+        """The message by id, or by topic and key. Not found, or of a topic outside `topics`
+        -> NotFound, with the same words either way: a token limited to topics learns
+        nothing about the messages of others."""
         if message_id is not None:
             row = store.get_message(conn, message_id)
-            if row is None:
-                raise NotFound(f"no message with id {message_id}")
-            return row
-        if topic is None or key is None:
+            missing = f"no message with id {message_id}"
+        elif topic is None or key is None:
             raise ValidationError("id", "give a message id, or both topic and key")
-        row = store.find_message_by_key(conn, validate_topic(topic), _lookup_key(key))
-        if row is None:
-            raise NotFound(f"no message with topic {topic!r} and key {key!r}")
+        else:
+            row = store.find_message_by_key(conn, validate_topic(topic), _lookup_key(key))
+            missing = f"no message with topic {topic!r} and key {key!r}"
+        if row is None or (topics is not None and row.topic not in topics):
+            raise NotFound(missing)
         return row
 
     @contextmanager

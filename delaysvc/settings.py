@@ -65,6 +65,8 @@ class Settings(BaseModel):
     secure_cookies: bool = False
     """Mark the dashboard's session cookie Secure (set it when the site is served over https)."""
     statement_timeout_ms: int = Field(default=5_000, gt=0)
+    metrics_token: str | None = None
+    """When set, `GET /metrics` needs `Authorization: Bearer <this>`; unset, it is open."""
 
     @field_validator("delay_levels")
     @classmethod
@@ -73,6 +75,16 @@ class Settings(BaseModel):
             DelayLevels.parse(value)
         except ConfigError as exc:
             raise ConfigError(f"DELAYSVC_DELAY_LEVELS={value!r}: {exc}") from None
+        return value
+
+    @field_validator("metrics_token")
+    @classmethod
+    def _token_is_one_word(cls, value: str | None) -> str | None:
+        if value is not None and (not value.isprintable() or any(c.isspace() for c in value)):
+            raise ConfigError(
+                "DELAYSVC_METRICS_TOKEN: must be one word of printable characters, no spaces "
+                "(Prometheus sends it as `Authorization: Bearer <token>`)"
+            )
         return value
 
     @classmethod

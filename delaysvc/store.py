@@ -1508,31 +1508,7 @@ def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
     ).rowcount
 
 
-# ---------------------------------------------------------------- tokens and users
-
-
-def insert_token(conn: Connection, name: str, token_hash: str, scope: str) -> None:
-    conn.execute(
-        text("INSERT INTO api_token (name, token_hash, scope) VALUES (:name, :hash, :scope)"),
-        {"name": name, "hash": token_hash, "scope": scope},
-    )
-
-
-def find_token(conn: Connection, token_hash: str) -> Any:
-    return conn.execute(
-        text(
-            "SELECT id, name, scope FROM api_token WHERE token_hash = :hash AND revoked_at IS NULL"
-        ),
-        {"hash": token_hash},
-    ).first()
-
-
-def revoke_token(conn: Connection, name: str) -> bool:
-    result = conn.execute(
-        text("UPDATE api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"),
-        {"name": name},
-    )
-    return result.rowcount >= 1
+# ---------------------------------------------------------------- users (tokens: store_tokens)
 
 
 def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:

@@ -12,8 +12,10 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
-from delaysvc import auth, store
+from delaysvc import auth, store_tokens
 from delaysvc.consumption import Consumer, handler
+from delaysvc.errors import ConfigError, ValidationError
+from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from web import create_app
 
@@ -169,10 +171,171 @@ def test_a_token_revoked_elsewhere_stops_working_once_its_cache_entry_expires(
     monkeypatch.setattr(auth, "_live_tokens", TTLCache(maxsize=16, ttl=0.5))
     assert client.get("/api/v1/levels", headers=send_token).status_code == 200
     with engine.begin() as conn:  # as `delaysvc revoke-token` in another process would
-        assert store.revoke_token(conn, "shop")
+        assert store_tokens.revoke_token(conn, "shop")
     assert client.get("/api/v1/levels", headers=send_token).status_code == 200  # cached
     time.sleep(0.6)
     _error(client.get("/api/v1/levels", headers=send_token), 401, "unauthorized")
+
+
+# ---------------------------------------------------------------- tokens limited to topics
+
+ORDERS = ("order.cancel", "order.remind")
+
+
+@pytest.fixture
+def orders_token(engine: Engine) -> dict[str, str]:
+    """A send token for the two order topics only."""
+    token = auth.create_token(engine, "orders", "send", topics=list(ORDERS))
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _count_messages(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one())
+
+
+def test_a_token_limited_to_topics_sends_only_to_them_and_a_batch_is_refused_whole(
+    client: FlaskClient, orders_token: dict[str, str], engine: Engine
+) -> None:
+    ok = client.post(
+        "/api/v1/messages", json={"topic": "order.cancel", "body": 1}, headers=orders_token
+    )
+    assert (ok.status_code, ok.get_json()["topic"]) == (201, "order.cancel")
+    refused = client.post(
+        "/api/v1/messages", json={"topic": "sms.send", "body": 1}, headers=orders_token
+    )
+    message = _error(refused, 403, "forbidden")
+    assert "'sms.send'" in message and "order.cancel, order.remind" in message
+    mixed = [{"topic": "order.remind", "body": 1}, {"topic": "sms.send", "body": 2}]
+    refused = client.post("/api/v1/messages/batch", json={"messages": mixed}, headers=orders_token)
+    assert "messages[1]" in _error(refused, 403, "forbidden")
+    assert _count_messages(engine) == 1  # the batch stored nothing
+    allowed = [{"topic": "order.remind", "body": 1}, {"topic": "order.cancel", "body": 2}]
+    ok = client.post("/api/v1/messages/batch", json={"messages": allowed}, headers=orders_token)
+    assert ok.status_code == 201
+    assert _count_messages(engine) == 3
+    no_topic = client.post("/api/v1/messages", json={"body": 1}, headers=orders_token)
+    assert "topic" in _error(no_topic, 400, "invalid")
+
+
+def test_a_token_limited_to_topics_cannot_see_or_cancel_messages_of_other_topics(
+    client: FlaskClient,
+    orders_token: dict[str, str],
+    send_token: dict[str, str],
+    producer: Producer,
+) -> None:
+    other = producer.send("sms.send", "hi", delay="1h", key="k1")
+    own = producer.send("order.cancel", {"id": 1}, delay="1h", key="k1")
+    # another topic's message answers exactly like one that does not exist
+    hidden = _error(
+        client.get(f"/api/v1/messages/{other.id}", headers=orders_token), 404, "not_found"
+    )
+    assert hidden == f"no message with id {other.id}"
+    missing = client.get("/api/v1/messages/987654", headers=orders_token)
+    assert _error(missing, 404, "not_found") == "no message with id 987654"
+    lookup = client.get("/api/v1/messages?topic=sms.send&key=k1", headers=orders_token)
+    assert _error(lookup, 404, "not_found") == "no message with topic 'sms.send' and key 'k1'"
+    cancel = client.delete(f"/api/v1/messages/{other.id}", headers=orders_token)
+    assert _error(cancel, 404, "not_found") == f"no message with id {other.id}"
+    assert producer.get(other.id).status == "scheduled"  # not cancelled
+    # its own topics: as any send token
+    got = client.get(f"/api/v1/messages/{own.id}", headers=orders_token)
+    assert (got.status_code, got.get_json()["id"]) == (200, own.id)
+    found = client.get("/api/v1/messages?topic=order.cancel&key=k1", headers=orders_token)
+    assert (found.status_code, found.get_json()["id"]) == (200, own.id)
+    cancelled = client.delete(f"/api/v1/messages/{own.id}", headers=orders_token)
+    assert (cancelled.status_code, cancelled.get_json()["status"]) == (200, "cancelled")
+    # a token for every topic still sees the other one
+    assert client.get(f"/api/v1/messages/{other.id}", headers=send_token).status_code == 200
+
+
+def test_a_token_limited_to_topics_lists_only_its_topics(
+    client: FlaskClient,
+    orders_token: dict[str, str],
+    send_token: dict[str, str],
+    producer: Producer,
+) -> None:
+    for topic in ("order.cancel", "order.remind", "sms.send"):
+        producer.send(topic, 1)
+
+    def listed(headers: dict[str, str]) -> list[str]:
+        topics = client.get("/api/v1/topics", headers=headers).get_json()["topics"]
+        return [t["topic"] for t in topics]
+
+    assert listed(orders_token) == ["order.cancel", "order.remind"]
+    assert listed(send_token) == ["order.cancel", "order.remind", "sms.send"]
+
+
+def test_an_admin_token_limited_to_topics_sees_and_redrives_only_their_dead_letters(
+    client: FlaskClient,
+    orders_token: dict[str, str],
+    settings: Settings,
+    engine: Engine,
+    producer: Producer,
+) -> None:
+    for topic in ("order.cancel", "order.remind", "sms.send"):
+
+        @handler(topic, max_retries=0)
+        def fails(message):  # type: ignore[no-untyped-def]
+            raise KeyError("missing")
+
+    ids = {
+        topic: producer.send(topic, 1).id for topic in ("order.cancel", "sms.send", "order.remind")
+    }
+    consumer = Consumer(settings, engine)
+    for topic in ids:
+        consumer.run_once(topic)
+    admin = {
+        "Authorization": "Bearer "
+        + auth.create_token(engine, "order-ops", "admin", topics=list(ORDERS))
+    }
+    _error(client.get("/api/v1/dead", headers=orders_token), 403, "forbidden")  # still admin-only
+
+    def dead(query: str = "") -> list[int]:
+        response = client.get(f"/api/v1/dead{query}", headers=admin)
+        assert response.status_code == 200, response.get_json()
+        return [d["id"] for d in response.get_json()["dead"]]
+
+    assert dead() == [ids["order.remind"], ids["order.cancel"]]  # newest first, no sms.send
+    assert dead("?limit=1") == [ids["order.remind"]]
+    assert dead(f"?after={ids['order.remind']}") == [ids["order.cancel"]]
+    assert dead("?topic=order.cancel") == [ids["order.cancel"]]
+    assert dead("?topic=sms.send") == []
+    refused = client.post(f"/api/v1/dead/{ids['sms.send']}/redrive", headers=admin)
+    assert _error(refused, 404, "not_found") == f"message {ids['sms.send']} is not a dead letter"
+    assert producer.get(ids["sms.send"]).status == "dead"
+    redriven = client.post(f"/api/v1/dead/{ids['order.cancel']}/redrive", headers=admin)
+    assert (redriven.status_code, redriven.get_json()["status"]) == (200, "ready")
+
+
+def test_the_token_cache_keeps_a_tokens_topics(
+    client: FlaskClient, orders_token: dict[str, str], engine: Engine
+) -> None:
+    """A web worker trusts a token it has seen for a few seconds without asking the database:
+    what it trusts includes the topics."""
+    sms = {"topic": "sms.send", "body": 1}
+    _error(client.post("/api/v1/messages", json=sms, headers=orders_token), 403, "forbidden")
+    with engine.begin() as conn:  # the database no longer knows it: only the cache does
+        conn.execute(text("DELETE FROM api_token WHERE name = 'orders'"))
+    cached = client.post("/api/v1/messages", json=sms, headers=orders_token)
+    _error(cached, 403, "forbidden")
+    order = {"topic": "order.cancel", "body": 1}
+    assert client.post("/api/v1/messages", json=order, headers=orders_token).status_code == 201
+
+
+def test_token_topics_are_validated_and_stored_sorted_once(engine: Engine) -> None:
+    token = auth.create_token(engine, "t1", "send", topics=["b.topic", "a.topic", "b.topic"])
+    found = auth.authenticate_token(engine, token)
+    assert found is not None and found.topics == ("a.topic", "b.topic")
+    unlimited = auth.authenticate_token(engine, auth.create_token(engine, "t2", "admin"))
+    assert unlimited is not None and unlimited.topics is None
+    with pytest.raises(ValidationError, match="'no spaces' is not a topic name"):
+        auth.create_token(engine, "t3", "send", topics=["a.topic", "no spaces"])
+    with pytest.raises(ValidationError, match="at least one topic"):
+        auth.create_token(engine, "t4", "send", topics=[])
+    with engine.connect() as conn:
+        names = conn.execute(text("SELECT name FROM api_token ORDER BY name")).scalars().all()
+    assert names == ["t1", "t2"]
 
 
 def test_levels_and_topics(
@@ -256,6 +419,33 @@ def test_metrics_show_lanes_topics_and_stored_messages(
     assert "delaysvc_messages_stored_total 4.0" in lines
 
 
+def test_metrics_are_open_without_a_metrics_token_and_need_it_when_one_is_set(
+    client: FlaskClient, settings: Settings, admin_token: dict[str, str]
+) -> None:
+    assert client.get("/metrics").status_code == 200  # DELAYSVC_METRICS_TOKEN unset
+    guarded = create_app(settings.model_copy(update={"metrics_token": "scrape-secret-1"}))
+    try:
+        scraper = guarded.test_client()
+        _error(scraper.get("/metrics"), 401, "unauthorized")
+        for wrong in ("scrape-secret-2", "scrape-secret-1x", "", "scrape-secret-ü"):
+            response = scraper.get("/metrics", headers={"Authorization": f"Bearer {wrong}"})
+            _error(response, 401, "unauthorized")
+        _error(scraper.get("/metrics", headers=admin_token), 401, "unauthorized")  # API token
+        right = scraper.get("/metrics", headers={"Authorization": "Bearer scrape-secret-1"})
+        assert right.status_code == 200
+        assert "delaysvc_messages_stored_total 0.0" in right.get_data(as_text=True).splitlines()
+    finally:
+        guarded.extensions["delaysvc"]["engine"].dispose()
+
+
+def test_the_metrics_token_is_read_from_the_environment_and_checked() -> None:
+    assert Settings.from_env({}).metrics_token is None
+    found = Settings.from_env({"DELAYSVC_METRICS_TOKEN": "scrape-secret-1"})
+    assert found.metrics_token == "scrape-secret-1"
+    with pytest.raises(ConfigError, match=r"DELAYSVC_METRICS_TOKEN: .*no spaces"):
+        Settings.from_env({"DELAYSVC_METRICS_TOKEN": "two words"})
+
+
 def _spec_paths(app: Flask) -> set[tuple[str, str]]:
     served = set()
     for rule in app.url_map.iter_rules():
@@ -280,7 +470,7 @@ def test_the_openapi_document_names_exactly_the_served_routes(
 
 
 def test_responses_match_the_openapi_schemas(
-    client: FlaskClient, send_token: dict[str, str]
+    client: FlaskClient, send_token: dict[str, str], orders_token: dict[str, str]
 ) -> None:
     import jsonschema
 
@@ -303,6 +493,11 @@ def test_responses_match_the_openapi_schemas(
     )
     check(
         client.post("/api/v1/messages", json={"topic": "t s"}, headers=send_token),
+        "/messages",
+        "post",
+    )
+    check(
+        client.post("/api/v1/messages", json={"topic": "t.s", "body": 1}, headers=orders_token),
         "/messages",
         "post",
     )

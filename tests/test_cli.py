@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from delaysvc import auth
 from delaysvc.consumption import Consumer, handler
@@ -164,6 +164,27 @@ def test_create_token_prints_the_token_alone_on_the_last_line(
     found = auth.authenticate_token(engine, token)
     assert found is not None
     assert (found.name, found.scope) == ("shop", "admin")
+
+
+def test_create_token_limited_to_topics(delaysvc: Run, engine: Engine) -> None:
+    result = delaysvc(
+        "create-token", "orders", "--topic", "order.remind", "--topic", "order.cancel"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "for topics order.cancel, order.remind" in result.stdout
+    found = auth.authenticate_token(engine, result.stdout.strip().splitlines()[-1])
+    assert found is not None
+    assert (found.name, found.scope, found.topics) == (
+        "orders",
+        "send",
+        ("order.cancel", "order.remind"),
+    )
+    refused = delaysvc("create-token", "bad", "--topic", "order.cancel", "--topic", "no spaces")
+    line = _assert_one_line_error(refused, 2)
+    assert "'no spaces' is not a topic name" in line
+    with engine.connect() as conn:
+        names = conn.execute(text("SELECT name FROM api_token")).scalars().all()
+    assert names == ["orders"]
 
 
 def test_stats_shows_lanes_and_topics_waiting_for_a_handler(

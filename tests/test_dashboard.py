@@ -188,6 +188,45 @@ def test_wrong_password_is_refused_and_repeated_failures_lock_the_account(app: F
     assert login(client, ADMIN).status_code == 401
 
 
+def test_every_login_attempt_costs_one_scrypt_whether_the_name_exists_or_is_locked(
+    app: Flask, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No timing oracle: an unknown name, a wrong password and a locked account cost the same
+    password hash (one scrypt, same parameters) as a successful login, so the time a login
+    takes does not tell which names exist or are locked."""
+    import hashlib
+
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE dashboard_user SET locked_until = now() + interval '5 minutes' "
+                "WHERE name = :name"
+            ),
+            {"name": VIEWER[0]},
+        )
+    real_scrypt = hashlib.scrypt
+    calls: list[tuple[int, int, int]] = []
+
+    def counted_scrypt(*args: Any, **kwargs: Any) -> bytes:
+        calls.append((kwargs["n"], kwargs["r"], kwargs["p"]))
+        return real_scrypt(*args, **kwargs)
+
+    monkeypatch.setattr(hashlib, "scrypt", counted_scrypt)
+    attempts = {
+        "right password": (ADMIN, 302),
+        "wrong password": ((ADMIN[0], "wrong-password"), 401),
+        "unknown name": (("nobody", "whatever-pass"), 401),
+        "locked account, right password": (VIEWER, 401),
+    }
+    costs = {}
+    for case, (user, status) in attempts.items():
+        calls.clear()
+        assert login(app.test_client(), user).status_code == status, case
+        costs[case] = list(calls)
+    assert len(costs["right password"]) == 1
+    assert costs == {case: costs["right password"] for case in attempts}
+
+
 def test_login_without_the_csrf_token_is_refused(app: Flask) -> None:
     client = app.test_client()
     client.get("/login")

@@ -8,15 +8,17 @@ from functools import wraps
 from typing import Any
 
 from flask import Blueprint, current_app, g, jsonify, request
+from werkzeug.exceptions import Forbidden
 
 from delaysvc import store
-from delaysvc.auth import authenticate_token
+from delaysvc.auth import ApiToken, authenticate_token
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import ValidationError
 from delaysvc.histogram import percentile_bound
 from delaysvc.levels import format_ms
 from delaysvc.schema import DURATION_BUCKETS_MS
 from delaysvc.serialize import iso, message_json
+from delaysvc.validation import validate_topic
 from web.errors import error_response
 
 api = Blueprint("api", __name__)
@@ -27,7 +29,8 @@ def services() -> dict[str, Any]:
 
 
 def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """`send` tokens may enqueue, read and cancel; `admin` tokens may do everything."""
+    """`send` tokens may enqueue, read and cancel; `admin` tokens may do everything. A token
+    limited to topics does so only for messages of those: others are 404 (see `token()`)."""
 
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(view)
@@ -47,6 +50,24 @@ def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return guarded
 
     return decorate
+
+
+def token() -> ApiToken:
+    """The request's token. Views pass its `topics` to the core, which answers NotFound for a
+    message of any other topic, exactly as for one that does not exist."""
+    found: ApiToken = g.token
+    return found
+
+
+def require_topic(item: dict[str, Any]) -> None:
+    """A token limited to topics may send only to those: 403 naming the topic and them."""
+    allowed = token().topics
+    if allowed is not None:
+        topic = validate_topic(item.get("topic"))
+        if topic not in allowed:
+            raise Forbidden(
+                f"topic {topic!r} is not one of this token's topics: {', '.join(allowed)}"
+            )
 
 
 def json_body() -> dict[str, Any]:
@@ -101,6 +122,7 @@ def message_options(item: dict[str, Any]) -> dict[str, Any]:
 @requires("send")
 def send_message():
     options = message_options(json_body())
+    require_topic(options)
     producer = services()["producer"]
     message = producer.send_item(options)
     return jsonify(message_json(message, full=False)), 201 if message.created else 200
@@ -118,8 +140,11 @@ def send_messages():
             raise ValidationError(f"messages[{index}]", "must be an object")
         try:
             options.append(message_options(item))
+            require_topic(item)
         except ValidationError as exc:
             raise ValidationError(f"messages[{index}].{exc.field}", exc.detail) from None
+        except Forbidden as exc:  # one message outside the token's topics: none is sent
+            raise Forbidden(f"messages[{index}]: {exc.description}") from None
     messages = services()["producer"].send_batch(options)
     return jsonify(
         {"messages": [message_json(m, full=False) | {"created": m.created} for m in messages]}
@@ -132,19 +157,20 @@ def find_message():
     topic, key = request.args.get("topic"), request.args.get("key")
     if not topic or not key:
         raise ValidationError("topic", "look up a message with ?topic=...&key=...")
-    return jsonify(message_json(services()["producer"].find(topic, key)))
+    return jsonify(message_json(services()["producer"].find(topic, key, topics=token().topics)))
 
 
 @api.get("/messages/<int:message_id>")
 @requires("send")
 def get_message(message_id: int):
-    return jsonify(message_json(services()["producer"].get(message_id)))
+    return jsonify(message_json(services()["producer"].get(message_id, topics=token().topics)))
 
 
 @api.delete("/messages/<int:message_id>")
 @requires("send")
 def cancel_message(message_id: int):
-    return jsonify(message_json(services()["producer"].cancel(message_id)))
+    cancelled = services()["producer"].cancel(message_id, topics=token().topics)
+    return jsonify(message_json(cancelled))
 
 
 @api.get("/levels")
@@ -183,7 +209,8 @@ def topics():
     with services()["engine"].connect() as conn:
         rows = store.topic_stats(conn)
         durations = store.recent_durations(conn)
-    return jsonify({"topics": [topic_json(r, durations.get(r.topic)) for r in rows]})
+    visible = [row for row in rows if token().allows(row.topic)]
+    return jsonify({"topics": [topic_json(r, durations.get(r.topic)) for r in visible]})
 
 
 def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str, Any]:
@@ -209,7 +236,8 @@ def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str,
 def dead_letters():
     after = int_arg("after", None, 0, None)
     limit = int_arg("limit", 100, 1, 1000)
-    rows = DeadLetters(services()["engine"]).list(request.args.get("topic"), after, limit)
+    letters = DeadLetters(services()["engine"])
+    rows = letters.list(request.args.get("topic"), after, limit, topics=token().topics)
     return jsonify(
         {
             "dead": [
@@ -231,7 +259,8 @@ def dead_letters():
 @api.post("/dead/<int:message_id>/redrive")
 @requires("admin")
 def redrive(message_id: int):
-    return jsonify(message_json(DeadLetters(services()["engine"]).redrive(message_id)))
+    letters = DeadLetters(services()["engine"])
+    return jsonify(message_json(letters.redrive(message_id, topics=token().topics)))
 
 
 @api.get("/openapi.json")

@@ -1,20 +1,23 @@
 """The operator dashboard (server-rendered, no CDN: its CSS and script are in web/static),
 health and metrics.
 
-`/healthz` and `/metrics` are open (probes and Prometheus). Everything else is the `ui`
+`/healthz` is open (probes); `/metrics` too (Prometheus), unless DELAYSVC_METRICS_TOKEN is set:
+then it needs `Authorization: Bearer <that token>`. Everything else is the `ui`
 blueprint (web/ui.py), nested here: login required, roles, CSRF. Pages:
 overview (`/`), topics, messages, message, dead letters; see docs/dashboard.md.
 """
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
 from web.api import services
+from web.errors import error_response
 from web.ui import ui
 
 dashboard = Blueprint("dashboard", __name__)
@@ -42,5 +45,19 @@ def metrics() -> Any:
     from web.metrics import render
 
     settings = services()["settings"]
+    if settings.metrics_token is not None and not _bearer_is(settings.metrics_token):
+        return error_response(
+            401, "unauthorized", "send Authorization: Bearer <the DELAYSVC_METRICS_TOKEN>"
+        )
     body = render(services()["engine"], settings.statement_timeout_ms)
     return Response(body, content_type=CONTENT_TYPE_LATEST)
+
+
+def _bearer_is(expected: str) -> bool:
+    """Whether the request carries `Authorization: Bearer <expected>`, compared in constant
+    time (as bytes: compare_digest refuses non-ASCII strings)."""
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        return False
+    sent = header[len("Bearer ") :].strip()
+    return hmac.compare_digest(sent.encode(), expected.encode())

@@ -114,8 +114,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
     names = {
         400: "invalid field (named in the message)",
         401: "no or unknown token",
-        403: "token lacks the scope",
-        404: "not found",
+        403: "the token lacks the scope, or is limited to topics and this is not one of them",
+        404: "not found, or of a topic outside the token's topics",
         409: "not cancellable",
         413: "too large",
         415: "not JSON",
@@ -125,6 +125,13 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): _json(_ERROR, names[s]) for s in (*statuses, 503)}
 
 
+_TOKENS = (
+    "A token from `delaysvc create-token NAME [--scope send|admin] [--topic T ...]`. `send` "
+    "sends, reads and cancels; `admin` also lists and redrives dead letters. A token made "
+    "with --topic does so only for those topics: sending to another is 403, and a message "
+    "or dead letter of another topic is 404, as if it did not exist; /topics lists only its "
+    "topics."
+)
 _ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
 
 
@@ -134,7 +141,15 @@ def document() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "delaysvc", "version": "1"},
         "servers": [{"url": "/api/v1"}],
-        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "components": {
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": _TOKENS,
+                }
+            }
+        },
         "security": secured,
         "paths": {
             "/messages": {
@@ -147,7 +162,7 @@ def document() -> dict[str, Any]:
                     "responses": {
                         "201": _json(_MESSAGE_BRIEF, "stored"),
                         "200": _json(_MESSAGE_BRIEF, "the unfinished message with this key"),
-                        **_errors(400, 401, 413, 415, 429),
+                        **_errors(400, 401, 403, 413, 415, 429),
                     },
                 },
                 "get": {
@@ -202,7 +217,7 @@ def document() -> dict[str, Any]:
                             },
                             "stored",
                         ),
-                        **_errors(400, 401, 413, 415, 429),
+                        **_errors(400, 401, 403, 413, 415, 429),
                     },
                 }
             },

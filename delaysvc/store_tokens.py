@@ -1,0 +1,47 @@
+"""The statements on API tokens (`api_token`), each named for what it does.
+
+Like `delaysvc.store`: callers pass a SQLAlchemy `Connection` and own the transaction; nothing
+here commits. Only SHA-256 hashes of tokens are stored. `topics` NULL means every topic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, text
+
+
+def insert_token(
+    conn: Connection,
+    name: str,
+    token_hash: str,
+    scope: str,
+    topics: Sequence[str] | None = None,
+) -> None:
+    conn.execute(
+        text(
+            "INSERT INTO api_token (name, token_hash, scope, topics) "
+            "VALUES (:name, :hash, :scope, CAST(:topics AS text[]))"
+        ),
+        {"name": name, "hash": token_hash, "scope": scope, "topics": topics},
+    )
+
+
+def find_token(conn: Connection, token_hash: str) -> Any:
+    """-> the live token (id, name, scope, topics) with this hash, or None."""
+    return conn.execute(
+        text(
+            "SELECT id, name, scope, topics FROM api_token "
+            "WHERE token_hash = :hash AND revoked_at IS NULL"
+        ),
+        {"hash": token_hash},
+    ).first()
+
+
+def revoke_token(conn: Connection, name: str) -> bool:
+    result = conn.execute(
+        text("UPDATE api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"),
+        {"name": name},
+    )
+    return result.rowcount >= 1
