@@ -161,6 +161,51 @@ class _Outcomes:
         return time.monotonic() - self.since
 
 
+START_CHUNK_SECONDS = 0.05
+"""Attempts are counted as handlers start, a chunk of jobs at a time: one job at a time while
+handlers take longer than this, more at once while they are quicker (doubling up to the batch;
+the claim itself counts the first chunk, as large as the last one of the topic), so fast jobs
+do not pay a round trip or a second write each. A process that dies mid-chunk has charged the jobs
+of the chunk that had not started (at most this long's worth); a job that was charged once runs
+in a chunk of its own from then on, so no job is charged twice for runs it never had."""
+
+
+class _Starts:
+    """Which jobs of a batch have their attempt counted, and how many to count next."""
+
+    def __init__(self, started_by_claim: dict[int, int]) -> None:
+        self.size = max(1, len(started_by_claim))
+        self.chunk: list[int] = list(started_by_claim)
+        self.attempts: dict[int, int] = dict(started_by_claim)
+        self.chunk_ms = 0
+
+    def covers(self, message_id: int) -> bool:
+        return message_id in self.attempts or message_id in self.chunk
+
+    def next_chunk(self, upcoming: list[Job]) -> list[int]:
+        """The next job, and after it while the previous chunk ran quickly, up to `size` - 1
+        more that were never attempted (a rerun starts alone)."""
+        if self.chunk and self.chunk_ms <= START_CHUNK_SECONDS * 1000:
+            self.size = min(self.size * 2, len(upcoming))
+        elif self.chunk:
+            self.size = 1
+        chunk = [upcoming[0].id]
+        for job in upcoming[1 : self.size]:
+            if job.attempts > 0:
+                break
+            chunk.append(job.id)
+        return chunk
+
+    def started(self, chunk: list[int], attempts: dict[int, int]) -> None:
+        self.chunk, self.attempts, self.chunk_ms = chunk, attempts, 0
+
+    def attempt(self, message_id: int) -> int | None:
+        return self.attempts.get(message_id)
+
+    def ran(self, duration_ms: int) -> None:
+        self.chunk_ms += duration_ms
+
+
 Dispatch = Callable[[str, Job, int], None]
 """Sends a job of a Celery-task topic to that task (see `tasks.consume`)."""
 
@@ -172,6 +217,9 @@ class Consumer:
         self.settings = settings
         self.engine = engine
         self.dispatch = dispatch
+        # per topic: how many jobs the last chunk started at once (`_Starts`); the next claim
+        # counts that many attempts itself
+        self._quick_jobs: dict[str, int] = {}
 
     def can_run(self, topic: str) -> bool:
         """A topic with no handler and no bound task is left waiting, visibly, in its queue."""
@@ -192,8 +240,11 @@ class Consumer:
         if not self.can_run(topic):
             return result
         lease = batch_lease_seconds(self.settings.lease_seconds)
+        start_first = self._quick_jobs.get(topic, 1)
         with self.engine.begin() as conn:
-            rows = store.claim_ready(conn, topic, limit or self.settings.consume_batch, lease)
+            rows = store.claim_ready(
+                conn, topic, limit or self.settings.consume_batch, lease, start_first
+            )
         result.claimed = len(rows)
         if not rows:
             return result
@@ -204,13 +255,27 @@ class Consumer:
             return self._dispatch_all(task_name, jobs, claim_id, result)
         start_by = time.monotonic() + self.settings.lease_seconds / 2
         pending = _Outcomes()
+        starts = _Starts({row.id: row.attempts for row in rows if row.started})
         for index, job in enumerate(jobs):
             if time.monotonic() > start_by:
                 self._release(jobs[index:], claim_id, result)
                 break
-            outcome = self._start_and_run(job, claim_id)
-            if outcome is not None:
-                pending.add(outcome[0], claim_id, outcome[1], outcome[2])
+            if job.attempts > self.max_retries(job.topic):
+                # every attempt was charged by a process that died running it
+                dead = DeadLetter(f"out of retries after {job.attempts} attempts")
+                pending.add(job, claim_id, dead, 0)
+                continue
+            if not starts.covers(job.id):
+                self._start(starts, jobs[index:], claim_id)
+            attempt = starts.attempt(job.id)
+            if attempt is None:
+                log.warning("consume.claim_lost", extra={"message_id": job.id, "topic": topic})
+                continue
+            job = dataclasses.replace(job, attempts=attempt)
+            error, duration_ms = self._run(job)
+            starts.ran(duration_ms)
+            self._quick_jobs[topic] = starts.size
+            pending.add(job, claim_id, error, duration_ms)
             if pending.age() >= FLUSH_SECONDS:
                 self._record(pending, result)
         self._record(pending, result)
@@ -227,22 +292,11 @@ class Consumer:
         )
         return result
 
-    def _start_and_run(
-        self, job: Job, claim_id: int
-    ) -> tuple[Job, BaseException | None, int] | None:
-        """Count the attempt, then run the handler. None: the claim was lost meanwhile."""
-        attempts_done = job.attempts
-        if attempts_done > self.max_retries(job.topic):
-            # every attempt was charged by a process that died running it
-            return job, DeadLetter(f"out of retries after {attempts_done} attempts"), 0
+    def _start(self, starts: _Starts, upcoming: list[Job], claim_id: int) -> None:
+        """Count the attempts of the next jobs to start (`_Starts.next_chunk`), one commit."""
+        chunk = starts.next_chunk(upcoming)
         with db.autocommit_cursor(self.engine) as cursor:
-            attempt = store.start_job(cursor, job.id, claim_id)
-        if attempt is None:
-            log.warning("consume.claim_lost", extra={"message_id": job.id, "topic": job.topic})
-            return None
-        job = dataclasses.replace(job, attempts=attempt)
-        error, duration_ms = self._run(job)
-        return job, error, duration_ms
+            starts.started(chunk, store.start_jobs(cursor, chunk, claim_id))
 
     def _release(self, jobs: list[Job], claim_id: int, result: ConsumeResult) -> None:
         with self.engine.begin() as conn:
@@ -279,8 +333,8 @@ class Consumer:
         self, task_name: str, jobs: list[Job], claim_id: int, result: ConsumeResult
     ) -> ConsumeResult:
         assert self.dispatch is not None, "Celery-task topics need a dispatcher (tasks.consume)"
-        with self.engine.begin() as conn:
-            attempts = store.start_jobs(conn, [job.id for job in jobs], claim_id)
+        with db.autocommit_cursor(self.engine) as cursor:
+            attempts = store.start_jobs(cursor, [job.id for job in jobs], claim_id)
         for job in jobs:
             if job.id in attempts:
                 self.dispatch(

@@ -1152,20 +1152,26 @@ WITH picked AS (
     DELETE FROM topic_queue q WHERE q.ctid = ANY(ARRAY(SELECT ctid FROM picked))
     AND NOT EXISTS (SELECT 1 FROM topic_state WHERE topic = :topic AND paused)
     RETURNING q.message_id, q.seq, q.enqueued_at
+), numbered AS (
+    SELECT message_id, seq, enqueued_at, row_number() OVER (ORDER BY seq) AS n FROM claimed
 )
-UPDATE commit_log c SET status = 'running', started_at = NULL,
-    -- the attempt is counted when its handler starts (`start_job`), not here: a job of the
-    -- batch that never started was never attempted
+UPDATE commit_log c SET status = 'running',
+    -- an attempt is counted when its handler starts (`start_jobs`): here only for the first
+    -- `start_first` jobs, which start at once (a rerun is always counted on its own)
+    attempts = c.attempts + CASE WHEN claimed.n <= :start_first AND c.attempts = 0
+                                 THEN 1 ELSE 0 END,
+    started_at = CASE WHEN claimed.n <= :start_first AND c.attempts = 0
+                      THEN clock_timestamp() END,
     lease_until = clock_timestamp() + :lease_seconds * interval '1 second',
     claim_id = (SELECT nextval('claim_seq')),  -- one per claim: every later change names it
     -- moved by the delivery, which left its commit_log row as it was (see MESSAGE_STATE)
     delivered_at = CASE WHEN c.status = 'ready' THEN c.delivered_at ELSE claimed.enqueued_at END,
     lane = -1, queue_offset = NULL
-FROM claimed WHERE c.id = claimed.message_id
+FROM numbered claimed WHERE c.id = claimed.message_id
     -- a queue row of a message that is no longer waiting (never expected) is dropped, not run
     AND c.status IN ('scheduled', 'retrying', 'ready')
 RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.attempts,
-    c.deliver_ts, c.stored_at, c.claim_id, claimed.seq
+    c.deliver_ts, c.stored_at, c.claim_id, c.started_at IS NOT NULL AS started, claimed.seq
 """
 
 
@@ -1188,46 +1194,43 @@ def claim_statement(limit: int) -> str:
     return _CLAIM_READY.format(limit=int(limit))
 
 
-def claim_ready(conn: Connection, topic: str, limit: int, lease_seconds: int) -> list[Any]:
+def claim_ready(
+    conn: Connection, topic: str, limit: int, lease_seconds: int, start_first: int = 0
+) -> list[Any]:
     """Take up to `limit` ready jobs of a topic in queue order and lease them: they are
-    `running` once the caller commits. Nothing is held open while they run.
+    `running` once the caller commits. Nothing is held open while they run. The first
+    `start_first` of them, if never attempted, start at once: their attempt is counted here
+    (`started`) instead of by `start_jobs`, which would write each row a second time.
 
     Never prepared (`_unprepared`): a plan kept from a nearly empty topic queue re-ran the
     locking subquery for every queued row, O(queue^2) per claim, and consumers stopped
     claiming for minutes (docs/benchmarks/README.md, "Soak: 10M messages";
     tests/test_tick_cost.py reproduces it)."""
-    rows = _unprepared(
-        conn, claim_statement(limit), {"topic": topic, "lease_seconds": lease_seconds}
-    )
+    params = {"topic": topic, "lease_seconds": lease_seconds, "start_first": start_first}
+    rows = _unprepared(conn, claim_statement(limit), params)
     return sorted(rows, key=lambda row: row.seq)
 
 
-_START_JOB = """UPDATE commit_log SET attempts = attempts + 1, started_at = clock_timestamp()
-WHERE id = :id AND claim_id = :claim_id AND status = 'running' AND started_at IS NULL
-RETURNING attempts"""
+# Committed asynchronously (synchronous_commit off for this statement's own transaction): the
+# handlers start without waiting for a WAL flush, which cost a disk flush per start. The next
+# outcome written flushes it; a database crash in between can forget the start, and the job
+# then runs again as the same attempt (at least once, as before; only the count is lost).
+_START_JOBS = """WITH async AS (SELECT set_config('synchronous_commit', 'off', true))
+UPDATE commit_log SET attempts = attempts + 1, started_at = clock_timestamp()
+WHERE id = ANY(CAST(:ids AS bigint[])) AND claim_id = :claim_id AND status = 'running'
+    AND started_at IS NULL AND EXISTS (SELECT 1 FROM async)
+RETURNING id, attempts"""
 
 
-def start_job(cursor: Cursor[Any], message_id: int, claim_id: int) -> int | None:
-    """Count the attempt of a claimed job whose handler starts now (its own commit, before the
-    handler runs: a handler that kills its process has been charged). -> the attempt number,
-    or None if the claim was lost (the job was taken again after its lease)."""
-    row = cursor.execute(
-        _driver_sql(_START_JOB), {"id": message_id, "claim_id": claim_id}, prepare=True
-    ).fetchone()
-    return None if row is None else int(row[0])
-
-
-def start_jobs(conn: Connection, message_ids: Sequence[int], claim_id: int) -> dict[int, int]:
-    """`start_job` for jobs that start together (sent to their Celery task). -> {id: attempt}."""
-    rows = conn.execute(
-        text(
-            "UPDATE commit_log SET attempts = attempts + 1, started_at = clock_timestamp() "
-            "WHERE id = ANY(CAST(:ids AS bigint[])) AND claim_id = :claim_id "
-            "AND status = 'running' AND started_at IS NULL RETURNING id, attempts"
-        ),
-        {"ids": list(message_ids), "claim_id": claim_id},
-    )
-    return {row.id: row.attempts for row in rows}
+def start_jobs(cursor: Cursor[Any], message_ids: Sequence[int], claim_id: int) -> dict[int, int]:
+    """Count the attempts of claimed jobs whose handlers start now, in a commit of their own
+    before they run (a handler that kills its process has been charged), on an autocommitting
+    driver cursor (`db.autocommit_cursor`). -> {id: attempt number}; a job missing from it
+    lost its claim (it was taken again after its lease)."""
+    rows = cursor.execute(
+        _driver_sql(_START_JOBS), {"ids": list(message_ids), "claim_id": claim_id}, prepare=True
+    ).fetchall()
+    return {int(message_id): int(attempt) for message_id, attempt in rows}
 
 
 def running_job(conn: Connection, message_id: int, claim_id: int) -> Any:
@@ -1355,16 +1358,19 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
 
 
 def release_unstarted(conn: Connection, message_ids: Sequence[int], claim_id: int) -> int:
-    """Give claimed jobs that never started back to their topic queue, uncharged."""
+    """Give claimed jobs that never ran back to their topic queue, uncharged (an attempt the
+    claim counted for one of them is taken back)."""
     if not message_ids:
         return 0
     return conn.execute(
         text(
             """
 WITH back AS (
-    UPDATE commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL
+    UPDATE commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
+        attempts = c.attempts - CASE WHEN c.started_at IS NULL THEN 0 ELSE 1 END,
+        started_at = NULL
     WHERE c.id = ANY(CAST(:ids AS bigint[])) AND c.claim_id = :claim_id
-      AND c.status = 'running' AND c.started_at IS NULL
+      AND c.status = 'running'
     RETURNING c.id, c.topic, c.deliver_ts
 )
 INSERT INTO topic_queue (message_id, topic, deliver_ts)

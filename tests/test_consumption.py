@@ -155,7 +155,7 @@ def claim(engine, topic, lease_seconds=60):
 
 def start(engine, message_id, claim_id):
     with db.autocommit_cursor(engine) as cursor:
-        return store.start_job(cursor, message_id, claim_id)
+        return store.start_jobs(cursor, [message_id], claim_id).get(message_id)
 
 
 def expire_leases(engine):

@@ -127,7 +127,11 @@ def _fill_history(engine: Engine, finished: int, ready: int) -> None:
 
 def _claim_buffers(conn: Connection, plan_cache_mode: str) -> int:
     """Shared buffers one claim of BATCH jobs touches; rolled back."""
-    args = {"topic": ("text", "'t.cost'"), "lease_seconds": ("int", "60")}
+    args = {
+        "topic": ("text", "'t.cost'"),
+        "lease_seconds": ("int", "60"),
+        "start_first": ("int", "100"),
+    }
     top = _prepared_plan(conn, store.claim_statement(BATCH), args, plan_cache_mode)
     assert top["Actual Rows"] == BATCH
     assert "commit_log" not in _seq_scans(top), "a claim scans the whole commit log"
