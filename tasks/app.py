@@ -43,6 +43,7 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
     return f"{broker.SCHEME}://localhost//", {
         "data_folder_in": str(folder),
         "data_folder_out": str(folder),
+        "control_folder": str(folder / "control"),  # kombu's default: ./control
         "store_processed": False,
         "polling_interval": 0.02,
     }
