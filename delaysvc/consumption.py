@@ -252,7 +252,8 @@ class Consumer:
         jobs = [Job.from_row(row) for row in rows]
         task_name = self.settings.task_topics.get(topic)
         if task_name is not None and registered(topic) is None:
-            return self._dispatch_all(task_name, jobs, claim_id, result)
+            started = {row.id: row.attempts for row in rows if row.started}
+            return self._dispatch_all(task_name, jobs, claim_id, started, result)
         start_by = time.monotonic() + self.settings.lease_seconds / 2
         pending = _Outcomes()
         starts = _Starts({row.id: row.attempts for row in rows if row.started})
@@ -260,7 +261,7 @@ class Consumer:
             if time.monotonic() > start_by:
                 self._release(jobs[index:], claim_id, result)
                 break
-            if job.attempts > self.max_retries(job.topic):
+            if not starts.covers(job.id) and job.attempts > self.max_retries(job.topic):
                 # every attempt was charged by a process that died running it
                 dead = DeadLetter(f"out of retries after {job.attempts} attempts")
                 pending.add(job, claim_id, dead, 0)
@@ -330,11 +331,19 @@ class Consumer:
         return None, _ms_since(started)
 
     def _dispatch_all(
-        self, task_name: str, jobs: list[Job], claim_id: int, result: ConsumeResult
+        self,
+        task_name: str,
+        jobs: list[Job],
+        claim_id: int,
+        started: dict[int, int],
+        result: ConsumeResult,
     ) -> ConsumeResult:
+        """Send every job to its Celery task: all start now (the claim counted some)."""
         assert self.dispatch is not None, "Celery-task topics need a dispatcher (tasks.consume)"
+        attempts = dict(started)
         with db.autocommit_cursor(self.engine) as cursor:
-            attempts = store.start_jobs(cursor, [job.id for job in jobs], claim_id)
+            rest = [job.id for job in jobs if job.id not in started]
+            attempts.update(store.start_jobs(cursor, rest, claim_id) if rest else {})
         for job in jobs:
             if job.id in attempts:
                 self.dispatch(
