@@ -81,6 +81,13 @@ class DatabaseUnavailable(DelaysvcError):
         self.maybe_stored = maybe_stored
 
 
+class MissingPart(DelaysvcError):
+    """Something to install first (PySpark, Java, the JDBC driver); the message names what to
+    install and how."""
+
+    code = "missing_part"
+
+
 class HandlerSignal(Exception):
     """Base of the exceptions a handler raises to steer its message."""
 

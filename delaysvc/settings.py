@@ -21,6 +21,7 @@ from delaysvc.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
 from delaysvc.validation import validate_topic
 
 CapPolicy = Literal["reject", "deliver-early"]
+DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class Settings(BaseModel):
     statement_timeout_ms: int = Field(default=5_000, gt=0)
     metrics_token: str | None = None
     """When set, `GET /metrics` needs `Authorization: Bearer <this>`; unset, it is open."""
+    jdbc_jar: Path = DEBIAN_JDBC_JAR
+    """The PostgreSQL JDBC driver's jar, for the pipeline's Spark reads (archive, report)."""
 
     @field_validator("delay_levels")
     @classmethod

@@ -7,6 +7,7 @@ Waits are on the DOM (Playwright's `expect`), never on sleeps."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
 from sqlalchemy import Engine, text
 from werkzeug.serving import make_server
 
@@ -26,6 +27,7 @@ from delaysvc.settings import Settings
 from web import create_app
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+CHROMIUM = Path(os.environ.get("DELAYSVC_TEST_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -43,12 +45,22 @@ def _invoice(message: Any) -> None:
     raise ConnectionError(f"billing API unreachable ({message.body['host']})")
 
 
+def launch_chromium(playwright: Playwright) -> Browser:
+    """Debian's Chromium, headless. CI installs it, so without it the browser tests fail, with
+    one line saying what to install (not Playwright's stack trace)."""
+    if not CHROMIUM.is_file():
+        pytest.fail(
+            f"Chromium is not at {CHROMIUM}: apt-get install chromium "
+            "(or set DELAYSVC_TEST_CHROMIUM to a Chromium elsewhere)",
+            pytrace=False,
+        )
+    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Browser]:
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS
-        )
+        browser = launch_chromium(playwright)
         yield browser
         browser.close()
 

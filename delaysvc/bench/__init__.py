@@ -5,8 +5,10 @@ never in the service's data.
 
 Suites live in one registry, `SUITES`: a name -> `Suite` (the function, taking one
 `BenchContext` and returning `suites.Figures`, plus the sizes it reads, each a CLI flag with a
-full default and a `--quick` one). Adding a suite is adding one entry; `delaysvc bench` builds
-its flags from the registry.
+full default and a `--quick` one, and what it needs installed). Adding a suite is adding one
+entry; `delaysvc bench` builds its flags from the registry. A suite asked for by name whose
+needs are missing stops the run before it starts, with one line naming what to install; in
+`all`, such a suite is reported as not run.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sqlalchemy.engine import make_url
 from delaysvc.bench import report, suites
 from delaysvc.bench.progress import step
 from delaysvc.db import database_url, make_engine, sqlalchemy_url
+from delaysvc.errors import MissingPart
 from delaysvc.migrate import upgrade
 from delaysvc.settings import Settings
 
@@ -61,11 +64,17 @@ class BenchContext:
         return float(self.sizes[name])
 
 
+def _nothing_missing() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Suite:
     run: Callable[[BenchContext], suites.Figures]
     sizes: tuple[Size, ...] = field(default=())
     summary: str = ""
+    missing: Callable[[], str | None] = _nothing_missing
+    """Why the suite cannot run here (what to install and how), or None."""
 
 
 # Sizes shared by several suites are one object, so they are one flag.
@@ -119,6 +128,18 @@ def _suite_in(module: str) -> Callable[[BenchContext], suites.Figures]:
     return run
 
 
+def _missing_in(module: str) -> Callable[[], str | None]:
+    """`delaysvc.bench.<module>.missing`, imported when asked."""
+
+    def missing() -> str | None:
+        found: Callable[[], str | None] = importlib.import_module(
+            f"delaysvc.bench.{module}"
+        ).missing
+        return found()
+
+    return missing
+
+
 SUITES: dict[str, Suite] = {
     "send": Suite(_send, (SECONDS, BATCH_ROWS), "send single and batch vs raw INSERT and COPY"),
     "delivery": Suite(
@@ -163,6 +184,7 @@ SUITES: dict[str, Suite] = {
             Size("http_workers", 4, 4, "gunicorn worker processes."),
         ),
         "POST /api/v1/messages under wrk: requests/s, latency percentiles, errors",
+        _missing_in("http"),
     ),
     "dashboard": Suite(
         _suite_in("dashboard"),
@@ -182,6 +204,7 @@ SUITES: dict[str, Suite] = {
             Size("pipeline_partitions", 2, 2, "Spark partitions."),
         ),
         "Spark bulk-schedule rows/s (needs pyspark and Java)",
+        _missing_in("pipeline"),
     ),
 }
 
@@ -215,6 +238,14 @@ def chosen_suites(names: list[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)} or all")
     return names
+
+
+def require_parts(names: list[str]) -> None:
+    """Raise MissingPart naming the first of the suites `names` that cannot run here."""
+    for name in names:
+        reason = SUITES[name].missing()
+        if reason:
+            raise MissingPart(f"bench {name}: {reason}")
 
 
 def bench_database(settings: Settings, name: str = BENCH_DATABASE, migrate: bool = True) -> str:

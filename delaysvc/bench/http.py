@@ -56,11 +56,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def missing() -> str | None:
+    """Why the suite cannot run here, or None."""
+    return None if shutil.which("wrk") else "wrk is not installed: apt-get install wrk"
+
+
 def run_wrk(url: str, token: str, clients: int, seconds: float) -> dict[str, Any]:
     """wrk against `url` (…/api/v1/messages); -> its RESULT line as a dict."""
     wrk = shutil.which("wrk")
     if wrk is None:
-        raise RuntimeError("wrk is not installed (apt-get install wrk)")
+        raise RuntimeError(missing())
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(WRK_SCRIPT % {"token": token, "topic": TOPIC})
     try:
@@ -87,8 +92,8 @@ def run_wrk(url: str, token: str, clients: int, seconds: float) -> dict[str, Any
 
 
 def http_suite(ctx: BenchContext) -> Figures:
-    if shutil.which("wrk") is None:
-        reason = "wrk is not installed (apt-get install wrk)"
+    reason = missing()
+    if reason:
         step(f"http: NOT RUN: {reason}")
         return Figures(results={"http": {"skipped": reason}})
     clients, seconds = ctx.size("http_clients"), ctx.seconds("http_seconds")

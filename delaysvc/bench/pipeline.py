@@ -4,9 +4,6 @@ itself as not run, with the reason and the fix, in the results and on stderr."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,13 +19,9 @@ TARGET_ROWS_PER_S = 100_000  # DESIGN.md: bulk scheduling
 
 def missing() -> str | None:
     """Why the suite cannot run here, or None."""
-    absent = [m for m in ("pyspark", "pyarrow", "pandas") if importlib.util.find_spec(m) is None]
-    if absent:
-        return f"{', '.join(absent)} not installed (pip install 'delaysvc[pipeline]')"
-    java_home = os.environ.get("JAVA_HOME")
-    if not shutil.which("java") and not (java_home and Path(java_home, "bin", "java").exists()):
-        return "no Java runtime (install Java 17, e.g. apt-get install openjdk-17-jre-headless)"
-    return None
+    from delaysvc.pipeline.requirements import missing_java, missing_python_parts
+
+    return missing_python_parts() or missing_java()
 
 
 def pipeline_suite(ctx: BenchContext) -> Figures:

@@ -36,15 +36,30 @@ class Services:
 
     def __init__(self, master: str | None, jars: str | None):
         self.master, self.jars = master, jars
+        self._configured: Settings | None = None
         self._settings: Settings | None = None
         self._engine: Any = None
+
+    @property
+    def configured(self) -> Settings:
+        """The settings as configured (no database started yet)."""
+        if self._configured is None:
+            self._configured = Settings.from_env()
+        return self._configured
+
+    def require(self, jdbc: bool) -> None:
+        """Before any work: what the job needs is installed (else one line naming it)."""
+        from delaysvc.pipeline.requirements import require
+
+        jdbc_jar = self.configured.jdbc_jar if jdbc else None
+        require(jdbc_jar=jdbc_jar, more_jars=(self.jars or "").split(","))
 
     @property
     def settings(self) -> Settings:
         if self._settings is None:
             from delaysvc.db import database_url
 
-            settings = Settings.from_env()
+            settings = self.configured
             # the embedded server is started here, once: Spark's tasks get its URL and
             # connect to it, instead of each attaching to the server as a process of its own
             self._settings = settings.model_copy(update={"database_url": database_url(settings)})
@@ -61,7 +76,7 @@ class Services:
     def spark(self) -> Any:
         from delaysvc.pipeline.spark import session
 
-        spark = session(self.master, self.jars)
+        spark = session(self.master, self.jars, self.configured.jdbc_jar)
         # on stderr, where Spark's progress goes: which master ran the job (spark-submit's?)
         click.echo(f"spark: master {spark.sparkContext.master}", err=True)
         return spark
@@ -89,9 +104,10 @@ def _summary(job: str, read: int, written: int, rejected: int, seconds: float, m
 @click.pass_obj
 def archive(services: Services, older_than: str, out: Path) -> None:
     """Finished messages older than --older-than -> Parquet, verified, then deleted."""
+    retention_ms = parse_duration_ms(older_than, field="--older-than")
+    services.require(jdbc=True)
     from delaysvc.pipeline import archive as job
 
-    retention_ms = parse_duration_ms(older_than, field="--older-than")
     result = job.run(services.spark(), services.settings, services.engine, retention_ms, out)
     runs = ", ".join(result.folders) or "nothing to archive"
     _summary(
@@ -110,6 +126,7 @@ def archive(services: Services, older_than: str, out: Path) -> None:
 def report(services: Services, out: Path) -> None:
     """Per topic, level and hour from the archive and the live tables -> Parquet and the
     report_hourly table."""
+    services.require(jdbc=True)
     from delaysvc.pipeline import report as job
 
     result = job.run(services.spark(), services.settings, services.engine, out)
@@ -137,6 +154,7 @@ def bulk_schedule(
     if not path.exists():
         raise ValidationError("path", f"{path} does not exist")
     fmt = bulk.detect_format(path, fmt)
+    services.require(jdbc=False)
     result = bulk.run(
         services.spark(), services.settings, path, fmt, rejects, key_from_row, partitions
     )
@@ -155,6 +173,7 @@ def bulk_schedule(
 def bench(services: Services, rows: int, partitions: int | None, workdir: Path, fmt: str) -> None:
     """Measure the database's own rate for N generated keyed rows, schedule them, then the
     same file again; writes bench-bulk.json. Use a scratch database."""
+    services.require(jdbc=False)
     from delaysvc.pipeline.bench import bench_bulk
 
     result = bench_bulk(services.spark(), services.settings, rows, workdir, partitions, fmt=fmt)

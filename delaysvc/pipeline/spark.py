@@ -1,8 +1,9 @@
 """The pipeline's SparkSession and its JDBC connection to the service's PostgreSQL.
 
 `session()` builds one SparkSession: `local[*]` unless a master is given (or `spark-submit`
-chose one), the PostgreSQL JDBC driver from Debian's `libpostgresql-jdbc-java` plus any
-`--jars`, Spark's own logs at ERROR and its console progress bar on.
+chose one), the PostgreSQL JDBC driver (`DELAYSVC_JDBC_JAR`, by default from Debian's
+`libpostgresql-jdbc-java`) plus any `--jars`, Spark's own logs at ERROR and its console
+progress bar on. What it needs installed is checked first (`delaysvc.pipeline.requirements`).
 
 `jdbc_target()` turns the service's database URL into a JDBC URL. The embedded PostgreSQL of
 `delaysvc up` listens on a Unix socket only, which JDBC cannot reach, so for a socket URL it
@@ -25,15 +26,18 @@ from urllib.parse import quote
 
 from sqlalchemy.engine import make_url
 
+from delaysvc.settings import DEBIAN_JDBC_JAR
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
-DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")
 DEFAULT_MASTER = "local[*]"
 
 
-def session(master: str | None = None, jars: str | None = None) -> SparkSession:
+def session(
+    master: str | None = None, jars: str | None = None, jdbc_jar: Path = DEBIAN_JDBC_JAR
+) -> SparkSession:
     """The pipeline's SparkSession (one per process: getOrCreate)."""
     from pyspark.sql import SparkSession
 
@@ -56,7 +60,7 @@ def session(master: str | None = None, jars: str | None = None) -> SparkSession:
     chosen = master or (None if _under_spark_submit() else DEFAULT_MASTER)
     if chosen:
         builder = builder.master(chosen)
-    all_jars = [str(DEBIAN_JDBC_JAR)] if DEBIAN_JDBC_JAR.exists() else []
+    all_jars = [str(jdbc_jar)] if jdbc_jar.exists() else []
     all_jars += [j for j in (jars or "").split(",") if j]
     if all_jars:
         builder = builder.config("spark.jars", ",".join(all_jars))

@@ -201,7 +201,7 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
     load runs through the real worker and beat, without a reload."""
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.test_dashboard_browser import CHROMIUM_ARGS, SCREENSHOTS
+    from tests.test_dashboard_browser import SCREENSHOTS, launch_chromium
 
     with running_up(tmp_path, _clean_env()) as (port, delaysvc):
         delaysvc("create-user", "ada", "--role", "admin", "--password", "admin-password-1")
@@ -228,9 +228,7 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
         )
         try:
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(
-                    executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS
-                )
+                browser = launch_chromium(playwright)
                 page = browser.new_page(viewport={"width": 1366, "height": 768})
                 page.goto(f"http://127.0.0.1:{port}/login")
                 page.fill("input[name=name]", "ada")
