@@ -22,6 +22,7 @@ from delaysvc import store_dashboard as dash
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from tasks.app import STATS_SECONDS
 from web import create_app
 
 ADMIN = ("ada", "admin-password-1")
@@ -434,6 +435,8 @@ def test_backlog_chart_and_lateness_distribution_come_from_the_history_tables(
     assert [round(p[0] / 60) for p in series["level-1"]["points"]] == [-30, -1]
     assert (series["level-1"]["last"], series["level-2"]["last"]) == (25, 7)
     assert data["backlog"]["window_s"] == 3600
+    # a line breaks where two of beat's stats samples in a row are missing, not before
+    assert data["backlog"]["gap_s"] == 3 * STATS_SECONDS
     lateness = data["lateness"]
     assert lateness["counts"] == [90, 5, 0, 4, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]
     assert lateness["labels"][:3] == ["1ms", "2ms", "5ms"]
@@ -891,6 +894,7 @@ def test_history_charts_and_rows_come_from_report_hourly(
     duration = {s["key"]: s["last"] for s in data["duration"]["series"]}
     assert duration == {"shop.email": "90 ms"}  # shop.sms ran no handler
     assert data["messages"]["window_s"] == 86_400
+    assert data["messages"]["gap_s"] == 1.5 * 3600  # an hour without a report row: a gap
     assert [t[1] for t in data["messages"]["ticks"]] == ["-24 h", "-18 h", "-12 h", "-6 h", "now"]
     assert [r["cells"]["hour"][-5:] for r in data["rows"]] == [
         hour.strftime("%H:00"),

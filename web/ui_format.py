@@ -19,6 +19,11 @@ from delaysvc.store_dashboard import LatenessDistribution
 
 BODY_PREVIEW_BYTES = 64 * 1024
 CANCELLABLE = (*WAITING, "ready")
+# a chart's line breaks where two samples are further apart than this (nothing is drawn for
+# the time nobody sampled): two of beat's 10 s stats samples missed (tasks.app.STATS_SECONDS);
+# in the History, an hour without a report row
+BACKLOG_GAP_S = 3 * 10.0
+HISTORY_GAP_S = 1.5 * 3600
 
 
 def when(value: datetime | None) -> str:
@@ -120,6 +125,7 @@ def backlog_chart(samples: list[Any], now: datetime, window: timedelta) -> dict[
         series.setdefault(sample.lane, []).append([round(age, 1), int(sample.pending)])
     return {
         "window_s": window.total_seconds(),
+        "gap_s": BACKLOG_GAP_S,
         "ticks": [[-60 * m, f"-{m} min"] for m in (60, 45, 30, 15)] + [[0, "now"]],
         "empty": "no samples yet (beat task delaysvc.sample_stats)",
         "series": [
@@ -317,7 +323,13 @@ def history_view(rows: list[Any], now: datetime, days: int) -> dict[str, Any]:
             ]
             if points:
                 series.append({"key": topic, "points": points, "last": f"{points[-1][1]:g}{unit}"})
-        return {"window_s": window, "ticks": ticks, "empty": empty, "series": series}
+        return {
+            "window_s": window,
+            "gap_s": HISTORY_GAP_S,
+            "ticks": ticks,
+            "empty": empty,
+            "series": series,
+        }
 
     nothing = "no report yet: run `delaysvc pipeline report`"
     return {

@@ -102,7 +102,10 @@
   }
 
   // Lines over time: chart.series [{key, points: [[seconds before now, value]], last}],
-  // chart.window_s wide, labelled at chart.ticks [[seconds before now, label]].
+  // chart.window_s wide, labelled at chart.ticks [[seconds before now, label]]. A line goes
+  // straight from sample to sample, so it never shows a value no sample had; where two
+  // samples are more than chart.gap_s apart it breaks (nothing was sampled in between), and
+  // a sample alone between two gaps is a dot.
   function drawLines(svg, legend, chart) {
     clear(svg);
     legend.textContent = "";
@@ -132,8 +135,17 @@
         const y = box.top + box.height - (box.height * p[1]) / maxY;
         return [x.toFixed(1), y.toFixed(1)];
       });
-      svg.appendChild(el("polyline", { points: xy.map(function (p) { return p.join(","); }).join(" "),
-        stroke: color, class: "series", "data-key": s.key }));
+      const breaks = s.points.map(function (p, i) {
+        return i === 0 || p[0] - s.points[i - 1][0] > chart.gap_s;
+      });
+      const d = xy.map(function (p, i) { return (breaks[i] ? "M" : "L") + p.join(" "); });
+      svg.appendChild(el("path", { d: d.join(" "), stroke: color, class: "series",
+        "data-key": s.key }));
+      xy.forEach(function (p, i) {
+        if (breaks[i] && (i === xy.length - 1 || breaks[i + 1])) {
+          svg.appendChild(el("circle", { cx: p[0], cy: p[1], r: 2, fill: color, class: "lone" }));
+        }
+      });
       const last = xy[xy.length - 1];
       svg.appendChild(el("circle", { cx: last[0], cy: last[1], r: 3, fill: color }));
       const li = document.createElement("li");
