@@ -229,19 +229,19 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     from delaysvc.db import database_url, make_engine
     from delaysvc.migrate import upgrade
 
-    url = database_url(settings)
-    engine = make_engine(settings, url)
-    for change in upgrade(engine, settings.levels):
-        click.echo(change.describe())
-    engine.dispose()
-    env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
-    base = f"http://{host}:{port}"
     commands = [
         web_command(host, port, access_log=False),
         *worker_commands(settings),
         beat_command(settings),
     ]
     console = Console(command.name for command in commands)
+    url = database_url(settings)
+    engine = make_engine(settings, url)
+    for change in upgrade(engine, settings.levels):
+        console.echo(SUPERVISOR, change.describe())
+    engine.dispose()
+    env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
+    base = f"http://{host}:{port}"
     if settings.embedded_database:
         where = settings.var_dir.resolve() / "pg"
         console.echo(SUPERVISOR, f"database: embedded PostgreSQL under {where}")
