@@ -180,7 +180,7 @@ class _Starts:
         self.chunk_ms = 0
 
     def covers(self, message_id: int) -> bool:
-        return message_id in self.attempts or message_id in self.chunk
+        return message_id in self.chunk
 
     def next_chunk(self, upcoming: list[Job]) -> list[int]:
         """The next job, and after it while the previous chunk ran quickly, up to `size` - 1
@@ -261,12 +261,12 @@ class Consumer:
             if time.monotonic() > start_by:
                 self._release(jobs[index:], claim_id, result)
                 break
-            if not starts.covers(job.id) and job.attempts > self.max_retries(job.topic):
-                # every attempt was charged by a process that died running it
-                dead = DeadLetter(f"out of retries after {job.attempts} attempts")
-                pending.add(job, claim_id, dead, 0)
-                continue
             if not starts.covers(job.id):
+                if job.attempts > self.max_retries(job.topic):
+                    # every attempt was charged by a process that died running it
+                    dead = DeadLetter(f"out of retries after {job.attempts} attempts")
+                    pending.add(job, claim_id, dead, 0)
+                    continue
                 self._start(starts, jobs[index:], claim_id)
             attempt = starts.attempt(job.id)
             if attempt is None:
@@ -341,9 +341,10 @@ class Consumer:
         """Send every job to its Celery task: all start now (the claim counted some)."""
         assert self.dispatch is not None, "Celery-task topics need a dispatcher (tasks.consume)"
         attempts = dict(started)
-        with db.autocommit_cursor(self.engine) as cursor:
-            rest = [job.id for job in jobs if job.id not in started]
-            attempts.update(store.start_jobs(cursor, rest, claim_id) if rest else {})
+        rest = [job.id for job in jobs if job.id not in started]
+        if rest:
+            with db.autocommit_cursor(self.engine) as cursor:
+                attempts.update(store.start_jobs(cursor, rest, claim_id))
         for job in jobs:
             if job.id in attempts:
                 self.dispatch(

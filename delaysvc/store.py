@@ -79,6 +79,12 @@ _ENQUEUE_FROM = """
     SELECT lane, count(*) FROM {src} WHERE lane >= 0 GROUP BY lane
 )"""
 
+# Rows `{src}` took out of lane :lane, counted out of it.
+_COUNTED_OUT = """lane_counted AS (
+    INSERT INTO lane_count (lane, delta)
+    SELECT CAST(:lane AS smallint), -count(*) FROM {src} HAVING count(*) > 0
+)"""
+
 MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
     queue_offset, status, stored_at, deliver_ts, delivered_at, started_at, finished_at,
     attempts, duration_ms, last_error, errors"""
@@ -225,16 +231,14 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
     return LevelChange(level, old_ms, new_ms, relocated)
 
 
-# The waiting messages of a level's queue (all, or those named) move to the timer lane with
-# their due times unchanged (their commit_log rows follow: lane 0, a timer offset), counted out
-# of the level and into the timer lane.
-_RELOCATE_TO_TIMER = """
-WITH taken AS (
-    DELETE FROM consume_queue q WHERE q.level = :lane
-      AND (CAST(:ids AS bigint[]) IS NULL OR q.message_id = ANY(:ids))
-    RETURNING q.message_id, q.topic, q.deliver_ts
-), placed AS (
-    SELECT message_id, topic, deliver_ts, nextval('timer_queue_seq') AS queue_offset FROM taken
+# Rows taken out of level :lane (`{taken}`: message_id, topic, deliver_ts; `{where}` picks those
+# that go) enter the timer lane with their due times unchanged; their commit_log rows follow
+# (lane 0, a timer offset), and `{taken}` is counted out of the level, `placed` into the timer
+# lane. Shared by a level change (`relocate_to_timer`) and the mover (`relocate_misplaced`).
+_INTO_TIMER_LANE = """
+, placed AS (
+    SELECT message_id, topic, deliver_ts, nextval('timer_queue_seq') AS queue_offset
+    FROM {taken} WHERE {where}
 ), timed AS (
     INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
     SELECT deliver_ts, queue_offset, message_id, topic FROM placed
@@ -243,21 +247,24 @@ WITH taken AS (
     FROM placed p WHERE c.id = p.message_id
 ), counted AS (
     INSERT INTO lane_count (lane, delta)
-    SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM placed)),
+    SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM {taken})),
                                 (CAST(0 AS smallint), (SELECT count(*) FROM placed))) v(lane, n)
     WHERE n <> 0
-)
+)"""
+
+_RELOCATE_TO_TIMER = f"""
+WITH taken AS (
+    DELETE FROM consume_queue q WHERE q.level = :lane
+    RETURNING q.message_id, q.topic, q.deliver_ts
+){_INTO_TIMER_LANE.format(taken="taken", where="true")}
 SELECT count(*) FROM placed
 """
 
 
-def relocate_to_timer(
-    conn: Connection, level: int, message_ids: Sequence[int] | None = None
-) -> int:
-    """Move a level's waiting messages (all, or those given) to the timer lane, due times
-    unchanged. -> how many moved."""
-    params = {"lane": level, "ids": list(message_ids) if message_ids is not None else None}
-    return conn.execute(_sql(_RELOCATE_TO_TIMER), params).scalar_one()
+def relocate_to_timer(conn: Connection, level: int) -> int:
+    """Move all of a level's waiting messages to the timer lane, due times unchanged.
+    -> how many moved."""
+    return conn.execute(_sql(_RELOCATE_TO_TIMER), {"lane": level}).scalar_one()
 
 
 def check_levels(conn: Connection, levels: DelayLevels) -> None:
@@ -590,8 +597,7 @@ def take_out_of_lane(conn: Connection, lane: int, offset: int, deliver_ts: datet
     else:
         return False
     statement = (
-        f"WITH gone AS ({delete} RETURNING 1), counted AS (INSERT INTO lane_count (lane, delta) "
-        "SELECT CAST(:lane AS smallint), -count(*) FROM gone HAVING count(*) > 0) "
+        f"WITH gone AS ({delete} RETURNING 1), {_COUNTED_OUT.format(src='gone')} "
         "SELECT count(*) FROM gone"
     )
     params = {"lane": lane, "offset": offset, "ts": deliver_ts}
@@ -623,8 +629,8 @@ def lock_lane(conn: Connection, lane: int) -> Any:
     holds it. Movers of one lane never overlap, so offsets advance in order."""
     return conn.execute(
         text(
-            "SELECT lane, delay_ms, schedule_offset FROM schedule_offset "
-            "WHERE lane = :lane FOR UPDATE SKIP LOCKED"
+            "SELECT lane, delay_ms, schedule_offset, stuck_offset, stuck_error "
+            "FROM schedule_offset WHERE lane = :lane FOR UPDATE SKIP LOCKED"
         ),
         {"lane": lane},
     ).first()
@@ -644,10 +650,7 @@ _MOVED_TO_TOPIC = f"""
         last_moved_at = {NOW},
         stuck_offset = NULL, stuck_error = NULL, stuck_since = NULL
     WHERE lane = :lane AND EXISTS (SELECT 1 FROM moved)
-), lane_counted AS (
-    INSERT INTO lane_count (lane, delta)
-    SELECT CAST(:lane AS smallint), -count(*) FROM moved HAVING count(*) > 0
-)
+), {_COUNTED_OUT.format(src="moved")}
 SELECT count(*) AS moved, max(queue_offset) AS max_offset,
        -- hashed, not sorted: a sort of the batch's topic names compares them by the locale
        (SELECT array_agg(topic) FROM (SELECT DISTINCT topic FROM moved) d) AS topics,
@@ -769,24 +772,10 @@ WITH head AS (
     RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
 ), sorted AS (
     SELECT t.*, b.clock_back FROM taken t JOIN beyond b USING (message_id)
-), placed AS (
-    SELECT message_id, topic, deliver_ts, nextval('timer_queue_seq') AS queue_offset
-    FROM sorted WHERE NOT clock_back
-), timed AS (
-    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
-    SELECT deliver_ts, queue_offset, message_id, topic FROM placed
-), relaned AS (
-    UPDATE commit_log c SET lane = 0, queue_offset = p.queue_offset
-    FROM placed p WHERE c.id = p.message_id
-), now_due AS (
+){_INTO_TIMER_LANE.format(taken="sorted", where="NOT clock_back")}, now_due AS (
     INSERT INTO topic_queue (message_id, topic, deliver_ts, enqueued_at)
     SELECT message_id, topic, deliver_ts, clock_timestamp() FROM sorted WHERE clock_back
     ORDER BY queue_offset
-), counted AS (
-    INSERT INTO lane_count (lane, delta)
-    SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM sorted)),
-                                (CAST(0 AS smallint), (SELECT count(*) FROM placed))) v(lane, n)
-    WHERE n <> 0
 )
 SELECT (SELECT count(*) FROM placed) AS to_timer,
        (SELECT count(*) FROM sorted WHERE clock_back) AS delivered,
@@ -869,13 +858,7 @@ def skip_stuck_head(conn: Connection, lane: int) -> int:
     read; the head must still be the row the lane is stuck on, and each change names the state
     it expects, so a message just delivered is never dead-lettered, nor dead and running."""
     name = "the timer lane" if lane == TIMER_LANE else f"level {lane}"
-    locked = conn.execute(
-        text(
-            "SELECT stuck_offset, stuck_error FROM schedule_offset "
-            "WHERE lane = :lane FOR UPDATE SKIP LOCKED"
-        ),
-        {"lane": lane},
-    ).first()
+    locked = lock_lane(conn, lane)
     if locked is None:
         raise NotStuck(f"{name} is being delivered right now (or does not exist); try again")
     if locked.stuck_offset is None:
