@@ -397,11 +397,15 @@ def up(ctx: Context, host: str, port: int) -> None:
 @click.option("--concurrency", "-c", type=int, help="Consumer processes (default: cores).")
 @pass_ctx
 def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None) -> None:
-    """Run Celery workers (delivery: threads, one per lane; consume: processes)."""
-    from delaysvc.up import run_processes, worker_commands
+    """Run Celery workers (delivery: threads, one per lane; consume: processes); prints a
+    line containing `ready` once its lanes and consumers run."""
+    from delaysvc.up import run_worker, worker_commands
 
     require_levels(ctx)
-    sys.exit(run_processes(worker_commands(ctx.settings, delivery, consume, concurrency)))
+    commands = worker_commands(ctx.settings, delivery, consume, concurrency)
+    if not commands:
+        raise click.UsageError("nothing to run: give --delivery, --consume or both")
+    sys.exit(run_worker(ctx.settings, commands))
 
 
 @cli.command()

@@ -19,6 +19,7 @@ dashboard) until the cause is fixed or an operator skips the head to the dead le
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from delaysvc import store
+from delaysvc.health import LANE_HEARTBEAT_SECONDS, lane_component
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
 
 log = logging.getLogger(__name__)
@@ -158,6 +160,7 @@ class LaneRunner:
     moved_total: int = 0
     held_lane: bool = False
     lateness: LatenessHistogram = field(default_factory=LatenessHistogram)
+    _beaten: float = 0.0  # monotonic time of the last heartbeat
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -168,6 +171,7 @@ class LaneRunner:
                 return 0
             self.held_lane = True
             try:
+                self._heartbeat(conn)
                 self._loop(conn, deadline)
             finally:
                 self.lateness.flush(conn, self.lane)
@@ -183,6 +187,8 @@ class LaneRunner:
                 self.on_moved(result.topics)
             if self.lateness.due():
                 self.lateness.flush(conn, self.lane)
+            if time.monotonic() - self._beaten >= LANE_HEARTBEAT_SECONDS:
+                self._heartbeat(conn)
             if result.moved == self.batch:
                 continue  # more may be due right now
             if result.stuck:
@@ -205,6 +211,12 @@ class LaneRunner:
             # a send into this empty level is due one level-delay later: half of it is early
             return max(self.idle_poll_seconds, min(delay_ms / 2000, 1.0))
         return until_head
+
+    def _heartbeat(self, conn: Connection) -> None:
+        """This lane runs (`health`: `delivery` is its least recently seen lane)."""
+        with conn.begin():
+            store.record_heartbeat(conn, lane_component(self.lane), socket.gethostname())
+        self._beaten = time.monotonic()
 
     def _try_lock(self, conn: Connection) -> bool:
         with conn.begin():

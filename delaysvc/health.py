@@ -1,6 +1,8 @@
-"""Is the service alive? The database answers, beat fires (its stats sample, run by a delivery
-worker, is recent) and consumers run (their sweep, fired every second, is recent). Processes
-report by writing heartbeats; `/healthz` and `delaysvc stats` read them."""
+"""Is the service alive? The database answers, beat fires (its fold of the lane counts, fired
+every second and run by a delivery worker, is recent), every delivery lane runs (each lane's
+runner writes its own heartbeat while it holds the lane) and consumers run (their sweep, fired
+every second, is recent). Processes report by writing heartbeats; `/healthz`, `delaysvc stats`
+and the `ready` lines of `up` and `worker` read them."""
 
 from __future__ import annotations
 
@@ -11,8 +13,12 @@ from sqlalchemy import Engine
 
 from delaysvc import store
 
-STALE_AFTER_SECONDS = {"beat": 30.0, "consumer": 15.0}
-"""A component not seen for this long is reported down (3 of its beat intervals, or more)."""
+STALE_AFTER_SECONDS = {"beat": 15.0, "delivery": 15.0, "consumer": 15.0}
+"""A component not seen for this long is reported down (3 of its beat intervals, or more).
+`delivery` is its least recently seen lane: one lane that stopped is delivery down."""
+
+LANE_HEARTBEAT_SECONDS = 5.0
+"""A lane's runner writes its heartbeat when it takes the lane and at least this often."""
 
 
 def record_heartbeat(engine: Engine, component: str) -> None:
@@ -40,7 +46,13 @@ class Health:
 def check(engine: Engine) -> Health:
     try:
         with engine.connect() as conn:
-            seen = store.heartbeats(conn)
+            seen: dict[str, float | None] = dict(store.heartbeats(conn))
+            seen["delivery"] = store.slowest_lane_heartbeat(conn)
     except Exception:  # the database is away: that is the answer
         return Health(False, dict.fromkeys(STALE_AFTER_SECONDS))
     return Health(True, {name: seen.get(name) for name in STALE_AFTER_SECONDS})
+
+
+def lane_component(lane: int) -> str:
+    """The heartbeat a lane's runner writes."""
+    return f"lane {lane}"

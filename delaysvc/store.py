@@ -922,6 +922,19 @@ def heartbeats(conn: Connection) -> dict[str, float]:
     return {row.component: float(row.age) for row in rows}
 
 
+def slowest_lane_heartbeat(conn: Connection) -> float | None:
+    """Seconds since the least recently seen lane's runner wrote its heartbeat (`lane N`, one
+    per lane the database has); None while a lane has never been seen."""
+    row = conn.execute(
+        text(
+            "SELECT bool_or(h.seen_at IS NULL) AS unseen, "
+            "max(extract(epoch FROM clock_timestamp() - h.seen_at)) AS age "
+            "FROM schedule_offset s LEFT JOIN heartbeat h ON h.component = 'lane ' || s.lane"
+        )
+    ).one()
+    return None if row.unseen or row.age is None else float(row.age)
+
+
 def add_durations(conn: Connection, topic: str, counts: Sequence[int], max_ms: float) -> None:
     _add_to_histogram(conn, "handler_duration_histogram", "topic", topic, counts, max_ms)
 

@@ -14,6 +14,7 @@ the supervisor's own). Celery's banners are off (`-q`) and gunicorn's access log
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -24,7 +25,8 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
-from typing import IO
+from pathlib import Path
+from typing import IO, Any
 
 import click
 
@@ -117,79 +119,185 @@ class Console:
         return thread
 
 
+RESTART_BACKOFF_SECONDS = (1, 2, 4, 8, 16, 30)
+"""How long a child that exited waits before its restart: the nth quick exit in a row waits the
+nth figure (the last one from then on)."""
+STEADY_SECONDS = 30.0
+"""A child that ran this long before it exited starts its backoff afresh."""
+QUICK_EXITS_BEFORE_GIVING_UP = 5
+"""A child that exits this many times in a row without running STEADY_SECONDS cannot start
+(a setting, the database, a port): the supervisor stops everything and says so."""
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """On Linux, a function for `preexec_fn` that has the kernel send the child SIGTERM when
+    its supervisor dies, however it dies (SIGKILL, the OOM killer, a closed terminal), so no
+    child outlives it and keeps a port or a lane for a deployment nobody supervises. The
+    signal follows the thread that started the child: `Supervisor` starts every child from
+    the thread that runs its loop. Elsewhere: None (the children outlive a killed supervisor)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now: nothing to load after fork
+    parent = os.getpid()
+
+    def set_parent_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the supervisor died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_parent_death_signal
+
+
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+class Child:
+    """One supervised process: its command, the running process, and its restart record."""
+
+    def __init__(self, command: Command):
+        self.command = command
+        self.process: subprocess.Popen[bytes] | None = None
+        self.started = 0.0
+        self.quick_exits = 0
+        self.restart_at: float | None = None
+
+
+class Supervisor:
+    """Starts the commands and keeps them running: a child that exits is restarted after a
+    backoff, with a line saying so; one that keeps exiting at start stops everything. Several
+    commands share the terminal through `console`; one alone writes to it directly.
+    `keep_open` is a file descriptor every child inherits (`deployment_lock`)."""
+
+    def __init__(
+        self,
+        commands: Sequence[Command],
+        env: dict[str, str] | None,
+        console: Console | None,
+        keep_open: int | None = None,
+    ):
+        self.children = [Child(command) for command in commands]
+        self.env = env
+        self.console = console
+        self.keep_open = () if keep_open is None else (keep_open,)
+        self.relays: list[threading.Thread] = []
+        self.preexec = _die_with_parent()
+
+    def say(self, line: str, err: bool = False) -> None:
+        if self.console is None:
+            click.echo(line, err=err)
+        else:
+            self.console.echo(SUPERVISOR, line, err=err)
+
+    def start(self, child: Child) -> None:
+        common: dict[str, Any] = {
+            "start_new_session": True,  # the terminal's Ctrl-C reaches the supervisor alone
+            "preexec_fn": self.preexec,
+            "pass_fds": self.keep_open,
+        }
+        child.started, child.restart_at = time.monotonic(), None
+        if self.console is None:
+            child.process = subprocess.Popen(list(child.command), env=self.env, **common)
+            return
+        child.process = subprocess.Popen(
+            list(child.command),
+            env=dict(self.env or os.environ, PYTHONUNBUFFERED="1"),  # lines as they are written
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            **common,
+        )
+        assert child.process.stdout is not None
+        self.relays.append(self.console.relay(child.command.name, child.process.stdout))
+
+    def check(self) -> str | None:
+        """Restart what is due and schedule the restart of what exited; -> why everything must
+        stop (a child that cannot start), or None."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self.say(f"restarting {child.command.name}")
+                    self.start(child)
+                continue
+            assert child.process is not None
+            code = child.process.poll()
+            if code is None:
+                continue
+            name = child.command.name
+            child.quick_exits = (
+                1 if now - child.started >= STEADY_SECONDS else child.quick_exits + 1
+            )
+            if child.quick_exits >= QUICK_EXITS_BEFORE_GIVING_UP:
+                return (
+                    f"{name} exited with {code} {child.quick_exits} times in a row, each within "
+                    f"{STEADY_SECONDS:g} s of starting: it cannot start (see its lines above); "
+                    "stopping all"
+                )
+            wait = RESTART_BACKOFF_SECONDS[min(child.quick_exits, len(RESTART_BACKOFF_SECONDS)) - 1]
+            self.say(f"{name} exited with {code}; restarting it in {wait} s", err=True)
+            child.restart_at = now + wait
+        return None
+
+    def stop_all(self) -> None:
+        running = [c.process for c in self.children if c.process is not None]
+        for process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for process in running:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for relay in self.relays:
+            relay.join(timeout=2)  # the children's last lines
+
+
 def run_processes(
     commands: Sequence[Command],
     env: dict[str, str] | None = None,
-    on_started: Callable[[], None] | None = None,
+    on_started: Callable[[Supervisor], None] | None = None,
     console: Console | None = None,
+    keep_open: int | None = None,
 ) -> int:
-    """Run the commands until one exits or we are told to stop; then stop them all. Several
-    commands share the terminal through `console` (one is made if none is given); one alone
-    writes to it directly."""
+    """Run the commands, restarting any that exits (`Supervisor`), until we are told to stop
+    (Ctrl-C, SIGTERM: -> 0) or a child cannot start (-> 1); then stop them all. Every child
+    dies with this process (`_die_with_parent`)."""
     if len(commands) > 1 and console is None:
         console = Console(command.name for command in commands)
-    children: list[subprocess.Popen[bytes]] = []
-    relays: list[threading.Thread] = []
-    for command in commands:
-        if console is None:
-            children.append(subprocess.Popen(list(command), env=env, start_new_session=True))
-            continue
-        child = subprocess.Popen(
-            list(command),
-            env=dict(env or os.environ, PYTHONUNBUFFERED="1"),  # lines as they are written
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        assert child.stdout is not None
-        relays.append(console.relay(command.name, child.stdout))
-        children.append(child)
+    supervisor = Supervisor(commands, env, console, keep_open)
     stopping = {"signal": 0}
 
     def stop(signum: int, _frame: object) -> None:
         stopping["signal"] = signum
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed = False
     try:
+        for child in supervisor.children:
+            supervisor.start(child)
         if on_started is not None:  # beside the loop, which must see a child exit at once
-            threading.Thread(target=on_started, name="on-started", daemon=True).start()
+            threading.Thread(
+                target=on_started, args=(supervisor,), name="on-started", daemon=True
+            ).start()
         while not stopping["signal"]:
-            running = zip(children, commands, strict=True)
-            exited = [(c, command) for c, command in running if c.poll() is not None]
-            if exited:
-                child, command = exited[0]
-                why = f"{command.name} exited with {child.returncode}; stopping all"
-                if console is None:
-                    click.echo(why, err=True)
-                else:
-                    console.echo(SUPERVISOR, why, err=True)
+            why = supervisor.check()
+            if why is not None:
+                supervisor.say(why, err=True)
+                failed = True
                 break
             time.sleep(0.2)
     except KeyboardInterrupt:
         pass
     finally:
-        if console is not None and stopping["signal"]:
+        if stopping["signal"] and console is not None:
             console.echo(SUPERVISOR, "stopping all")
-        _stop_all(children)
-        for relay in relays:
-            relay.join(timeout=2)  # the children's last lines
+        supervisor.stop_all()
         for s, handler in previous.items():
             signal.signal(s, handler)
-    failed = [c.returncode for c in children if c.returncode not in (0, None, -15)]
-    return 0 if stopping["signal"] or not failed else 1
-
-
-def _stop_all(children: list[subprocess.Popen[bytes]]) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_SECONDS
-    for child in children:
-        try:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    return 1 if failed else 0
 
 
 def wait_until_answering(url: str, timeout: float = 60.0) -> bool:
@@ -204,25 +312,144 @@ def wait_until_answering(url: str, timeout: float = 60.0) -> bool:
     return False
 
 
-def not_yet_reported(healthz: str, started: float, timeout: float) -> list[str]:
-    """Wait until every component `healthz` names (beat, the consumers) has written a
-    heartbeat since `started` (a `time.monotonic()`); -> those that had not by `timeout`
-    (none: all run). Beat's heartbeat is its stats sample, run by a delivery worker."""
+Ages = Callable[[], dict[str, float | None]]
+"""Seconds since each part last wrote its heartbeat (None: never); raises while unreachable."""
+
+
+def not_yet_reported(ages: Ages, started: float, timeout: float) -> list[str]:
+    """Wait until every part `ages` names has written a heartbeat since `started` (a
+    `time.monotonic()`); -> those that had not by `timeout` (none: all run)."""
     deadline = started + timeout
     late: list[str] = ["web"]
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(healthz, timeout=2) as response:
-                ages = json.loads(response.read())["seconds_since"]
+            seen = ages()
         except (OSError, ValueError, KeyError):
             time.sleep(0.2)
             continue
         since = time.monotonic() - started
-        late = [name for name, age in ages.items() if age is None or age > since]
+        late = [name for name, age in seen.items() if age is None or age > since]
         if not late:
             return []
-        time.sleep(0.5)
+        time.sleep(0.1)
     return late
+
+
+def healthz_ages(url: str) -> Ages:
+    """The heartbeats as the web app reports them: it answers, and the parts run."""
+
+    def ages() -> dict[str, float | None]:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return dict(json.loads(response.read())["seconds_since"])
+
+    return ages
+
+
+def database_ages(settings: Settings, parts: Sequence[str]) -> Ages:
+    """The heartbeats of `parts` as the database has them (`health.check`)."""
+    from delaysvc import health
+    from delaysvc.db import make_engine
+
+    engine = make_engine(settings)
+
+    def ages() -> dict[str, float | None]:
+        checked = health.check(engine)
+        if not checked.database:
+            raise OSError("the database does not answer")
+        return {part: checked.seconds_since[part] for part in parts}
+
+    return ages
+
+
+def announce_when_ready(ages: Ages, started: float, ready: str) -> Callable[[Supervisor], None]:
+    """An `on_started` for `run_processes` printing `ready` once every part has reported in."""
+
+    def announce(supervisor: Supervisor) -> None:
+        late = not_yet_reported(ages, started, READY_TIMEOUT_SECONDS)
+        if late:
+            supervisor.say(
+                f"not ready after {READY_TIMEOUT_SECONDS:g} s: no word from {', '.join(late)} "
+                "(see its lines above)",
+                err=True,
+            )
+        elif supervisor.console is not None:  # unprefixed, between blank lines
+            supervisor.console.echo("", ready)
+        else:
+            supervisor.say(ready)
+
+    return announce
+
+
+def run_worker(settings: Settings, commands: Sequence[Command]) -> int:
+    """`delaysvc worker`: its Celery workers, and a line once their parts run."""
+    parts = [
+        part
+        for part, name in (("delivery", "delivery"), ("consumer", "consume"))
+        if any(command.name == name for command in commands)
+    ]
+    ready = f"delaysvc worker ready: {' and '.join(parts)} running"
+    announce = announce_when_ready(database_ages(settings, parts), time.monotonic(), ready)
+    return run_processes(commands, on_started=announce)
+
+
+DEPLOYMENT_WAIT_SECONDS = 60.0
+
+
+def deployment_lock(var_dir: Path, say: Callable[[str], None]) -> int:
+    """Hold `<var_dir>/up.pid` (an exclusive flock, this process's pid inside) for as long as
+    this `up` or any of its children lives: every child inherits the descriptor, so a `up`
+    killed with SIGKILL keeps it held until its children, told by the kernel, have stopped.
+    -> the descriptor. A second `up` on the same var/ is refused while the first runs, and
+    waits (at most DEPLOYMENT_WAIT_SECONDS) while a killed one's children finish."""
+    var_dir.mkdir(parents=True, exist_ok=True)
+    path = var_dir.resolve() / "up.pid"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + DEPLOYMENT_WAIT_SECONDS
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = _pid_in(path)
+            if holder is not None and _alive(holder):
+                os.close(fd)
+                raise click.ClickException(
+                    f"delaysvc up is already running on {var_dir.resolve()} (pid {holder}); "
+                    f"stop it first (Ctrl-C in its terminal, or kill {holder}), or start this "
+                    "one with another DELAYSVC_VAR_DIR"
+                ) from None
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise click.ClickException(
+                    f"the processes of a delaysvc up that was killed (pid {holder}) still run "
+                    f"on {var_dir.resolve()} after {DEPLOYMENT_WAIT_SECONDS:g} s; find them with "
+                    f"`fuser {path}` and stop them"
+                ) from None
+            if not waiting:
+                say(f"waiting for the processes of a killed delaysvc up (pid {holder}) to stop")
+                waiting = True
+            time.sleep(0.5)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_all(settings: Settings, host: str, port: int) -> int:
@@ -235,6 +462,7 @@ def run_all(settings: Settings, host: str, port: int) -> int:
         beat_command(settings),
     ]
     console = Console(command.name for command in commands)
+    lock = deployment_lock(settings.var_dir, lambda line: console.echo(SUPERVISOR, line))
     url = database_url(settings)
     engine = make_engine(settings, url)
     for change in upgrade(engine, settings.levels):
@@ -250,18 +478,9 @@ def run_all(settings: Settings, host: str, port: int) -> int:
             SUPERVISOR, f"broker: filesystem under {settings.var_dir.resolve() / 'broker'}"
         )
     console.echo(SUPERVISOR, f"starting {', '.join(command.name for command in commands)}")
-    started = time.monotonic()
-
-    def announce() -> None:
-        late = not_yet_reported(base + "/healthz", started, READY_TIMEOUT_SECONDS)
-        if late:
-            console.echo(
-                SUPERVISOR,
-                f"not ready after {READY_TIMEOUT_SECONDS:g} s: no word from {', '.join(late)} "
-                "(see its lines above)",
-                err=True,
-            )
-        else:  # unprefixed, between blank lines: the line to look for
-            console.echo("", f"delaysvc ready: dashboard at {base}/  (Ctrl-C stops everything)")
-
-    return run_processes(commands, env=env, on_started=announce, console=console)
+    announce = announce_when_ready(
+        healthz_ages(base + "/healthz"),
+        time.monotonic(),
+        f"delaysvc ready: dashboard at {base}/  (Ctrl-C stops everything)",
+    )
+    return run_processes(commands, env=env, on_started=announce, console=console, keep_open=lock)

@@ -2,14 +2,44 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
 from celery import current_app, shared_task
+from celery.signals import worker_process_init, worker_ready
 
 from delaysvc.consumption import Job
+from delaysvc.db import make_engine
 from delaysvc.health import record_heartbeat
-from tasks.app import runtime
+from tasks.app import CONSUME_QUEUE, runtime
+
+log = logging.getLogger(__name__)
+
+
+@worker_ready.connect
+def _consumers_ready(sender: Any, **_: object) -> None:
+    """A worker serving the consume queue reports in as soon as its processes run (the sweep,
+    fired by beat, keeps the heartbeat fresh from then on)."""
+    if CONSUME_QUEUE in set(sender.app.amqp.queues.consume_from):
+        # an engine of its own: the pool's processes are forked from this one, and must not
+        # share its connections
+        engine = make_engine(sender.app.conf.delaysvc_settings)
+        try:
+            record_heartbeat(engine, "consumer")
+        finally:
+            engine.dispose()
+
+
+@worker_process_init.connect
+def _warm_consumer(**_: object) -> None:
+    """Each consumer process loads its handlers and opens its first connection before its
+    first job, not while that job waits."""
+    try:
+        with runtime().consumer.engine.connect():
+            pass
+    except Exception:  # the first job will retry the connection, and say why it fails
+        log.warning("consume.warm_up_failed", exc_info=True)
 
 
 @shared_task(name="delaysvc.consume", ignore_result=True)

@@ -1,21 +1,47 @@
-"""Delivery tasks: thin wrappers around `delaysvc.delivery.LaneRunner`."""
+"""Delivery tasks: thin wrappers around `delaysvc.delivery.LaneRunner`.
+
+Each lane is one chain of `deliver_lane` tasks: a run keeps its lane for a budget, then sends
+the next run. A delivery worker starts every lane's chain the moment it is ready, so a deploy
+or a restart leaves no lane asleep until beat's next interval; a run that dies while it holds
+its lane sends the next one at once. Beat fires every lane each budget as the safety net (a
+second run of a held lane returns at once: `LaneRunner`'s advisory lock).
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
+from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_shutting_down
+from celery.signals import worker_ready, worker_shutting_down
 
 from delaysvc.delivery import LaneRunner
-from tasks.app import runtime
+from tasks.app import DELIVERY_QUEUE, runtime
 
+log = logging.getLogger(__name__)
 _stop = threading.Event()
+REARM_SECONDS = 1.0
+"""A run that died holding its lane (its connection broke) sends the next one this soon."""
 
 
 @worker_shutting_down.connect
 def _stop_lanes(**_: object) -> None:
     _stop.set()
+
+
+@worker_ready.connect
+def _start_lanes(sender: Any, **_: object) -> None:
+    """A worker that serves the delivery queue starts every lane now, not at beat's first
+    interval (beat's entries fire one budget after beat starts)."""
+    app = sender.app
+    if DELIVERY_QUEUE not in set(app.amqp.queues.consume_from):
+        return
+    settings = app.conf.delaysvc_settings
+    lanes = range(settings.levels.max_level + 1)
+    for lane in lanes:
+        deliver_lane.apply_async((lane,), expires=settings.lane_budget_seconds)
+    log.info("delivery.lanes_started", extra={"lanes": f"0-{lanes[-1]}"})
 
 
 def _wake_consumers(topics: tuple[str, ...]) -> None:
@@ -29,6 +55,7 @@ def _wake_consumers(topics: tuple[str, ...]) -> None:
 def deliver_lane(lane: int) -> int:
     """Keep `lane` on time for one budget, then hand over to the next run of this task."""
     rt = runtime()
+    budget = rt.settings.lane_budget_seconds
     runner = LaneRunner(
         rt.engine,
         lane,
@@ -37,7 +64,15 @@ def deliver_lane(lane: int) -> int:
         on_moved=_wake_consumers,
         stop=_stop,
     )
-    moved = runner.run(rt.settings.lane_budget_seconds)
+    try:
+        moved = runner.run(budget)
+    except Exception:
+        if runner.held_lane and not _stop.is_set():
+            log.warning("delivery.lane_rearmed", extra={"lane": lane}, exc_info=True)
+            deliver_lane.apply_async(
+                (lane,), countdown=REARM_SECONDS, expires=REARM_SECONDS + budget
+            )
+        raise
     if runner.held_lane and not _stop.is_set():
-        deliver_lane.apply_async((lane,), expires=rt.settings.lane_budget_seconds)
+        deliver_lane.apply_async((lane,), expires=budget)
     return moved

@@ -12,17 +12,17 @@ from tasks.app import runtime
 
 @shared_task(name="delaysvc.sample_stats", ignore_result=True)
 def sample_stats() -> int:
-    """Record one stats_sample row per lane and prune old samples; -> lanes sampled. Beat
-    fires it, so it is also beat's heartbeat."""
-    record_heartbeat(runtime().engine, "beat")
+    """Record one stats_sample row per lane and prune old samples; -> lanes sampled."""
     return sample(runtime().engine, runtime().settings.statement_timeout_ms).lanes
 
 
 @shared_task(name="delaysvc.fold_lane_counts", ignore_result=True)
 def fold_lane_counts() -> int:
     """Fold the lanes' count deltas into one row per lane (every second from beat), so reading
-    a lane's exact backlog sums a few thousand rows at most."""
+    a lane's exact backlog sums a few thousand rows at most. Beat fires it every second, so it
+    is also beat's heartbeat."""
     from delaysvc import store
 
+    record_heartbeat(runtime().engine, "beat")
     with runtime().engine.begin() as conn:
         return store.fold_lane_counts(conn)

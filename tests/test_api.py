@@ -378,10 +378,10 @@ def test_dead_letters_list_and_redrive(
     _error(client.post(f"/api/v1/dead/{sent['id']}/redrive", headers=admin_token), 404, "not_found")
 
 
-def test_healthz_reports_the_database_beat_and_consumers(
-    client: FlaskClient, engine: Engine
+def test_healthz_reports_the_database_beat_lanes_and_consumers(
+    client: FlaskClient, engine: Engine, settings: Settings
 ) -> None:
-    from delaysvc.health import record_heartbeat
+    from delaysvc.health import lane_component, record_heartbeat
 
     first = client.get("/healthz")
     assert first.status_code == 200  # the web process can serve
@@ -389,12 +389,20 @@ def test_healthz_reports_the_database_beat_and_consumers(
         "status": "degraded",
         "database": True,
         "beat": False,
+        "delivery": False,
         "consumer": False,
     }
     record_heartbeat(engine, "beat")
     record_heartbeat(engine, "consumer")
+    lanes = range(settings.levels.max_level + 1)  # the timer lane and every level
+    for lane in lanes[:-1]:
+        record_heartbeat(engine, lane_component(lane))
+    # one lane not running is delivery down
+    assert client.get("/healthz").get_json()["delivery"] is False
+    record_heartbeat(engine, lane_component(lanes[-1]))
     second = client.get("/healthz").get_json()
     assert (second["status"], second["beat"], second["consumer"]) == ("ok", True, True)
+    assert second["delivery"] is True
     assert 0 <= second["seconds_since"]["beat"] < 5
 
 

@@ -93,3 +93,8 @@ def celery_task(body):  # type: ignore[no-untyped-def]
     if body.get("fail_first") and attempt == 1:
         raise RuntimeError("task failed on its first attempt")
     return body
+
+
+@handler("e2e.noop")
+def does_nothing(message):  # type: ignore[no-untyped-def]
+    """For the lateness of a handler's start, nothing else."""

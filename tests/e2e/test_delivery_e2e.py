@@ -181,3 +181,40 @@ def test_a_postgresql_crash_restart_during_a_drain_loses_and_duplicates_nothing(
     assert _topic_queue_order(service, 1) == ids
     row = service.rows("SELECT schedule_offset, moved_total FROM schedule_offset WHERE lane = 1")
     assert (row[0].schedule_offset, row[0].moved_total) == (total, total)
+
+
+def test_lanes_run_from_the_delivery_workers_start_and_a_dead_run_is_rearmed_at_once(
+    service: Service, producer: Producer
+) -> None:
+    """No beat at all: a delivery worker starts every lane itself when it is ready, so a deploy
+    leaves no lane asleep until beat's first interval; a lane whose run dies (its connection
+    cut) runs again at once, not at beat's next firing."""
+    service.delivery_worker()
+    wait_for(
+        lambda: (
+            service.scalar("SELECT count(*) FROM heartbeat WHERE component LIKE 'lane %'")
+            == service.settings.levels.max_level + 1
+        ),
+        60,
+        "every lane's heartbeat",
+    )
+    first = producer.send("e2e.unhandled", {"n": 1}, delay_level=1)
+    wait_for(lambda: service.count_status("ready") == 1, 10, "the level-1 message, without beat")
+    assert service.scalar(
+        f"SELECT {store.DELIVERED_AT} - c.deliver_ts < interval '100 ms' FROM commit_log c "
+        "WHERE id = :id",
+        id=first.id,
+    )
+
+    cut = service.scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_locks "
+        "WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()"
+    )
+    assert cut == service.settings.levels.max_level + 1  # every lane's runner lost its session
+    second = producer.send("e2e.unhandled", {"n": 2}, delay_level=1)
+    wait_for(lambda: service.count_status("ready") == 2, 10, "a message after the cut")
+    assert service.scalar(
+        f"SELECT {store.DELIVERED_AT} - c.deliver_ts < interval '1500 ms' FROM commit_log c "
+        "WHERE id = :id",
+        id=second.id,
+    )

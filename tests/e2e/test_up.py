@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from sqlalchemy import text
 from delaysvc.db import make_engine, start_embedded
 from delaysvc.settings import Settings
 from tests.conftest import ROOT
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import Service, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -60,13 +61,8 @@ def _processes_in(folder: Path) -> list[int]:
     return found
 
 
-@contextmanager
-def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callable[..., str]]]:
-    """`delaysvc up` started in `folder` until it prints `ready`; -> (port, a function running
-    other `delaysvc` commands in the same folder). Stopped with SIGTERM at the end, which must
-    end every child cleanly."""
-    port = _free_port()
-    up = subprocess.Popen(
+def start_up(folder: Path, env: dict[str, str], port: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, "-m", "delaysvc", "up", "--port", str(port)],
         cwd=folder,
         env=env,
@@ -75,14 +71,36 @@ def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callabl
         text=True,
         start_new_session=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
-    output: list[str] = []
 
-    def read() -> None:
-        assert up.stdout is not None
-        for line in up.stdout:
-            output.append(line)
-            lines.put(line)
+
+class Output:
+    """The lines a process writes, read as it writes them."""
+
+    def __init__(self, process: subprocess.Popen[str]):
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(process,), daemon=True).start()
+
+    def _read(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            self.lines.append(line)
+            self._queue.put(line)
+
+    def wait_for(self, text: str, timeout: float = 120) -> str:
+        """The next line containing `text`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self._queue.get(timeout=max(0.1, deadline - time.monotonic()))
+            if text in line:
+                return line
+
+    def tail(self, lines: int = 40) -> str:
+        return "".join(self.lines[-lines:])
+
+
+def delaysvc_in(folder: Path, env: dict[str, str]) -> Callable[..., str]:
+    """A function running other `delaysvc` commands in `folder`."""
 
     def delaysvc(*args: str) -> str:
         """A command that succeeds and, as it does, says nothing on stderr."""
@@ -97,20 +115,27 @@ def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callabl
         assert (result.returncode, result.stderr) == (0, ""), result.stderr
         return result.stdout
 
-    threading.Thread(target=read, daemon=True).start()
+    return delaysvc
+
+
+@contextmanager
+def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callable[..., str]]]:
+    """`delaysvc up` started in `folder` until it prints `ready`; -> (port, a function running
+    other `delaysvc` commands in the same folder). Stopped with SIGTERM at the end, which must
+    end every child cleanly."""
+    port = _free_port()
+    up = start_up(folder, env, port)
+    output = Output(up)
     try:
-        while True:
-            line = lines.get(timeout=120)
-            if "delaysvc ready:" in line:
-                break
+        line = output.wait_for("delaysvc ready:")
         assert f"http://127.0.0.1:{port}/" in line
-        yield port, delaysvc
+        yield port, delaysvc_in(folder, env)
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=90)
-    assert code == 0, "".join(output[-40:])
+    assert code == 0, output.tail()
     wait_for(lambda: _processes_in(folder) == [], 30, "every child of up to exit")
-    _assert_one_readable_stream(output, port)
+    _assert_one_readable_stream(output.lines, port)
     assert [path.name for path in folder.iterdir()] == ["var"]  # nothing written elsewhere
 
 
@@ -138,8 +163,12 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 
 def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Path) -> None:
-    env = _clean_env(DELAYSVC_HANDLERS="examples.shop", SHOP_CANCEL_AFTER="3s")
+    env = _clean_env(DELAYSVC_HANDLERS="examples.shop,tests.e2e.handlers", SHOP_CANCEL_AFTER="3s")
     with running_up(tmp_path, env) as (port, delaysvc):
+        # `ready` means ready: a level-1 message sent now runs on time (lanes started with
+        # the delivery worker, not at beat's first interval; consumers warm)
+        late_ms = _level_1_handler_started_late_ms(start_embedded(tmp_path / "var"))
+        assert late_ms <= 100, f"sent at ready, its handler started {late_ms:.0f} ms late"
         token = delaysvc("create-token", "tester", "--scope", "admin").strip().splitlines()[-1]
         assert delaysvc("send", "sms.send", '"hi"', "--delay", "45m").startswith("sent: id=")
         assert delaysvc("levels").splitlines()[-1].split() == ["timer", "any", "1"]
@@ -188,6 +217,30 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
         wait_for(lambda: len(statuses(sampled)) == 19, 60, "a stats sample of all 19 lanes")
         engine.dispose()
         assert sorted(timers.values()) == ["cancelled", "succeeded"]
+
+
+def _level_1_handler_started_late_ms(url: str) -> float:
+    """Send a level-1 message now; -> how late its handler started, once it succeeded."""
+    from delaysvc.producer import Producer
+
+    settings = Settings(database_url=url)
+    engine = make_engine(settings, url)
+    try:
+        sent = Producer(settings, engine).send("e2e.noop", {}, delay_level=1)
+
+        def started_late_ms() -> float | None:
+            with engine.connect() as conn:
+                return conn.execute(
+                    text(
+                        "SELECT extract(epoch FROM started_at - deliver_ts) * 1000 "
+                        "FROM commit_log WHERE id = :id AND status = 'succeeded'"
+                    ),
+                    {"id": sent.id},
+                ).scalar()
+
+        return float(wait_for(started_late_ms, 60, "a level-1 message to run"))
+    finally:
+        engine.dispose()
 
 
 def _seconds(iso: str) -> float:
@@ -257,3 +310,109 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
         finally:
             load.terminate()
             load.wait(timeout=30)
+
+
+def _children_of(pid: int) -> dict[int, str]:
+    """pid -> command line of the processes whose parent is `pid`."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                found[int(entry.name)] = (entry / "cmdline").read_text().replace("\0", " ")
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def _not_postgres(pids: list[int]) -> list[int]:
+    """Leaves out the embedded PostgreSQL, which outlives a killed `up` by design (the next
+    `up` attaches to it; the last process attached stops it)."""
+    kept = []
+    for pid in pids:
+        try:
+            if "postgres" not in Path(f"/proc/{pid}/cmdline").read_text():
+                kept.append(pid)
+        except OSError:
+            continue
+    return kept
+
+
+def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed(
+    tmp_path: Path,
+) -> None:
+    """The edges of a deployment's life: a consumer killed by the OOM killer is restarted
+    while the rest runs on; a second `up` on the same var/ is refused; `up` itself killed with
+    SIGKILL (the OOM killer, a closed terminal) leaves no child running, and the next `up`
+    starts clean on the same folder."""
+    env = _clean_env(DELAYSVC_HANDLERS="tests.e2e.handlers")
+    port = _free_port()
+    up = start_up(tmp_path, env, port)
+    output = Output(up)
+    try:
+        output.wait_for("delaysvc ready:")
+        url = start_embedded(tmp_path / "var")
+
+        second = subprocess.run(
+            [sys.executable, "-m", "delaysvc", "up", "--port", str(_free_port())],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert second.returncode == 1, second.stdout + second.stderr
+        assert (
+            f"delaysvc up is already running on {tmp_path / 'var'} (pid {up.pid}); "
+            f"stop it first (Ctrl-C in its terminal, or kill {up.pid})"
+        ) in second.stderr
+
+        (consume,) = [pid for pid, cmd in _children_of(up.pid).items() if "consume@" in cmd]
+        os.kill(consume, signal.SIGKILL)
+        output.wait_for("consume exited with -9; restarting it in 1 s", 30)
+        output.wait_for("restarting consume", 30)
+        _level_1_handler_started_late_ms(url)  # the restarted consumer runs it
+
+        children = list(_children_of(up.pid))
+        assert len(children) == 4, _children_of(up.pid)  # web, delivery, consume, beat
+        os.kill(up.pid, signal.SIGKILL)
+        up.wait(timeout=10)
+        wait_for(
+            lambda: _not_postgres(_processes_in(tmp_path)) == [],
+            30,
+            "every child of the killed up to exit",
+        )
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for pid in _not_postgres(_processes_in(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
+
+    with running_up(tmp_path, env) as (_, delaysvc):
+        assert delaysvc("send", "e2e.noop", "{}", "--level", "1").startswith("sent: id=")
+
+
+def test_worker_says_ready_once_its_lanes_and_consumers_run(service: Service) -> None:
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "delaysvc", "worker", "-c", "1"],
+        cwd=ROOT,
+        env=service.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    output = Output(worker)
+    try:
+        output.wait_for("delaysvc worker ready: delivery and consumer running", 90)
+        lanes = service.scalar(
+            "SELECT count(*) FROM heartbeat WHERE component LIKE 'lane %' "
+            "AND seen_at > now() - interval '10 s'"
+        )
+        assert lanes == service.settings.levels.max_level + 1
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(timeout=60)
+    assert code == 0, output.tail()

@@ -1,0 +1,103 @@
+"""The supervisor behind `delaysvc up`, `worker`, `beat` and `web` (`delaysvc.up`), with real
+child processes: a child that dies is restarted after a backoff while the others run on, one
+that cannot start stops everything with a line saying so, and no child outlives a supervisor
+killed with SIGKILL. (tests/e2e/test_up.py does the same to a whole `delaysvc up`.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from delaysvc import up
+from delaysvc.up import Command, run_processes
+from tests.e2e.conftest import wait_for
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+@pytest.fixture(autouse=True)
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(up, "RESTART_BACKOFF_SECONDS", (0.1, 0.2))
+    monkeypatch.setattr(up, "STEADY_SECONDS", 5.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+def test_a_child_that_dies_is_restarted_and_the_others_run_on(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    seen: dict[str, list[int]] = {}
+
+    def kill_one_then_stop(supervisor: up.Supervisor) -> None:
+        first, second = supervisor.children
+        assert first.process is not None and second.process is not None
+        seen["second"] = [second.process.pid]
+        seen["first"] = [first.process.pid]
+        first.process.kill()
+        wait_for(lambda: first.process.pid != seen["first"][0], 10, "the restart")
+        seen["first"].append(first.process.pid)
+        seen["second"].append(second.process.pid)
+        os.kill(os.getpid(), signal.SIGTERM)  # as Ctrl-C would
+
+    code = run_processes(
+        [Command("first", SLEEPER), Command("second", SLEEPER)], on_started=kill_one_then_stop
+    )
+    out = capsys.readouterr()
+    assert code == 0
+    assert "first exited with -9; restarting it in 0.1 s" in out.err
+    assert "restarting first" in out.out
+    assert seen["second"][0] == seen["second"][1]  # the other child ran on, untouched
+    assert not any(_alive(pid) for pid in seen["first"] + seen["second"])  # all stopped
+
+
+def test_a_child_that_cannot_start_stops_everything_with_a_clear_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    failing = Command("broken", [sys.executable, "-c", "import sys; sys.exit(3)"])
+    started = time.monotonic()
+    code = run_processes([failing, Command("sleeper", SLEEPER)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert time.monotonic() - started < 10
+    assert err.count("broken exited with 3; restarting it in") == 4
+    assert (
+        "broken exited with 3 5 times in a row, each within 5 s of starting: it cannot start "
+        "(see its lines above); stopping all"
+    ) in err
+
+
+def test_no_child_outlives_a_supervisor_killed_with_sigkill(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    child = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from delaysvc.up import Command, run_processes; "
+            f"sys.exit(run_processes([Command('child', [sys.executable, '-c', {child!r}])]))",
+        ],
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: pidfile.exists() and pidfile.read_text(), 30, "the child to start")
+        child_pid = int(pidfile.read_text())
+        assert _alive(child_pid)
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        wait_for(lambda: not _alive(child_pid), 10, "the child to die with its supervisor")
+    finally:
+        supervisor.kill()
+        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
