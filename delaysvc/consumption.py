@@ -10,7 +10,7 @@ import bisect
 import dataclasses
 import importlib
 import logging
-import math
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -121,14 +121,51 @@ FLUSH_SECONDS = 0.25
 """Outcomes of a batch are written at least this often, so a crash late in a batch of slow
 jobs reruns only the jobs of the last quarter second, not the whole batch."""
 
-BATCH_LEASE_FACTOR = 1.5
-"""A claimed batch is leased for 1.5 leases (and Celery stops its task then: tasks.app), and
-starts no job after half a lease (the rest go back to the queue, uncharged): every handler
-gets at least DELAYSVC_LEASE_SECONDS, and its job is taken again only once it was stopped."""
 
+class Leases:
+    """The claims this process holds, renewed while it lives: every third of a lease, one
+    statement moves the lease of every job it is running or about to run a lease ahead. A
+    process that dies (kill -9, the OOM killer, a lost host) stops renewing, and its jobs are
+    taken again (`rescue_once`) at most a lease later; a slow handler in a live process keeps
+    its job however long it takes. A renewal that fails (the database restarting) is tried
+    again at the next third, so one failure costs nothing."""
 
-def batch_lease_seconds(lease_seconds: int) -> int:
-    return math.ceil(lease_seconds * BATCH_LEASE_FACTOR)
+    def __init__(self, engine: Engine, lease_seconds: int):
+        self.engine = engine
+        self.lease_seconds = lease_seconds
+        self._held: dict[int, list[int]] = {}  # claim id -> its jobs' ids
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, claim_id: int, message_ids: list[int]) -> None:
+        with self._lock:
+            self._held[claim_id] = message_ids
+            if self._thread is None or not self._thread.is_alive():  # none yet, or forked
+                self._thread = threading.Thread(
+                    target=self._renew_while_alive, name="delaysvc-leases", daemon=True
+                )
+                self._thread.start()
+
+    def drop(self, claim_id: int) -> None:
+        with self._lock:
+            self._held.pop(claim_id, None)
+
+    def renew(self) -> int:
+        """Move every held job's lease a lease ahead now; -> jobs renewed."""
+        with self._lock:
+            held = dict(self._held)
+        if not held:
+            return 0
+        with self.engine.begin() as conn:
+            return store.renew_leases(conn, held, self.lease_seconds)
+
+    def _renew_while_alive(self) -> None:
+        while True:
+            time.sleep(self.lease_seconds / 3)
+            try:
+                self.renew()
+            except Exception:  # the next third tries again
+                log.warning("consume.lease_renewal_failed", exc_info=True)
 
 
 class _Outcomes:
@@ -217,6 +254,7 @@ class Consumer:
         self.settings = settings
         self.engine = engine
         self.dispatch = dispatch
+        self.leases = Leases(engine, settings.lease_seconds)
         # per topic: how many jobs the last chunk started at once (`_Starts`); the next claim
         # counts that many attempts itself
         self._quick_jobs: dict[str, int] = {}
@@ -234,12 +272,16 @@ class Consumer:
     def run_once(self, topic: str, limit: int | None = None) -> ConsumeResult:
         """Claim up to `limit` jobs (one transaction), run them with no transaction open, and
         record their outcomes every FLUSH_SECONDS and at the end (one statement for all
-        successes). Each job's attempt is counted as its handler starts; jobs not started
-        within half a lease go back to the queue uncharged."""
+        successes). The claim's lease is renewed while the batch runs (`Leases`). Each job's
+        attempt is counted as its handler starts; jobs not started within half a lease go back
+        to the queue uncharged, for another consumer to run."""
         result = ConsumeResult(topic)
         if not self.can_run(topic):
             return result
-        lease = batch_lease_seconds(self.settings.lease_seconds)
+        task_name = self.settings.task_topics.get(topic)
+        dispatched = task_name is not None and registered(topic) is None
+        # a Celery task runs where delaysvc cannot renew its lease: it gets a fixed one
+        lease = self.settings.task_lease_seconds if dispatched else self.settings.lease_seconds
         start_first = self._quick_jobs.get(topic, 1)
         with self.engine.begin() as conn:
             rows = store.claim_ready(
@@ -250,13 +292,39 @@ class Consumer:
             return result
         claim_id = rows[0].claim_id
         jobs = [Job.from_row(row) for row in rows]
-        task_name = self.settings.task_topics.get(topic)
-        if task_name is not None and registered(topic) is None:
+        if dispatched:
+            assert task_name is not None
             started = {row.id: row.attempts for row in rows if row.started}
             return self._dispatch_all(task_name, jobs, claim_id, started, result)
+        self.leases.hold(claim_id, [job.id for job in jobs])
+        try:
+            self._run_batch(
+                jobs, claim_id, {row.id: row.attempts for row in rows if row.started}, result
+            )
+        finally:
+            self.leases.drop(claim_id)
+        log.info(
+            "consume.batch",
+            extra={
+                "topic": topic,
+                "claimed": result.claimed,
+                "succeeded": result.succeeded,
+                "retried": result.retried,
+                "dead": result.dead,
+                "released": result.released,
+            },
+        )
+        return result
+
+    def _run_batch(
+        self, jobs: list[Job], claim_id: int, started: dict[int, int], result: ConsumeResult
+    ) -> None:
+        """Run the claimed jobs in queue order, each started (its attempt counted) just before
+        it runs; none starts after half a lease (`_release`)."""
+        topic = result.topic
         start_by = time.monotonic() + self.settings.lease_seconds / 2
         pending = _Outcomes()
-        starts = _Starts({row.id: row.attempts for row in rows if row.started})
+        starts = _Starts(started)
         for index, job in enumerate(jobs):
             if time.monotonic() > start_by:
                 self._release(jobs[index:], claim_id, result)
@@ -280,18 +348,6 @@ class Consumer:
             if pending.age() >= FLUSH_SECONDS:
                 self._record(pending, result)
         self._record(pending, result)
-        log.info(
-            "consume.batch",
-            extra={
-                "topic": topic,
-                "claimed": result.claimed,
-                "succeeded": result.succeeded,
-                "retried": result.retried,
-                "dead": result.dead,
-                "released": result.released,
-            },
-        )
-        return result
 
     def _start(self, starts: _Starts, upcoming: list[Job], claim_id: int) -> None:
         """Count the attempts of the next jobs to start (`_Starts.next_chunk`), one commit."""
@@ -435,7 +491,8 @@ class Consumer:
     # -- housekeeping ---------------------------------------------------------
 
     def rescue_once(self, limit: int = 1000) -> list[Any]:
-        """Put jobs whose lease expired back in their queues. -> rescued (id, topic) rows."""
+        """Put jobs whose lease expired (their process stopped renewing it) back in their
+        queues. -> rescued (id, topic) rows."""
         with self.engine.begin() as conn:
             rescued = store.rescue_expired_leases(conn, limit)
         if rescued:

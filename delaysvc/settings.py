@@ -53,7 +53,12 @@ class Settings(BaseModel):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_delay: str = "400d"
     max_retries: int = Field(default=16, ge=0, le=1000)
-    lease_seconds: int = Field(default=300, gt=0)
+    lease_seconds: int = Field(default=30, gt=0)
+    """A running job's lease: its process renews it every third of this while it lives, so a
+    job is taken again this long (at most) after its process died, and never while it runs."""
+    task_lease_seconds: int = Field(default=300, gt=0)
+    """The fixed lease of a job handed to a Celery task (`topic_tasks`): the task runs where
+    delaysvc cannot renew it, so its job is taken again after this long without an outcome."""
     worker_max_memory_mb: int = Field(default=512, ge=0)
     """A consumer process using more than this after a task is replaced (0: never): a
     handler that leaks memory cannot take the worker down."""

@@ -1353,6 +1353,26 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
     return result.rowcount == 1
 
 
+def renew_leases(conn: Connection, held: dict[int, list[int]], lease_seconds: int) -> int:
+    """Move the lease of every job still running under its claim (claim id -> job ids) a
+    lease ahead; -> jobs renewed. By id: a TID-cheap primary key lookup per job."""
+    pairs = [(message_id, claim_id) for claim_id, ids in held.items() for message_id in ids]
+    return conn.execute(
+        text(
+            """
+UPDATE commit_log c SET lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
+FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[])) AS v(id, claim_id)
+WHERE c.id = v.id AND c.claim_id = v.claim_id AND c.status = 'running'
+"""
+        ),
+        {
+            "ids": [message_id for message_id, _ in pairs],
+            "claims": [claim_id for _, claim_id in pairs],
+            "lease_seconds": lease_seconds,
+        },
+    ).rowcount
+
+
 def release_unstarted(conn: Connection, message_ids: Sequence[int], claim_id: int) -> int:
     """Give claimed jobs that never ran back to their topic queue, uncharged (an attempt the
     claim counted for one of them is taken back)."""

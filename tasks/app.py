@@ -19,7 +19,7 @@ from celery.schedules import schedule
 from celery.signals import worker_init
 from sqlalchemy import Engine
 
-from delaysvc.consumption import Consumer, batch_lease_seconds, load_handler_modules
+from delaysvc.consumption import Consumer, load_handler_modules
 from delaysvc.db import make_engine
 from delaysvc.settings import Settings
 from tasks import broker
@@ -69,8 +69,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     include = ["tasks.delivery", "tasks.consume", "tasks.stats", *settings.handler_modules]
     app = Celery("delaysvc", broker=broker_url, include=include)
     budget = settings.lane_budget_seconds
-    # an expired lease is found within half a lease (and at least every RESCUE_SECONDS)
-    rescue_every = min(RESCUE_SECONDS, settings.lease_seconds / 2)
+    # an expired lease is found within a third of a lease (and at least every RESCUE_SECONDS)
+    rescue_every = min(RESCUE_SECONDS, settings.lease_seconds / 3)
     app.conf.update(
         broker_transport_options=transport_options,
         broker_connection_retry_on_startup=True,
@@ -86,9 +86,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             "delaysvc.*": {"queue": CONSUME_QUEUE},
         },
         task_default_queue=CONSUME_QUEUE,
-        # a consumer batch is leased for 1.5 leases and starts no job after half of one, so
-        # every handler runs for at least a lease before it is stopped (consumption.py)
-        task_time_limit=batch_lease_seconds(settings.lease_seconds),
+        # no time limit: a handler runs as long as it takes while its process lives and renews
+        # its lease (consumption.Leases); a process that dies has its jobs taken again
         worker_max_memory_per_child=settings.worker_max_memory_mb * 1024 or None,
         # every entry runs every few seconds: nothing is worth persisting across restarts, and
         # the monotonic times of `every` would be wrong after a reboot

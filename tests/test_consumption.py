@@ -261,3 +261,37 @@ def test_purge_and_redrive_by_filter(producer, consumer, engine):
         assert store.dead_ids(conn, "d", "m1", 100) == [ids[1]]
         assert store.purge_dead(conn, [ids[0]]) == 1
         assert sorted(store.dead_ids(conn, "d", None, 100)) == ids[1:]
+
+
+def test_a_handler_running_many_leases_keeps_its_job_while_its_process_lives(
+    producer, settings, engine
+):
+    """The lease is renewed while the process runs the batch: another consumer's rescue,
+    run well past the lease, takes nothing, and the job runs once."""
+    live = Consumer(settings.model_copy(update={"lease_seconds": 1}), engine)
+    rescuer = Consumer(settings, engine)
+    rescued = []
+
+    @handler("long")
+    def run_long(message):
+        for _ in range(4):  # 4 leases
+            time.sleep(1)
+            rescued.extend(rescuer.rescue_once())
+
+    sent = producer.send("long", {})
+    result = live.run_once("long")
+    assert (result.claimed, result.succeeded, rescued) == (1, 1, [])
+    assert (producer.get(sent.id).status, producer.get(sent.id).attempts) == ("succeeded", 1)
+
+
+def test_a_claim_nobody_renews_is_taken_again_after_one_lease(producer, engine, consumer):
+    """What a dead process leaves: a claim and no renewal."""
+    sent = producer.send("orphan", {})
+    [claimed] = claim(engine, "orphan", lease_seconds=1)
+    assert start(engine, sent.id, claimed.claim_id) == 1
+    assert consumer.rescue_once() == []
+    time.sleep(1.1)
+    assert [row.id for row in consumer.rescue_once()] == [sent.id]
+    back = slow_get(engine, sent.id)
+    assert (back.status, back.attempts) == ("ready", 1)
+    assert back.last_error == "lease expired: the worker running attempt 1 was lost"
