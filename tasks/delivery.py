@@ -3,8 +3,11 @@
 Each lane is one chain of `deliver_lane` tasks: a run keeps its lane for a budget, then sends
 the next run. A delivery worker starts every lane's chain the moment it is ready, so a deploy
 or a restart leaves no lane asleep until beat's next interval; a run that dies while it holds
-its lane sends the next one at once. Beat fires every lane each budget as the safety net (a
-second run of a held lane returns at once: `LaneRunner`'s advisory lock).
+its lane sends the next one at once, and a worker shutting down (SIGTERM: a deploy) hands each
+lane over, sending its next run to the queue for another delivery worker to take at once (a
+rolling restart: start the new worker, then stop the old one). Beat fires every lane each
+budget as the safety net (a second run of a held lane returns at once: `LaneRunner`'s advisory
+lock).
 """
 
 from __future__ import annotations
@@ -73,6 +76,6 @@ def deliver_lane(lane: int) -> int:
                 (lane,), countdown=REARM_SECONDS, expires=REARM_SECONDS + budget
             )
         raise
-    if runner.held_lane and not _stop.is_set():
+    if runner.held_lane:  # the next run: here, or on another worker when this one stops
         deliver_lane.apply_async((lane,), expires=budget)
     return moved

@@ -176,6 +176,16 @@ SUITES: dict[str, Suite] = {
         ),
         "throughput at the end vs the start; table sizes and dead tuples over time",
     ),
+    "rolling": Suite(
+        _suite_in("rolling"),
+        (
+            Size("rolling_rate", 1_000, 1_000, "Steady send rate through the restarts, msg/s."),
+            Size("rolling_seconds", 90.0, 60.0, "Length of the flow, seconds."),
+            PROCESSES,
+        ),
+        "rolling restart of the delivery, then the consumer worker under a steady flow: lost, "
+        "re-runs, lateness",
+    ),
     "http": Suite(
         _suite_in("http"),
         (

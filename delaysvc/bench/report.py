@@ -150,6 +150,16 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"| {name}: peak table sizes; dead tuples at the end | {sizes}; {dead} | - | - | "
             "bounded |",
         ]
+    if "reruns" in r:
+        late, start = r["lateness_ms"], r["deliver_to_start_ms"]
+        return [
+            f"| {name}: delivery then consumer worker replaced under {r['rate_per_s']:,} msg/s "
+            f"for {r['seconds']:g} s ({r['sent']:,} msgs) | lost {r['lost']:,}; re-runs "
+            f"{r['reruns']:,} (running at the consumer's SIGTERM: "
+            f"{r['running_at_consumer_sigterm']}); in topic queue p99 {late.get('p99')} ms, "
+            f"max {late.get('max')} ms; handler started p99 {start.get('p99')} ms | - | - | "
+            f"0 lost, re-runs <= in flight, p99 <= {r['target_p99_ms']:g} ms |"
+        ]
     if "requests_per_s" in r:
         late, errors = r["latency_ms"], sum(r["errors"].values())
         return [
@@ -235,6 +245,36 @@ def _chart(
 
 def _line(points: list[tuple[float, float]], color: str, scale: float = 1) -> Any:
     return lambda ax: ax.plot([t for t, _ in points], [v / scale for _, v in points], color=color)
+
+
+def _rolling_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
+    """Lateness per second of the rolling restart's flow, with the restarts marked."""
+    p99 = figures.series.get("rolling_lateness_p99")
+    top = figures.series.get("rolling_lateness_max")
+    if not p99 or not top:
+        return []
+    events = figures.results.get("rolling_restart", {}).get("events", [])
+
+    def draw(ax: Any) -> None:
+        ax.plot([t for t, _ in top], [v for _, v in top], color="#a53b3b", label="max")
+        ax.plot([t for t, _ in p99], [v for _, v in p99], color="#3b6ea5", label="p99")
+        for at, what in events:
+            ax.axvline(at, color="#888888", linestyle="--", linewidth=0.8)
+            ax.annotate(what, (at, 0), rotation=90, fontsize=7, va="bottom", ha="right")
+        ax.set_yscale("symlog", linthresh=10)
+
+    return [
+        _chart(
+            out,
+            plt,
+            "rolling_lateness.png",
+            draw,
+            "rolling restart: deliver_ts -> in topic queue, per second of the flow",
+            "seconds since the flow began (by due time)",
+            "ms (log above 10)",
+            legend=True,
+        )
+    ]
 
 
 def _soak_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
@@ -357,6 +397,7 @@ def _plots(out: Path, figures: Figures) -> list[str]:
             )
         )
     made += _soak_plots(out, figures, plt)
+    made += _rolling_plots(out, figures, plt)
     peer_samples = {
         k.split(":", 1)[1]: v for k, v in figures.samples.items() if k.startswith(PEER_SAMPLES)
     }
