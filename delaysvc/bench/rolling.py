@@ -151,7 +151,7 @@ def _wait_until_running(engine: Engine) -> None:
 
 def _last_id(engine: Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM commit_log")).scalar())
+        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM commit_log")).scalar_one())
 
 
 def _running(engine: Engine) -> int:
@@ -176,7 +176,7 @@ def _succeeded(engine: Engine, first_id: int) -> int:
             conn.execute(
                 text("SELECT count(*) FROM commit_log WHERE id > :id AND status = 'succeeded'"),
                 {"id": first_id},
-            ).scalar()
+            ).scalar_one()
         )
 
 
