@@ -156,9 +156,8 @@ def _last_id(engine: Engine) -> int:
 
 def _running(engine: Engine) -> int:
     with engine.connect() as conn:
-        return int(
-            conn.execute(text("SELECT count(*) FROM commit_log WHERE status = 'running'")).scalar()
-        )
+        running = text("SELECT count(*) FROM commit_log WHERE status = 'running'")
+        return int(conn.execute(running).scalar_one())
 
 
 def _wait_until_run(engine: Engine, first_id: int, sent: int) -> bool:
