@@ -257,10 +257,19 @@ def _rolling_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
 
     def draw(ax: Any) -> None:
         ax.plot([t for t, _ in top], [v for _, v in top], color="#a53b3b", label="max")
-        ax.plot([t for t, _ in p99], [v for _, v in p99], color="#3b6ea5", label="p99")
+        ax.plot([t for t, _ in p99], [v for _, v in p99], color="#3b6ea5", label="p99", ls=":")
         for at, what in events:
             ax.axvline(at, color="#888888", linestyle="--", linewidth=0.8)
-            ax.annotate(what, (at, 0), rotation=90, fontsize=7, va="bottom", ha="right")
+            ax.text(
+                at,
+                0.98,
+                what,
+                transform=ax.get_xaxis_transform(),  # x in data, y in axes fractions
+                rotation=90,
+                fontsize=7,
+                va="top",
+                ha="right",
+            )
         ax.set_yscale("symlog", linthresh=10)
 
     return [

@@ -4,6 +4,8 @@ killed in the middle of a drain (RocketMQ's ScheduleMessageService scenarios, po
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from delaysvc import store
@@ -218,3 +220,30 @@ def test_lanes_run_from_the_delivery_workers_start_and_a_dead_run_is_rearmed_at_
         "WHERE id = :id",
         id=second.id,
     )
+
+
+def test_a_delivery_worker_stopped_for_a_deploy_hands_its_lanes_to_the_new_one(
+    service: Service, producer: Producer
+) -> None:
+    """A rolling restart without beat: the new worker starts while the old one holds every
+    lane; SIGTERM to the old one hands each lane over as it stops, so messages due from then on
+    are delivered on time by the new one (before: nothing until beat's next firing)."""
+    old = service.delivery_worker()
+    lanes = service.settings.levels.max_level + 1
+    wait_for(
+        lambda: (
+            service.scalar("SELECT count(*) FROM heartbeat WHERE component LIKE 'lane %'") == lanes
+        ),
+        60,
+        "the old worker's lanes",
+    )
+    service.delivery_worker()
+    time.sleep(8)  # the new worker boots; its lanes find each lane held and return
+    old.terminate()
+    old.wait(timeout=60)
+    sent = [producer.send("e2e.unhandled", {"n": n}, delay_level=1).id for n in range(5)]
+    wait_for(lambda: service.count_status("ready") == len(sent), 10, "delivery by the new worker")
+    worst = service.scalar(
+        f"SELECT max(extract(epoch FROM {store.DELIVERED_AT} - c.deliver_ts)) FROM commit_log c"
+    )
+    assert worst < 0.5, f"a message was delivered {worst:.2f} s late"
