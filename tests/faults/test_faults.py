@@ -118,11 +118,17 @@ def test_a_handler_running_four_leases_in_a_live_process_is_run_once(
     producer: Producer,  # type: ignore[no-untyped-def]
 ) -> None:
     """Its process renews the lease while the handler runs, so nothing takes the job again
-    (before, Celery stopped the batch at 1.5 leases and the job ran a second time)."""
-    service = service_factory(lease_seconds="3")
+    (before, Celery stopped the batch at 1.5 leases and the job ran a second time). The
+    issue's figure, a 10-minute handler under a 60 s lease: DELAYSVC_TEST_LONG_HANDLER=600,60."""
+    seconds, lease = (
+        int(part) for part in os.environ.get("DELAYSVC_TEST_LONG_HANDLER", "12,3").split(",")
+    )
+    service = service_factory(lease_seconds=str(lease))
     service.start()
-    sent = producer.send("e2e.slow", {"sleep": 12})
-    wait_for(lambda: service.count_status("succeeded") == 1, 90, "the long handler to finish")
+    sent = producer.send("e2e.slow", {"sleep": seconds})
+    wait_for(
+        lambda: service.count_status("succeeded") == 1, seconds + 90, "the long handler to end"
+    )
     assert _runs_per_message(service, "start") == {sent.id: 1}
     row = service.rows("SELECT attempts, last_error FROM commit_log WHERE id = :id", id=sent.id)
     assert (row[0].attempts, row[0].last_error) == (1, None)
