@@ -204,13 +204,16 @@ handlers take longer than this, more at once while they are quicker (doubling up
 the claim itself counts the first chunk, as large as the last one of the topic), so fast jobs
 do not pay a round trip or a second write each. A process that dies mid-chunk has charged the jobs
 of the chunk that had not started (at most this long's worth); a job that was charged once runs
-in a chunk of its own from then on, so no job is charged twice for runs it never had."""
+in a chunk of its own from then on, so no job is charged twice for runs it never had. A topic
+with no retries (`max_retries=0`) starts every job alone: there, one attempt charged without a
+run would be the only one, and the job would reach the dead letters without ever running."""
 
 
 class _Starts:
     """Which jobs of a batch have their attempt counted, and how many to count next."""
 
-    def __init__(self, started_by_claim: dict[int, int]) -> None:
+    def __init__(self, started_by_claim: dict[int, int], chunks: bool = True) -> None:
+        self.chunks = chunks
         self.size = max(1, len(started_by_claim))
         self.chunk: list[int] = list(started_by_claim)
         self.attempts: dict[int, int] = dict(started_by_claim)
@@ -222,7 +225,9 @@ class _Starts:
     def next_chunk(self, upcoming: list[Job]) -> list[int]:
         """The next job, and after it while the previous chunk ran quickly, up to `size` - 1
         more that were never attempted (a rerun starts alone)."""
-        if self.chunk and self.chunk_ms <= START_CHUNK_SECONDS * 1000:
+        if not self.chunks:
+            self.size = 1
+        elif self.chunk and self.chunk_ms <= START_CHUNK_SECONDS * 1000:
             self.size = min(self.size * 2, len(upcoming))
         elif self.chunk:
             self.size = 1
@@ -282,7 +287,7 @@ class Consumer:
         dispatched = task_name is not None and registered(topic) is None
         # a Celery task runs where delaysvc cannot renew its lease: it gets a fixed one
         lease = self.settings.task_lease_seconds if dispatched else self.settings.lease_seconds
-        start_first = self._quick_jobs.get(topic, 1)
+        start_first = self._quick_jobs.get(topic, 1) if self.max_retries(topic) > 0 else 1
         with self.engine.begin() as conn:
             rows = store.claim_ready(
                 conn, topic, limit or self.settings.consume_batch, lease, start_first
@@ -324,7 +329,7 @@ class Consumer:
         topic = result.topic
         start_by = time.monotonic() + self.settings.lease_seconds / 2
         pending = _Outcomes()
-        starts = _Starts(started)
+        starts = _Starts(started, chunks=self.max_retries(topic) > 0)
         for index, job in enumerate(jobs):
             if time.monotonic() > start_by:
                 self._release(jobs[index:], claim_id, result)

@@ -295,3 +295,36 @@ def test_a_claim_nobody_renews_is_taken_again_after_one_lease(producer, engine, 
     back = slow_get(engine, sent.id)
     assert (back.status, back.attempts) == ("ready", 1)
     assert back.last_error == "lease expired: the worker running attempt 1 was lost"
+
+
+class ProcessDied(BaseException):
+    """Raised by a handler to leave `run_once` as a process that dies would: mid-batch, with
+    jobs claimed and maybe charged, nothing recorded."""
+
+
+def test_a_topic_without_retries_never_dead_letters_a_job_that_never_ran(
+    producer, settings, engine
+):
+    """Quick jobs have their attempts counted a chunk at a time; a process dying mid-chunk has
+    charged the chunk's jobs that had not started. With no retries that lost attempt would be
+    the only one: such a topic starts every job alone."""
+    consumer = Consumer(settings.model_copy(update={"lease_seconds": 1}), engine)
+    ran = []
+
+    @handler("fragile", max_retries=0)
+    def fragile(message):
+        ran.append(message.id)
+        if len(ran) == 4:  # by then chunks of 2 and 4 jobs would have been charged
+            raise ProcessDied
+
+    ids = [producer.send("fragile", n).id for n in range(10)]
+    with pytest.raises(ProcessDied):
+        consumer.run_once("fragile")
+    time.sleep(1.1)
+    assert len(consumer.rescue_once()) == 10  # no outcome was written: the whole batch
+    while consumer.run_once("fragile").claimed:
+        pass
+    status = {message_id: producer.get(message_id).status for message_id in ids}
+    # the jobs that ran before the death used their one attempt; every other one runs now
+    assert [m for m in ids if status[m] == "dead"] == ran[:4]
+    assert [m for m in ids if status[m] == "succeeded"] == ids[4:] == ran[4:]
