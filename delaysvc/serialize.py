@@ -1,4 +1,5 @@
-"""JSON shapes of messages, shared by the HTTP API and the CLI."""
+"""JSON shapes of messages, lanes, topics and dead letters, shared by the HTTP API and the
+CLI's `--json`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import base64
 from datetime import datetime
 from typing import Any
 
+from delaysvc.histogram import percentile_bound
+from delaysvc.levels import format_ms
 from delaysvc.producer import Message
+from delaysvc.schema import DURATION_BUCKETS_MS
 
 
 def iso(value: datetime | None) -> str | None:
@@ -40,3 +44,55 @@ def message_json(message: Message, *, full: bool = True, body: bool = False) -> 
             data["body"] = message.body
         data["errors"] = message.errors
     return data
+
+
+def lane_json(row: Any) -> dict[str, Any]:
+    lateness = None
+    if row.next_due is not None and row.next_due < row.now:
+        lateness = round((row.now - row.next_due).total_seconds() * 1000, 1)
+    return {
+        "level": row.lane if row.lane else None,
+        "lane": "timer" if row.lane == 0 else f"level-{row.lane}",
+        "delay": format_ms(row.delay_ms) if row.lane else None,
+        "delay_ms": row.delay_ms if row.lane else None,
+        "pending": row.pending,
+        "schedule_offset": row.schedule_offset,
+        "max_offset": row.max_offset,
+        "moved_total": row.moved_total,
+        "moved_per_s": float(row.moved_per_s) if row.moved_per_s is not None else None,
+        "next_due": iso(row.next_due),
+        "lateness_ms": lateness,
+        "stuck": None
+        if row.stuck_error is None
+        else {"offset": row.stuck_offset, "error": row.stuck_error, "since": iso(row.stuck_since)},
+    }
+
+
+def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str, Any]:
+    """A topic's jobs by state, and its last hour of handler runs: how many per minute and
+    duration percentiles (bucket upper bounds: "p99 <= this"; past the last bucket, the
+    longest run)."""
+    counts, longest = durations or ([], 0.0)
+    return {
+        "topic": row.topic,
+        "ready": row.ready,
+        "running": row.running,
+        "retrying": row.retrying,
+        "dead": row.dead,
+        "paused": row.paused,
+        "runs_per_minute": round(sum(counts) / 60, 1),
+        "duration_p50_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.5, longest),
+        "duration_p99_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.99, longest),
+    }
+
+
+def dead_letter_json(row: Any) -> dict[str, Any]:
+    return {
+        "id": row.message_id,
+        "topic": row.topic,
+        "key": row.key,
+        "died_at": iso(row.died_at),
+        "reason": row.reason,
+        "attempts": row.attempts,
+        "last_error": row.last_error,
+    }

@@ -7,7 +7,10 @@ so a bad value stops start-up with a message that names the variable and what is
 
 from __future__ import annotations
 
+import difflib
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -20,6 +23,7 @@ from delaysvc.errors import ValidationError as DelaysvcValidationError
 from delaysvc.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
 from delaysvc.validation import validate_topic
 
+log = logging.getLogger(__name__)
 CapPolicy = Literal["reject", "deliver-early"]
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 
@@ -100,6 +104,7 @@ class Settings(BaseModel):
         """Read and validate; any problem becomes one ConfigError naming the variable."""
         env = os.environ if environ is None else environ
         known = set(cls.model_fields)
+        _warn_unknown(env, known)
         values: dict[str, object] = {
             key[len("DELAYSVC_") :].lower(): value
             for key, value in env.items()
@@ -156,6 +161,24 @@ class Settings(BaseModel):
     @property
     def embedded_database(self) -> bool:
         return self.database_url is None
+
+
+TEST_PREFIX = "DELAYSVC_TEST_"
+"""Variables of delaysvc's own test suite (`DELAYSVC_TEST_DATABASE_URL`, ...), not settings."""
+
+
+def _warn_unknown(env: Mapping[str, str], known: set[str]) -> None:
+    """Name every `DELAYSVC_*` variable that is no setting, with the closest one: a typo must
+    not pass silently for the default (`DELAYSVC_DATABSE_URL`)."""
+    names = [f"DELAYSVC_{name.upper()}" for name in sorted(known)]
+    for key in sorted(env):
+        if not key.startswith("DELAYSVC_") or key.startswith(TEST_PREFIX):
+            continue
+        if key[len("DELAYSVC_") :].lower() in known:
+            continue
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
+        hint = f"did you mean {close[0]}?" if close else "see the README's Configuration"
+        log.warning("%s is not a delaysvc setting and is ignored (%s)", key, hint)
 
 
 def _items(text: str) -> list[str]:

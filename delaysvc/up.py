@@ -463,7 +463,7 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     ]
     console = Console(command.name for command in commands)
     lock = deployment_lock(settings.var_dir, lambda line: console.echo(SUPERVISOR, line))
-    url = database_url(settings)
+    url = database_url(settings, embedded=True)
     engine = make_engine(settings, url)
     for change in upgrade(engine, settings.levels):
         console.echo(SUPERVISOR, change.describe())

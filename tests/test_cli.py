@@ -148,6 +148,42 @@ def test_unknown_message_is_not_found(delaysvc: Run) -> None:
     assert "999999" in line
 
 
+def test_no_database_configured_is_an_error_naming_the_variable_never_a_new_database(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A typo in the variable's name used to start an embedded PostgreSQL under ./var."""
+    env = _clean_env(DELAYSVC_DATABSE_URL="postgresql://root@127.0.0.1/typo")
+    result = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "send", "t", "1"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "DELAYSVC_DATABSE_URL is not a delaysvc setting and is ignored "
+        "(did you mean DELAYSVC_DATABASE_URL?)"
+    ) in result.stderr
+    assert "error: DELAYSVC_DATABASE_URL is not set: set it to your PostgreSQL" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no var/, no database
+
+
+def test_version_and_json_output(delaysvc: Run, producer: Producer) -> None:
+    version = delaysvc("--version")
+    assert (version.returncode, version.stdout.split()[:2]) == (0, ["delaysvc,", "version"])
+    producer.send("cli.json", {"n": 1}, delay_level=2)
+    levels = json.loads(delaysvc("levels", "--json").stdout)
+    assert levels["levels"][1] == {"level": 2, "delay": "2s", "delay_ms": 2000, "pending": 1}
+    assert levels["timer_pending"] == 0
+    stats = json.loads(delaysvc("stats", "--json").stdout)
+    level_2 = [lane for lane in stats["lanes"] if lane["level"] == 2][0]
+    assert (level_2["pending"], level_2["delay_ms"]) == (1, 2000)
+    assert stats["topics"] == []  # nothing ready, running or dead yet
+
+
 def test_an_unreachable_database_is_one_line() -> None:
     env = _clean_env(DELAYSVC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
     line = _assert_one_line_error(_run(("stats",), env), 1)
@@ -221,7 +257,18 @@ def test_dead_letters_list_redrive_and_purge(
     assert redriven.returncode == 0, redriven.stderr
     assert producer.get(ids[0]).status == "ready"
 
-    purged = delaysvc("dead", "purge", "--topic", "cli.always.fails")
+    as_json = json.loads(delaysvc("dead", "list", "--json").stdout)["dead"]
+    assert sorted(letter["id"] for letter in as_json) == ids[1:]
+    assert {letter["last_error"] for letter in as_json} == {
+        "RuntimeError: boom 1",
+        "RuntimeError: boom 2",
+    }
+
+    unasked = delaysvc("dead", "purge", "--topic", "cli.always.fails")  # no terminal to ask on
+    line = _assert_one_line_error(unasked, 2)
+    assert "needs --yes" in line
+    assert str(ids[1]) in delaysvc("dead", "list").stdout  # nothing purged
+    purged = delaysvc("dead", "purge", "--topic", "cli.always.fails", "--yes")
     assert purged.returncode == 0, purged.stderr
     assert producer.get(ids[1]).status == "dead"  # purge drops the letter, keeps the history
     after = delaysvc("dead", "list", "--topic", "cli.always.fails")

@@ -14,10 +14,7 @@ from delaysvc import store
 from delaysvc.auth import ApiToken, authenticate_token
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import ValidationError
-from delaysvc.histogram import percentile_bound
-from delaysvc.levels import format_ms
-from delaysvc.schema import DURATION_BUCKETS_MS
-from delaysvc.serialize import iso, message_json
+from delaysvc.serialize import dead_letter_json, lane_json, message_json, topic_json
 from delaysvc.validation import validate_topic
 from web.errors import error_response
 
@@ -181,28 +178,6 @@ def levels():
     return jsonify({"levels": [lane_json(row) for row in rows]})
 
 
-def lane_json(row: Any) -> dict[str, Any]:
-    lateness = None
-    if row.next_due is not None and row.next_due < row.now:
-        lateness = round((row.now - row.next_due).total_seconds() * 1000, 1)
-    return {
-        "level": row.lane if row.lane else None,
-        "lane": "timer" if row.lane == 0 else f"level-{row.lane}",
-        "delay": format_ms(row.delay_ms) if row.lane else None,
-        "delay_ms": row.delay_ms if row.lane else None,
-        "pending": row.pending,
-        "schedule_offset": row.schedule_offset,
-        "max_offset": row.max_offset,
-        "moved_total": row.moved_total,
-        "moved_per_s": float(row.moved_per_s) if row.moved_per_s is not None else None,
-        "next_due": iso(row.next_due),
-        "lateness_ms": lateness,
-        "stuck": None
-        if row.stuck_error is None
-        else {"offset": row.stuck_offset, "error": row.stuck_error, "since": iso(row.stuck_since)},
-    }
-
-
 @api.get("/topics")
 @requires("send")
 def topics():
@@ -213,24 +188,6 @@ def topics():
     return jsonify({"topics": [topic_json(r, durations.get(r.topic)) for r in visible]})
 
 
-def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str, Any]:
-    """A topic's jobs by state, and its last hour of handler runs: how many per minute and
-    duration percentiles (bucket upper bounds: "p99 <= this"; past the last bucket, the
-    longest run)."""
-    counts, longest = durations or ([], 0.0)
-    return {
-        "topic": row.topic,
-        "ready": row.ready,
-        "running": row.running,
-        "retrying": row.retrying,
-        "dead": row.dead,
-        "paused": row.paused,
-        "runs_per_minute": round(sum(counts) / 60, 1),
-        "duration_p50_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.5, longest),
-        "duration_p99_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.99, longest),
-    }
-
-
 @api.get("/dead")
 @requires("admin")
 def dead_letters():
@@ -238,22 +195,7 @@ def dead_letters():
     limit = int_arg("limit", 100, 1, 1000)
     letters = DeadLetters(services()["engine"])
     rows = letters.list(request.args.get("topic"), after, limit, topics=token().topics)
-    return jsonify(
-        {
-            "dead": [
-                {
-                    "id": r.message_id,
-                    "topic": r.topic,
-                    "key": r.key,
-                    "died_at": iso(r.died_at),
-                    "reason": r.reason,
-                    "attempts": r.attempts,
-                    "last_error": r.last_error,
-                }
-                for r in rows
-            ]
-        }
-    )
+    return jsonify({"dead": [dead_letter_json(r) for r in rows]})
 
 
 @api.post("/dead/<int:message_id>/redrive")

@@ -10,8 +10,9 @@ from flask import jsonify, redirect, render_template, request, url_for
 from delaysvc import store
 from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
+from delaysvc.serialize import topic_json
 from delaysvc.validation import validate_topic
-from web.api import services, topic_json
+from web.api import services
 from web.ui import admin_required, done, timeout_ms, ui
 from web.ui_format import backlog_chart, history_view, lane_row, lateness_chart, topic_row
 

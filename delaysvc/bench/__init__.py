@@ -261,7 +261,7 @@ def require_parts(names: list[str]) -> None:
 def bench_database(settings: Settings, name: str = BENCH_DATABASE, migrate: bool = True) -> str:
     """A fresh database `name` on the configured server (migrated for delaysvc unless told
     otherwise); -> its URL."""
-    server = make_url(sqlalchemy_url(database_url(settings)))
+    server = make_url(sqlalchemy_url(database_url(settings, embedded=True)))
     admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
@@ -276,7 +276,7 @@ def bench_database(settings: Settings, name: str = BENCH_DATABASE, migrate: bool
 
 
 def drop_database(settings: Settings, name: str) -> None:
-    server = make_url(sqlalchemy_url(database_url(settings)))
+    server = make_url(sqlalchemy_url(database_url(settings, embedded=True)))
     admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
