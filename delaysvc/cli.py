@@ -447,7 +447,11 @@ def create_user(ctx: Context, name: str, role: str, password: str) -> None:
 @pass_ctx
 def up(ctx: Context, host: str, port: int) -> None:
     """All in one: (embedded) PostgreSQL, migrations, web app, workers and beat."""
+    from delaysvc import extras
     from delaysvc.up import run_all
+
+    embedded = ("embedded",) if ctx.settings.embedded_database else ()
+    extras.require("delaysvc up", "worker", "server", *embedded)
 
     sys.exit(run_all(ctx.settings, host, port))
 
@@ -460,8 +464,10 @@ def up(ctx: Context, host: str, port: int) -> None:
 def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None) -> None:
     """Run Celery workers (delivery: threads, one per lane; consume: processes); prints a
     line containing `ready` once its lanes and consumers run."""
+    from delaysvc import extras
     from delaysvc.up import run_worker, worker_commands
 
+    extras.require("delaysvc worker", "worker")
     require_levels(ctx)
     commands = worker_commands(ctx.settings, delivery, consume, concurrency)
     if not commands:
@@ -473,8 +479,10 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
 @pass_ctx
 def beat(ctx: Context) -> None:
     """Run Celery beat (fires every lane's delivery task, the consume sweep, lease rescue)."""
+    from delaysvc import extras
     from delaysvc.up import beat_command, run_processes
 
+    extras.require("delaysvc beat", "worker")
     require_levels(ctx)
     sys.exit(run_processes([beat_command(ctx.settings)]))
 
@@ -486,8 +494,10 @@ def beat(ctx: Context) -> None:
 @pass_ctx
 def web(ctx: Context, host: str, port: int, workers: int) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
+    from delaysvc import extras
     from delaysvc.up import run_processes, web_command
 
+    extras.require("delaysvc web", "server")
     require_levels(ctx)
     sys.exit(run_processes([web_command(host, port, workers)]))
 
@@ -525,6 +535,7 @@ def bench(
     """Measure the service against this machine's raw PostgreSQL limits and its peers, in
     databases of its own; write results.json, results.md and plots. SUITES: any of the
     registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default)."""
+    from delaysvc import extras
     from delaysvc.bench import SUITES, chosen_suites, failed_suites, require_parts, run
 
     try:
@@ -532,6 +543,7 @@ def bench(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="SUITES") from None
     if suites and "all" not in suites:  # asked for by name: `all` reports them as not run
+        extras.require("delaysvc bench", "bench")
         require_parts(chosen)
     label = "all" if len(chosen) == len(SUITES) else "-".join(chosen)
     folder = out or Path("docs/benchmarks") / (

@@ -47,6 +47,9 @@ def libpq_url(url: str) -> str:
 
 def start_embedded(var_dir: Path) -> str:
     """Start (or attach to) the embedded PostgreSQL under `var_dir/pg` and return its URL."""
+    from delaysvc import extras
+
+    extras.require("the embedded PostgreSQL (no DELAYSVC_DATABASE_URL set)", "embedded")
     with warnings.catch_warnings():
         # the wheel finds its lock file's folder, the user's runtime dir, when imported;
         # platformdirs' fallback to /tmp/runtime-<uid> when XDG_RUNTIME_DIR is unset (a

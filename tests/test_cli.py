@@ -179,7 +179,7 @@ def test_version_and_json_output(delaysvc: Run, producer: Producer) -> None:
     assert levels["levels"][1] == {"level": 2, "delay": "2s", "delay_ms": 2000, "pending": 1}
     assert levels["timer_pending"] == 0
     stats = json.loads(delaysvc("stats", "--json").stdout)
-    level_2 = [lane for lane in stats["lanes"] if lane["level"] == 2][0]
+    level_2 = next(lane for lane in stats["lanes"] if lane["level"] == 2)
     assert (level_2["pending"], level_2["delay_ms"]) == (1, 2000)
     assert stats["topics"] == []  # nothing ready, running or dead yet
 
