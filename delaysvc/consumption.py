@@ -372,7 +372,8 @@ class Consumer:
         if not outcomes.succeeded and not outcomes.failed:
             return
         with self.engine.begin() as conn:
-            written = store.Outcomes(succeeded=store.finish_succeeded(conn, outcomes.succeeded))
+            succeeded = store.finish_succeeded(conn, outcomes.succeeded)
+            written = store.OutcomeCounts(succeeded=succeeded)
             for job, claim_id, error, duration_ms in outcomes.failed:
                 written += self._record_failure(conn, job, claim_id, error, duration_ms)
             durations = outcomes.durations
@@ -424,7 +425,7 @@ class Consumer:
         with self.engine.begin() as conn:
             topic = store.finish_one_succeeded(conn, message_id, claim_id, duration_ms)
             if topic is not None:
-                store.add_outcomes(conn, topic, store.Outcomes(succeeded=1))
+                store.add_outcomes(conn, topic, store.OutcomeCounts(succeeded=1))
         return topic is not None
 
     def record_failure_of(
@@ -439,7 +440,7 @@ class Consumer:
 
     def _record_failure(
         self, conn: Connection, job: Job, claim_id: int, error: BaseException, duration_ms: int
-    ) -> store.Outcomes:
+    ) -> store.OutcomeCounts:
         """Retry or bury the job. -> what was written: one retried, one dead, or nothing when
         the job's claim was lost (another run holds it)."""
         failure = store.Failure(
@@ -463,7 +464,7 @@ class Consumer:
                 "consume.dead",
                 extra={"message_id": job.id, "topic": job.topic, "attempts": job.attempts},
             )
-            return store.Outcomes(dead=1)
+            return store.OutcomeCounts(dead=1)
         schedule = self._retry_schedule(job, error)
         retried = store.schedule_retry(
             conn,
@@ -484,7 +485,7 @@ class Consumer:
                 "lane": schedule.lane,
             },
         )
-        return store.Outcomes(retried=1)
+        return store.OutcomeCounts(retried=1)
 
     def _retry_schedule(self, job: Job, error: BaseException) -> Schedule:
         from delaysvc.producer import Schedule, resolve_schedule
@@ -520,9 +521,9 @@ class Consumer:
         return rescued
 
 
-def _claim_lost(job: Job) -> store.Outcomes:
+def _claim_lost(job: Job) -> store.OutcomeCounts:
     log.warning("consume.claim_lost", extra={"message_id": job.id, "topic": job.topic})
-    return store.Outcomes()
+    return store.OutcomeCounts()
 
 
 def _ms_since(started: float) -> int:

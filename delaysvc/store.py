@@ -942,7 +942,8 @@ def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[lis
 # `lateness_total`, `topic_total`), which /metrics reads and which only grows. A separate total,
 # not "sum the kept minutes plus whatever the prune folded away": a scrape then reads one row
 # per key, not a week of minutes, and pruning never touches what Prometheus sees. The total's
-# row lock is taken right after the minute row's, by the same writers: nothing new to wait on.
+# row lock is taken right after the minute row's, by the same writers: nothing new to wait on
+# (Celery-task topics, which record no durations, write their total alone: `add_outcomes`).
 
 
 def _added(old: str, new: str) -> str:
@@ -986,7 +987,7 @@ MINUTES_KEPT = "7 days"
 
 
 @dataclass(frozen=True)
-class Outcomes:
+class OutcomeCounts:
     """Jobs of a topic that succeeded, were put back for a retry, or went to the dead letters
     (what `topic_total` counts)."""
 
@@ -994,8 +995,8 @@ class Outcomes:
     retried: int = 0
     dead: int = 0
 
-    def __add__(self, other: Outcomes) -> Outcomes:
-        return Outcomes(
+    def __add__(self, other: OutcomeCounts) -> OutcomeCounts:
+        return OutcomeCounts(
             self.succeeded + other.succeeded, self.retried + other.retried, self.dead + other.dead
         )
 
@@ -1019,7 +1020,7 @@ def add_durations(
     counts: Sequence[int],
     max_ms: float,
     sum_ms: float,
-    outcomes: Outcomes,
+    outcomes: OutcomeCounts,
 ) -> None:
     """Add a consumer flush to the topic's minute row (handler durations: bucket counts,
     longest) and to its running total (the same, their sum in ms, and the flush's outcomes)."""
@@ -1031,9 +1032,10 @@ def add_durations(
     _prune_minutes(conn, "handler_duration_histogram")
 
 
-def add_outcomes(conn: Connection, topic: str, outcomes: Outcomes) -> None:
+def add_outcomes(conn: Connection, topic: str, outcomes: OutcomeCounts) -> None:
     """Count outcomes recorded without a handler duration (jobs of Celery-task topics) in the
-    topic's running total; nothing to count writes nothing."""
+    topic's running total; nothing to count writes nothing. Those jobs finish one transaction
+    each, from a Celery callback task each: far fewer per second than one row can take."""
     if outcomes:
         conn.execute(
             _sql(_ADD_TOPIC_TOTAL),
