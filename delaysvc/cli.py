@@ -66,10 +66,10 @@ class Group(click.Group):
 @click.version_option(package_name="delaysvc", prog_name="delaysvc")
 def cli(verbose: bool) -> None:
     """delaysvc: durable delayed jobs on PostgreSQL."""
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
+    from delaysvc import logs
+
+    settings = click.get_current_context().ensure_object(Context).settings
+    logs.configure(settings, logging.INFO if verbose else logging.WARNING)
 
 
 def main() -> None:

@@ -365,20 +365,24 @@ class Consumer:
             result.released += store.release_unstarted(conn, [job.id for job in jobs], claim_id)
 
     def _record(self, outcomes: _Outcomes, result: ConsumeResult) -> None:
-        """Write the outcomes so far: all successes in one statement, then each failure, and
-        the handlers' durations into the topic's histogram."""
+        """Write the outcomes so far: all successes in one statement, then each failure, then
+        the handlers' durations and the outcomes written (a job whose claim was lost is its
+        new holder's to count) into the topic's histogram and totals, last: the topic's rows
+        stay locked for the commit only."""
         if not outcomes.succeeded and not outcomes.failed:
             return
         with self.engine.begin() as conn:
-            store.add_durations(
-                conn, result.topic, outcomes.histogram(), float(max(outcomes.durations))
-            )
-            result.succeeded += store.finish_succeeded(conn, outcomes.succeeded)
+            succeeded = store.finish_succeeded(conn, outcomes.succeeded)
+            written = store.OutcomeCounts(succeeded=succeeded)
             for job, claim_id, error, duration_ms in outcomes.failed:
-                if self._record_failure(conn, job, claim_id, error, duration_ms):
-                    result.dead += 1
-                else:
-                    result.retried += 1
+                written += self._record_failure(conn, job, claim_id, error, duration_ms)
+            durations = outcomes.durations
+            store.add_durations(
+                conn, result.topic, outcomes.histogram(), max(durations), sum(durations), written
+            )
+        result.succeeded += written.succeeded
+        result.retried += written.retried
+        result.dead += written.dead
         outcomes.clear()
 
     def _run(self, job: Job) -> tuple[BaseException | None, int]:
@@ -417,19 +421,28 @@ class Consumer:
     # -- outcomes -------------------------------------------------------------
 
     def record_success(self, message_id: int, claim_id: int, duration_ms: int) -> bool:
+        """A Celery-task topic's job succeeded, counted in its topic's totals."""
         with self.engine.begin() as conn:
-            return store.finish_succeeded(conn, [(message_id, claim_id, duration_ms)]) == 1
+            topic = store.finish_one_succeeded(conn, message_id, claim_id, duration_ms)
+            if topic is not None:
+                store.add_outcomes(conn, topic, store.OutcomeCounts(succeeded=1))
+        return topic is not None
 
     def record_failure_of(
         self, job: Job, claim_id: int, error: BaseException, duration_ms: int
     ) -> bool:
-        """-> True if the job is now dead."""
+        """A Celery-task topic's job failed, counted in its topic's totals. -> True if the job
+        is now dead."""
         with self.engine.begin() as conn:
-            return self._record_failure(conn, job, claim_id, error, duration_ms)
+            written = self._record_failure(conn, job, claim_id, error, duration_ms)
+            store.add_outcomes(conn, job.topic, written)
+        return written.dead == 1
 
     def _record_failure(
         self, conn: Connection, job: Job, claim_id: int, error: BaseException, duration_ms: int
-    ) -> bool:
+    ) -> store.OutcomeCounts:
+        """Retry or bury the job. -> what was written: one retried, one dead, or nothing when
+        the job's claim was lost (another run holds it)."""
         failure = store.Failure(
             message_id=job.id,
             claim_id=claim_id,
@@ -445,14 +458,15 @@ class Consumer:
         else:
             dead_reason = None
         if dead_reason is not None:
-            store.bury(conn, failure, dead_reason)
+            if not store.bury(conn, failure, dead_reason):
+                return _claim_lost(job)
             log.warning(
                 "consume.dead",
                 extra={"message_id": job.id, "topic": job.topic, "attempts": job.attempts},
             )
-            return True
+            return store.OutcomeCounts(dead=1)
         schedule = self._retry_schedule(job, error)
-        store.schedule_retry(
+        retried = store.schedule_retry(
             conn,
             failure,
             lane=schedule.lane,
@@ -460,6 +474,8 @@ class Consumer:
             delay_ms=schedule.delay_ms,
             deliver_at=schedule.deliver_at,
         )
+        if not retried:
+            return _claim_lost(job)
         log.info(
             "consume.retry",
             extra={
@@ -469,7 +485,7 @@ class Consumer:
                 "lane": schedule.lane,
             },
         )
-        return False
+        return store.OutcomeCounts(retried=1)
 
     def _retry_schedule(self, job: Job, error: BaseException) -> Schedule:
         from delaysvc.producer import Schedule, resolve_schedule
@@ -503,6 +519,11 @@ class Consumer:
         if rescued:
             log.warning("consume.leases_rescued", extra={"count": len(rescued)})
         return rescued
+
+
+def _claim_lost(job: Job) -> store.OutcomeCounts:
+    log.warning("consume.claim_lost", extra={"message_id": job.id, "topic": job.topic})
+    return store.OutcomeCounts()
 
 
 def _ms_since(started: float) -> int:

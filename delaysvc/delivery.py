@@ -50,6 +50,7 @@ class TickResult:
     next_due_seconds: float | None = None
     lateness_buckets: dict[int, int] = field(default_factory=dict)
     delay_ms: int | None = None  # the lane's delay, as the database has it
+    lateness_sum_ms: float = 0.0  # the lateness the buckets count, added up
 
 
 def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = None) -> TickResult:
@@ -84,6 +85,7 @@ def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = Non
         next_due_seconds=0.0 if moved.misplaced else moved.next_due_seconds,
         lateness_buckets=moved.lateness_buckets,
         delay_ms=locked.delay_ms,
+        lateness_sum_ms=moved.lateness_sum_ms,
     )
 
 
@@ -115,8 +117,9 @@ def _mark_stuck(conn: Connection, lane: int, exc: DBAPIError) -> TickResult:
 
 
 class LatenessHistogram:
-    """Lateness of the rows a runner moved (buckets of LATENESS_BUCKETS_MS), written to
-    `lateness_histogram` every FLUSH_SECONDS: the dashboard's and /metrics' distribution."""
+    """Lateness of the rows a runner moved (buckets of LATENESS_BUCKETS_MS, largest, sum),
+    written every FLUSH_SECONDS to the lane's minute row (the dashboard's distribution) and
+    running total (/metrics'): `store.add_lateness`."""
 
     FLUSH_SECONDS = 10.0
 
@@ -126,12 +129,14 @@ class LatenessHistogram:
     def reset(self) -> None:
         self.counts = [0] * (len(LATENESS_BUCKETS_MS) + 1)
         self.max_ms = 0.0
+        self.sum_ms = 0.0
         self.since = time.monotonic()
 
     def add(self, result: TickResult) -> None:
         for bucket, count in result.lateness_buckets.items():
             self.counts[bucket] += count
         self.max_ms = max(self.max_ms, result.max_lateness_ms or 0.0)
+        self.sum_ms += result.lateness_sum_ms
 
     def due(self) -> bool:
         return time.monotonic() - self.since >= self.FLUSH_SECONDS
@@ -140,7 +145,7 @@ class LatenessHistogram:
         if any(self.counts):
             try:
                 with conn.begin():
-                    store.add_lateness(conn, lane, self.counts, self.max_ms)
+                    store.add_lateness(conn, lane, self.counts, self.max_ms, self.sum_ms)
             except DBAPIError:
                 log.warning("delivery.lateness_not_recorded", extra={"lane": lane})
         self.reset()

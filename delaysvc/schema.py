@@ -247,6 +247,32 @@ handler_duration_histogram = Table(
     Column("max_ms", Float, nullable=False),
 )
 
+# Running totals since the database was created, per lane and per topic: what `GET /metrics`
+# exposes as Prometheus histograms and counters. The minute rows above are pruned after a week
+# (the dashboard reads them); these rows only ever grow, so a scrape never sees a bucket, a sum
+# or a counter go down. Each is written in the statement that adds to its key's minute row, by
+# the writers that already hold that row's lock: no new point of contention. Sums are in ms.
+lateness_total = Table(
+    "lateness_total",
+    metadata,
+    Column("lane", SmallInteger, primary_key=True, autoincrement=False),
+    Column("counts", ARRAY(BigInteger), nullable=False),
+    Column("sum_ms", Float, nullable=False, server_default=text("0")),
+    postgresql_with={"fillfactor": "50"},
+)
+
+topic_total = Table(
+    "topic_total",
+    metadata,
+    Column("topic", Text, primary_key=True),
+    Column("duration_counts", ARRAY(BigInteger), nullable=False, server_default=text("'{}'")),
+    Column("duration_sum_ms", Float, nullable=False, server_default=text("0")),
+    Column("succeeded", BigInteger, nullable=False, server_default=text("0")),
+    Column("retried", BigInteger, nullable=False, server_default=text("0")),
+    Column("dead", BigInteger, nullable=False, server_default=text("0")),
+    postgresql_with={"fillfactor": "50"},
+)
+
 heartbeat = Table(
     "heartbeat",
     metadata,

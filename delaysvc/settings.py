@@ -25,6 +25,8 @@ from delaysvc.validation import validate_topic
 
 log = logging.getLogger(__name__)
 CapPolicy = Literal["reject", "deliver-early"]
+LogFormat = Literal["text", "json"]
+LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 
 
@@ -79,6 +81,9 @@ class Settings(BaseModel):
     """When set, `GET /metrics` needs `Authorization: Bearer <this>`; unset, it is open."""
     jdbc_jar: Path = DEBIAN_JDBC_JAR
     """The PostgreSQL JDBC driver's jar, for the pipeline's Spark reads (archive, report)."""
+    log_format: LogFormat = "text"
+    """How every process logs to stderr (`delaysvc.logs`): `text` lines, or `json`, one object
+    per line with the record's structured fields."""
 
     @field_validator("delay_levels")
     @classmethod
@@ -88,6 +93,14 @@ class Settings(BaseModel):
         except ConfigError as exc:
             raise ConfigError(f"DELAYSVC_DELAY_LEVELS={value!r}: {exc}") from None
         return value
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _known_log_format(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in LOG_FORMATS:
+            return value.strip().lower()
+        allowed = " or ".join(LOG_FORMATS)
+        raise ConfigError(f"DELAYSVC_LOG_FORMAT: {value!r} is not a log format; use {allowed}")
 
     @field_validator("metrics_token")
     @classmethod

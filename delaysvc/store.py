@@ -18,6 +18,7 @@ statement: the backlog figures and the level caps read exact counts, not offsets
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterable, Iterator, Sequence
@@ -655,6 +656,9 @@ SELECT count(*) AS moved, max(queue_offset) AS max_offset,
        -- hashed, not sorted: a sort of the batch's topic names compares them by the locale
        (SELECT array_agg(topic) FROM (SELECT DISTINCT topic FROM moved) d) AS topics,
        max(date_part('epoch', {NOW} - deliver_ts) * 1000) AS max_lateness_ms,
+       -- the lateness the buckets count (below 0: 0), summed: the histogram's `_sum`
+       sum(GREATEST(date_part('epoch', clock_timestamp() - deliver_ts), 0)) * 1000
+           AS lateness_sum_ms,
        (SELECT date_part('epoch', deliver_ts - clock_timestamp()) FROM next_head)
            AS next_due_seconds,
        -- a level's first row not due is due within one delay of now, unless the database
@@ -724,6 +728,8 @@ class Moved:
     """Moved rows per lateness bucket (index into LATENESS_BUCKETS_MS; the last is beyond)."""
     misplaced: bool = False
     """The level's first row not due is more than one delay ahead (`relocate_misplaced`)."""
+    lateness_sum_ms: float = 0.0
+    """The moved rows' lateness added up (what the buckets count)."""
 
 
 def move_due(
@@ -748,6 +754,7 @@ def move_due(
         float(row.next_due_seconds) if row.next_due_seconds is not None else None,
         {int(b): int(n) for b, n in (row.lateness_buckets or {}).items()},
         bool(row.misplaced),
+        float(row.lateness_sum_ms or 0.0),
     )
 
 
@@ -797,29 +804,6 @@ def relocate_misplaced(
     params = {"lane": lane, "delay_ms": delay_ms, "batch": batch, "now": now}
     (row,) = _unprepared(conn, _RELOCATE_MISPLACED, params)
     return Relocated(int(row.to_timer), int(row.delivered), tuple(row.topics or ()))
-
-
-def add_lateness(conn: Connection, lane: int, counts: Sequence[int], max_ms: float) -> None:
-    _add_to_histogram(conn, "lateness_histogram", "lane", lane, counts, max_ms)
-
-
-_ADD_HISTOGRAM = """
-INSERT INTO {table} (minute, {key}, counts, max_ms)
-VALUES (date_trunc('minute', clock_timestamp()), :key, CAST(:counts AS bigint[]), :max_ms)
-ON CONFLICT (minute, {key}) DO UPDATE SET
-    counts = (SELECT array_agg(a + b ORDER BY i)
-              FROM unnest({table}.counts, EXCLUDED.counts) WITH ORDINALITY AS t(a, b, i)),
-    max_ms = GREATEST({table}.max_ms, EXCLUDED.max_ms)"""
-
-
-def _add_to_histogram(
-    conn: Connection, table: str, key: str, value: object, counts: Sequence[int], max_ms: float
-) -> None:
-    """Add bucket counts into this minute's row (database clock) and forget rows older than a
-    week. Tables: lateness_histogram by lane, handler_duration_histogram by topic."""
-    statement = _ADD_HISTOGRAM.format(table=table, key=key)
-    conn.execute(_sql(statement), {"key": value, "counts": list(counts), "max_ms": max_ms})
-    conn.execute(_sql(f"DELETE FROM {table} WHERE minute < now() - interval '7 days'"))
 
 
 def lane_head(conn: Connection, lane: int) -> Any:
@@ -935,10 +919,6 @@ def slowest_lane_heartbeat(conn: Connection) -> float | None:
     return None if row.unseen or row.age is None else float(row.age)
 
 
-def add_durations(conn: Connection, topic: str, counts: Sequence[int], max_ms: float) -> None:
-    _add_to_histogram(conn, "handler_duration_histogram", "topic", topic, counts, max_ms)
-
-
 def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[list[int], float]]:
     """Per topic: handler-duration bucket counts of the last `minutes`, and the longest run."""
     rows = conn.execute(
@@ -954,16 +934,134 @@ def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[lis
     return {row.topic: ([int(c) for c in row.counts], float(row.max_ms)) for row in rows}
 
 
-def histogram_totals(conn: Connection, table: str, key: str) -> list[Any]:
-    """Per lane or topic: the histogram summed over every kept minute (what /metrics shows
-    as a Prometheus histogram; minutes are kept for 7 days)."""
+# ---------------------------------------------------------------- histograms and totals
+#
+# Each flush (a lane's lateness every few seconds, a consumer's outcomes every FLUSH_SECONDS)
+# adds into two rows in one statement: its key's row of this minute (database clock), which the
+# dashboard reads and which is pruned after a week, and its key's running total (`schema`:
+# `lateness_total`, `topic_total`), which /metrics reads and which only grows. A separate total,
+# not "sum the kept minutes plus whatever the prune folded away": a scrape then reads one row
+# per key, not a week of minutes, and pruning never touches what Prometheus sees. The total's
+# row lock is taken right after the minute row's, by the same writers: nothing new to wait on
+# (Celery-task topics, which record no durations, write their total alone: `add_outcomes`).
+
+
+def _added(old: str, new: str) -> str:
+    """SQL: two bucket arrays added element by element (a shorter one counts as zeros)."""
+    return (
+        f"COALESCE((SELECT array_agg(COALESCE(a, 0) + COALESCE(b, 0) ORDER BY i) "
+        f"FROM unnest({old}, {new}) WITH ORDINALITY AS t(a, b, i)), CAST(ARRAY[] AS bigint[]))"
+    )
+
+
+_ADD_MINUTE = f"""
+INSERT INTO {{table}} (minute, {{key}}, counts, max_ms)
+VALUES (date_trunc('minute', clock_timestamp()), :key, CAST(:counts AS bigint[]), :max_ms)
+ON CONFLICT (minute, {{key}}) DO UPDATE SET
+    counts = {_added("{table}.counts", "EXCLUDED.counts")},
+    max_ms = GREATEST({{table}}.max_ms, EXCLUDED.max_ms)"""
+
+_ADD_LATENESS = f"""
+WITH minute AS ({_ADD_MINUTE.format(table="lateness_histogram", key="lane")})
+INSERT INTO lateness_total (lane, counts, sum_ms)
+VALUES (:key, CAST(:counts AS bigint[]), :sum_ms)
+ON CONFLICT (lane) DO UPDATE SET
+    counts = {_added("lateness_total.counts", "EXCLUDED.counts")},
+    sum_ms = lateness_total.sum_ms + EXCLUDED.sum_ms"""
+
+_ADD_TOPIC_TOTAL = f"""
+INSERT INTO topic_total (topic, duration_counts, duration_sum_ms, succeeded, retried, dead)
+VALUES (:key, CAST(:counts AS bigint[]), :sum_ms, :succeeded, :retried, :dead)
+ON CONFLICT (topic) DO UPDATE SET
+    duration_counts = {_added("topic_total.duration_counts", "EXCLUDED.duration_counts")},
+    duration_sum_ms = topic_total.duration_sum_ms + EXCLUDED.duration_sum_ms,
+    succeeded = topic_total.succeeded + EXCLUDED.succeeded,
+    retried = topic_total.retried + EXCLUDED.retried,
+    dead = topic_total.dead + EXCLUDED.dead"""
+
+_ADD_DURATIONS = f"""
+WITH minute AS ({_ADD_MINUTE.format(table="handler_duration_histogram", key="topic")})
+{_ADD_TOPIC_TOTAL}"""
+
+MINUTES_KEPT = "7 days"
+
+
+@dataclass(frozen=True)
+class OutcomeCounts:
+    """Jobs of a topic that succeeded, were put back for a retry, or went to the dead letters
+    (what `topic_total` counts)."""
+
+    succeeded: int = 0
+    retried: int = 0
+    dead: int = 0
+
+    def __add__(self, other: OutcomeCounts) -> OutcomeCounts:
+        return OutcomeCounts(
+            self.succeeded + other.succeeded, self.retried + other.retried, self.dead + other.dead
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.succeeded or self.retried or self.dead)
+
+
+def add_lateness(
+    conn: Connection, lane: int, counts: Sequence[int], max_ms: float, sum_ms: float
+) -> None:
+    """Add moved rows' lateness (bucket counts, largest and sum in ms) to the lane's minute row
+    and its running total."""
+    params = {"key": lane, "counts": list(counts), "max_ms": max_ms, "sum_ms": sum_ms}
+    conn.execute(_sql(_ADD_LATENESS), params)
+    _prune_minutes(conn, "lateness_histogram")
+
+
+def add_durations(
+    conn: Connection,
+    topic: str,
+    counts: Sequence[int],
+    max_ms: float,
+    sum_ms: float,
+    outcomes: OutcomeCounts,
+) -> None:
+    """Add a consumer flush to the topic's minute row (handler durations: bucket counts,
+    longest) and to its running total (the same, their sum in ms, and the flush's outcomes)."""
+    conn.execute(
+        _sql(_ADD_DURATIONS),
+        {"key": topic, "counts": list(counts), "max_ms": max_ms, "sum_ms": sum_ms}
+        | dataclasses.asdict(outcomes),
+    )
+    _prune_minutes(conn, "handler_duration_histogram")
+
+
+def add_outcomes(conn: Connection, topic: str, outcomes: OutcomeCounts) -> None:
+    """Count outcomes recorded without a handler duration (jobs of Celery-task topics) in the
+    topic's running total; nothing to count writes nothing. Those jobs finish one transaction
+    each, from a Celery callback task each: far fewer per second than one row can take."""
+    if outcomes:
+        conn.execute(
+            _sql(_ADD_TOPIC_TOTAL),
+            {"key": topic, "counts": [], "sum_ms": 0.0} | dataclasses.asdict(outcomes),
+        )
+
+
+def _prune_minutes(conn: Connection, table: str) -> None:
+    """Forget minute rows older than a week (the running totals keep what they counted)."""
     assert table in ("lateness_histogram", "handler_duration_histogram")
+    conn.execute(_sql(f"DELETE FROM {table} WHERE minute < now() - interval '{MINUTES_KEPT}'"))
+
+
+def lateness_totals(conn: Connection) -> list[Any]:
+    """Per lane since the database was created: lateness bucket counts (lane, counts, sum_ms)."""
+    return list(conn.execute(text("SELECT lane, counts, sum_ms FROM lateness_total ORDER BY lane")))
+
+
+def topic_totals(conn: Connection) -> list[Any]:
+    """Per topic since the database was created: handler-duration bucket counts and their sum
+    (ms), and the jobs that succeeded, were retried and went dead."""
     return list(
         conn.execute(
             text(
-                f"SELECT {key} AS key, array_agg(total ORDER BY i) AS counts FROM ("
-                f"  SELECT {key}, i, sum(c) AS total FROM {table}, "
-                f"  unnest(counts) WITH ORDINALITY AS u(c, i) GROUP BY {key}, i) t GROUP BY {key}"
+                "SELECT topic, duration_counts, duration_sum_ms, succeeded, retried, dead "
+                "FROM topic_total ORDER BY topic"
             )
         )
     )
@@ -1242,21 +1340,32 @@ def running_job(conn: Connection, message_id: int, claim_id: int) -> Any:
 
 def finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) -> int:
     """Mark (id, claim_id, duration_ms) succeeded. A job whose lease was lost and taken again
-    (another claim holds it) is left to the new owner."""
+    (another claim holds it) is left to the new owner. -> jobs marked."""
     if not jobs:
         return 0
+    return _finish_succeeded(conn, jobs).rowcount
+
+
+def finish_one_succeeded(
+    conn: Connection, message_id: int, claim_id: int, duration_ms: int
+) -> str | None:
+    """`finish_succeeded` for one job. -> its topic, or None when its claim was lost."""
+    return _finish_succeeded(conn, [(message_id, claim_id, duration_ms)]).scalar()
+
+
+def _finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) -> Any:
     ids, claims, durations = (list(column) for column in zip(*jobs, strict=True))
-    result = conn.execute(
+    return conn.execute(
         text(
             "UPDATE commit_log c SET status = 'succeeded', finished_at = clock_timestamp(), "
             "lease_until = NULL, duration_ms = v.duration_ms "
             "FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[]), "
             "CAST(:durations AS int[])) AS v(id, claim_id, duration_ms) "
-            "WHERE c.id = v.id AND c.status = 'running' AND c.claim_id = v.claim_id"
+            "WHERE c.id = v.id AND c.status = 'running' AND c.claim_id = v.claim_id "
+            "RETURNING c.topic"
         ),
         {"ids": ids, "claims": claims, "durations": durations},
     )
-    return result.rowcount
 
 
 _ERROR_ENTRY = """jsonb_build_object('attempt', c.attempts, 'at', clock_timestamp(),

@@ -16,7 +16,7 @@ from functools import cached_property
 
 from celery import Celery
 from celery.schedules import schedule
-from celery.signals import worker_init
+from celery.signals import setup_logging, worker_init
 from sqlalchemy import Engine
 
 from delaysvc.consumption import Consumer, load_handler_modules
@@ -143,6 +143,20 @@ def _require_levels(sender: object, **_: object) -> None:
             store.check_levels(conn, settings.levels)
     finally:
         engine.dispose()
+
+
+@setup_logging.connect
+def _configure_logging(
+    loglevel: int | str | None = None, logfile: str | None = None, **_: object
+) -> None:
+    """Worker and beat log through `delaysvc.logs` (DELAYSVC_LOG_FORMAT), Celery's own records
+    too: with a receiver of this signal connected, Celery installs no handler of its own."""
+    from celery import current_app
+
+    from delaysvc import logs
+
+    settings = getattr(current_app.conf, "delaysvc_settings", None) or Settings.from_env()
+    logs.configure(settings, loglevel or "WARNING", logfile)
 
 
 @dataclass

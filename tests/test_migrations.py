@@ -176,3 +176,41 @@ def test_0005_keeps_each_dead_letters_grouping_error_on_the_letter(empty_engine:
     with empty_engine.connect() as conn:
         errors = conn.execute(text("SELECT message_id, error FROM dead_letter ORDER BY 1")).all()
     assert [tuple(row) for row in errors] == [(1, "ValueError: bad"), (2, "expired")]
+
+
+def test_0008_starts_the_running_totals_from_the_kept_minutes(empty_engine: Engine) -> None:
+    """The week of minute rows is kept, and /metrics' running totals start from it; the sums
+    and outcomes of those minutes were never recorded, so they start at 0."""
+    upgrade(empty_engine, _levels(TEST_LEVELS), revision="0007")
+    with empty_engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO lateness_histogram (minute, lane, counts, max_ms) VALUES "
+                "(now() - interval '1 hour', 1, '{2,0,1}', 7), (now(), 1, '{1,1,0}', 3), "
+                "(now(), 0, '{0,0,4}', 9)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO handler_duration_histogram (minute, topic, counts, max_ms) VALUES "
+                "(now() - interval '2 days', 't.a', '{5,1}', 12), (now(), 't.a', '{1,0}', 1)"
+            )
+        )
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    with empty_engine.connect() as conn:
+        lanes = conn.execute(text("SELECT * FROM lateness_total ORDER BY lane")).all()
+        topics = conn.execute(text("SELECT * FROM topic_total")).all()
+        minutes = conn.execute(
+            text(
+                "SELECT (SELECT count(*) FROM lateness_histogram), "
+                "(SELECT count(*) FROM handler_duration_histogram)"
+            )
+        ).one()
+    assert [tuple(row) for row in lanes] == [(0, [0, 0, 4], 0.0), (1, [3, 1, 1], 0.0)]
+    assert [tuple(row) for row in topics] == [("t.a", [6, 1], 0.0, 0, 0, 0)]
+    assert tuple(minutes) == (3, 2)
+    downgrade(empty_engine, "0007")
+    assert {"lateness_total", "topic_total"} & _tables(empty_engine) == set()
+    with empty_engine.connect() as conn:
+        kept = conn.execute(text("SELECT count(*) FROM lateness_histogram")).scalar_one()
+    assert kept == 3

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from flask import Flask
 
+from delaysvc import logs
 from delaysvc.db import make_engine
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
@@ -16,6 +17,7 @@ SESSION_HOURS = 12
 
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
+    logs.configure(settings)  # DELAYSVC_LOG_FORMAT; a host that set up logging keeps its own
     app = Flask(__name__)
     from web.ui import session_secret
 

@@ -1,11 +1,16 @@
 """`GET /metrics` in the Prometheus text format. The engine's state lives in PostgreSQL, not in
 the web process, so a collector reads it at scrape time from the same O(1)-per-lane queries as
 `delaysvc stats` (offsets and sequences, never a COUNT(*) over a hot table), under a statement
-timeout."""
+timeout.
+
+Histograms and counters are cumulative, as Prometheus requires: they are read from running
+totals that only grow (`lateness_total`, `topic_total`), never from the week of minute rows the
+dashboard reads, which are pruned."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -33,8 +38,8 @@ class ServiceCollector(Collector):
             lanes = store.lane_stats(conn)
             topics = store.topic_stats(conn)
             stored = store.messages_stored(conn)
-            late_rows = store.histogram_totals(conn, "lateness_histogram", "lane")
-            duration_rows = store.histogram_totals(conn, "handler_duration_histogram", "topic")
+            late_rows = store.lateness_totals(conn)
+            topic_rows = store.topic_totals(conn)
         yield CounterMetricFamily(
             "delaysvc_messages_stored",
             "Messages stored since the database was created",
@@ -83,35 +88,61 @@ class ServiceCollector(Collector):
         yield jobs
         yield _histogram(
             "delaysvc_delivery_lateness_seconds",
-            "deliver_ts -> in the topic queue, per lane (minutes kept for 7 days)",
+            "deliver_ts -> in the topic queue, per lane",
             "lane",
-            [("timer" if row.key == 0 else str(row.key), row.counts) for row in late_rows],
+            [
+                ("timer" if row.lane == 0 else str(row.lane), row.counts, row.sum_ms)
+                for row in late_rows
+            ],
             LATENESS_BUCKETS_MS,
         )
         yield _histogram(
             "delaysvc_handler_duration_seconds",
-            "Handler run time, per topic (minutes kept for 7 days)",
+            "Handler run time, per topic",
             "topic",
-            [(row.key, row.counts) for row in duration_rows],
+            [
+                (row.topic, row.duration_counts, row.duration_sum_ms)
+                for row in topic_rows
+                if row.duration_counts  # a Celery-task topic records no handler durations
+            ],
             DURATION_BUCKETS_MS,
         )
+        yield from _outcome_counters(topic_rows)
 
 
 def _histogram(
     name: str,
     documentation: str,
     label: str,
-    rows: list[tuple[str, list[int]]],
+    rows: list[tuple[str, list[int], float]],
     bounds_ms: tuple[int, ...],
 ) -> HistogramMetricFamily:
+    """A Prometheus histogram from per-bucket counts (not cumulative) and their sum in ms."""
     family = HistogramMetricFamily(name, documentation, labels=[label])
-    for key, counts in rows:
+    for key, counts, sum_ms in rows:
         cumulative, buckets = 0, []
         for bound, count in zip((*bounds_ms, None), counts, strict=True):
             cumulative += int(count)
             buckets.append(("+Inf" if bound is None else str(bound / 1000), cumulative))
-        family.add_metric([key], buckets, sum_value=None)
+        family.add_metric([key], buckets, sum_value=sum_ms / 1000)
     return family
+
+
+OUTCOMES = {
+    "succeeded": "Jobs whose handler or task succeeded",
+    "retried": "Failed jobs put back to wait for a retry",
+    "dead": "Jobs moved to the dead letters",
+}
+
+
+def _outcome_counters(topic_rows: list[Any]) -> Iterator[CounterMetricFamily]:
+    for outcome, documentation in OUTCOMES.items():
+        family = CounterMetricFamily(
+            f"delaysvc_topic_{outcome}", f"{documentation}, per topic", labels=["topic"]
+        )
+        for row in topic_rows:
+            family.add_metric([row.topic], getattr(row, outcome))
+        yield family
 
 
 def render(engine: Engine, statement_timeout_ms: int) -> bytes:

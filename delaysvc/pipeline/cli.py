@@ -89,9 +89,11 @@ class Services:
 def pipeline(ctx: click.Context, master: str | None, jars: str | None) -> None:
     """Data pipeline jobs on Spark (PySpark)."""
     logging.getLogger("delaysvc.pipeline").setLevel(logging.INFO)  # progress lines
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s %(message)s")
     ctx.obj = Services(master, jars)
+    if not logging.getLogger().handlers:  # on its own, under spark-submit
+        from delaysvc import logs
+
+        logs.configure(ctx.obj.configured)
 
 
 def _summary(job: str, read: int, written: int, rejected: int, seconds: float, more: str) -> None:

@@ -1,0 +1,170 @@
+"""`DELAYSVC_LOG_FORMAT`: every process delaysvc starts, run for real (the CLI, a Celery worker
+and beat), writes one JSON object per line with the records' structured fields."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import ROOT, TEST_LEVELS
+
+Record = dict[str, Any]
+
+
+def _env(**variables: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env.update(variables)
+    return env
+
+
+def _records(output: str) -> list[Record]:
+    """Every line parsed as one JSON object (a line that is not one fails here)."""
+    records = [json.loads(line) for line in output.splitlines() if line.strip()]
+    for record in records:
+        assert isinstance(record, dict), record
+        assert {"timestamp", "level", "logger", "event"} <= set(record), record
+        assert datetime.fromisoformat(record["timestamp"]).utcoffset() is not None
+    return records
+
+
+def test_the_cli_logs_one_json_object_per_line_keeping_the_extra_fields(
+    database_url: str,
+) -> None:
+    env = _env(
+        DELAYSVC_DATABASE_URL=database_url,
+        DELAYSVC_DELAY_LEVELS=TEST_LEVELS,
+        DELAYSVC_LOG_FORMAT="json",
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "delaysvc",
+            "-v",
+            "send",
+            "order.cancel",
+            '{"id": 7}',
+            "--level",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    message_id = int(result.stdout.split("id=")[1].split()[0])
+    records = _records(result.stderr)
+    sent = [record for record in records if record["event"] == "message.sent"]
+    assert len(sent) == 1, records
+    (record,) = sent
+    assert (record["level"], record["logger"]) == ("INFO", "delaysvc.producer")
+    assert (record["message_id"], record["topic"]) == (message_id, "order.cancel")
+    assert record["lane"] == 2
+
+
+def test_a_log_format_other_than_text_or_json_is_one_clear_error() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "levels", "--no-db"],
+        env=_env(DELAYSVC_LOG_FORMAT="xml"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: DELAYSVC_LOG_FORMAT: 'xml' is not a log format; use text or json"
+    ]
+
+
+class Process:
+    """A child whose output lines are read as they come."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
+        self.popen = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        assert self.popen.stdout is not None
+        stream = self.popen.stdout
+        threading.Thread(
+            target=lambda: [self.lines.put(line) for line in stream], daemon=True
+        ).start()
+
+    def wait_for(self, found: Callable[[Record], bool], timeout: float = 60.0) -> Record:
+        """The first record `found` accepts; every line up to it must be a JSON record."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                assert self.popen.poll() is None, "".join(self.seen)
+                continue
+            self.seen.append(line)
+            (record,) = _records(line)
+            if found(record):
+                return record
+        raise AssertionError(f"not logged within {timeout} s:\n{''.join(self.seen)}")
+
+    def stop(self) -> None:
+        self.popen.terminate()
+        try:
+            self.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()
+
+
+@contextmanager
+def running(argv: list[str], env: dict[str, str], cwd: Path) -> Iterator[Process]:
+    process = Process(argv, env, cwd)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+CELERY = [sys.executable, "-m", "celery", "-A", "tasks", "--quiet"]
+
+
+@pytest.mark.timeout(180)
+def test_celery_worker_and_beat_log_their_own_records_as_json(
+    database_url: str, tmp_path: Path
+) -> None:
+    env = _env(
+        DELAYSVC_DATABASE_URL=database_url,
+        DELAYSVC_DELAY_LEVELS=TEST_LEVELS,
+        DELAYSVC_VAR_DIR=str(tmp_path / "var"),  # the filesystem broker both share
+        DELAYSVC_LOG_FORMAT="json",
+        # as root, Celery warns about it on stderr before any logging exists
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    worker = [*CELERY, "worker", "-P", "solo", "-Q", "delaysvc.consume", "-n", "logs@%h"]
+    worker += ["--without-mingle", "--without-gossip", "-l", "INFO"]
+    beat = [*CELERY, "beat", "-s", str(tmp_path / "schedule"), "-l", "INFO"]
+    with running(worker, env, tmp_path) as consumer:
+        ready = consumer.wait_for(lambda r: r["event"].endswith(" ready."))
+        assert (ready["level"], ready["logger"]) == ("INFO", "celery.apps.worker")
+        with running(beat, env, tmp_path) as scheduler:
+            started = scheduler.wait_for(lambda r: r["event"] == "beat: Starting...")
+            assert started["logger"] == "celery.beat"
+            # the sweep beat sends every second, run by the worker: Celery's record of it keeps
+            # its structured `data`
+            done = consumer.wait_for(lambda r: "succeeded" in r["event"])
+    assert done["logger"] == "celery.app.trace"
+    assert done["data"]["name"] == "delaysvc.consume_sweep"
+    assert done["data"]["id"] in done["event"]
