@@ -249,7 +249,7 @@ class _Starts:
 
 
 Dispatch = Callable[[str, Job, int], None]
-"""Sends a job of a Celery-task topic to that task (see `tasks.consume`)."""
+"""Sends a job of a Celery-task topic to that task (see `delaysvc.tasks.consume`)."""
 
 
 class Consumer:

@@ -9,7 +9,7 @@ the inserts, so a row can leave its lane only once: no loss, no duplicate, whate
 are due, then sleeps until the head is due (a level is FIFO, so its head's due time is exact),
 never longer than a short poll for the timer lane or half the level's delay for an empty
 level, so a message sent into an empty lane is never found late. Celery tasks wrap it (see
-`tasks.delivery`); beat re-fires each lane as the safety net.
+`delaysvc.tasks.delivery`); beat re-fires each lane as the safety net.
 
 A lane whose head cannot be moved is retried at the same offset, never skipped: the batch is
 retried one row at a time, and if the head alone fails the lane is marked stuck (log, stats,

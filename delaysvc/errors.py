@@ -1,7 +1,7 @@
 """One exception hierarchy for the whole service.
 
 Every error a user can cause is a `DelaysvcError` with a stable `code`; the HTTP layer maps the
-codes to status codes in one place (`web.errors`), the CLI prints the message on one line.
+codes to status codes in one place (`delaysvc.web.errors`), the CLI prints the message on one line.
 """
 
 

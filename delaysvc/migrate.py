@@ -18,7 +18,7 @@ MIGRATION_LOCK = 0x64656C61  # "dela": one migrator at a time across processes
 
 
 def alembic_config() -> Config:
-    import migrations
+    from delaysvc import migrations
 
     config = Config()
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))

@@ -34,7 +34,7 @@ from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 20
-CELERY = [sys.executable, "-m", "celery", "-A", "tasks", "--quiet"]  # --quiet: no banner
+CELERY = [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "--quiet"]  # --quiet: no banner
 QUIET = ["--without-mingle", "--without-gossip", "-l", "warning"]
 SUPERVISOR = "delaysvc"  # the name on the lines `run_processes` writes itself
 READY_TIMEOUT_SECONDS = 90.0
@@ -54,7 +54,7 @@ def worker_commands(
     consume: bool = True,
     concurrency: int | None = None,
 ) -> list[Command]:
-    from tasks.app import CONSUME_QUEUE, DELIVERY_QUEUE
+    from delaysvc.tasks.app import CONSUME_QUEUE, DELIVERY_QUEUE
 
     commands = []
     if delivery:
@@ -90,7 +90,7 @@ def web_command(host: str, port: int, workers: int = 2, access_log: bool = True)
             *logs,
             "--log-level",
             "warning",
-            "web:create_app()",
+            "delaysvc.web:create_app()",
         ],
     )
 

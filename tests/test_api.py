@@ -17,7 +17,7 @@ from delaysvc.consumption import Consumer, handler
 from delaysvc.errors import ConfigError, ValidationError
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
-from web import create_app
+from delaysvc.web import create_app
 
 
 @pytest.fixture

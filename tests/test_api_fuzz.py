@@ -13,7 +13,7 @@ from sqlalchemy import Engine
 
 from delaysvc import auth
 from delaysvc.settings import Settings
-from web import create_app
+from delaysvc.web import create_app
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from delaysvc import store_dashboard as dash
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
-from tasks.app import STATS_SECONDS
-from web import create_app
+from delaysvc.tasks.app import STATS_SECONDS
+from delaysvc.web import create_app
 
 ADMIN = ("ada", "admin-password-1")
 VIEWER = ("vic", "viewer-password-1")
@@ -485,7 +485,7 @@ def test_sample_stats_records_every_lane_and_prunes_samples_older_than_two_days(
 
 
 def test_sample_stats_task_is_a_registered_celery_task() -> None:
-    from tasks.stats import sample_stats
+    from delaysvc.tasks.stats import sample_stats
 
     assert sample_stats.name == "delaysvc.sample_stats"
 

@@ -25,7 +25,7 @@ from delaysvc import store_dashboard as dash
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
-from web import create_app
+from delaysvc.web import create_app
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 CHROMIUM = Path(os.environ.get("DELAYSVC_TEST_CHROMIUM", "/usr/bin/chromium"))

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc import auth
 from delaysvc.settings import Settings
-from web import create_app
+from delaysvc.web import create_app
 
 INJECTIONS = [
     "x'; DROP TABLE commit_log; --",

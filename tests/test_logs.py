@@ -137,7 +137,7 @@ def running(argv: list[str], env: dict[str, str], cwd: Path) -> Iterator[Process
         process.stop()
 
 
-CELERY = [sys.executable, "-m", "celery", "-A", "tasks", "--quiet"]
+CELERY = [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "--quiet"]
 
 
 @pytest.mark.timeout(180)

@@ -23,7 +23,7 @@ from delaysvc.errors import DeadLetter
 from delaysvc.producer import Producer
 from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
-from web import create_app
+from delaysvc.web import create_app
 
 HANDLER_SECONDS = 0.02
 LATENESS = "delaysvc_delivery_lateness_seconds"

@@ -17,7 +17,7 @@ from delaysvc.db import make_engine
 from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
-from web import create_app
+from delaysvc.web import create_app
 
 
 def _cut_connections(engine: Engine) -> int:

@@ -118,7 +118,7 @@ SELECT id, topic, finished_at, 'retries exhausted', 17,
 
 
 def _time_pages(ctx: BenchContext, pages: list[str]) -> dict[str, dict[str, Any]]:
-    from web import create_app
+    from delaysvc.web import create_app
 
     auth.create_user(ctx.engine, *USER, role="admin")
     token = auth.create_token(ctx.engine, "bench-dashboard", scope="admin")

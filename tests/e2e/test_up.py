@@ -27,6 +27,7 @@ from sqlalchemy import text
 
 from delaysvc.db import make_engine, start_embedded
 from delaysvc.settings import Settings
+from delaysvc.up import wait_until_answering
 from tests.conftest import ROOT
 from tests.e2e.conftest import Service, wait_for
 
@@ -416,3 +417,48 @@ def test_worker_says_ready_once_its_lanes_and_consumers_run(service: Service) ->
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(timeout=60)
     assert code == 0, output.tail()
+
+
+def test_an_applications_own_tasks_web_and_migrations_never_shadow_delaysvcs(
+    service: Service, tmp_path: Path
+) -> None:
+    """Started in a web application's root, which has its own `tasks.py` (Celery's tutorial),
+    `web/` and `migrations/` (Flask-Migrate): migrate, the worker and the web server load
+    delaysvc's own (`delaysvc.tasks`, `delaysvc.web`, `delaysvc.migrations`)."""
+    for name in ("tasks.py", "web/__init__.py", "migrations/__init__.py"):
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("raise RuntimeError('the application's own module was imported')\n")
+    env = dict(service.env, PYTHONPATH=f"{tmp_path}:{ROOT}")  # as Celery and gunicorn put it
+    migrated = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "migrate"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert migrated.returncode == 0, migrated.stderr
+    port = _free_port()
+    parts = [
+        subprocess.Popen(
+            [sys.executable, "-m", "delaysvc", *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for args in (["worker", "-c", "1"], ["web", "--port", str(port)])
+    ]
+    worker = Output(parts[0])
+    try:
+        worker.wait_for("delaysvc worker ready", 90)
+        assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+    finally:
+        for part in parts:
+            part.send_signal(signal.SIGTERM)
+        codes = [part.wait(timeout=60) for part in parts]
+    assert codes == [0, 0], worker.tail()
+    assert "the application's own module" not in "".join(worker.lines)

@@ -40,4 +40,4 @@ class Transport(filesystem.Transport):
     Channel = Channel
 
 
-TRANSPORT_ALIASES[SCHEME] = "tasks.broker:Transport"
+TRANSPORT_ALIASES[SCHEME] = "delaysvc.tasks.broker:Transport"

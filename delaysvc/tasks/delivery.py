@@ -20,7 +20,7 @@ from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 
 from delaysvc.delivery import LaneRunner
-from tasks.app import DELIVERY_QUEUE, runtime
+from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
 
 log = logging.getLogger(__name__)
 _stop = threading.Event()
@@ -48,7 +48,7 @@ def _start_lanes(sender: Any, **_: object) -> None:
 
 
 def _wake_consumers(topics: tuple[str, ...]) -> None:
-    from tasks.consume import consume
+    from delaysvc.tasks.consume import consume
 
     for topic in topics:
         consume.apply_async((topic,), expires=60)

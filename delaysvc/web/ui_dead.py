@@ -10,9 +10,9 @@ from sqlalchemy import Engine
 from delaysvc import store_dashboard as dash
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DelaysvcError, ValidationError
-from web.api import services
-from web.ui import admin_required, done, safe_next, timeout_ms, ui
-from web.ui_format import when
+from delaysvc.web.api import services
+from delaysvc.web.ui import admin_required, done, safe_next, timeout_ms, ui
+from delaysvc.web.ui_format import when
 
 GROUP_ACTION_CAP = 10_000
 """At most this many letters per "all matching" click, so one request stays short."""

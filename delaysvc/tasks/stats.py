@@ -7,7 +7,7 @@ from celery import shared_task
 
 from delaysvc.health import record_heartbeat
 from delaysvc.store_dashboard import sample_stats as sample
-from tasks.app import runtime
+from delaysvc.tasks.app import runtime
 
 
 @shared_task(name="delaysvc.sample_stats", ignore_result=True)

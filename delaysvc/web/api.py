@@ -16,7 +16,7 @@ from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import ValidationError
 from delaysvc.serialize import dead_letter_json, lane_json, message_json, topic_json
 from delaysvc.validation import validate_topic
-from web.errors import error_response
+from delaysvc.web.errors import error_response
 
 api = Blueprint("api", __name__)
 
@@ -207,6 +207,6 @@ def redrive(message_id: int):
 
 @api.get("/openapi.json")
 def openapi():
-    from web.openapi import document
+    from delaysvc.web.openapi import document
 
     return jsonify(document())

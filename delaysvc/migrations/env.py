@@ -1,19 +1,24 @@
 """Alembic environment: runs on a connection handed in by `delaysvc.migrate`, or on one opened
 from the settings when the plain `alembic` command is used."""
 
+from typing import Any
+
 from alembic import context
+from sqlalchemy import Connection
 
 from delaysvc.schema import is_level_partition, metadata
 
 config = context.config
 
 
-def include_object(obj, name, type_, reflected, compare_to) -> bool:  # type: ignore[no-untyped-def]
+def include_object(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
     """Level partitions are made by `ensure_levels` from the settings, not by a revision."""
-    return not (type_ == "table" and is_level_partition(name))
+    return not (type_ == "table" and name is not None and is_level_partition(name))
 
 
-def run_migrations(connection) -> None:  # type: ignore[no-untyped-def]
+def run_migrations(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=metadata,

@@ -19,7 +19,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     logs.configure(settings)  # DELAYSVC_LOG_FORMAT; a host that set up logging keeps its own
     app = Flask(__name__)
-    from web.ui import session_secret
+    from delaysvc.web.ui import session_secret
 
     app.config.update(
         # one signing key for every web worker (see session_secret)
@@ -38,9 +38,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         "engine": engine,
         "producer": Producer(settings, engine),
     }
-    from web.api import api
-    from web.dashboard import dashboard
-    from web.errors import register_error_handlers
+    from delaysvc.web.api import api
+    from delaysvc.web.dashboard import dashboard
+    from delaysvc.web.errors import register_error_handlers
 
     app.register_blueprint(api, url_prefix="/api/v1")
     app.register_blueprint(dashboard)

@@ -12,9 +12,9 @@ from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.serialize import topic_json
 from delaysvc.validation import validate_topic
-from web.api import services
-from web.ui import admin_required, done, timeout_ms, ui
-from web.ui_format import backlog_chart, history_view, lane_row, lateness_chart, topic_row
+from delaysvc.web.api import services
+from delaysvc.web.ui import admin_required, done, timeout_ms, ui
+from delaysvc.web.ui_format import backlog_chart, history_view, lane_row, lateness_chart, topic_row
 
 
 def overview_data() -> dict[str, Any]:

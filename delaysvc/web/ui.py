@@ -36,8 +36,8 @@ from werkzeug.exceptions import HTTPException
 from delaysvc import auth, store
 from delaysvc.errors import DelaysvcError
 from delaysvc.settings import Settings
-from web.api import services
-from web.errors import STATUS
+from delaysvc.web.api import services
+from delaysvc.web.errors import STATUS
 
 log = logging.getLogger(__name__)
 

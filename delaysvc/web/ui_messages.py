@@ -11,9 +11,9 @@ from werkzeug.datastructures import MultiDict
 from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.schema import STATUSES
-from web.api import services
-from web.ui import admin_required, done, timeout_ms, ui
-from web.ui_format import body_text, message_cells, message_view, when
+from delaysvc.web.api import services
+from delaysvc.web.ui import admin_required, done, timeout_ms, ui
+from delaysvc.web.ui_format import body_text, message_cells, message_view, when
 
 SEARCH_FIELDS = ("id", "topic", "key", "status", "from", "to", "limit")
 PAGE_SIZES = (20, 50, 100, 200)

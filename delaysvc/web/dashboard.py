@@ -15,10 +15,10 @@ from typing import Any
 from flask import Blueprint, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
-from web.api import services
-from web.errors import error_response
-from web.ui import ui
+from delaysvc.web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
+from delaysvc.web.api import services
+from delaysvc.web.errors import error_response
+from delaysvc.web.ui import ui
 
 dashboard = Blueprint("dashboard", __name__)
 dashboard.register_blueprint(ui)
@@ -42,7 +42,7 @@ def healthz() -> Any:
 
 @dashboard.get("/metrics")
 def metrics() -> Any:
-    from web.metrics import render
+    from delaysvc.web.metrics import render
 
     settings = services()["settings"]
     if settings.metrics_token is not None and not _bearer_is(settings.metrics_token):

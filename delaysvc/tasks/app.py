@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from delaysvc.consumption import Consumer, load_handler_modules
 from delaysvc.db import make_engine
 from delaysvc.settings import Settings
-from tasks import broker
+from delaysvc.tasks import broker
 
 DELIVERY_QUEUE = "delaysvc.delivery"
 CONSUME_QUEUE = "delaysvc.consume"
@@ -66,7 +66,12 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     broker_url, transport_options = broker_options(settings)
     # handler modules are imported by every worker, so Celery tasks they define (topics bound
     # with DELAYSVC_TOPIC_TASKS) are registered too
-    include = ["tasks.delivery", "tasks.consume", "tasks.stats", *settings.handler_modules]
+    include = [
+        "delaysvc.tasks.delivery",
+        "delaysvc.tasks.consume",
+        "delaysvc.tasks.stats",
+        *settings.handler_modules,
+    ]
     app = Celery("delaysvc", broker=broker_url, include=include)
     budget = settings.lane_budget_seconds
     # an expired lease is found within a third of a lease (and at least every RESCUE_SECONDS)
@@ -133,7 +138,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
 @worker_init.connect
 def _require_levels(sender: object, **_: object) -> None:
     """A worker runs only with the database's delay levels (`store.check_levels`); `delaysvc
-    worker` checks before it starts Celery, this covers `celery -A tasks worker`."""
+    worker` checks before it starts Celery, this covers `celery -A delaysvc.tasks worker`."""
     from delaysvc import store
 
     settings = sender.app.conf.delaysvc_settings  # type: ignore[attr-defined]
@@ -172,7 +177,7 @@ class Runtime:
 
     @cached_property
     def consumer(self) -> Consumer:
-        from tasks.consume import dispatch_to_celery
+        from delaysvc.tasks.consume import dispatch_to_celery
 
         load_handler_modules(self.settings.handler_modules)
         return Consumer(self.settings, self.engine, dispatch_to_celery)

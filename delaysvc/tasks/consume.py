@@ -12,7 +12,7 @@ from celery.signals import worker_process_init, worker_ready
 from delaysvc.consumption import Job
 from delaysvc.db import make_engine
 from delaysvc.health import record_heartbeat
-from tasks.app import CONSUME_QUEUE, runtime
+from delaysvc.tasks.app import CONSUME_QUEUE, runtime
 
 log = logging.getLogger(__name__)
 
