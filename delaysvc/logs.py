@@ -1,5 +1,6 @@
-"""Logging for every process delaysvc starts: the CLI, Celery's worker and beat (through Celery's
-`setup_logging` signal, `delaysvc.tasks.app`) and the web app (`delaysvc.web.create_app`, under gunicorn).
+"""Logging for every process delaysvc starts: the CLI, Celery's worker and beat (through
+Celery's `setup_logging` signal, `delaysvc.tasks.app`) and the web app
+(`delaysvc.web.create_app`, under gunicorn).
 
 `DELAYSVC_LOG_FORMAT=text` (the default) writes `time level logger event` lines;
 `DELAYSVC_LOG_FORMAT=json` writes one JSON object per line: `timestamp` (UTC, ISO 8601),

@@ -1,4 +1,4 @@
-"""Celery entry point: `celery -A delaysvc.tasks worker|beat` finds `delaysvc.tasks.app`... as `app` here."""
+"""Celery entry point: `celery -A delaysvc.tasks worker|beat` finds the app as `app` here."""
 
 from delaysvc.tasks.app import create_celery_app
 
