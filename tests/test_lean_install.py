@@ -55,6 +55,12 @@ def test_the_library_alone_installs_lean_and_sends(
     installed = {line.split("==")[0].lower() for line in listed.splitlines()}
     assert "delaysvc" in installed
     assert installed & HEAVY == set()
+    (site,) = env_dir.glob("lib/python3*/site-packages")
+    for shadowing in ("tasks", "web", "migrations"):  # one import name: delaysvc
+        assert not (site / shadowing).exists()
+    assert (site / "delaysvc" / "tasks" / "app.py").is_file()
+    assert (site / "delaysvc" / "migrations" / "script.py.mako").is_file()
+    assert (site / "delaysvc" / "web" / "templates" / "base.html").is_file()
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
     env.update(DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s")
