@@ -499,7 +499,7 @@ def web(ctx: Context, host: str, port: int, workers: int) -> None:
 
     extras.require("delaysvc web", "server")
     require_levels(ctx)
-    sys.exit(run_processes([web_command(host, port, workers)]))
+    sys.exit(run_processes([web_command(host, port, workers, log_format=ctx.settings.log_format)]))
 
 
 # ---------------------------------------------------------------- benchmarks

@@ -75,8 +75,12 @@ def beat_command(settings: Settings) -> Command:
     return Command("beat", [*CELERY, "beat", "-s", str(schedule), "-l", "warning"])
 
 
-def web_command(host: str, port: int, workers: int = 2, access_log: bool = True) -> Command:
+def web_command(
+    host: str, port: int, workers: int = 2, access_log: bool = True, log_format: str = "text"
+) -> Command:
     logs = ["--access-logfile", "-"] if access_log else []
+    if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
+        logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
     return Command(
         "web",
         [
@@ -457,7 +461,7 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     from delaysvc.migrate import upgrade
 
     commands = [
-        web_command(host, port, access_log=False),
+        web_command(host, port, access_log=False, log_format=settings.log_format),
         *worker_commands(settings),
         beat_command(settings),
     ]

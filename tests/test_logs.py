@@ -168,3 +168,32 @@ def test_celery_worker_and_beat_log_their_own_records_as_json(
     assert done["logger"] == "celery.app.trace"
     assert done["data"]["name"] == "delaysvc.consume_sweep"
     assert done["data"]["id"] in done["event"]
+
+
+def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
+    database_url: str, tmp_path: Path
+) -> None:
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env(
+        DELAYSVC_DATABASE_URL=database_url,
+        DELAYSVC_DELAY_LEVELS=TEST_LEVELS,
+        DELAYSVC_LOG_FORMAT="json",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
+    web = [sys.executable, "-m", "delaysvc", "web", "--port", str(port), "--workers", "1"]
+    with running(web, env, tmp_path) as server:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "".join(server.seen)
+                time.sleep(0.2)
+        access = server.wait_for(lambda r: "GET /healthz" in r["event"])
+    assert access["logger"] == "gunicorn.access"
