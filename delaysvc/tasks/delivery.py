@@ -18,6 +18,7 @@ from typing import Any
 
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
+from sqlalchemy.exc import DBAPIError
 
 from delaysvc.delivery import LaneRunner
 from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
@@ -36,18 +37,32 @@ def _stop_lanes(**_: object) -> None:
 @worker_ready.connect
 def _start_lanes(sender: Any, **_: object) -> None:
     """A worker that serves the delivery queue starts every lane now, not at beat's first
-    interval (beat's entries fire one budget after beat starts)."""
+    interval (beat's entries fire one budget after beat starts). The first runs go straight to
+    the worker's own thread pool, not through the broker: a burst of messages published from
+    the worker's thread at start left the worker stuck after a broker restart (the RabbitMQ
+    fault test); from their first hand-over on, the runs are ordinary messages."""
     app = sender.app
     if DELIVERY_QUEUE not in set(app.amqp.queues.consume_from):
         return
-    settings = app.conf.delaysvc_settings
-    lanes = range(settings.levels.max_level + 1)
+    lanes = range(app.conf.delaysvc_settings.levels.max_level + 1)
+    pool = sender.controller.pool
     for lane in lanes:
-        deliver_lane.apply_async((lane,), expires=settings.lane_budget_seconds)
+        pool.apply_async(_first_run, args=(lane,))
     log.info("delivery.lanes_started", extra={"lanes": f"0-{lanes[-1]}"})
 
 
+def _first_run(lane: int) -> None:
+    try:
+        deliver_lane(lane)
+    except Exception:  # said in the log; beat fires the lane again
+        log.exception("delivery.first_run_failed", extra={"lane": lane})
+
+
 def _wake_consumers(topics: tuple[str, ...]) -> None:
+    """Wake the topics' consumers now. With the broker away this raises, and the run ends
+    without a next one (what it moved is in the database): beat fires the lane again once the
+    broker is back. (Runs that went on publishing from the pool's threads while the worker
+    reconnected corrupted its AMQP connection: py-amqp is not thread-safe.)"""
     from delaysvc.tasks.consume import consume
 
     for topic in topics:
@@ -69,7 +84,7 @@ def deliver_lane(lane: int) -> int:
     )
     try:
         moved = runner.run(budget)
-    except Exception:
+    except DBAPIError:  # the lane's database connection broke: again at once, on a new one
         if runner.held_lane and not _stop.is_set():
             log.warning("delivery.lane_rearmed", extra={"lane": lane}, exc_info=True)
             deliver_lane.apply_async(

@@ -192,21 +192,10 @@ def test_lanes_run_from_the_delivery_workers_start_and_a_dead_run_is_rearmed_at_
     leaves no lane asleep until beat's first interval; a lane whose run dies (its connection
     cut) runs again at once, not at beat's next firing."""
     service.delivery_worker()
-    wait_for(
-        lambda: (
-            service.scalar("SELECT count(*) FROM heartbeat WHERE component LIKE 'lane %'")
-            == service.settings.levels.max_level + 1
-        ),
-        60,
-        "every lane's heartbeat",
-    )
+    _wait_for_every_lane(service)
     first = producer.send("e2e.unhandled", {"n": 1}, delay_level=1)
     wait_for(lambda: service.count_status("ready") == 1, 10, "the level-1 message, without beat")
-    assert service.scalar(
-        f"SELECT {store.DELIVERED_AT} - c.deliver_ts < interval '100 ms' FROM commit_log c "
-        "WHERE id = :id",
-        id=first.id,
-    )
+    assert _late_ms(service, first.id) < 100
 
     cut = service.scalar(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_locks "
@@ -215,10 +204,29 @@ def test_lanes_run_from_the_delivery_workers_start_and_a_dead_run_is_rearmed_at_
     assert cut == service.settings.levels.max_level + 1  # every lane's runner lost its session
     second = producer.send("e2e.unhandled", {"n": 2}, delay_level=1)
     wait_for(lambda: service.count_status("ready") == 2, 10, "a message after the cut")
-    assert service.scalar(
-        f"SELECT {store.DELIVERED_AT} - c.deliver_ts < interval '1500 ms' FROM commit_log c "
-        "WHERE id = :id",
-        id=second.id,
+    assert _late_ms(service, second.id) < 1500
+
+
+def _wait_for_every_lane(service: Service) -> None:
+    """Until every lane's runner has written its heartbeat."""
+    wait_for(
+        lambda: (
+            service.scalar("SELECT count(*) FROM heartbeat WHERE component LIKE 'lane %'")
+            == service.settings.levels.max_level + 1
+        ),
+        60,
+        "every lane's heartbeat",
+    )
+
+
+def _late_ms(service: Service, message_id: int) -> float:
+    """How late the message entered its topic queue."""
+    return float(
+        service.scalar(
+            f"SELECT extract(epoch FROM {store.DELIVERED_AT} - c.deliver_ts) * 1000 "
+            "FROM commit_log c WHERE id = :id",
+            id=message_id,
+        )
     )
 
 
@@ -229,14 +237,7 @@ def test_a_delivery_worker_stopped_for_a_deploy_hands_its_lanes_to_the_new_one(
     lane; SIGTERM to the old one hands each lane over as it stops, so messages due from then on
     are delivered on time by the new one (before: nothing until beat's next firing)."""
     old = service.delivery_worker()
-    lanes = service.settings.levels.max_level + 1
-    wait_for(
-        lambda: (
-            service.scalar("SELECT count(*) FROM heartbeat WHERE component LIKE 'lane %'") == lanes
-        ),
-        60,
-        "the old worker's lanes",
-    )
+    _wait_for_every_lane(service)
     service.delivery_worker()
     time.sleep(8)  # the new worker boots; its lanes find each lane held and return
     old.terminate()
