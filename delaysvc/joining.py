@@ -135,11 +135,43 @@ class SqlAlchemyJoined:
             return store.driver_errors(self.conn)
         return nullcontext(None)
 
-    def transaction(self) -> AbstractContextManager[None]:
+    def transaction(self) -> AbstractContextManager[Any]:
+        if self.autocommits():  # isolation_level="AUTOCOMMIT"
+            return _autocommit_off(self.conn.connection.dbapi_connection)
         return nullcontext()
 
     def autocommits(self) -> bool:
+        return _autocommitting(self.conn.connection.dbapi_connection)
+
+
+def _autocommitting(dbapi_connection: Any) -> bool:
+    """In autocommit mode with no transaction open: psycopg 3 and psycopg2 connections and
+    SQLAlchemy's adapters of async ones."""
+    if not getattr(dbapi_connection, "autocommit", False):
         return False
+    info = getattr(dbapi_connection, "info", None)
+    if isinstance(info, psycopg.ConnectionInfo):
+        return info.transaction_status == TransactionStatus.IDLE
+    status = getattr(dbapi_connection, "get_transaction_status", None)  # psycopg2
+    return status is None or status() == 0  # TRANSACTION_STATUS_IDLE
+
+
+@contextmanager
+def _autocommit_off(dbapi_connection: Any) -> Iterator[None]:
+    """A transaction of its own on an autocommitting DBAPI connection: autocommit off until it
+    commits (or rolls back on an error), then on again, as the caller had it."""
+    dbapi_connection.autocommit = False
+    try:
+        yield
+    except BaseException:
+        if not dbapi_connection.closed:
+            dbapi_connection.rollback()
+        raise
+    else:
+        dbapi_connection.commit()
+    finally:
+        if not dbapi_connection.closed:
+            dbapi_connection.autocommit = True
 
 
 # ---------------------------------------------------------------- DBAPI connections
@@ -364,7 +396,7 @@ class _Psycopg:
         return _is_lost(self.conn)
 
     def autocommits(self) -> bool:
-        return self.conn.autocommit and self.conn.info.transaction_status == TransactionStatus.IDLE
+        return _autocommitting(self.conn)
 
     def own_transaction(self) -> AbstractContextManager[Any]:
         return self.conn.transaction()  # BEGIN: the connection has no transaction open
@@ -393,23 +425,10 @@ class _Psycopg2:
         return _is_lost(self.conn)
 
     def autocommits(self) -> bool:
-        idle = self.conn.get_transaction_status() == self._extensions.TRANSACTION_STATUS_IDLE
-        return bool(self.conn.autocommit) and idle
+        return _autocommitting(self.conn)
 
-    @contextmanager
-    def own_transaction(self) -> Iterator[None]:
-        self.conn.autocommit = False
-        try:
-            yield
-        except BaseException:
-            if not self.conn.closed:
-                self.conn.rollback()
-            raise
-        else:
-            self.conn.commit()
-        finally:
-            if not self.conn.closed:
-                self.conn.autocommit = True
+    def own_transaction(self) -> AbstractContextManager[Any]:
+        return _autocommit_off(self.conn)
 
 
 class _AsyncPsycopg:
@@ -433,7 +452,7 @@ class _AsyncPsycopg:
         return _is_lost(self.conn)
 
     def autocommits(self) -> bool:
-        return self.conn.autocommit and self.conn.info.transaction_status == TransactionStatus.IDLE
+        return _autocommitting(self.conn)
 
     @contextmanager
     def own_transaction(self) -> Iterator[None]:

@@ -224,19 +224,30 @@ def test_a_refused_send_leaves_the_callers_transaction_usable(
     assert stored(engine, "shop.capped")["commit_log"] == [kept.id, also.id]
 
 
-@pytest.mark.parametrize("autocommit", ["psycopg3", "psycopg2"])
+@pytest.mark.parametrize(
+    "autocommit", ["psycopg3", "psycopg2", "sqlalchemy-psycopg3", "sqlalchemy-psycopg2"]
+)
 def test_on_an_autocommitting_connection_each_call_commits_by_itself(
-    producer: Producer, engine: Engine, database_url: str, autocommit: str
+    producer: Producer,
+    engine: Engine,
+    psycopg2_engine: Engine,
+    database_url: str,
+    autocommit: str,
 ) -> None:
     """No transaction open: a send is one statement and commits by itself; a batch and a
     cancel each get a transaction of their own (a batch's staging table is emptied at commit:
-    without one it would store nothing)."""
+    without one it would store nothing). Each is stored before the connection closes."""
     dsn = libpq_url(database_url)
     if autocommit == "psycopg3":
         conn: Any = psycopg.connect(dsn, autocommit=True)
-    else:
-        conn = psycopg2.connect(dsn)
+        driver = conn
+    elif autocommit == "psycopg2":
+        conn = driver = psycopg2.connect(dsn)
         conn.autocommit = True
+    else:
+        on = engine if autocommit == "sqlalchemy-psycopg3" else psycopg2_engine
+        conn = on.connect().execution_options(isolation_level="AUTOCOMMIT")
+        driver = conn.connection.dbapi_connection
     try:
         one = producer.send("shop.auto", 1, delay_level=2, key="k", connection=conn)
         assert producer.send("shop.auto", 9, key="k", connection=conn).id == one.id
@@ -245,14 +256,14 @@ def test_on_an_autocommitting_connection_each_call_commits_by_itself(
             connection=conn,
         )
         producer.cancel(batch[0].id, connection=conn)
-        assert conn.autocommit is True  # as the caller left it
+        assert driver.autocommit is True  # as the caller left it
+        assert stored(engine, "shop.auto") == {
+            **NOTHING,
+            "commit_log": [one.id, *(m.id for m in batch)],
+            "levels": [(1, batch[1].id), (1, batch[2].id), (2, one.id)],
+        }
     finally:
         conn.close()
-    assert stored(engine, "shop.auto") == {
-        **NOTHING,
-        "commit_log": [one.id, *(m.id for m in batch)],
-        "levels": [(1, batch[1].id), (1, batch[2].id), (2, one.id)],
-    }
 
 
 def test_our_own_engine_on_psycopg2_sends_batches_and_cancels(
