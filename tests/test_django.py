@@ -49,6 +49,7 @@ assert django_settings.SETTINGS_MODULE == "tests.django_project.settings"
 
 from django.core.management import call_command  # noqa: E402
 from django.db import connection, connections, transaction  # noqa: E402
+from django.test.utils import CaptureQueriesContext  # noqa: E402
 from sqlalchemy import Engine  # noqa: E402
 
 import delaysvc  # noqa: E402
@@ -103,13 +104,16 @@ def test_django_runs_on_the_driver_asked_for() -> None:
 
 
 def test_a_rollback_stores_neither_the_order_nor_the_message(engine: Engine) -> None:
-    with pytest.raises(Rollback), transaction.atomic():
+    queries = CaptureQueriesContext(connection)
+    with queries, pytest.raises(Rollback), transaction.atomic():
         order = Order.objects.create(total=120)
         message = delaysvc_django.send(
             "order.cancel", {"order_id": order.id}, delay_level=2, key=f"order-{order.id}"
         )
         assert delaysvc_django.get(message.id).status == "scheduled"  # in this transaction
         raise Rollback
+    # through Django's cursor: its query log (and execute wrappers) see delaysvc's statements
+    assert sum("INSERT INTO commit_log" in query["sql"] for query in queries) == 1
     assert Order.objects.count() == 0
     assert stored(engine, "order.cancel") == NOTHING
     with pytest.raises(NotFound):
