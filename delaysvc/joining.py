@@ -44,7 +44,7 @@ from sqlalchemy import Connection, Engine, TextClause
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.orm import Session
 
-from delaysvc import store
+from delaysvc import extras, store
 from delaysvc.errors import ValidationError
 
 _T = TypeVar("_T")
@@ -108,6 +108,7 @@ async def run_async(held: object, call: Callable[[Any], _T]) -> _T:
     if isinstance(held, AsyncConnection | AsyncSession):
         return await held.run_sync(call)
     if isinstance(held, psycopg.AsyncConnection):
+        extras.require("await delaysvc.asend(connection=<a psycopg AsyncConnection>)", "asyncio")
         from sqlalchemy.util import greenlet_spawn
 
         return await greenlet_spawn(call, held)
