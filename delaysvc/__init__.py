@@ -3,6 +3,7 @@
 from delaysvc import handler, send, DeadLetter, RetryLater
 
 send("order.cancel", {"order_id": 42}, delay="30m", key="order-42", connection=conn)
+await asend("order.cancel", {"order_id": 42}, delay="30m", connection=async_conn)
 
 @handler("order.cancel", max_retries=16)
 def cancel_order(message): ...
@@ -43,6 +44,10 @@ __all__ = [
     "NotFound",
     "RetryLater",
     "ValidationError",
+    "acancel",
+    "aget",
+    "asend",
+    "asend_batch",
     "cancel",
     "configure",
     "default_producer",
@@ -76,7 +81,8 @@ def default_producer() -> Producer:
 
 def send(topic: str, body: Any, **options: Any) -> Message:
     """Schedule `body` for `topic`. Options: delay_level | delay | delay_ms | deliver_at, key,
-    tags, properties, connection (join the caller's SQLAlchemy transaction)."""
+    tags, properties, connection (join the caller's transaction: a SQLAlchemy Connection or
+    Session, a psycopg or psycopg2 connection, Django's connection)."""
     return default_producer().send(topic, body, **options)
 
 
@@ -90,3 +96,22 @@ def cancel(message_id: int | None = None, **options: Any) -> Message:
 
 def get(message_id: int, **options: Any) -> Message:
     return default_producer().get(message_id, **options)
+
+
+async def asend(topic: str, body: Any, **options: Any) -> Message:
+    """`send` from asyncio. `connection=`: a SQLAlchemy AsyncConnection or AsyncSession, or a
+    psycopg AsyncConnection, whose transaction it joins; without one the send runs on the
+    producer's own engine in a worker thread."""
+    return await default_producer().asend(topic, body, **options)
+
+
+async def asend_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
+    return await default_producer().asend_batch(messages, **options)
+
+
+async def acancel(message_id: int | None = None, **options: Any) -> Message:
+    return await default_producer().acancel(message_id, **options)
+
+
+async def aget(message_id: int, **options: Any) -> Message:
+    return await default_producer().aget(message_id, **options)

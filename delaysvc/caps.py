@@ -21,8 +21,6 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
-from sqlalchemy import Connection
-
 from delaysvc import store
 from delaysvc.errors import BacklogFull
 from delaysvc.settings import BacklogCap
@@ -44,7 +42,7 @@ def _relevant(
     return sorted(((c, n) for c, n in found if n), key=lambda cn: (cn[0].scope, cn[0].target))
 
 
-def _pending(conn: Connection, cap: BacklogCap, up_to: int) -> int:
+def _pending(conn: store.Statements, cap: BacklogCap, up_to: int) -> int:
     """Waiting messages under the cap: exact for a level, counted up to `up_to` for a topic."""
     if cap.scope == "level":
         return store.lane_pending(conn, int(cap.target))
@@ -52,7 +50,7 @@ def _pending(conn: Connection, cap: BacklogCap, up_to: int) -> int:
 
 
 def before_insert(
-    conn: Connection, caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
+    conn: store.Statements, caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
 ) -> None:
     """Lock every cap these messages touch; refuse them if a `reject` cap would overflow."""
     for cap, incoming in _relevant(caps, messages):
@@ -68,7 +66,7 @@ def before_insert(
 
 
 def after_insert(
-    conn: Connection, caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
+    conn: store.Statements, caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
 ) -> int:
     """Deliver the oldest waiting messages beyond each `deliver-early` cap. -> how many."""
     early: Counter[str] = Counter()

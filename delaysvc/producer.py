@@ -1,8 +1,10 @@
-"""The producer: `send`, `send_batch`, `cancel`.
+"""The producer: `send`, `send_batch`, `cancel` (and `asend`, `asend_batch`, `acancel`).
 
-Each call joins the caller's transaction when given `connection=` (a SQLAlchemy Connection or
-Session): a web app creates an order and schedules its cancellation atomically, and a rollback
-leaves no trace of either. Without it, the call runs in a transaction of its own.
+Each call joins the caller's transaction when given `connection=`: a SQLAlchemy Connection or
+Session (any driver), a psycopg 3 or psycopg2 connection, Django's connection; from asyncio a
+SQLAlchemy AsyncConnection or AsyncSession or a psycopg AsyncConnection (`delaysvc.joining`).
+A web app creates an order and schedules its cancellation atomically, and a rollback leaves no
+trace of either. Without it, the call runs in a transaction of its own.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
-from sqlalchemy.orm import Session
 
-from delaysvc import caps, db, store
+from delaysvc import caps, db, joining, store
 from delaysvc.errors import (
     DatabaseUnavailable,
     DuplicateKey,
@@ -41,7 +42,7 @@ from delaysvc.validation import (
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-Joinable = Connection | Session
+Joinable = object  # what a caller may pass as `connection=`: see `delaysvc.joining`
 MAX_BATCH = 10_000
 
 
@@ -89,7 +90,7 @@ class Message:
             last_error=row.last_error,
             errors=getattr(row, "errors", None) or [],
             # rows returned by a send carry no body (the caller has it)
-            body=decode_body(row.body, row.body_is_json) if hasattr(row, "body") else None,
+            body=decode_body(_bytes(row.body), row.body_is_json) if hasattr(row, "body") else None,
         )
 
     @classmethod
@@ -209,6 +210,11 @@ class Producer:
     def __init__(self, settings: Settings, engine: Engine):
         self.settings = settings
         self.engine = engine
+        # a single send is one autocommitted statement on the driver's cursor (psycopg 3);
+        # an engine of another driver (an application's psycopg2 one) sends in a transaction
+        self._autocommitted_sends = (
+            engine.dialect.driver == "psycopg" and not engine.dialect.is_async
+        )
 
     # -- building -------------------------------------------------------------
 
@@ -267,7 +273,7 @@ class Producer:
         return self._send_one(self._prepare_item(item, None), connection)
 
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
-        if connection is None and not self.settings.caps:
+        if connection is None and not self.settings.caps and self._autocommitted_sends:
             row, created, _ = self._retried(lambda: self._insert_autocommitted(new))
         else:
             ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
@@ -314,7 +320,35 @@ class Producer:
             for row, created, origin in results
         ]
 
-    def _write(self, joined: Joinable | None, write: Callable[[Connection], _T]) -> _T:
+    async def asend(
+        self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
+    ) -> Message:
+        """`send` from asyncio; `connection=` a SQLAlchemy AsyncConnection or AsyncSession, or
+        a psycopg AsyncConnection (`joining.run_async`)."""
+        return await joining.run_async(
+            connection, lambda held: self.send(topic, body, connection=held, **options)
+        )
+
+    async def asend_batch(
+        self, messages: Sequence[Mapping[str, Any]], *, connection: Joinable | None = None
+    ) -> list[Message]:
+        return await joining.run_async(
+            connection, lambda held: self.send_batch(messages, connection=held)
+        )
+
+    async def acancel(
+        self, message_id: int | None = None, *, connection: Joinable | None = None, **options: Any
+    ) -> Message:
+        return await joining.run_async(
+            connection, lambda held: self.cancel(message_id, connection=held, **options)
+        )
+
+    async def aget(self, message_id: int, *, connection: Joinable | None = None) -> Message:
+        return await joining.run_async(
+            connection, lambda held: self.get(message_id, connection=held)
+        )
+
+    def _write(self, joined: Joinable | None, write: Callable[[joining.Joined], _T]) -> _T:
         """`write` in the caller's transaction, or in one of ours (`_retried`)."""
 
         def attempt() -> _T:
@@ -350,20 +384,33 @@ class Producer:
             raise
 
     def _store(
-        self, conn: Connection, messages: Sequence[store.NewMessage]
+        self, conn: joining.Joined, messages: Sequence[store.NewMessage]
     ) -> list[tuple[Any, bool, int | None]]:
-        """Insert, within the backlog caps (see `delaysvc.caps`)."""
+        """Insert, within the backlog caps (see `delaysvc.caps`). A single send without caps
+        is one statement; anything more is one transaction (`Joined.transaction`)."""
         capped = self.settings.caps
-        if capped:
-            caps.before_insert(conn, capped, messages)
-        if len(messages) == 1:
-            with store.driver_errors(conn) as cursor:
-                results = [store.insert_message(cursor, messages[0])]
-        else:
-            results = store.insert_messages(conn, messages)
-        if capped:
-            caps.after_insert(conn, capped, messages)
+        if len(messages) == 1 and not capped:
+            return [self._insert_one(conn, messages[0])]
+        with conn.transaction():
+            if capped:
+                caps.before_insert(conn, capped, messages)
+            if len(messages) == 1:
+                results = [self._insert_one(conn, messages[0])]
+            else:
+                with conn.psycopg_cursor() as cursor:
+                    results = store.insert_messages(conn, messages, cursor)
+            if capped:
+                caps.after_insert(conn, capped, messages)
         return results
+
+    @staticmethod
+    def _insert_one(
+        conn: joining.Joined, message: store.NewMessage
+    ) -> tuple[Any, bool, int | None]:
+        with conn.psycopg_cursor() as cursor:
+            if cursor is not None:
+                return store.insert_message(cursor, message)
+        return store.insert_message_on(conn, message)
 
     def _prepare_item(self, item: Mapping[str, Any], now: datetime | None) -> store.NewMessage:
         if not isinstance(item, Mapping):
@@ -388,12 +435,12 @@ class Producer:
         """Cancel a scheduled, retrying or ready message; it will never run. Running or
         finished -> NotCancellable; unknown -> NotFound. `topics` (an API token's): a message
         of any other topic is NotFound too."""
-        with self._connection(connection) as conn:
+        with self._connection(connection) as conn, conn.transaction():
             return Message.from_row(self._cancel(conn, message_id, topic, key, topics))
 
     def _cancel(
         self,
-        conn: Connection,
+        conn: joining.Joined,
         message_id: int | None,
         topic: str | None,
         key: str | None,
@@ -439,7 +486,7 @@ class Producer:
 
     @staticmethod
     def _locate(
-        conn: Connection,
+        conn: store.Statements,
         message_id: int | None,
         topic: str | None,
         key: str | None,
@@ -461,23 +508,30 @@ class Producer:
         return row
 
     @contextmanager
-    def _connection(self, joined: Joinable | None) -> Iterator[Connection]:
+    def _connection(self, joined: Joinable | None) -> Iterator[joining.Joined]:
         """The caller's connection (their transaction, their commit) or a fresh transaction."""
-        if isinstance(joined, Session):
-            yield joined.connection()
-        elif joined is not None:
-            yield joined
-        else:
-            started = maybe_stored = False
-            try:
-                with self.engine.connect() as conn:
-                    started = True
-                    with conn.begin():
-                        yield conn
-                        maybe_stored = True  # committing
-            except DBAPIError as exc:
-                _raise_domain_error(exc, connected=started, maybe_stored=maybe_stored)
-                raise
+        if joined is not None:
+            with joining.joined(joined) as conn:
+                autocommits = False
+                try:
+                    autocommits = conn.autocommits()
+                    yield conn
+                except DBAPIError as exc:
+                    # in the caller's transaction nothing is stored until they commit; on an
+                    # autocommitting connection, a statement sent may have stored itself
+                    _raise_domain_error(exc, connected=True, maybe_stored=autocommits)
+                    raise
+            return
+        started = maybe_stored = False
+        try:
+            with self.engine.connect() as conn:
+                started = True
+                with conn.begin():
+                    yield joining.SqlAlchemyJoined(conn)
+                    maybe_stored = True  # committing
+        except DBAPIError as exc:
+            _raise_domain_error(exc, connected=started, maybe_stored=maybe_stored)
+            raise
 
 
 def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool) -> None:
@@ -498,6 +552,11 @@ def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool)
         ) from exc
     if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):
         raise DuplicateKey(str(exc.orig)) from None
+
+
+def _bytes(data: bytes | memoryview) -> bytes:
+    """A bytea as bytes (psycopg2 gives a memoryview, also under SQLAlchemy's text())."""
+    return data.tobytes() if isinstance(data, memoryview) else data
 
 
 def _lookup_key(key: object) -> str:

@@ -1,7 +1,11 @@
 """Every statement the service runs, each named for what it does.
 
-Callers pass a SQLAlchemy `Connection` and own the transaction; nothing here commits. "Now" is
-the database clock (`statement_timestamp()`) unless a test passes `now=`.
+Callers pass a SQLAlchemy `Connection` and own the transaction; nothing here commits. The
+producer's statements (sending, cancelling, reading a message, the backlog caps) take any
+`Statements`: a SQLAlchemy `Connection`, or a connection the caller holds adapted by
+`delaysvc.joining` (psycopg 3, psycopg2, Django's, asyncio ones), so they join any transaction
+the caller has open. "Now" is the database clock (`statement_timestamp()`) unless a test passes
+`now=`.
 
 Lanes (see `delaysvc.schema`): a waiting message sits in lane N >= 1 (consume queue of level N,
 FIFO by offset) or lane 0 (the timer lane, by deliver_ts); lane -1 means it is in its topic's
@@ -18,14 +22,15 @@ statement: the backlog figures and the level caps read exact counts, not offsets
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 from psycopg import Cursor
 from psycopg.rows import namedtuple_row
@@ -53,6 +58,22 @@ def _driver_sql(statement: str) -> str:
     """A hot statement as SQLAlchemy would send it to psycopg (`%(name)s` placeholders, `%`
     doubled), for the driver's own cursor (`driver_errors`)."""
     return _sql(statement).compile(dialect=_PSYCOPG).string
+
+
+def driver_sql(statement: TextClause) -> str:
+    """Any statement of this module in the form a `%(name)s` driver takes it (psycopg 3,
+    psycopg2, Django's cursor), compiled once per statement text."""
+    return _driver_sql(statement.text)
+
+
+class Statements(Protocol):
+    """What the producer's statements run on: a SQLAlchemy `Connection`, or a connection the
+    caller holds adapted by `delaysvc.joining`. Results are read as SQLAlchemy's are (`first`,
+    `one`, `scalar_one`, `scalars`, `rowcount`, iteration; rows by name and position)."""
+
+    def execute(
+        self, statement: TextClause, parameters: Mapping[str, Any] | None = None, /
+    ) -> Any: ...
 
 
 # A level's FIFO queue only takes messages whose delay is the level's delay in the database
@@ -393,20 +414,45 @@ def insert_message(cursor: Cursor[Any], message: NewMessage) -> tuple[Any, bool,
     origin 0); a key already held by an unfinished message of the topic gives that message's
     whole row, created=False, origin None.
 
-    `cursor` is the driver's (an autocommitted single send: `db.autocommit_cursor`; in a
-    transaction: `driver_errors`): the statement is prepared on the server once per connection,
-    and SQLAlchemy's execution and result objects, which cost more Python than the statement's
-    own execution, are skipped (docs/benchmarks/README.md, "Send")."""
+    `cursor` is a psycopg 3 driver cursor (an autocommitted single send:
+    `db.autocommit_cursor`; in a transaction: `driver_errors`): the statement is prepared on
+    the server once per connection (unless the connection has prepared statements turned off,
+    as for PgBouncer), and SQLAlchemy's execution and result objects, which cost more Python
+    than the statement's own execution, are skipped (docs/benchmarks/README.md, "Send").
+    `insert_message_on` is the same on any `Statements`."""
     statement = _driver_sql(_insert_one_statement(message.lane))
     params = _message_params(message)
+    prepare = None if cursor.connection.prepare_threshold is None else True
+
+    def find_holder() -> Any:
+        with cursor.connection.cursor(row_factory=namedtuple_row) as named:
+            lookup = {"topic": message.topic, "key": message.key}
+            return named.execute(_driver_sql(_FIND_UNFINISHED_BY_KEY), lookup).fetchone()
+
+    return _insert_or_find(
+        message, lambda: cursor.execute(statement, params, prepare=prepare).fetchone(), find_holder
+    )
+
+
+def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:
+    """`insert_message` through any `Statements` (any driver)."""
+    params = _message_params(message)
+    return _insert_or_find(
+        message,
+        lambda: conn.execute(_sql(_insert_one_statement(message.lane)), params).first(),
+        lambda: find_unfinished_by_key(conn, message.topic, message.key),
+    )
+
+
+def _insert_or_find(
+    message: NewMessage, insert: Callable[[], Any], find_holder: Callable[[], Any]
+) -> tuple[Any, bool, int | None]:
     for _ in range(5):
-        row = cursor.execute(statement, params, prepare=True).fetchone()
+        row = insert()
         if row is not None:
             return Stored(*row), True, 0
         if message.key is not None:
-            with cursor.connection.cursor(row_factory=namedtuple_row) as named:
-                lookup = {"topic": message.topic, "key": message.key}
-                existing = named.execute(_driver_sql(_FIND_UNFINISHED_BY_KEY), lookup).fetchone()
+            existing = find_holder()
             if existing is not None:
                 return existing, False, None
         # The holder of the key finished between the two statements: try again.
@@ -454,6 +500,16 @@ SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id
 """
 
 
+# Without a psycopg 3 cursor to COPY with (psycopg2, Django's cursor, asyncio connections), a
+# batch is staged by one statement from a JSON document of its rows (`_stage_document`).
+_STAGE_FROM_JSON = f"""INSERT INTO {_STAGE_TABLE} ({_STAGE_COLUMNS})
+SELECT ord, topic, key, tags, decode(body, 'base64'), body_is_json, properties, delay_level,
+    lane, delay_ms, deliver_at
+FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS s(ord int, topic text, key text, tags text[],
+    body text, body_is_json boolean, properties jsonb, delay_level smallint, lane smallint,
+    delay_ms bigint, deliver_at timestamptz)"""
+
+
 def stage_rows(cursor: Cursor[Any], rows: Iterable[tuple[Any, ...]]) -> None:
     """COPY `stage_row`s into the session's staging table (made if it is missing), for
     INSERT_STAGED to store, in the cursor's transaction."""
@@ -480,16 +536,41 @@ def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
     )
 
 
+def _stage_document(messages: Sequence[NewMessage]) -> str:
+    return json.dumps(
+        [
+            {
+                "ord": ord_,
+                "topic": m.topic,
+                "key": m.key,
+                "tags": m.tags,
+                "body": base64.b64encode(m.body).decode("ascii"),
+                "body_is_json": m.body_is_json,
+                "properties": m.properties,
+                "delay_level": m.delay_level,
+                "lane": m.lane,
+                "delay_ms": m.delay_ms,
+                "deliver_at": m.deliver_at.isoformat() if m.deliver_at is not None else None,
+            }
+            for ord_, m in enumerate(messages)
+        ]
+    )
+
+
 def insert_messages(
-    conn: Connection, messages: Sequence[NewMessage]
+    conn: Statements, messages: Sequence[NewMessage], cursor: Cursor[Any] | None = None
 ) -> list[tuple[Any, bool, int | None]]:
-    """Store many messages in the caller's transaction: COPY into the staging table, one
-    insert. -> [(row, created, origin)] in input order. A created row holds `id, stored_at,
-    deliver_ts` and `origin` is the item's index; a key taken earlier in the batch gives that
-    item's row and index with created=False; a key held by an unfinished message already gives
-    that message's whole row, created=False and origin None."""
-    with driver_errors(conn, _COPY_STAGE) as cursor:
+    """Store many messages in the caller's transaction: into the staging table (COPY on
+    `cursor`, a psycopg 3 cursor of `conn`'s connection; without one, one statement from a
+    JSON document), then one insert. -> [(row, created, origin)] in input order. A created row
+    holds `id, stored_at, deliver_ts` and `origin` is the item's index; a key taken earlier in
+    the batch gives that item's row and index with created=False; a key held by an unfinished
+    message already gives that message's whole row, created=False and origin None."""
+    if cursor is not None:
         stage_rows(cursor, (stage_row(ord_, message) for ord_, message in enumerate(messages)))
+    else:
+        conn.execute(_sql(_CREATE_STAGE))
+        conn.execute(_sql(_STAGE_FROM_JSON), {"rows": _stage_document(messages)})
     created: list[Any] = [None] * len(messages)
     for row in conn.execute(_sql(INSERT_STAGED)):
         created[row.ord] = row
@@ -539,7 +620,7 @@ def driver_errors(conn: Connection, statement: str | None = None) -> Iterator[An
 
 
 def find_unfinished_by_keys(
-    conn: Connection, pairs: Sequence[tuple[str, str | None]]
+    conn: Statements, pairs: Sequence[tuple[str, str | None]]
 ) -> dict[tuple[str, str], Any]:
     """The unfinished messages holding these (topic, key) pairs, in one statement."""
     wanted = {(topic, key) for topic, key in pairs if key is not None}
@@ -562,19 +643,19 @@ _FIND_UNFINISHED_BY_KEY = f"""SELECT {MESSAGE_STATE} FROM commit_log c
     WHERE c.topic = :topic AND c.key = :key AND c.finished_at IS NULL"""
 
 
-def find_unfinished_by_key(conn: Connection, topic: str, key: str | None) -> Any:
+def find_unfinished_by_key(conn: Statements, topic: str, key: str | None) -> Any:
     if key is None:
         return None
     return conn.execute(_sql(_FIND_UNFINISHED_BY_KEY), {"topic": topic, "key": key}).first()
 
 
-def get_message(conn: Connection, message_id: int) -> Any:
+def get_message(conn: Statements, message_id: int) -> Any:
     return conn.execute(
         text(f"SELECT {MESSAGE_STATE} FROM commit_log c WHERE c.id = :id"), {"id": message_id}
     ).first()
 
 
-def find_message_by_key(conn: Connection, topic: str, key: str) -> Any:
+def find_message_by_key(conn: Statements, topic: str, key: str) -> Any:
     """The unfinished message holding the key, else the newest finished one."""
     return conn.execute(
         text(
@@ -588,7 +669,7 @@ def find_message_by_key(conn: Connection, topic: str, key: str) -> Any:
 # ---------------------------------------------------------------- cancelling
 
 
-def take_out_of_lane(conn: Connection, lane: int, offset: int, deliver_ts: datetime) -> bool:
+def take_out_of_lane(conn: Statements, lane: int, offset: int, deliver_ts: datetime) -> bool:
     """Delete a waiting message's lane row (counted out of the lane). False when it is not
     there any more (moved)."""
     if lane > 0:
@@ -605,14 +686,14 @@ def take_out_of_lane(conn: Connection, lane: int, offset: int, deliver_ts: datet
     return conn.execute(text(statement), params).scalar_one() == 1
 
 
-def take_out_of_topic_queue(conn: Connection, message_id: int) -> bool:
+def take_out_of_topic_queue(conn: Statements, message_id: int) -> bool:
     result = conn.execute(
         text("DELETE FROM topic_queue WHERE message_id = :id"), {"id": message_id}
     )
     return result.rowcount == 1
 
 
-def mark_cancelled(conn: Connection, message_id: int) -> Any:
+def mark_cancelled(conn: Statements, message_id: int) -> Any:
     return conn.execute(
         text(
             "UPDATE commit_log SET status = 'cancelled', finished_at = statement_timestamp(), "
@@ -1072,7 +1153,7 @@ def topic_totals(conn: Connection) -> list[Any]:
 CAP_LOCK_CLASS = 0x64656C43  # advisory locks (class, hashtext(target)) serialise capped sends
 
 
-def lock_cap(conn: Connection, target: str) -> None:
+def lock_cap(conn: Statements, target: str) -> None:
     """Serialise sends to one capped level or topic until the transaction ends."""
     conn.execute(
         text("SELECT pg_advisory_xact_lock(:class, hashtext(:target))"),
@@ -1080,7 +1161,7 @@ def lock_cap(conn: Connection, target: str) -> None:
     )
 
 
-def lane_pending(conn: Connection, lane: int) -> int:
+def lane_pending(conn: Statements, lane: int) -> int:
     """Waiting messages of a lane, exactly: the sum of its `lane_count` deltas (a few thousand
     rows at most between two folds)."""
     return conn.execute(
@@ -1106,7 +1187,7 @@ SELECT count(*) FROM gone"""
     ).scalar_one()
 
 
-def topic_pending(conn: Connection, topic: str, up_to: int) -> int:
+def topic_pending(conn: Statements, topic: str, up_to: int) -> int:
     """Waiting (scheduled or retrying) messages of a topic, never counted beyond `up_to`."""
     return conn.execute(
         text(
@@ -1117,7 +1198,7 @@ def topic_pending(conn: Connection, topic: str, up_to: int) -> int:
     ).scalar_one()
 
 
-def oldest_waiting_in_level(conn: Connection, level: int, count: int) -> list[int]:
+def oldest_waiting_in_level(conn: Statements, level: int, count: int) -> list[int]:
     rows = conn.execute(
         text(
             "SELECT message_id FROM consume_queue WHERE level = :lane "
@@ -1128,7 +1209,7 @@ def oldest_waiting_in_level(conn: Connection, level: int, count: int) -> list[in
     return [row.message_id for row in rows]
 
 
-def oldest_waiting_of_topic(conn: Connection, topic: str, count: int) -> list[int]:
+def oldest_waiting_of_topic(conn: Statements, topic: str, count: int) -> list[int]:
     rows = conn.execute(
         text(
             "SELECT c.id FROM commit_log c WHERE c.topic = :topic "
@@ -1173,7 +1254,7 @@ WITH pick AS (
 SELECT count(*) FROM moved"""
 
 
-def deliver_now(conn: Connection, message_ids: Sequence[int]) -> int:
+def deliver_now(conn: Statements, message_ids: Sequence[int]) -> int:
     """Move waiting messages into their topics' queues before their time (a backlog cap's
     overflow), counted per lane in `early_total`. -> how many moved (a message being moved
     by its lane at the same moment is left to it)."""

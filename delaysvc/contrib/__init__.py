@@ -1,0 +1,1 @@
+"""Integrations with frameworks delaysvc lives inside (`delaysvc.contrib.django`)."""

@@ -1,0 +1,97 @@
+"""Django: schedule jobs in the transaction of Django's own connection.
+
+    from django.db import transaction
+    from delaysvc.contrib.django import send
+
+    with transaction.atomic():
+        order = Order.objects.create(total=120)
+        send("order.cancel", {"order_id": order.id}, delay="30m", key=f"order-{order.id}")
+
+The message commits with the order, or neither does: `send` runs its statement on
+`django.db.connections[using]` (Django's cursor, so its query logging and execute wrappers see
+it), inside whatever `atomic()` block is open; a rollback, of the block or of a savepoint
+around the send, leaves no trace of it. Outside `atomic()` Django autocommits: a send commits by
+itself, and a batch, a capped send or a cancel commits as one transaction of its own.
+`send_batch`, `cancel` and `get` take `using=` the same way. Errors are delaysvc's
+(`ValidationError`, `BacklogFull`, `DatabaseUnavailable`...); one raised before anything was
+written (a bad argument, a full backlog with the `reject` policy) leaves the `atomic()` block
+usable. Django's psycopg 3 and psycopg2 backends both work.
+
+The tables are delaysvc's, not Django's: apply them with `delaysvc migrate` (with
+`DELAYSVC_DATABASE_URL` naming the same database) in your deployment, beside Django's own
+`migrate`; Django's migrations never see them. The workers (`delaysvc worker`, beat) and the
+handlers run outside Django's request cycle, as with any delaysvc setup.
+
+delaysvc's settings (delay levels, caps, topic delays) are read from the `DELAYSVC_*`
+environment on first use, or given with `configure(Settings(...))` (in `AppConfig.ready`, say).
+The database is always Django's: the producer's engine, built from `DATABASES[using]`, is not
+used by these calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from django.db import DEFAULT_DB_ALIAS, connections
+from sqlalchemy.engine import URL
+
+from delaysvc.db import make_engine
+from delaysvc.producer import Message, Producer
+from delaysvc.settings import Settings
+
+__all__ = ["cancel", "configure", "get", "producer", "send", "send_batch"]
+
+_settings: Settings | None = None
+_producers: dict[str, Producer] = {}
+
+
+def configure(settings: Settings | None = None) -> None:
+    """delaysvc's settings for these calls; None: read them from the environment again."""
+    global _settings
+    _settings = settings
+    _producers.clear()
+
+
+def producer(using: str = DEFAULT_DB_ALIAS) -> Producer:
+    """The producer for Django's database `using`."""
+    found = _producers.get(using)
+    if found is None:
+        settings = _settings or Settings.from_env()
+        found = _producers[using] = Producer(settings, make_engine(settings, _url(using)))
+    return found
+
+
+def send(topic: str, body: Any, *, using: str = DEFAULT_DB_ALIAS, **options: Any) -> Message:
+    """`delaysvc.send` in Django's transaction on `connections[using]`."""
+    return producer(using).send(topic, body, connection=connections[using], **options)
+
+
+def send_batch(
+    messages: Sequence[Mapping[str, Any]], *, using: str = DEFAULT_DB_ALIAS
+) -> list[Message]:
+    return producer(using).send_batch(messages, connection=connections[using])
+
+
+def cancel(
+    message_id: int | None = None, *, using: str = DEFAULT_DB_ALIAS, **options: Any
+) -> Message:
+    return producer(using).cancel(message_id, connection=connections[using], **options)
+
+
+def get(message_id: int, *, using: str = DEFAULT_DB_ALIAS) -> Message:
+    return producer(using).get(message_id, connection=connections[using])
+
+
+def _url(using: str) -> str:
+    """Django's `DATABASES[using]` as a SQLAlchemy URL (psycopg 3)."""
+    database = connections.settings[using]
+    port = database.get("PORT")
+    return URL.create(
+        "postgresql+psycopg",
+        username=database.get("USER") or None,
+        password=database.get("PASSWORD") or None,
+        host=database.get("HOST") or None,
+        port=int(port) if port else None,
+        database=database.get("NAME") or None,
+    ).render_as_string(hide_password=False)

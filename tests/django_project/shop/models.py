@@ -1,0 +1,5 @@
+from django.db import models
+
+
+class Order(models.Model):
+    total = models.IntegerField()

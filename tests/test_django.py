@@ -1,0 +1,243 @@
+"""`delaysvc.contrib.django`: a send inside `transaction.atomic()` on Django's own connection, in a
+real Django project (tests/django_project) on PostgreSQL, through pytest-django. Each test has
+its own database, cloned from delaysvc's migrated template, with the project's `migrate` applied.
+
+Django picks its driver once per process (psycopg 3 when it is installed): the psycopg2 backend
+is tested by running this module again in a process whose Django cannot see psycopg 3
+(`DELAYSVC_TEST_DJANGO_DRIVER=psycopg2`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import pytest
+
+DRIVER = os.environ.get("DELAYSVC_TEST_DJANGO_DRIVER", "psycopg")
+
+
+def _django_without_psycopg3() -> None:
+    """Load Django's PostgreSQL backend while `import psycopg` fails: it takes psycopg2."""
+    saved = sys.modules.get("psycopg")
+    sys.modules["psycopg"] = None  # type: ignore[assignment]
+    try:
+        import django.db.backends.postgresql.base  # noqa: F401
+    finally:
+        sys.modules["psycopg"] = saved  # type: ignore[assignment]
+
+
+if DRIVER == "psycopg2":
+    _django_without_psycopg3()
+
+import django  # noqa: E402
+from django.conf import settings as django_settings  # noqa: E402
+
+if not django_settings.configured:
+    # not left in the environment: processes other tests start are no Django projects
+    previous = os.environ.get("DJANGO_SETTINGS_MODULE")
+    os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_project.settings"
+    try:
+        django.setup()
+    finally:
+        os.environ.pop("DJANGO_SETTINGS_MODULE")
+        if previous is not None:
+            os.environ["DJANGO_SETTINGS_MODULE"] = previous
+assert django_settings.SETTINGS_MODULE == "tests.django_project.settings"
+
+from django.core.management import call_command  # noqa: E402
+from django.db import connection, connections, transaction  # noqa: E402
+from django.test.utils import CaptureQueriesContext  # noqa: E402
+from sqlalchemy import Engine  # noqa: E402
+
+import delaysvc  # noqa: E402
+from delaysvc.contrib import django as delaysvc_django  # noqa: E402
+from delaysvc.errors import BacklogFull, NotFound, ValidationError  # noqa: E402
+from delaysvc.producer import Producer  # noqa: E402
+from delaysvc.settings import Settings  # noqa: E402
+from tests.conftest import TEST_LEVELS  # noqa: E402
+from tests.django_project.shop.models import Order  # noqa: E402
+from tests.joined_checks import (  # noqa: E402
+    BODY,
+    NOTHING,
+    Rollback,
+    clean_registry,  # noqa: F401  (a fixture)
+    runs_like_any_other,
+    stored,
+)
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the tests commit, as an application does
+
+
+@pytest.fixture
+def django_db_setup(database_url: str, django_db_blocker) -> Iterator[None]:  # type: ignore[no-untyped-def]
+    """pytest-django's database: this test's own (delaysvc's tables in it), with the Django
+    project's migrations applied."""
+    parts = urlsplit(database_url)
+    database = connections.settings["default"]  # the dict Django's connection reads
+    database.update(
+        NAME=parts.path.lstrip("/"),
+        USER=parts.username or "",
+        PASSWORD=parts.password or "",
+        HOST=parts.hostname or "",
+        PORT=str(parts.port or ""),
+    )
+    with django_db_blocker.unblock():
+        connections.close_all()
+        call_command("migrate", verbosity=0)
+    yield
+    with django_db_blocker.unblock():
+        connections.close_all()
+
+
+@pytest.fixture(autouse=True)
+def delaysvc_settings(settings: Settings) -> Iterator[Settings]:
+    delaysvc_django.configure(settings)
+    yield settings
+    delaysvc_django.configure(None)
+
+
+def test_django_runs_on_the_driver_asked_for() -> None:
+    assert connection.Database.__name__ == DRIVER
+
+
+def test_a_rollback_stores_neither_the_order_nor_the_message(engine: Engine) -> None:
+    queries = CaptureQueriesContext(connection)
+    with queries, pytest.raises(Rollback), transaction.atomic():
+        order = Order.objects.create(total=120)
+        message = delaysvc_django.send(
+            "order.cancel", {"order_id": order.id}, delay_level=2, key=f"order-{order.id}"
+        )
+        assert delaysvc_django.get(message.id).status == "scheduled"  # in this transaction
+        raise Rollback
+    # through Django's cursor: its query log (and execute wrappers) see delaysvc's statements
+    assert sum("INSERT INTO commit_log" in query["sql"] for query in queries) == 1
+    assert Order.objects.count() == 0
+    assert stored(engine, "order.cancel") == NOTHING
+    with pytest.raises(NotFound):
+        delaysvc_django.get(message.id)
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_a_commit_stores_both_once_and_the_key_then_returns_the_message(
+    settings: Settings, engine: Engine
+) -> None:
+    with transaction.atomic():
+        order = Order.objects.create(total=120)
+        first = delaysvc_django.send("order.cancel", BODY, delay_level=2, key=f"order-{order.id}")
+    assert list(Order.objects.values_list("id", flat=True)) == [order.id]
+    assert stored(engine, "order.cancel") == {
+        **NOTHING,
+        "commit_log": [first.id],
+        "levels": [(2, first.id)],
+    }
+    with transaction.atomic():
+        again = delaysvc_django.send("order.cancel", {"n": 2}, delay="7s", key=f"order-{order.id}")
+    assert (again.id, again.created, again.body, again.properties) == (first.id, False, BODY, {})
+    assert stored(engine, "order.cancel")["commit_log"] == [first.id]
+    runs_like_any_other(settings, engine, first)
+
+
+def test_a_savepoint_rolled_back_takes_its_send_with_it(engine: Engine) -> None:
+    with transaction.atomic():
+        kept = delaysvc_django.send("order.cancel", 1, delay="7s")
+        with pytest.raises(Rollback), transaction.atomic():
+            dropped = delaysvc_django.send("order.cancel", 2, delay="7s")
+            raise Rollback
+    assert dropped.id != kept.id
+    assert stored(engine, "order.cancel") == {
+        **NOTHING,
+        "commit_log": [kept.id],
+        "timer": [kept.id],
+    }
+
+
+def test_outside_atomic_each_call_commits_by_itself(engine: Engine) -> None:
+    assert connection.get_autocommit() and not connection.in_atomic_block
+    one = delaysvc_django.send("order.auto", 1, delay_level=1, key="k")
+    batch = delaysvc_django.send_batch(
+        [{"topic": "order.auto", "body": n, "delay_level": 3} for n in range(2)]
+    )
+    assert delaysvc_django.cancel(topic="order.auto", key="k").status == "cancelled"
+    assert connection.get_autocommit() and not connection.in_atomic_block  # as it was
+    assert stored(engine, "order.auto") == {
+        **NOTHING,
+        "commit_log": [one.id, *(m.id for m in batch)],
+        "levels": [(3, batch[0].id), (3, batch[1].id)],
+    }
+
+
+def test_a_batch_and_a_cancel_inside_atomic(engine: Engine) -> None:
+    waiting = delaysvc_django.send("order.batch", 0, delay_level=1, key="w")
+    with transaction.atomic():
+        sent = delaysvc_django.send_batch(
+            [
+                {"topic": "order.batch", "body": b"\x00", "delay_level": 2, "key": "a"},
+                {"topic": "order.batch", "body": 2, "key": "w"},
+                {"topic": "order.batch", "body": 3, "properties": {"p": "v"}},
+            ]
+        )
+        delaysvc_django.cancel(waiting.id)
+    assert [m.created for m in sent] == [True, False, True]
+    assert sent[1].id == waiting.id
+    assert stored(engine, "order.batch") == {
+        **NOTHING,
+        "commit_log": [waiting.id, sent[0].id, sent[2].id],
+        "levels": [(2, sent[0].id)],
+        "ready": [sent[2].id],
+    }
+    assert delaysvc_django.get(sent[0].id).body == b"\x00"
+    assert delaysvc_django.get(sent[2].id).properties == {"p": "v"}
+
+
+def test_a_refused_send_leaves_the_atomic_block_usable(database_url: str, engine: Engine) -> None:
+    delaysvc_django.configure(
+        Settings(
+            database_url=database_url, delay_levels=TEST_LEVELS, backlog_caps="level:2=1:reject"
+        )
+    )
+    with transaction.atomic():
+        kept = delaysvc_django.send("order.capped", 1, delay_level=2)
+        with pytest.raises(BacklogFull):
+            delaysvc_django.send("order.capped", 2, delay_level=2)
+        with pytest.raises(ValidationError):
+            delaysvc_django.send("order.capped", 3, delay="forever")
+        order = Order.objects.create(total=1)  # no TransactionManagementError
+    assert list(Order.objects.values_list("id", flat=True)) == [order.id]
+    assert stored(engine, "order.capped")["commit_log"] == [kept.id]
+
+
+def test_the_core_send_joins_django_db_connection_too(producer: Producer, engine: Engine) -> None:
+    with transaction.atomic():
+        sent = producer.send("order.core", 1, delay_level=1, connection=connection)
+        same = producer.send("order.core", 2, connection=connections["default"])
+    assert stored(engine, "order.core")["commit_log"] == [sent.id, same.id]
+    saved = delaysvc._producer
+    delaysvc._producer = producer
+    try:
+        with pytest.raises(Rollback), transaction.atomic():
+            delaysvc.send("order.core", 3, connection=connection)
+            raise Rollback
+    finally:
+        delaysvc._producer = saved
+    assert stored(engine, "order.core")["commit_log"] == [sent.id, same.id]
+
+
+@pytest.mark.skipif(DRIVER != "psycopg", reason="run once, from the psycopg 3 process")
+def test_the_same_on_djangos_psycopg2_backend() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        # Django set up by this module, after it hides psycopg 3 (not by pytest-django at start)
+        env={
+            **{k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+            "DELAYSVC_TEST_DJANGO_DRIVER": "psycopg2",
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "8 passed, 1 skipped" in done.stdout
