@@ -11,9 +11,11 @@ def cancel_order(message): ...
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from delaysvc.consumption import handler
+from delaysvc.consumption import Job, handler
 from delaysvc.errors import (
     BacklogFull,
     ConfigError,
@@ -39,6 +41,7 @@ __all__ = [
     "DeadLetter",
     "DelaysvcError",
     "DuplicateKey",
+    "Job",
     "Message",
     "NotCancellable",
     "NotFound",
@@ -79,11 +82,34 @@ def default_producer() -> Producer:
     return _producer or configure()
 
 
-def send(topic: str, body: Any, **options: Any) -> Message:
-    """Schedule `body` for `topic`. Options: delay_level | delay | delay_ms | deliver_at, key,
-    tags, properties, connection (join the caller's transaction: a SQLAlchemy Connection or
-    Session, a psycopg or psycopg2 connection, Django's connection)."""
-    return default_producer().send(topic, body, **options)
+def send(
+    topic: str,
+    body: Any,
+    *,
+    delay_level: int | None = None,
+    delay: str | timedelta | None = None,
+    delay_ms: int | None = None,
+    deliver_at: datetime | None = None,
+    key: str | None = None,
+    tags: Sequence[str] | None = None,
+    properties: Mapping[str, str] | None = None,
+    connection: Any = None,
+) -> Message:
+    """Schedule `body` for `topic`: at most one of delay_level, delay (`"45m"` or a
+    timedelta), delay_ms, deliver_at. `connection` joins the caller's transaction: a
+    SQLAlchemy Connection or Session, a psycopg or psycopg2 connection, Django's connection."""
+    return default_producer().send(
+        topic,
+        body,
+        delay_level=delay_level,
+        delay=delay,
+        delay_ms=delay_ms,
+        deliver_at=deliver_at,
+        key=key,
+        tags=tags,
+        properties=properties,
+        connection=connection,
+    )
 
 
 def send_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:

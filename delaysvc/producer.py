@@ -133,7 +133,7 @@ def resolve_schedule(
     levels: DelayLevels,
     *,
     delay_level: int | None = None,
-    delay: str | None = None,
+    delay: str | timedelta | None = None,
     delay_ms: int | None = None,
     deliver_at: datetime | None = None,
     default_delay_ms: int | None = None,
@@ -168,7 +168,9 @@ def resolve_schedule(
     if deliver_at is not None:
         return _absolute(deliver_at, max_delay_ms, now or datetime.now().astimezone())
     field_name = "delay" if delay is not None else "delay_ms"
-    if delay is not None:
+    if isinstance(delay, timedelta):
+        ms = _timedelta_ms(delay)
+    elif delay is not None:
         ms = parse_duration_ms(delay)
     elif delay_ms is not None:
         if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0:
@@ -188,6 +190,14 @@ def resolve_schedule(
     if exact_level is not None:
         return Schedule(exact_level, exact_level, ms, None)
     return Schedule(TIMER_LANE, None, ms, None)
+
+
+def _timedelta_ms(delay: timedelta) -> int:
+    """A `timedelta` delay in whole milliseconds (finer parts are refused, as in a string)."""
+    ms, rest = divmod(delay, timedelta(milliseconds=1))
+    if delay < timedelta(0) or rest:
+        raise ValidationError("delay", f"{delay!r} must be >= 0 and a whole number of milliseconds")
+    return int(ms)
 
 
 def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Schedule:
@@ -224,7 +234,7 @@ class Producer:
         body: Any,
         *,
         delay_level: int | None = None,
-        delay: str | None = None,
+        delay: str | timedelta | None = None,
         delay_ms: int | None = None,
         deliver_at: datetime | None = None,
         key: str | None = None,
@@ -263,9 +273,33 @@ class Producer:
     # -- writing --------------------------------------------------------------
 
     def send(
-        self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
+        self,
+        topic: str,
+        body: Any,
+        *,
+        delay_level: int | None = None,
+        delay: str | timedelta | None = None,
+        delay_ms: int | None = None,
+        deliver_at: datetime | None = None,
+        key: str | None = None,
+        tags: Sequence[str] | None = None,
+        properties: Mapping[str, str] | None = None,
+        connection: Joinable | None = None,
     ) -> Message:
-        return self._send_one(self.prepare(topic, body, **options), connection)
+        """Schedule `body` for `topic`: at most one of delay_level, delay (`"45m"` or a
+        timedelta), delay_ms, deliver_at; none means the topic's default delay, else now."""
+        new = self.prepare(
+            topic,
+            body,
+            delay_level=delay_level,
+            delay=delay,
+            delay_ms=delay_ms,
+            deliver_at=deliver_at,
+            key=key,
+            tags=tags,
+            properties=properties,
+        )
+        return self._send_one(new, connection)
 
     def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
         """`send` with its arguments as one mapping, as an HTTP body holds them

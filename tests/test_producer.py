@@ -286,3 +286,21 @@ def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
     queries = [text for kind, text in sent if kind == "Query"]
     assert queries[0] == '"BEGIN"' and queries[-1] == '"COMMIT"'
     assert queries.count('"BEGIN"') == 1 and queries.count('"COMMIT"') == 1
+
+
+def test_a_timedelta_delay_is_a_delay(producer) -> None:  # type: ignore[no-untyped-def]
+    from datetime import timedelta
+
+    import delaysvc
+
+    by_text = producer.send("typed.delay", 1, delay="90s")
+    by_timedelta = producer.send("typed.delay", 2, delay=timedelta(seconds=90))
+    assert by_timedelta.deliver_at - by_timedelta.stored_at == timedelta(seconds=90)
+    assert by_text.deliver_at - by_text.stored_at == timedelta(seconds=90)
+    with pytest.raises(ValidationError, match="must be >= 0"):
+        producer.send("typed.delay", 3, delay=timedelta(seconds=-1))
+    with pytest.raises(ValidationError, match="whole number of milliseconds"):
+        producer.send("typed.delay", 3, delay=timedelta(microseconds=1500))
+    with pytest.raises(TypeError):
+        producer.send("typed.delay", 3, delai="5m")  # a misspelt option is a TypeError
+    assert "Job" in delaysvc.__all__ and delaysvc.Job.__name__ == "Job"
