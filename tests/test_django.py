@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
@@ -76,13 +76,14 @@ def django_db_setup(database_url: str, django_db_blocker) -> Iterator[None]:  # 
     """pytest-django's database: this test's own (delaysvc's tables in it), with the Django
     project's migrations applied."""
     parts = urlsplit(database_url)
+    query = parse_qs(parts.query)  # the embedded server is reached by ?host=<socket dir>&port=
     database = connections.settings["default"]  # the dict Django's connection reads
     database.update(
         NAME=parts.path.lstrip("/"),
         USER=parts.username or "",
         PASSWORD=parts.password or "",
-        HOST=parts.hostname or "",
-        PORT=str(parts.port or ""),
+        HOST=parts.hostname or query.get("host", [""])[0],
+        PORT=str(parts.port or query.get("port", [""])[0]),
     )
     with django_db_blocker.unblock():
         connections.close_all()
