@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from urllib.parse import parse_qs, urlsplit
 
@@ -36,15 +37,20 @@ import django  # noqa: E402
 from django.conf import settings as django_settings  # noqa: E402
 
 if not django_settings.configured:
-    # not left in the environment: processes other tests start are no Django projects
-    previous = os.environ.get("DJANGO_SETTINGS_MODULE")
+    # not left in the environment: processes other tests start are no Django projects; nor is
+    # the TZ Django sets from TIME_ZONE when configured (at collection: every later test of
+    # the session would see local times shifted)
+    previous = {name: os.environ.get(name) for name in ("DJANGO_SETTINGS_MODULE", "TZ")}
     os.environ["DJANGO_SETTINGS_MODULE"] = "tests.django_project.settings"
     try:
         django.setup()
     finally:
-        os.environ.pop("DJANGO_SETTINGS_MODULE")
-        if previous is not None:
-            os.environ["DJANGO_SETTINGS_MODULE"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        time.tzset()
 assert django_settings.SETTINGS_MODULE == "tests.django_project.settings"
 
 from django.core.management import call_command  # noqa: E402

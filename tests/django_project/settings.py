@@ -5,4 +5,5 @@ SECRET_KEY = "delaysvc-tests"
 INSTALLED_APPS = ["tests.django_project.shop"]
 DATABASES = {"default": {"ENGINE": "django.db.backends.postgresql", "NAME": "postgres"}}
 USE_TZ = True
+TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
