@@ -26,12 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from delaysvc import store
 from delaysvc.health import LANE_HEARTBEAT_SECONDS, lane_component
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
+from delaysvc.sql import sql
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class LaneRunner:
         with conn.begin():
             return bool(
                 conn.execute(
-                    text("SELECT pg_try_advisory_lock(:key)"), {"key": LANE_LOCK_BASE + self.lane}
+                    sql("SELECT pg_try_advisory_lock(:key)"), {"key": LANE_LOCK_BASE + self.lane}
                 ).scalar()
             )
 
@@ -235,7 +236,7 @@ class LaneRunner:
         try:
             with conn.begin():
                 conn.execute(
-                    text("SELECT pg_advisory_unlock(:key)"), {"key": LANE_LOCK_BASE + self.lane}
+                    sql("SELECT pg_advisory_unlock(:key)"), {"key": LANE_LOCK_BASE + self.lane}
                 )
         except DBAPIError:
             log.warning("delivery.unlock_failed", extra={"lane": self.lane})
@@ -244,5 +245,7 @@ class LaneRunner:
 def lanes(engine: Engine) -> list[tuple[int, int]]:
     """(lane, delay_ms) of every lane the database has."""
     with engine.connect() as conn:
-        rows = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset ORDER BY lane"))
+        rows = conn.execute(
+            sql("SELECT lane, delay_ms FROM delaysvc.schedule_offset ORDER BY lane")
+        )
         return [(row.lane, row.delay_ms) for row in rows]

@@ -1,4 +1,11 @@
-"""Schema upgrades: Alembic to head, then one consume-queue partition per configured level."""
+"""Schema upgrades: Alembic to head, then one consume-queue partition per configured level.
+
+delaysvc keeps its tables in its own schema (`delaysvc.sql`) and its migration history in its
+own version table there, `delaysvc_version`: an application's Alembic in the same database sees
+no foreign head, and its autogenerate, which looks at the default schema, proposes nothing for
+delaysvc's tables. Installs from before the schema (tables and `alembic_version` in `public`)
+are moved into it on the next upgrade, messages and offsets as they were (`adopt_legacy_layout`).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,16 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store
 from delaysvc.levels import DelayLevels
+from delaysvc.sql import sql
 
 log = logging.getLogger(__name__)
 MIGRATION_LOCK = 0x64656C61  # "dela": one migrator at a time across processes
+VERSION_TABLE = "delaysvc_version"
+LEGACY_VERSION_TABLE = "alembic_version"  # Alembic's default, in the schema of the tables
 
 
 def alembic_config() -> Config:
@@ -34,7 +44,7 @@ def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list
     changed or that went (`store.ensure_levels`: their waiting messages keep their due times)."""
     config = alembic_config()
     with engine.begin() as conn:
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        conn.execute(sql("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
         changes = store.ensure_levels(conn, levels)
@@ -55,6 +65,88 @@ def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list
 def downgrade(engine: Engine, revision: str) -> None:
     config = alembic_config()
     with engine.begin() as conn:
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        conn.execute(sql("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         config.attributes["connection"] = conn
         command.downgrade(config, revision)
+
+
+def revisions() -> set[str]:
+    return {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+def adopt_legacy_layout(conn: Connection, schema: str) -> None:
+    """Move an install from before delaysvc had its own schema into `schema`: every table,
+    partition and sequence of delaysvc's (`ALTER ... SET SCHEMA` keeps their rows, sequences'
+    positions, indexes and grants), and its revision from the shared `alembic_version` into
+    delaysvc's own version table. A no-op once done, or on a new database. Runs in the
+    migration's transaction, so a failure moves nothing."""
+    if _exists(conn, f'"{schema}".{VERSION_TABLE}'):
+        return
+    ours = revisions()
+    found = [
+        row.schema
+        for row in conn.execute(
+            text(
+                "SELECT n.nspname AS schema FROM pg_class c JOIN pg_namespace n "
+                "ON n.oid = c.relnamespace WHERE c.relname = :table AND c.relkind = 'r' "
+                "AND n.nspname <> :schema"
+            ),
+            {"table": LEGACY_VERSION_TABLE, "schema": schema},
+        )
+    ]
+    for legacy in found:
+        versions = conn.execute(
+            text(f'SELECT version_num FROM "{legacy}".{LEGACY_VERSION_TABLE}')
+        ).scalars()
+        mine = sorted(set(versions) & ours)
+        if mine and _exists(conn, f'"{legacy}".commit_log'):
+            _move(conn, legacy, schema, mine)
+            return
+
+
+def _exists(conn: Connection, relation: str) -> bool:
+    return conn.execute(text("SELECT to_regclass(:r)"), {"r": relation}).scalar() is not None
+
+
+def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> None:
+    from delaysvc.schema import SEQUENCES, is_level_partition, metadata
+
+    names = set(metadata.tables) | {sequence.name for sequence in SEQUENCES}
+    relations = conn.execute(
+        text(
+            "SELECT c.relname AS name, c.relkind AS kind FROM pg_class c "
+            "WHERE c.relnamespace = CAST(:legacy AS regnamespace) AND c.relkind IN ('r', 'p', 'S') "
+            # a sequence owned by a column moves with its table
+            "AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass "
+            "AND d.objid = c.oid AND d.deptype IN ('a', 'i')) "
+            "ORDER BY c.relname"
+        ),
+        {"legacy": f'"{legacy}"'},
+    ).all()
+    moved = 0
+    for name, kind in relations:
+        level_sequence = name.endswith("_seq") and is_level_partition(name[: -len("_seq")])
+        if name not in names and not is_level_partition(name) and not level_sequence:
+            continue
+        what = "SEQUENCE" if kind == "S" else "TABLE"
+        conn.execute(text(f'ALTER {what} "{legacy}"."{name}" SET SCHEMA "{schema}"'))
+        moved += 1
+    conn.execute(
+        text(
+            f'CREATE TABLE "{schema}".{VERSION_TABLE} (version_num VARCHAR(32) NOT NULL, '
+            f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
+        )
+    )
+    table = f'"{legacy}".{LEGACY_VERSION_TABLE}'
+    for version in versions:
+        conn.execute(
+            text(f'INSERT INTO "{schema}".{VERSION_TABLE} (version_num) VALUES (:v)'),
+            {"v": version},
+        )
+        conn.execute(text(f"DELETE FROM {table} WHERE version_num = :v"), {"v": version})
+    if conn.execute(text(f"SELECT NOT EXISTS (SELECT 1 FROM {table})")).scalar():
+        conn.execute(text(f"DROP TABLE {table}"))  # it held delaysvc's revision alone
+    log.warning(
+        "schema.moved",
+        extra={"tables_and_sequences": moved, "from_schema": legacy, "to_schema": schema},
+    )

@@ -125,7 +125,12 @@ topic_queue = Table(
     "topic_queue",
     metadata,
     Column("message_id", BigInteger, primary_key=True, autoincrement=False),
-    Column("seq", BigInteger, nullable=False, server_default=text("nextval('topic_queue_seq')")),
+    Column(
+        "seq",
+        BigInteger,
+        nullable=False,
+        server_default=text("nextval('delaysvc.topic_queue_seq')"),
+    ),
     Column("topic", Text, nullable=False),
     Column("deliver_ts", Timestamp, nullable=False),
     Column("enqueued_at", Timestamp, nullable=False, server_default=text("now()")),
@@ -321,6 +326,9 @@ report_hourly = Table(
     Column("dead", BigInteger, nullable=False, server_default=text("0")),
     Column("run_id", BigInteger),
 )
+
+
+SEQUENCES = (timer_queue_seq, topic_queue_seq, claim_seq)
 
 
 def level_partition(level: int) -> str:

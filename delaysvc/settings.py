@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from delaysvc.errors import ConfigError
 from delaysvc.errors import ValidationError as DelaysvcValidationError
 from delaysvc.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
+from delaysvc.sql import check_schema_name
 from delaysvc.validation import validate_topic
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,9 @@ class Settings(BaseModel):
         """Read and validate; any problem becomes one ConfigError naming the variable."""
         env = os.environ if environ is None else environ
         known = set(cls.model_fields)
-        _warn_unknown(env, known)
+        _warn_unknown(env, known | PROCESS_SETTINGS)
+        if env.get("DELAYSVC_SCHEMA"):
+            check_schema_name(env["DELAYSVC_SCHEMA"])
         values: dict[str, object] = {
             key[len("DELAYSVC_") :].lower(): value
             for key, value in env.items()
@@ -176,6 +179,8 @@ class Settings(BaseModel):
         return self.database_url is None
 
 
+PROCESS_SETTINGS = {"schema"}
+"""Read by `delaysvc.sql` for the whole process, not held by a Settings (`DELAYSVC_SCHEMA`)."""
 TEST_PREFIX = "DELAYSVC_TEST_"
 """Variables of delaysvc's own test suite (`DELAYSVC_TEST_DATABASE_URL`, ...), not settings."""
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,30 +33,17 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 from psycopg import Cursor
 from psycopg.rows import namedtuple_row
-from sqlalchemy import Connection, TextClause, text
-from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
+from sqlalchemy import Connection, TextClause
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from delaysvc.db import sqlalchemy_error
 from delaysvc.errors import DuplicateKey, NotStuck, SchemaNotReady
 from delaysvc.levels import DelayLevels, format_ms
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE, level_partition, level_sequence
+from delaysvc.sql import driver_sql as _driver_sql
+from delaysvc.sql import sql
 
-_PSYCOPG = psycopg_dialect()
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
-
-
-@functools.cache
-def _sql(statement: str) -> TextClause:
-    """The hot statements, parsed once (text() scans its string for parameters each time)."""
-    return text(statement)
-
-
-@functools.cache
-def _driver_sql(statement: str) -> str:
-    """A hot statement as SQLAlchemy would send it to psycopg (`%(name)s` placeholders, `%`
-    doubled), for the driver's own cursor (`driver_errors`)."""
-    return _sql(statement).compile(dialect=_PSYCOPG).string
 
 
 def driver_sql(statement: TextClause) -> str:
@@ -79,31 +65,31 @@ class Statements(Protocol):
 # A level's FIFO queue only takes messages whose delay is the level's delay in the database
 # (`{delay_ms}` is the delay the sender computed); any other goes to the timer lane (0), due at
 # the same time. Cheap: a primary-key probe of a table of a few dozen rows.
-_PLACED_LANE = """CASE WHEN {lane} > 0 AND NOT EXISTS (SELECT 1 FROM schedule_offset so
+_PLACED_LANE = """CASE WHEN {lane} > 0 AND NOT EXISTS (SELECT 1 FROM delaysvc.schedule_offset so
         WHERE so.lane = {lane} AND so.delay_ms = {delay_ms}) THEN 0 ELSE {lane} END"""
 
 _NEXT_OFFSET = """CASE WHEN {lane} > 0
-        THEN nextval(format('consume_queue_%s_seq', {lane})::regclass)
-        WHEN {lane} = 0 THEN nextval('timer_queue_seq') END"""
+        THEN nextval(format('delaysvc.consume_queue_%s_seq', {lane})::regclass)
+        WHEN {lane} = 0 THEN nextval('delaysvc.timer_queue_seq') END"""
 
 _ENQUEUE_FROM = """
 , level_rows AS (
-    INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts)
+    INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, deliver_ts)
     SELECT lane, queue_offset, id, topic, deliver_ts FROM {src} WHERE lane > 0
 ), timer_rows AS (
-    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic)
     SELECT deliver_ts, queue_offset, id, topic FROM {src} WHERE lane = 0
 ), ready_rows AS (
-    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
     SELECT id, topic, deliver_ts FROM {src} WHERE lane < 0 ORDER BY id
 ), lane_counted AS (
-    INSERT INTO lane_count (lane, delta)
+    INSERT INTO delaysvc.lane_count (lane, delta)
     SELECT lane, count(*) FROM {src} WHERE lane >= 0 GROUP BY lane
 )"""
 
 # Rows `{src}` took out of lane :lane, counted out of it.
 _COUNTED_OUT = """lane_counted AS (
-    INSERT INTO lane_count (lane, delta)
+    INSERT INTO delaysvc.lane_count (lane, delta)
     SELECT CAST(:lane AS smallint), -count(*) FROM {src} HAVING count(*) > 0
 )"""
 
@@ -118,11 +104,11 @@ MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay
 # message's state reads it through MESSAGE_STATE: in the topic queue, it is ready, delivered when
 # it entered the queue.
 WAITING = "c.status IN ('scheduled', 'retrying')"
-IN_TOPIC_QUEUE = "EXISTS (SELECT 1 FROM topic_queue tq WHERE tq.message_id = c.id)"
+IN_TOPIC_QUEUE = "EXISTS (SELECT 1 FROM delaysvc.topic_queue tq WHERE tq.message_id = c.id)"
 MOVED = f"{WAITING} AND {IN_TOPIC_QUEUE}"
 STATUS = f"CASE WHEN {MOVED} THEN 'ready' ELSE c.status END"
 LANE = f"CASE WHEN {MOVED} THEN -1 ELSE c.lane END"
-DELIVERED_AT = f"""COALESCE((SELECT tq.enqueued_at FROM topic_queue tq
+DELIVERED_AT = f"""COALESCE((SELECT tq.enqueued_at FROM delaysvc.topic_queue tq
     WHERE tq.message_id = c.id AND {WAITING}), c.delivered_at)"""
 MESSAGE_STATE = f"""c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties,
     c.delay_level, {LANE} AS lane, CASE WHEN {MOVED} THEN NULL ELSE c.queue_offset END
@@ -156,7 +142,7 @@ LEVEL_CHANGE_LOCK_TIMEOUT = "10s"
 
 def stored_levels(conn: Connection) -> dict[int, int]:
     """{level: delay_ms} as the database has them: the one truth for a level's delay."""
-    rows = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset WHERE lane > 0"))
+    rows = conn.execute(sql("SELECT lane, delay_ms FROM delaysvc.schedule_offset WHERE lane > 0"))
     return {row.lane: row.delay_ms for row in rows}
 
 
@@ -198,36 +184,36 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
         if lane > levels.max_level or levels.delay_ms(lane) != ms
     }
     if changed:
-        conn.execute(text(f"SET LOCAL lock_timeout = '{LEVEL_CHANGE_LOCK_TIMEOUT}'"))
+        conn.execute(sql(f"SET LOCAL lock_timeout = '{LEVEL_CHANGE_LOCK_TIMEOUT}'"))
         try:
-            conn.execute(text("LOCK TABLE schedule_offset IN ACCESS EXCLUSIVE MODE"))
+            conn.execute(sql("LOCK TABLE delaysvc.schedule_offset IN ACCESS EXCLUSIVE MODE"))
         except OperationalError as exc:
             raise SchemaNotReady(
                 "the delay levels could not be changed: another transaction kept "
                 f"schedule_offset for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
                 "transaction, or a second migrate); try again"
             ) from exc
-        conn.execute(text("SET LOCAL lock_timeout = 0"))
+        conn.execute(sql("SET LOCAL lock_timeout = 0"))
     conn.execute(
-        text(
-            "INSERT INTO schedule_offset (lane, delay_ms) VALUES (:lane, 0) "
+        sql(
+            "INSERT INTO delaysvc.schedule_offset (lane, delay_ms) VALUES (:lane, 0) "
             "ON CONFLICT (lane) DO NOTHING"
         ),
         {"lane": TIMER_LANE},
     )
     for level in range(1, levels.max_level + 1):
         partition, sequence = level_partition(level), level_sequence(level)
-        conn.execute(text(f"CREATE SEQUENCE IF NOT EXISTS {sequence}"))
+        conn.execute(sql(f"CREATE SEQUENCE IF NOT EXISTS delaysvc.{sequence}"))
         conn.execute(
-            text(
-                f"CREATE TABLE IF NOT EXISTS {partition} PARTITION OF consume_queue "
+            sql(
+                f"CREATE TABLE IF NOT EXISTS delaysvc.{partition} PARTITION OF delaysvc.consume_queue "
                 f"FOR VALUES IN ({level}) WITH (autovacuum_vacuum_scale_factor = 0.01, "
                 "autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_cost_delay = 0)"
             )
         )
         conn.execute(
-            text(
-                "INSERT INTO schedule_offset (lane, delay_ms) VALUES (:lane, :delay_ms) "
+            sql(
+                "INSERT INTO delaysvc.schedule_offset (lane, delay_ms) VALUES (:lane, :delay_ms) "
                 "ON CONFLICT (lane) DO NOTHING"
             ),
             {"lane": level, "delay_ms": levels.delay_ms(level)},
@@ -241,13 +227,15 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
     if new_ms is None or new_ms < old_ms:
         relocated = relocate_to_timer(conn, level)
     if new_ms is None:
-        conn.execute(text(f"DROP TABLE {level_partition(level)}"))
-        conn.execute(text(f"DROP SEQUENCE IF EXISTS {level_sequence(level)}"))
-        conn.execute(text("DELETE FROM schedule_offset WHERE lane = :lane"), {"lane": level})
-        conn.execute(text("DELETE FROM lane_count WHERE lane = :lane"), {"lane": level})
+        conn.execute(sql(f"DROP TABLE delaysvc.{level_partition(level)}"))
+        conn.execute(sql(f"DROP SEQUENCE IF EXISTS delaysvc.{level_sequence(level)}"))
+        conn.execute(
+            sql("DELETE FROM delaysvc.schedule_offset WHERE lane = :lane"), {"lane": level}
+        )
+        conn.execute(sql("DELETE FROM delaysvc.lane_count WHERE lane = :lane"), {"lane": level})
     else:
         conn.execute(
-            text("UPDATE schedule_offset SET delay_ms = :ms WHERE lane = :lane"),
+            sql("UPDATE delaysvc.schedule_offset SET delay_ms = :ms WHERE lane = :lane"),
             {"lane": level, "ms": new_ms},
         )
     return LevelChange(level, old_ms, new_ms, relocated)
@@ -259,16 +247,16 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
 # lane. Shared by a level change (`relocate_to_timer`) and the mover (`relocate_misplaced`).
 _INTO_TIMER_LANE = """
 , placed AS (
-    SELECT message_id, topic, deliver_ts, nextval('timer_queue_seq') AS queue_offset
+    SELECT message_id, topic, deliver_ts, nextval('delaysvc.timer_queue_seq') AS queue_offset
     FROM {taken} WHERE {where}
 ), timed AS (
-    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic)
     SELECT deliver_ts, queue_offset, message_id, topic FROM placed
 ), relaned AS (
-    UPDATE commit_log c SET lane = 0, queue_offset = p.queue_offset
+    UPDATE delaysvc.commit_log c SET lane = 0, queue_offset = p.queue_offset
     FROM placed p WHERE c.id = p.message_id
 ), counted AS (
-    INSERT INTO lane_count (lane, delta)
+    INSERT INTO delaysvc.lane_count (lane, delta)
     SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM {taken})),
                                 (CAST(0 AS smallint), (SELECT count(*) FROM placed))) v(lane, n)
     WHERE n <> 0
@@ -276,7 +264,7 @@ _INTO_TIMER_LANE = """
 
 _RELOCATE_TO_TIMER = f"""
 WITH taken AS (
-    DELETE FROM consume_queue q WHERE q.level = :lane
+    DELETE FROM delaysvc.consume_queue q WHERE q.level = :lane
     RETURNING q.message_id, q.topic, q.deliver_ts
 ){_INTO_TIMER_LANE.format(taken="taken", where="true")}
 SELECT count(*) FROM placed
@@ -286,7 +274,7 @@ SELECT count(*) FROM placed
 def relocate_to_timer(conn: Connection, level: int) -> int:
     """Move all of a level's waiting messages to the timer lane, due times unchanged.
     -> how many moved."""
-    return conn.execute(_sql(_RELOCATE_TO_TIMER), {"lane": level}).scalar_one()
+    return conn.execute(sql(_RELOCATE_TO_TIMER), {"lane": level}).scalar_one()
 
 
 def check_levels(conn: Connection, levels: DelayLevels) -> None:
@@ -324,7 +312,7 @@ def _ms_or_none(ms: int | None) -> str:
 # delay: `_PLACED_LANE`): the producer has the rest. One form per kind of lane.
 _INSERT_ONE = """
 WITH {placed}msg AS (
-    INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
+    INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
         lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
     SELECT :topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
         CAST(:properties AS jsonb), CAST(:delay_level AS smallint), {lane},
@@ -351,16 +339,16 @@ _INSERT_ONE_LEVEL = _INSERT_ONE.format(
 _INSERT_ONE_TIMER = _INSERT_ONE.format(
     placed="",
     lane="CAST(0 AS smallint)",
-    offset="nextval('timer_queue_seq')",
+    offset="nextval('delaysvc.timer_queue_seq')",
     status="'scheduled'",
     delivered_at="NULL",
     source="",
     enqueue="""
 , timer_rows AS (
-    INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic)
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic)
     SELECT deliver_ts, queue_offset, id, topic FROM msg
 ), lane_counted AS (
-    INSERT INTO lane_count (lane, delta) SELECT 0, 1 FROM msg
+    INSERT INTO delaysvc.lane_count (lane, delta) SELECT 0, 1 FROM msg
 )""",
 )
 _INSERT_ONE_READY = _INSERT_ONE.format(
@@ -372,7 +360,7 @@ _INSERT_ONE_READY = _INSERT_ONE.format(
     source="",
     enqueue="""
 , queued AS (
-    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
     SELECT id, topic, deliver_ts FROM msg
 )""",
 )
@@ -439,7 +427,7 @@ def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool,
     params = _message_params(message)
     return _insert_or_find(
         message,
-        lambda: conn.execute(_sql(_insert_one_statement(message.lane)), params).first(),
+        lambda: conn.execute(sql(_insert_one_statement(message.lane)), params).first(),
         lambda: find_unfinished_by_key(conn, message.topic, message.key),
     )
 
@@ -478,13 +466,13 @@ INSERT_STAGED = f"""
 WITH staged AS (
     DELETE FROM {_STAGE_TABLE} RETURNING *
 ), numbered AS (
-    SELECT nextval('commit_log_id_seq') AS id, s.ord, s.topic, s.key, s.tags, s.body,
+    SELECT nextval('delaysvc.commit_log_id_seq') AS id, s.ord, s.topic, s.key, s.tags, s.body,
         s.body_is_json, s.properties, s.delay_level,
         CAST({_PLACED_LANE.format(lane="s.lane", delay_ms="s.delay_ms")} AS smallint) AS lane,
         s.delay_ms, s.deliver_at
     FROM (SELECT * FROM staged ORDER BY ord) s
 ), msg AS (
-    INSERT INTO commit_log (id, topic, key, tags, body, body_is_json, properties,
+    INSERT INTO delaysvc.commit_log (id, topic, key, tags, body, body_is_json, properties,
         delay_level, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
     SELECT id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
         {_NEXT_OFFSET.format(lane="lane")},
@@ -569,10 +557,10 @@ def insert_messages(
     if cursor is not None:
         stage_rows(cursor, (stage_row(ord_, message) for ord_, message in enumerate(messages)))
     else:
-        conn.execute(_sql(_CREATE_STAGE))
-        conn.execute(_sql(_STAGE_FROM_JSON), {"rows": _stage_document(messages)})
+        conn.execute(sql(_CREATE_STAGE))
+        conn.execute(sql(_STAGE_FROM_JSON), {"rows": _stage_document(messages)})
     created: list[Any] = [None] * len(messages)
-    for row in conn.execute(_sql(INSERT_STAGED)):
+    for row in conn.execute(sql(INSERT_STAGED)):
         created[row.ord] = row
     results: list[tuple[Any, bool, int | None]] = []
     missing = [m for m, row in zip(messages, created, strict=True) if row is None]
@@ -628,8 +616,8 @@ def find_unfinished_by_keys(
         return {}
     topics, keys = zip(*wanted, strict=True)
     rows = conn.execute(
-        _sql(
-            f"SELECT {MESSAGE_STATE} FROM commit_log c WHERE c.key IS NOT NULL AND "
+        sql(
+            f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.key IS NOT NULL AND "
             "c.finished_at IS NULL AND "
             "(c.topic, c.key) IN (SELECT * FROM unnest(CAST(:topics AS text[]), "
             "CAST(:keys AS text[])))"
@@ -639,27 +627,28 @@ def find_unfinished_by_keys(
     return {(row.topic, row.key): row for row in rows}
 
 
-_FIND_UNFINISHED_BY_KEY = f"""SELECT {MESSAGE_STATE} FROM commit_log c
+_FIND_UNFINISHED_BY_KEY = f"""SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c
     WHERE c.topic = :topic AND c.key = :key AND c.finished_at IS NULL"""
 
 
 def find_unfinished_by_key(conn: Statements, topic: str, key: str | None) -> Any:
     if key is None:
         return None
-    return conn.execute(_sql(_FIND_UNFINISHED_BY_KEY), {"topic": topic, "key": key}).first()
+    return conn.execute(sql(_FIND_UNFINISHED_BY_KEY), {"topic": topic, "key": key}).first()
 
 
 def get_message(conn: Statements, message_id: int) -> Any:
     return conn.execute(
-        text(f"SELECT {MESSAGE_STATE} FROM commit_log c WHERE c.id = :id"), {"id": message_id}
+        sql(f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.id = :id"),
+        {"id": message_id},
     ).first()
 
 
 def find_message_by_key(conn: Statements, topic: str, key: str) -> Any:
     """The unfinished message holding the key, else the newest finished one."""
     return conn.execute(
-        text(
-            f"SELECT {MESSAGE_STATE} FROM commit_log c WHERE c.topic = :topic AND c.key = :key "
+        sql(
+            f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.topic = :topic AND c.key = :key "
             "ORDER BY c.finished_at IS NULL DESC, c.id DESC LIMIT 1"
         ),
         {"topic": topic, "key": key},
@@ -673,9 +662,11 @@ def take_out_of_lane(conn: Statements, lane: int, offset: int, deliver_ts: datet
     """Delete a waiting message's lane row (counted out of the lane). False when it is not
     there any more (moved)."""
     if lane > 0:
-        delete = "DELETE FROM consume_queue WHERE level = :lane AND queue_offset = :offset"
+        delete = "DELETE FROM delaysvc.consume_queue WHERE level = :lane AND queue_offset = :offset"
     elif lane == TIMER_LANE:
-        delete = "DELETE FROM timer_queue WHERE deliver_ts = :ts AND queue_offset = :offset"
+        delete = (
+            "DELETE FROM delaysvc.timer_queue WHERE deliver_ts = :ts AND queue_offset = :offset"
+        )
     else:
         return False
     statement = (
@@ -683,20 +674,20 @@ def take_out_of_lane(conn: Statements, lane: int, offset: int, deliver_ts: datet
         "SELECT count(*) FROM gone"
     )
     params = {"lane": lane, "offset": offset, "ts": deliver_ts}
-    return conn.execute(text(statement), params).scalar_one() == 1
+    return conn.execute(sql(statement), params).scalar_one() == 1
 
 
 def take_out_of_topic_queue(conn: Statements, message_id: int) -> bool:
     result = conn.execute(
-        text("DELETE FROM topic_queue WHERE message_id = :id"), {"id": message_id}
+        sql("DELETE FROM delaysvc.topic_queue WHERE message_id = :id"), {"id": message_id}
     )
     return result.rowcount == 1
 
 
 def mark_cancelled(conn: Statements, message_id: int) -> Any:
     return conn.execute(
-        text(
-            "UPDATE commit_log SET status = 'cancelled', finished_at = statement_timestamp(), "
+        sql(
+            "UPDATE delaysvc.commit_log SET status = 'cancelled', finished_at = statement_timestamp(), "
             f"lane = -1, queue_offset = NULL WHERE id = :id RETURNING {MESSAGE_COLUMNS}"
         ),
         {"id": message_id},
@@ -710,9 +701,9 @@ def lock_lane(conn: Connection, lane: int) -> Any:
     """Lock the lane's schedule_offset row for this transaction, or None if another mover
     holds it. Movers of one lane never overlap, so offsets advance in order."""
     return conn.execute(
-        text(
+        sql(
             "SELECT lane, delay_ms, schedule_offset, stuck_offset, stuck_error "
-            "FROM schedule_offset WHERE lane = :lane FOR UPDATE SKIP LOCKED"
+            "FROM delaysvc.schedule_offset WHERE lane = :lane FOR UPDATE SKIP LOCKED"
         ),
         {"lane": lane},
     ).first()
@@ -722,10 +713,10 @@ CLOCK_MARGIN_MS = 1000
 _MOVED_TO_TOPIC = f"""
 , ready AS (
     -- commit_log is not written: see MESSAGE_STATE (the claim writes the delivery down)
-    INSERT INTO topic_queue (message_id, topic, deliver_ts, enqueued_at)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, enqueued_at)
     SELECT message_id, topic, deliver_ts, clock_timestamp() FROM moved ORDER BY queue_offset
 ), advanced AS (
-    UPDATE schedule_offset SET
+    UPDATE delaysvc.schedule_offset SET
         schedule_offset = GREATEST(schedule_offset,
             CASE WHEN lane > 0 THEN (SELECT max(queue_offset) FROM moved) ELSE 0 END),
         moved_total = moved_total + (SELECT count(*) FROM moved),
@@ -759,7 +750,7 @@ FROM moved
 
 _MOVE_DUE_LEVEL = f"""
 WITH head AS (
-    SELECT queue_offset, deliver_ts FROM consume_queue
+    SELECT queue_offset, deliver_ts FROM delaysvc.consume_queue
     WHERE level = :lane ORDER BY queue_offset LIMIT :batch
 ), next_head AS (
     -- the head's first row not yet due: the move stops before it, so topic order stays send
@@ -769,7 +760,7 @@ WITH head AS (
 ), locked AS (
     -- the due prefix of the head (up to the row before next_head, else all of it): one range
     -- scan of the index
-    SELECT ctid FROM consume_queue
+    SELECT ctid FROM delaysvc.consume_queue
     WHERE level = :lane
       AND queue_offset <= COALESCE((SELECT queue_offset - 1 FROM next_head),
                                    (SELECT max(queue_offset) FROM head))
@@ -777,21 +768,21 @@ WITH head AS (
     FOR UPDATE SKIP LOCKED
 ), moved AS (
     -- by the locked rows' ctids: a TID scan of the level's partition
-    DELETE FROM consume_queue q
+    DELETE FROM delaysvc.consume_queue q
     WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM locked))
     RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
 ){_MOVED_TO_TOPIC}"""
 
 _MOVE_DUE_TIMER = f"""
 WITH due AS (
-    SELECT ctid FROM timer_queue WHERE deliver_ts <= {NOW}
+    SELECT ctid FROM delaysvc.timer_queue WHERE deliver_ts <= {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT :batch FOR UPDATE SKIP LOCKED
 ), next_head AS (
-    SELECT deliver_ts FROM timer_queue WHERE deliver_ts > {NOW}
+    SELECT deliver_ts FROM delaysvc.timer_queue WHERE deliver_ts > {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT 1
 ), moved AS (
     -- by the locked rows' ctids: a TID scan, whatever the planner thinks of the table's size
-    DELETE FROM timer_queue t WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
+    DELETE FROM delaysvc.timer_queue t WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
     RETURNING t.queue_offset, t.message_id, t.topic, t.deliver_ts
 ){_MOVED_TO_TOPIC}"""
 
@@ -846,22 +837,22 @@ def move_due(
 # the timer lane, due when they were always due, never early.
 _RELOCATE_MISPLACED = f"""
 WITH head AS (
-    SELECT ctid, message_id, deliver_ts FROM consume_queue
+    SELECT ctid, message_id, deliver_ts FROM delaysvc.consume_queue
     WHERE level = :lane ORDER BY queue_offset LIMIT :batch
 ), beyond AS (
     SELECT h.ctid, h.message_id, c.stored_at > clock.t AS clock_back
     FROM head h
     CROSS JOIN (SELECT COALESCE(CAST(:now AS timestamptz), clock_timestamp()) AS t) clock
-    JOIN commit_log c ON c.id = h.message_id
+    JOIN delaysvc.commit_log c ON c.id = h.message_id
     WHERE h.deliver_ts > clock.t + (:delay_ms + {CLOCK_MARGIN_MS}) * interval '1 millisecond'
 ), taken AS (
-    DELETE FROM consume_queue q
+    DELETE FROM delaysvc.consume_queue q
     WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM beyond))
     RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
 ), sorted AS (
     SELECT t.*, b.clock_back FROM taken t JOIN beyond b USING (message_id)
 ){_INTO_TIMER_LANE.format(taken="sorted", where="NOT clock_back")}, now_due AS (
-    INSERT INTO topic_queue (message_id, topic, deliver_ts, enqueued_at)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, enqueued_at)
     SELECT message_id, topic, deliver_ts, clock_timestamp() FROM sorted WHERE clock_back
     ORDER BY queue_offset
 )
@@ -891,25 +882,25 @@ def lane_head(conn: Connection, lane: int) -> Any:
     """The first waiting row of a lane (offset, deliver_ts, message_id) or None."""
     if lane == TIMER_LANE:
         statement = (
-            "SELECT queue_offset, deliver_ts, message_id FROM timer_queue "
+            "SELECT queue_offset, deliver_ts, message_id FROM delaysvc.timer_queue "
             "ORDER BY deliver_ts, queue_offset LIMIT 1"
         )
     else:
         statement = (
-            "SELECT queue_offset, deliver_ts, message_id FROM consume_queue "
+            "SELECT queue_offset, deliver_ts, message_id FROM delaysvc.consume_queue "
             "WHERE level = :lane ORDER BY queue_offset LIMIT 1"
         )
-    return conn.execute(text(statement), {"lane": lane}).first()
+    return conn.execute(sql(statement), {"lane": lane}).first()
 
 
 def database_now(conn: Connection) -> datetime:
-    return conn.execute(text("SELECT clock_timestamp()")).scalar_one()
+    return conn.execute(sql("SELECT clock_timestamp()")).scalar_one()
 
 
 def mark_stuck(conn: Connection, lane: int, offset: int | None, error: str) -> None:
     conn.execute(
-        text(
-            "UPDATE schedule_offset SET stuck_offset = :offset, stuck_error = :error, "
+        sql(
+            "UPDATE delaysvc.schedule_offset SET stuck_offset = :offset, stuck_error = :error, "
             "stuck_since = COALESCE(stuck_since, statement_timestamp()) WHERE lane = :lane"
         ),
         {"lane": lane, "offset": offset, "error": error[:2000]},
@@ -935,15 +926,15 @@ def skip_stuck_head(conn: Connection, lane: int) -> int:
         raise NotStuck(f"{name}'s head was just taken by a cancel; nothing skipped")
     reason = f"skipped by an operator: {locked.stuck_error or 'head could not be moved'}"
     buried = conn.execute(
-        text(
+        sql(
             f"""
 WITH buried AS (
-    UPDATE commit_log c SET status = 'dead', finished_at = statement_timestamp(), lane = -1,
+    UPDATE delaysvc.commit_log c SET status = 'dead', finished_at = statement_timestamp(), lane = -1,
         queue_offset = NULL, last_error = :reason
     WHERE c.id = :id AND {WAITING} AND {NOT_MOVED}
     RETURNING c.id, c.topic, c.attempts
 )
-INSERT INTO dead_letter (message_id, topic, reason, attempts, error)
+INSERT INTO delaysvc.dead_letter (message_id, topic, reason, attempts, error)
 SELECT id, topic, :reason, attempts, :reason FROM buried
 ON CONFLICT (message_id) DO NOTHING
 RETURNING message_id"""
@@ -953,8 +944,8 @@ RETURNING message_id"""
     if buried is None:
         raise NotStuck(f"message {head.message_id} is not waiting any more; nothing skipped")
     conn.execute(
-        text(
-            "UPDATE schedule_offset SET stuck_offset = NULL, stuck_error = NULL, "
+        sql(
+            "UPDATE delaysvc.schedule_offset SET stuck_offset = NULL, stuck_error = NULL, "
             "stuck_since = NULL, schedule_offset = GREATEST(schedule_offset, :offset) "
             "WHERE lane = :lane"
         ),
@@ -968,8 +959,8 @@ RETURNING message_id"""
 
 def record_heartbeat(conn: Connection, component: str, host: str) -> None:
     conn.execute(
-        _sql(
-            "INSERT INTO heartbeat (component, seen_at, host) VALUES (:c, clock_timestamp(), :h) "
+        sql(
+            "INSERT INTO delaysvc.heartbeat (component, seen_at, host) VALUES (:c, clock_timestamp(), :h) "
             "ON CONFLICT (component) DO UPDATE SET seen_at = EXCLUDED.seen_at, host = EXCLUDED.host"
         ),
         {"c": component, "h": host},
@@ -979,9 +970,9 @@ def record_heartbeat(conn: Connection, component: str, host: str) -> None:
 def heartbeats(conn: Connection) -> dict[str, float]:
     """Seconds since each component was last seen (database clock)."""
     rows = conn.execute(
-        text(
+        sql(
             "SELECT component, extract(epoch FROM clock_timestamp() - seen_at) AS age "
-            "FROM heartbeat"
+            "FROM delaysvc.heartbeat"
         )
     )
     return {row.component: float(row.age) for row in rows}
@@ -991,10 +982,10 @@ def slowest_lane_heartbeat(conn: Connection) -> float | None:
     """Seconds since the least recently seen lane's runner wrote its heartbeat (`lane N`, one
     per lane the database has); None while a lane has never been seen."""
     row = conn.execute(
-        text(
+        sql(
             "SELECT bool_or(h.seen_at IS NULL) AS unseen, "
             "max(extract(epoch FROM clock_timestamp() - h.seen_at)) AS age "
-            "FROM schedule_offset s LEFT JOIN heartbeat h ON h.component = 'lane ' || s.lane"
+            "FROM delaysvc.schedule_offset s LEFT JOIN delaysvc.heartbeat h ON h.component = 'lane ' || s.lane"
         )
     ).one()
     return None if row.unseen or row.age is None else float(row.age)
@@ -1003,10 +994,10 @@ def slowest_lane_heartbeat(conn: Connection) -> float | None:
 def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[list[int], float]]:
     """Per topic: handler-duration bucket counts of the last `minutes`, and the longest run."""
     rows = conn.execute(
-        text(
+        sql(
             "SELECT topic, array_agg(total ORDER BY i) AS counts, max(top) AS max_ms FROM ("
             "  SELECT topic, i, sum(c) AS total, max(max_ms) AS top "
-            "  FROM handler_duration_histogram, unnest(counts) WITH ORDINALITY AS u(c, i) "
+            "  FROM delaysvc.handler_duration_histogram, unnest(counts) WITH ORDINALITY AS u(c, i) "
             "  WHERE minute > clock_timestamp() - :minutes * interval '1 minute' "
             "  GROUP BY topic, i) t GROUP BY topic"
         ),
@@ -1043,22 +1034,22 @@ ON CONFLICT (minute, {{key}}) DO UPDATE SET
     max_ms = GREATEST({{table}}.max_ms, EXCLUDED.max_ms)"""
 
 _ADD_LATENESS = f"""
-WITH minute AS ({_ADD_MINUTE.format(table="lateness_histogram", key="lane")})
-INSERT INTO lateness_total (lane, counts, sum_ms)
+WITH minute AS ({_ADD_MINUTE.format(table="delaysvc.lateness_histogram", key="lane")})
+INSERT INTO delaysvc.lateness_total (lane, counts, sum_ms)
 VALUES (:key, CAST(:counts AS bigint[]), :sum_ms)
 ON CONFLICT (lane) DO UPDATE SET
-    counts = {_added("lateness_total.counts", "EXCLUDED.counts")},
-    sum_ms = lateness_total.sum_ms + EXCLUDED.sum_ms"""
+    counts = {_added("delaysvc.lateness_total.counts", "EXCLUDED.counts")},
+    sum_ms = delaysvc.lateness_total.sum_ms + EXCLUDED.sum_ms"""
 
 _ADD_TOPIC_TOTAL = f"""
-INSERT INTO topic_total (topic, duration_counts, duration_sum_ms, succeeded, retried, dead)
+INSERT INTO delaysvc.topic_total (topic, duration_counts, duration_sum_ms, succeeded, retried, dead)
 VALUES (:key, CAST(:counts AS bigint[]), :sum_ms, :succeeded, :retried, :dead)
 ON CONFLICT (topic) DO UPDATE SET
-    duration_counts = {_added("topic_total.duration_counts", "EXCLUDED.duration_counts")},
-    duration_sum_ms = topic_total.duration_sum_ms + EXCLUDED.duration_sum_ms,
-    succeeded = topic_total.succeeded + EXCLUDED.succeeded,
-    retried = topic_total.retried + EXCLUDED.retried,
-    dead = topic_total.dead + EXCLUDED.dead"""
+    duration_counts = {_added("delaysvc.topic_total.duration_counts", "EXCLUDED.duration_counts")},
+    duration_sum_ms = delaysvc.topic_total.duration_sum_ms + EXCLUDED.duration_sum_ms,
+    succeeded = delaysvc.topic_total.succeeded + EXCLUDED.succeeded,
+    retried = delaysvc.topic_total.retried + EXCLUDED.retried,
+    dead = delaysvc.topic_total.dead + EXCLUDED.dead"""
 
 _ADD_DURATIONS = f"""
 WITH minute AS ({_ADD_MINUTE.format(table="handler_duration_histogram", key="topic")})
@@ -1091,7 +1082,7 @@ def add_lateness(
     """Add moved rows' lateness (bucket counts, largest and sum in ms) to the lane's minute row
     and its running total."""
     params = {"key": lane, "counts": list(counts), "max_ms": max_ms, "sum_ms": sum_ms}
-    conn.execute(_sql(_ADD_LATENESS), params)
+    conn.execute(sql(_ADD_LATENESS), params)
     _prune_minutes(conn, "lateness_histogram")
 
 
@@ -1106,7 +1097,7 @@ def add_durations(
     """Add a consumer flush to the topic's minute row (handler durations: bucket counts,
     longest) and to its running total (the same, their sum in ms, and the flush's outcomes)."""
     conn.execute(
-        _sql(_ADD_DURATIONS),
+        sql(_ADD_DURATIONS),
         {"key": topic, "counts": list(counts), "max_ms": max_ms, "sum_ms": sum_ms}
         | dataclasses.asdict(outcomes),
     )
@@ -1119,7 +1110,7 @@ def add_outcomes(conn: Connection, topic: str, outcomes: OutcomeCounts) -> None:
     each, from a Celery callback task each: far fewer per second than one row can take."""
     if outcomes:
         conn.execute(
-            _sql(_ADD_TOPIC_TOTAL),
+            sql(_ADD_TOPIC_TOTAL),
             {"key": topic, "counts": [], "sum_ms": 0.0} | dataclasses.asdict(outcomes),
         )
 
@@ -1127,12 +1118,14 @@ def add_outcomes(conn: Connection, topic: str, outcomes: OutcomeCounts) -> None:
 def _prune_minutes(conn: Connection, table: str) -> None:
     """Forget minute rows older than a week (the running totals keep what they counted)."""
     assert table in ("lateness_histogram", "handler_duration_histogram")
-    conn.execute(_sql(f"DELETE FROM {table} WHERE minute < now() - interval '{MINUTES_KEPT}'"))
+    conn.execute(sql(f"DELETE FROM {table} WHERE minute < now() - interval '{MINUTES_KEPT}'"))
 
 
 def lateness_totals(conn: Connection) -> list[Any]:
     """Per lane since the database was created: lateness bucket counts (lane, counts, sum_ms)."""
-    return list(conn.execute(text("SELECT lane, counts, sum_ms FROM lateness_total ORDER BY lane")))
+    return list(
+        conn.execute(sql("SELECT lane, counts, sum_ms FROM delaysvc.lateness_total ORDER BY lane"))
+    )
 
 
 def topic_totals(conn: Connection) -> list[Any]:
@@ -1140,9 +1133,9 @@ def topic_totals(conn: Connection) -> list[Any]:
     (ms), and the jobs that succeeded, were retried and went dead."""
     return list(
         conn.execute(
-            text(
+            sql(
                 "SELECT topic, duration_counts, duration_sum_ms, succeeded, retried, dead "
-                "FROM topic_total ORDER BY topic"
+                "FROM delaysvc.topic_total ORDER BY topic"
             )
         )
     )
@@ -1156,7 +1149,7 @@ CAP_LOCK_CLASS = 0x64656C43  # advisory locks (class, hashtext(target)) serialis
 def lock_cap(conn: Statements, target: str) -> None:
     """Serialise sends to one capped level or topic until the transaction ends."""
     conn.execute(
-        text("SELECT pg_advisory_xact_lock(:class, hashtext(:target))"),
+        sql("SELECT pg_advisory_xact_lock(:class, hashtext(:target))"),
         {"class": CAP_LOCK_CLASS, "target": target},
     )
 
@@ -1165,7 +1158,9 @@ def lane_pending(conn: Statements, lane: int) -> int:
     """Waiting messages of a lane, exactly: the sum of its `lane_count` deltas (a few thousand
     rows at most between two folds)."""
     return conn.execute(
-        _sql("SELECT CAST(COALESCE(sum(delta), 0) AS bigint) FROM lane_count WHERE lane = :lane"),
+        sql(
+            "SELECT CAST(COALESCE(sum(delta), 0) AS bigint) FROM delaysvc.lane_count WHERE lane = :lane"
+        ),
         {"lane": lane},
     ).scalar_one()
 
@@ -1174,12 +1169,12 @@ def fold_lane_counts(conn: Connection) -> int:
     """Fold every committed delta into one row per lane (exact: a delta committed meanwhile
     is not seen, so not deleted, and is folded next time). -> rows folded."""
     return conn.execute(
-        _sql(
+        sql(
             """
 WITH gone AS (
-    DELETE FROM lane_count RETURNING lane, delta
+    DELETE FROM delaysvc.lane_count RETURNING lane, delta
 ), folded AS (
-    INSERT INTO lane_count (lane, delta)
+    INSERT INTO delaysvc.lane_count (lane, delta)
     SELECT lane, sum(delta) FROM gone GROUP BY lane HAVING sum(delta) <> 0
 )
 SELECT count(*) FROM gone"""
@@ -1190,8 +1185,8 @@ SELECT count(*) FROM gone"""
 def topic_pending(conn: Statements, topic: str, up_to: int) -> int:
     """Waiting (scheduled or retrying) messages of a topic, never counted beyond `up_to`."""
     return conn.execute(
-        text(
-            "SELECT count(*) FROM (SELECT 1 FROM commit_log c WHERE c.topic = :topic "
+        sql(
+            "SELECT count(*) FROM (SELECT 1 FROM delaysvc.commit_log c WHERE c.topic = :topic "
             f"AND {WAITING} AND {NOT_MOVED} LIMIT :up_to) w"
         ),
         {"topic": topic, "up_to": up_to},
@@ -1200,8 +1195,8 @@ def topic_pending(conn: Statements, topic: str, up_to: int) -> int:
 
 def oldest_waiting_in_level(conn: Statements, level: int, count: int) -> list[int]:
     rows = conn.execute(
-        text(
-            "SELECT message_id FROM consume_queue WHERE level = :lane "
+        sql(
+            "SELECT message_id FROM delaysvc.consume_queue WHERE level = :lane "
             "ORDER BY queue_offset LIMIT :count"
         ),
         {"lane": level, "count": count},
@@ -1211,8 +1206,8 @@ def oldest_waiting_in_level(conn: Statements, level: int, count: int) -> list[in
 
 def oldest_waiting_of_topic(conn: Statements, topic: str, count: int) -> list[int]:
     rows = conn.execute(
-        text(
-            "SELECT c.id FROM commit_log c WHERE c.topic = :topic "
+        sql(
+            "SELECT c.id FROM delaysvc.commit_log c WHERE c.topic = :topic "
             f"AND {WAITING} AND {NOT_MOVED} "
             "ORDER BY c.deliver_ts LIMIT :count"
         ),
@@ -1225,30 +1220,30 @@ _DELIVER_NOW = """
 WITH pick AS (
     -- a moved message's row still names its old lane and offset (see MESSAGE_STATE): its lane row
     -- is gone, so nothing below matches it
-    SELECT id, lane, queue_offset, deliver_ts FROM commit_log
+    SELECT id, lane, queue_offset, deliver_ts FROM delaysvc.commit_log
     WHERE id = ANY(CAST(:ids AS bigint[])) AND status IN ('scheduled', 'retrying')
 ), from_levels AS (
-    DELETE FROM consume_queue q USING pick
+    DELETE FROM delaysvc.consume_queue q USING pick
     WHERE pick.lane > 0 AND q.level = pick.lane AND q.queue_offset = pick.queue_offset
     RETURNING q.message_id, q.topic, q.deliver_ts, CAST(q.level AS int) AS lane
 ), from_timer AS (
-    DELETE FROM timer_queue t USING pick
+    DELETE FROM delaysvc.timer_queue t USING pick
     WHERE pick.lane = 0 AND t.deliver_ts = pick.deliver_ts AND t.queue_offset = pick.queue_offset
     RETURNING t.message_id, t.topic, t.deliver_ts, 0 AS lane
 ), moved AS (
     SELECT * FROM from_levels UNION ALL SELECT * FROM from_timer
 ), ready AS (
-    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
     SELECT message_id, topic, deliver_ts FROM moved ORDER BY deliver_ts, message_id
 ), marked AS (
-    UPDATE commit_log c SET status = 'ready', delivered_at = clock_timestamp(),
+    UPDATE delaysvc.commit_log c SET status = 'ready', delivered_at = clock_timestamp(),
         lane = -1, queue_offset = NULL
     FROM moved WHERE c.id = moved.message_id
 ), counted AS (
-    UPDATE schedule_offset s SET early_total = early_total + m.n
+    UPDATE delaysvc.schedule_offset s SET early_total = early_total + m.n
     FROM (SELECT lane, count(*) AS n FROM moved GROUP BY lane) m WHERE s.lane = m.lane
 ), lane_counted AS (
-    INSERT INTO lane_count (lane, delta)
+    INSERT INTO delaysvc.lane_count (lane, delta)
     SELECT CAST(lane AS smallint), -count(*) FROM moved GROUP BY lane
 )
 SELECT count(*) FROM moved"""
@@ -1258,7 +1253,7 @@ def deliver_now(conn: Statements, message_ids: Sequence[int]) -> int:
     """Move waiting messages into their topics' queues before their time (a backlog cap's
     overflow), counted per lane in `early_total`. -> how many moved (a message being moved
     by its lane at the same moment is left to it)."""
-    return conn.execute(_sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
+    return conn.execute(sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
 
 
 # ---------------------------------------------------------------- observing
@@ -1270,27 +1265,25 @@ def lane_stats(conn: Connection) -> list[Any]:
     an upper bound of what was ever queued: a rolled-back send takes one too)."""
     return list(
         conn.execute(
-            text(
+            sql(
                 """
 SELECT s.lane, s.delay_ms, s.schedule_offset, s.moved_total, s.early_total, s.last_moved_at,
        s.stuck_offset, s.stuck_error, s.stuck_since,
-       CASE WHEN s.lane > 0 THEN COALESCE(seq.last_value, 0) END AS max_offset,
+       CASE WHEN s.lane > 0 THEN COALESCE(pg_sequence_last_value(
+           to_regclass(format('delaysvc.consume_queue_%s_seq', s.lane))), 0) END AS max_offset,
        COALESCE(counts.pending, 0) AS pending,
        head.deliver_ts AS next_due,
        rate.moved_per_s,
        clock_timestamp() AS now
-FROM schedule_offset s
-LEFT JOIN (SELECT lane, CAST(sum(delta) AS bigint) AS pending FROM lane_count GROUP BY lane) counts
+FROM delaysvc.schedule_offset s
+LEFT JOIN (SELECT lane, CAST(sum(delta) AS bigint) AS pending FROM delaysvc.lane_count GROUP BY lane) counts
        ON counts.lane = s.lane
-LEFT JOIN pg_sequences seq
-       ON seq.schemaname = current_schema()
-      AND seq.sequencename = format('consume_queue_%s_seq', s.lane)
 LEFT JOIN LATERAL (
-    SELECT q.deliver_ts FROM consume_queue q WHERE s.lane > 0 AND q.level = s.lane
+    SELECT q.deliver_ts FROM delaysvc.consume_queue q WHERE s.lane > 0 AND q.level = s.lane
     ORDER BY q.queue_offset LIMIT 1
 ) lh ON true
 LEFT JOIN LATERAL (
-    SELECT t.deliver_ts FROM timer_queue t WHERE s.lane = 0
+    SELECT t.deliver_ts FROM delaysvc.timer_queue t WHERE s.lane = 0
     ORDER BY t.deliver_ts, t.queue_offset LIMIT 1
 ) th ON true
 CROSS JOIN LATERAL (SELECT COALESCE(lh.deliver_ts, th.deliver_ts) AS deliver_ts) head
@@ -1299,7 +1292,7 @@ LEFT JOIN LATERAL (
     SELECT round(CAST((s.moved_total - ss.moved_total)
                       / extract(epoch FROM clock_timestamp() - ss.sampled_at) AS numeric), 1)
                AS moved_per_s
-    FROM stats_sample ss
+    FROM delaysvc.stats_sample ss
     WHERE ss.lane = s.lane AND ss.sampled_at < clock_timestamp() - interval '1 second'
       AND ss.sampled_at > clock_timestamp() - interval '5 minutes'
     ORDER BY ss.sampled_at DESC LIMIT 1
@@ -1320,17 +1313,17 @@ def unique_violation(exc: IntegrityError, constraint: str) -> bool:
 
 _CLAIM_READY = """
 WITH picked AS (
-    SELECT ctid FROM topic_queue WHERE topic = :topic
+    SELECT ctid FROM delaysvc.topic_queue WHERE topic = :topic
     ORDER BY seq LIMIT {limit} FOR UPDATE SKIP LOCKED
 ), claimed AS (
     -- by the locked rows' ctids: a TID scan, whatever the planner thinks of the queue's size
-    DELETE FROM topic_queue q WHERE q.ctid = ANY(ARRAY(SELECT ctid FROM picked))
-    AND NOT EXISTS (SELECT 1 FROM topic_state WHERE topic = :topic AND paused)
+    DELETE FROM delaysvc.topic_queue q WHERE q.ctid = ANY(ARRAY(SELECT ctid FROM picked))
+    AND NOT EXISTS (SELECT 1 FROM delaysvc.topic_state WHERE topic = :topic AND paused)
     RETURNING q.message_id, q.seq, q.enqueued_at
 ), numbered AS (
     SELECT message_id, seq, enqueued_at, row_number() OVER (ORDER BY seq) AS n FROM claimed
 )
-UPDATE commit_log c SET status = 'running',
+UPDATE delaysvc.commit_log c SET status = 'running',
     -- an attempt is counted when its handler starts (`start_jobs`): here only for the first
     -- `start_first` jobs, which start at once (a rerun is always counted on its own)
     attempts = c.attempts + CASE WHEN claimed.n <= :start_first AND c.attempts = 0
@@ -1338,7 +1331,7 @@ UPDATE commit_log c SET status = 'running',
     started_at = CASE WHEN claimed.n <= :start_first AND c.attempts = 0
                       THEN clock_timestamp() END,
     lease_until = clock_timestamp() + :lease_seconds * interval '1 second',
-    claim_id = (SELECT nextval('claim_seq')),  -- one per claim: every later change names it
+    claim_id = (SELECT nextval('delaysvc.claim_seq')),  -- one per claim: every later change names it
     -- moved by the delivery, which left its commit_log row as it was (see MESSAGE_STATE)
     delivered_at = CASE WHEN c.status = 'ready' THEN c.delivered_at ELSE claimed.enqueued_at END,
     lane = -1, queue_offset = NULL
@@ -1358,10 +1351,10 @@ def _unprepared(conn: Connection, statement: str, params: dict[str, Any]) -> lis
     sequential scans, a nested loop re-running a subquery per row, a hash of all of commit_log)
     stays until something invalidates it. Planned afresh, a statement follows the tables'
     size; the planning costs about a millisecond per claim or move of up to a batch."""
-    sql = _driver_sql(statement)
-    with driver_errors(conn, sql) as cursor:
+    compiled = _driver_sql(statement)
+    with driver_errors(conn, compiled) as cursor:
         cursor.row_factory = namedtuple_row
-        return cursor.execute(sql, params, prepare=False).fetchall()
+        return cursor.execute(compiled, params, prepare=False).fetchall()
 
 
 def claim_statement(limit: int) -> str:
@@ -1391,7 +1384,7 @@ def claim_ready(
 # outcome written flushes it; a database crash in between can forget the start, and the job
 # then runs again as the same attempt (at least once, as before; only the count is lost).
 _START_JOBS = """WITH async AS (SELECT set_config('synchronous_commit', 'off', true))
-UPDATE commit_log SET attempts = attempts + 1, started_at = clock_timestamp()
+UPDATE delaysvc.commit_log SET attempts = attempts + 1, started_at = clock_timestamp()
 WHERE id = ANY(CAST(:ids AS bigint[])) AND claim_id = :claim_id AND status = 'running'
     AND started_at IS NULL AND EXISTS (SELECT 1 FROM async)
 RETURNING id, attempts"""
@@ -1411,8 +1404,8 @@ def start_jobs(cursor: Cursor[Any], message_ids: Sequence[int], claim_id: int) -
 def running_job(conn: Connection, message_id: int, claim_id: int) -> Any:
     """The job if it is still running under this claim, else None."""
     return conn.execute(
-        text(
-            f"SELECT {MESSAGE_COLUMNS} FROM commit_log WHERE id = :id AND claim_id = :claim_id "
+        sql(
+            f"SELECT {MESSAGE_COLUMNS} FROM delaysvc.commit_log WHERE id = :id AND claim_id = :claim_id "
             "AND status = 'running'"
         ),
         {"id": message_id, "claim_id": claim_id},
@@ -1437,8 +1430,8 @@ def finish_one_succeeded(
 def _finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) -> Any:
     ids, claims, durations = (list(column) for column in zip(*jobs, strict=True))
     return conn.execute(
-        text(
-            "UPDATE commit_log c SET status = 'succeeded', finished_at = clock_timestamp(), "
+        sql(
+            "UPDATE delaysvc.commit_log c SET status = 'succeeded', finished_at = clock_timestamp(), "
             "lease_until = NULL, duration_ms = v.duration_ms "
             "FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[]), "
             "CAST(:durations AS int[])) AS v(id, claim_id, duration_ms) "
@@ -1455,7 +1448,7 @@ _KEEP_ERRORS = 20
 
 _SCHEDULE_RETRY = f"""
 WITH again AS (
-    UPDATE commit_log c SET status = 'retrying', lane = :lane, delay_level = :delay_level,
+    UPDATE delaysvc.commit_log c SET status = 'retrying', lane = :lane, delay_level = :delay_level,
         queue_offset = {_NEXT_OFFSET.format(lane="CAST(:lane AS int)")},
         deliver_ts = COALESCE(CAST(:deliver_at AS timestamptz),
             clock_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
@@ -1472,7 +1465,7 @@ SELECT count(*) FROM again
 
 _BURY = f"""
 WITH buried AS (
-    UPDATE commit_log c SET status = 'dead', finished_at = clock_timestamp(), lane = -1,
+    UPDATE delaysvc.commit_log c SET status = 'dead', finished_at = clock_timestamp(), lane = -1,
         queue_offset = NULL, lease_until = NULL, duration_ms = :duration_ms,
         last_error = :error,
         errors = (SELECT jsonb_agg(e) FROM (
@@ -1482,7 +1475,7 @@ WITH buried AS (
     WHERE c.id = :id AND c.status = 'running' AND c.claim_id = :claim_id
     RETURNING c.id, c.topic, c.attempts
 )
-INSERT INTO dead_letter (message_id, topic, reason, attempts, error)
+INSERT INTO delaysvc.dead_letter (message_id, topic, reason, attempts, error)
 SELECT id, topic, :reason, attempts, COALESCE(CAST(:error AS text), :reason) FROM buried
 ON CONFLICT (message_id) DO UPDATE SET reason = EXCLUDED.reason, died_at = now(),
     attempts = EXCLUDED.attempts, error = EXCLUDED.error
@@ -1511,7 +1504,7 @@ def schedule_retry(
 ) -> bool:
     """Put a failed job back in a lane as `retrying`; it is an ordinary delayed message."""
     count = conn.execute(
-        _sql(_SCHEDULE_RETRY),
+        sql(_SCHEDULE_RETRY),
         {
             "id": failure.message_id,
             "claim_id": failure.claim_id,
@@ -1530,7 +1523,7 @@ def schedule_retry(
 def bury(conn: Connection, failure: Failure, reason: str) -> bool:
     """Move a running job to the dead letters, keeping its last error."""
     result = conn.execute(
-        _sql(_BURY),
+        sql(_BURY),
         {
             "id": failure.message_id,
             "claim_id": failure.claim_id,
@@ -1548,9 +1541,9 @@ def renew_leases(conn: Connection, held: dict[int, list[int]], lease_seconds: in
     lease ahead; -> jobs renewed. By id: a TID-cheap primary key lookup per job."""
     pairs = [(message_id, claim_id) for claim_id, ids in held.items() for message_id in ids]
     return conn.execute(
-        text(
+        sql(
             """
-UPDATE commit_log c SET lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
+UPDATE delaysvc.commit_log c SET lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
 FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[])) AS v(id, claim_id)
 WHERE c.id = v.id AND c.claim_id = v.claim_id AND c.status = 'running'
 """
@@ -1569,17 +1562,17 @@ def release_unstarted(conn: Connection, message_ids: Sequence[int], claim_id: in
     if not message_ids:
         return 0
     return conn.execute(
-        text(
+        sql(
             """
 WITH back AS (
-    UPDATE commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
+    UPDATE delaysvc.commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
         attempts = c.attempts - CASE WHEN c.started_at IS NULL THEN 0 ELSE 1 END,
         started_at = NULL
     WHERE c.id = ANY(CAST(:ids AS bigint[])) AND c.claim_id = :claim_id
       AND c.status = 'running'
     RETURNING c.id, c.topic, c.deliver_ts
 )
-INSERT INTO topic_queue (message_id, topic, deliver_ts)
+INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
 SELECT id, topic, deliver_ts FROM back ORDER BY id
 """
         ),
@@ -1593,19 +1586,19 @@ def rescue_expired_leases(conn: Connection, limit: int) -> list[Any]:
     topic)."""
     return list(
         conn.execute(
-            text(
+            sql(
                 """
 WITH expired AS (
-    SELECT id FROM commit_log WHERE status = 'running' AND lease_until < clock_timestamp()
+    SELECT id FROM delaysvc.commit_log WHERE status = 'running' AND lease_until < clock_timestamp()
     ORDER BY lease_until LIMIT :limit FOR UPDATE SKIP LOCKED
 ), back AS (
-    UPDATE commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
+    UPDATE delaysvc.commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
         last_error = CASE WHEN c.started_at IS NULL THEN c.last_error
             ELSE 'lease expired: the worker running attempt ' || c.attempts || ' was lost' END
     FROM expired WHERE c.id = expired.id
     RETURNING c.id, c.topic, c.deliver_ts
 ), queued AS (
-    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
     SELECT id, topic, deliver_ts FROM back
 )
 SELECT id, topic FROM back
@@ -1625,7 +1618,7 @@ def distinct_topics(conn: Connection, table: Literal["topic_queue", "dead_letter
     topic), never a scan of the table."""
     return list(
         conn.execute(
-            text(
+            sql(
                 f"""
 WITH RECURSIVE t AS (
     (SELECT topic FROM {table} ORDER BY topic LIMIT 1)
@@ -1642,8 +1635,8 @@ SELECT topic FROM t WHERE topic IS NOT NULL
 
 def set_paused(conn: Connection, topic: str, paused: bool) -> None:
     conn.execute(
-        text(
-            "INSERT INTO topic_state (topic, paused) VALUES (:topic, :paused) "
+        sql(
+            "INSERT INTO delaysvc.topic_state (topic, paused) VALUES (:topic, :paused) "
             "ON CONFLICT (topic) DO UPDATE SET paused = EXCLUDED.paused, updated_at = now()"
         ),
         {"topic": topic, "paused": paused},
@@ -1659,9 +1652,9 @@ def list_dead(
     """Dead letters newest first, keyset-paginated on message id."""
     return list(
         conn.execute(
-            text(
+            sql(
                 "SELECT d.message_id, d.topic, d.died_at, d.reason, d.attempts, c.key, "
-                "c.last_error FROM dead_letter d JOIN commit_log c ON c.id = d.message_id "
+                "c.last_error FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON c.id = d.message_id "
                 "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
                 "AND (CAST(:after AS bigint) IS NULL OR d.message_id < :after) "
                 "ORDER BY d.message_id DESC LIMIT :limit"
@@ -1674,18 +1667,18 @@ def list_dead(
 def redrive_dead(conn: Connection, message_id: int) -> Any:
     """A dead message runs again now, with a fresh retry budget. -> its row, or None."""
     return conn.execute(
-        text(
+        sql(
             f"""
 WITH revived AS (
-    DELETE FROM dead_letter WHERE message_id = :id RETURNING message_id
+    DELETE FROM delaysvc.dead_letter WHERE message_id = :id RETURNING message_id
 ), again AS (
-    UPDATE commit_log c SET status = 'ready', finished_at = NULL, attempts = 0,
+    UPDATE delaysvc.commit_log c SET status = 'ready', finished_at = NULL, attempts = 0,
         lane = -1, queue_offset = NULL, deliver_ts = clock_timestamp(),
         delivered_at = clock_timestamp()
     FROM revived WHERE c.id = revived.message_id AND c.status = 'dead'
     RETURNING c.*
 ), queued AS (
-    INSERT INTO topic_queue (message_id, topic, deliver_ts)
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
     SELECT id, topic, deliver_ts FROM again
 )
 SELECT {MESSAGE_COLUMNS} FROM again
@@ -1700,8 +1693,8 @@ def dead_ids(
 ) -> list[int]:
     return list(
         conn.execute(
-            text(
-                "SELECT d.message_id FROM dead_letter d JOIN commit_log c ON c.id = d.message_id "
+            sql(
+                "SELECT d.message_id FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON c.id = d.message_id "
                 "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
                 "AND (CAST(:pattern AS text) IS NULL OR "
                 "     strpos(coalesce(c.last_error, '') || ' ' || d.reason, :pattern) > 0) "
@@ -1715,7 +1708,7 @@ def dead_ids(
 def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
     """Forget dead letters (their commit_log rows stay `dead` until archived)."""
     return conn.execute(
-        text("DELETE FROM dead_letter WHERE message_id = ANY(CAST(:ids AS bigint[]))"),
+        sql("DELETE FROM delaysvc.dead_letter WHERE message_id = ANY(CAST(:ids AS bigint[]))"),
         {"ids": list(ids)},
     ).rowcount
 
@@ -1725,8 +1718,8 @@ def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
 
 def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
     conn.execute(
-        text(
-            "INSERT INTO dashboard_user (name, password_hash, role) VALUES (:name, :hash, :role) "
+        sql(
+            "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, :hash, :role) "
             "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
             "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL"
         ),
@@ -1736,9 +1729,9 @@ def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> N
 
 def find_user(conn: Connection, name: str) -> Any:
     return conn.execute(
-        text(
+        sql(
             "SELECT id, name, password_hash, role, failed_logins, locked_until, "
-            "locked_until > now() AS locked FROM dashboard_user WHERE name = :name"
+            "locked_until > now() AS locked FROM delaysvc.dashboard_user WHERE name = :name"
         ),
         {"name": name},
     ).first()
@@ -1748,15 +1741,15 @@ def record_login(
     conn: Connection, name: str, ok: bool, max_failures: int, lockout_seconds: int
 ) -> None:
     if ok:
-        statement = "UPDATE dashboard_user SET failed_logins = 0, locked_until = NULL"
+        statement = "UPDATE delaysvc.dashboard_user SET failed_logins = 0, locked_until = NULL"
     else:
         statement = (
-            "UPDATE dashboard_user SET failed_logins = failed_logins + 1, locked_until = "
+            "UPDATE delaysvc.dashboard_user SET failed_logins = failed_logins + 1, locked_until = "
             "CASE WHEN failed_logins + 1 >= :max THEN now() + :lock * interval '1 second' "
             "ELSE locked_until END"
         )
     conn.execute(
-        text(statement + " WHERE name = :name"),
+        sql(statement + " WHERE name = :name"),
         {"name": name, "max": max_failures, "lock": lockout_seconds},
     )
 
@@ -1765,10 +1758,7 @@ def messages_stored(conn: Connection) -> int:
     """Messages ever stored, in O(1): the commit log's id sequence."""
     return (
         conn.execute(
-            text(
-                "SELECT COALESCE(last_value, 0) FROM pg_sequences WHERE sequencename = "
-                "'commit_log_id_seq' AND schemaname = current_schema()"
-            )
+            sql("SELECT COALESCE(pg_sequence_last_value('delaysvc.commit_log_id_seq'), 0)")
         ).scalar()
         or 0
     )
@@ -1779,28 +1769,28 @@ def topic_stats(conn: Connection, limit_count: int = 100_000) -> list[Any]:
     small lease index), dead letters, paused. Never a full COUNT(*) of a hot table."""
     return list(
         conn.execute(
-            text(
+            sql(
                 f"""
 WITH topics AS (
-    SELECT topic FROM topic_state
+    SELECT topic FROM delaysvc.topic_state
     UNION SELECT unnest(CAST(:dead_topics AS text[]))
     -- each branch matches a partial index's predicate exactly, so neither scans the table
-    UNION SELECT topic FROM commit_log WHERE status = 'running'
-    UNION SELECT topic FROM commit_log WHERE status = 'retrying'
-    UNION SELECT topic FROM handler_duration_histogram
+    UNION SELECT topic FROM delaysvc.commit_log WHERE status = 'running'
+    UNION SELECT topic FROM delaysvc.commit_log WHERE status = 'retrying'
+    UNION SELECT topic FROM delaysvc.handler_duration_histogram
           WHERE minute > clock_timestamp() - interval '1 hour'
     UNION SELECT unnest(CAST(:ready_topics AS text[]))
 )
 SELECT t.topic,
-    (SELECT count(*) FROM (SELECT 1 FROM topic_queue q WHERE q.topic = t.topic
+    (SELECT count(*) FROM (SELECT 1 FROM delaysvc.topic_queue q WHERE q.topic = t.topic
                            LIMIT :cap) x) AS ready,
-    (SELECT count(*) FROM commit_log c WHERE c.status = 'running' AND c.topic = t.topic)
+    (SELECT count(*) FROM delaysvc.commit_log c WHERE c.status = 'running' AND c.topic = t.topic)
         AS running,
-    (SELECT count(*) FROM (SELECT 1 FROM commit_log c WHERE c.status = 'retrying'
+    (SELECT count(*) FROM (SELECT 1 FROM delaysvc.commit_log c WHERE c.status = 'retrying'
                            AND c.topic = t.topic AND {NOT_MOVED} LIMIT :cap) r) AS retrying,
-    (SELECT count(*) FROM (SELECT 1 FROM dead_letter d WHERE d.topic = t.topic
+    (SELECT count(*) FROM (SELECT 1 FROM delaysvc.dead_letter d WHERE d.topic = t.topic
                            LIMIT :cap) y) AS dead,
-    COALESCE((SELECT paused FROM topic_state s WHERE s.topic = t.topic), false) AS paused
+    COALESCE((SELECT paused FROM delaysvc.topic_state s WHERE s.topic = t.topic), false) AS paused
 FROM topics t ORDER BY t.topic
 """
             ),

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 
 from delaysvc import store
 from delaysvc.schema import LATENESS_BUCKETS_MS, STATUSES
+from delaysvc.sql import sql
 
 SAMPLE_RETENTION = timedelta(days=2)
 PRUNE_BATCH = 10_000
@@ -44,7 +45,7 @@ def set_statement_timeout(conn: Connection, timeout_ms: int) -> None:
     """SET LOCAL statement_timeout (lasts until the transaction ends), and no JIT: these
     queries are short, and compiling them costs more than it saves."""
     conn.execute(
-        text("SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true)"),
+        sql("SELECT set_config('statement_timeout', :ms, true), set_config('jit', 'off', true)"),
         {"ms": str(int(timeout_ms))},
     )
 
@@ -81,8 +82,8 @@ def sample_stats(
         ]
         if rows:
             conn.execute(
-                text(
-                    "INSERT INTO stats_sample (sampled_at, lane, pending, moved_total, "
+                sql(
+                    "INSERT INTO delaysvc.stats_sample (sampled_at, lane, pending, moved_total, "
                     "early_total, head_lateness_ms) VALUES (:at, :lane, :pending, :moved, "
                     ":early, :late) ON CONFLICT (sampled_at, lane) DO NOTHING"
                 ),
@@ -102,9 +103,9 @@ def head_lateness_ms(next_due: datetime | None, now: datetime) -> float | None:
 def prune_samples(conn: Connection, older_than: datetime, limit: int = PRUNE_BATCH) -> int:
     """Delete up to `limit` samples older than `older_than` (oldest first, by the primary key)."""
     return conn.execute(
-        text(
-            "DELETE FROM stats_sample WHERE (sampled_at, lane) IN ("
-            "SELECT sampled_at, lane FROM stats_sample WHERE sampled_at < :cutoff "
+        sql(
+            "DELETE FROM delaysvc.stats_sample WHERE (sampled_at, lane) IN ("
+            "SELECT sampled_at, lane FROM delaysvc.stats_sample WHERE sampled_at < :cutoff "
             "ORDER BY sampled_at LIMIT :limit)"
         ),
         {"cutoff": older_than, "limit": limit},
@@ -115,16 +116,16 @@ def lane_rates(conn: Connection) -> dict[int, float]:
     """Messages moved per second per lane, from the two newest samples (by the primary key:
     two index probes, then the rows of those two instants)."""
     rows = conn.execute(
-        text(
+        sql(
             """
-WITH newest AS (SELECT max(sampled_at) AS t FROM stats_sample),
+WITH newest AS (SELECT max(sampled_at) AS t FROM delaysvc.stats_sample),
 previous AS (
-    SELECT max(sampled_at) AS t FROM stats_sample WHERE sampled_at < (SELECT t FROM newest)
+    SELECT max(sampled_at) AS t FROM delaysvc.stats_sample WHERE sampled_at < (SELECT t FROM newest)
 )
 SELECT a.lane,
        (a.moved_total - b.moved_total) / NULLIF(extract(epoch FROM a.sampled_at - b.sampled_at), 0)
            AS per_second
-FROM stats_sample a JOIN stats_sample b ON b.lane = a.lane
+FROM delaysvc.stats_sample a JOIN delaysvc.stats_sample b ON b.lane = a.lane
 WHERE a.sampled_at = (SELECT t FROM newest) AND b.sampled_at = (SELECT t FROM previous)
 """
         )
@@ -138,8 +139,8 @@ def backlog_series(
     """(sampled_at, lane, pending) over the last `window`, oldest first, at most CHART_MAX_ROWS."""
     return list(
         conn.execute(
-            text(
-                "SELECT sampled_at, lane, pending FROM stats_sample "
+            sql(
+                "SELECT sampled_at, lane, pending FROM delaysvc.stats_sample "
                 f"WHERE sampled_at > {store.NOW} - :window "
                 "ORDER BY sampled_at, lane LIMIT :limit"
             ),
@@ -179,10 +180,10 @@ def lateness_distribution(
     """Lateness histogram buckets summed over every lane and minute of the last `window`."""
     buckets = len(LATENESS_BUCKETS_MS) + 1
     rows = conn.execute(
-        text(
+        sql(
             f"""
 WITH recent AS (
-    SELECT counts, max_ms FROM lateness_histogram
+    SELECT counts, max_ms FROM delaysvc.lateness_histogram
     WHERE minute > {store.NOW} - :window ORDER BY minute DESC LIMIT :limit
 )
 SELECT u.i AS bucket, sum(u.c) AS deliveries, (SELECT max(max_ms) FROM recent) AS max_ms
@@ -264,8 +265,11 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
             params[name] = value
     order = "ASC" if search.after is not None and search.before is None else "DESC"
     clause = f"WHERE {' AND '.join(where)} " if where else ""
-    sql = f"SELECT {_SEARCH_COLUMNS} FROM commit_log c {clause}ORDER BY c.id {order} LIMIT :limit"
-    return sql, params
+    statement = (
+        f"SELECT {_SEARCH_COLUMNS} FROM delaysvc.commit_log c {clause}"
+        f"ORDER BY c.id {order} LIMIT :limit"
+    )
+    return statement, params
 
 
 def search_messages(conn: Connection, search: MessageSearch) -> MessagePage:
@@ -273,8 +277,8 @@ def search_messages(conn: Connection, search: MessageSearch) -> MessagePage:
     if search.status is not None and search.status not in STATUSES:
         raise ValueError(f"status {search.status!r} is not one of {STATUSES}")
     limit = max(1, min(search.limit, MAX_PAGE))
-    sql, params = _search_statement(search, limit + 1)
-    rows = list(conn.execute(text(sql), params))
+    statement, params = _search_statement(search, limit + 1)
+    rows = list(conn.execute(sql(statement), params))
     more = len(rows) > limit
     rows = rows[:limit]
     going_up = search.after is not None and search.before is None
@@ -292,7 +296,7 @@ def search_messages(conn: Connection, search: MessageSearch) -> MessagePage:
 
 
 _LAST_ERROR = """LEFT JOIN LATERAL (
-        SELECT c.key, c.last_error FROM commit_log c WHERE c.id = d.message_id LIMIT 1
+        SELECT c.key, c.last_error FROM delaysvc.commit_log c WHERE c.id = d.message_id LIMIT 1
     ) c ON true"""
 """The letter's commit_log row by one primary-key probe per letter (LIMIT 1 keeps the planner
 from turning it into a hash join over the whole commit log)."""
@@ -305,11 +309,11 @@ def dead_groups(conn: Connection, topic: str | None = None, limit: int = 200) ->
     topic_filter = "WHERE d.topic = :topic" if topic is not None else ""
     return list(
         conn.execute(
-            text(
+            sql(
                 f"""
 SELECT topic, error, count(*) AS letters, min(died_at) AS first_died,
        max(died_at) AS last_died, max(message_id) AS newest_id
-FROM (SELECT message_id, topic, died_at, error FROM dead_letter d {topic_filter}
+FROM (SELECT message_id, topic, died_at, error FROM delaysvc.dead_letter d {topic_filter}
       ORDER BY message_id DESC LIMIT :window) recent
 GROUP BY topic, error
 ORDER BY count(*) DESC, topic, max(message_id) DESC LIMIT :limit
@@ -346,9 +350,9 @@ def dead_letters_page(
         params["before"] = before
     rows = list(
         conn.execute(
-            text(
+            sql(
                 "SELECT d.message_id, d.topic, d.died_at, d.reason, d.attempts, c.key, "
-                f"c.last_error FROM dead_letter d {_LAST_ERROR} "
+                f"c.last_error FROM delaysvc.dead_letter d {_LAST_ERROR} "
                 + (f"WHERE {where} " if where else "")
                 + "ORDER BY d.message_id DESC LIMIT :limit"
             ),
@@ -375,8 +379,8 @@ def dead_ids_in_group(
         params["after"] = after
     return list(
         conn.execute(
-            text(
-                "SELECT d.message_id FROM dead_letter d "
+            sql(
+                "SELECT d.message_id FROM delaysvc.dead_letter d "
                 + (f"WHERE {where} " if where else "")
                 + "ORDER BY d.message_id LIMIT :limit"
             ),
@@ -397,10 +401,10 @@ def report_history(conn: Connection, days: int, topic: str | None = None) -> lis
     topic_filter = "AND topic = :topic" if topic is not None else ""
     return list(
         conn.execute(
-            text(
+            sql(
                 "SELECT hour, topic, level, messages, lateness_p50_ms, lateness_p95_ms, "
                 "lateness_p99_ms, lateness_max_ms, duration_p50_ms, duration_p95_ms, "
-                "duration_p99_ms, retried, dead FROM report_hourly "
+                "duration_p99_ms, retried, dead FROM delaysvc.report_hourly "
                 f"WHERE hour > {store.NOW} - make_interval(days => :days) {topic_filter} "
                 "ORDER BY hour, topic, level LIMIT :limit"
             ),

@@ -9,7 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
+
+from delaysvc.sql import sql
 
 
 def insert_token(
@@ -20,8 +22,8 @@ def insert_token(
     topics: Sequence[str] | None = None,
 ) -> None:
     conn.execute(
-        text(
-            "INSERT INTO api_token (name, token_hash, scope, topics) "
+        sql(
+            "INSERT INTO delaysvc.api_token (name, token_hash, scope, topics) "
             "VALUES (:name, :hash, :scope, CAST(:topics AS text[]))"
         ),
         {"name": name, "hash": token_hash, "scope": scope, "topics": topics},
@@ -31,8 +33,8 @@ def insert_token(
 def find_token(conn: Connection, token_hash: str) -> Any:
     """-> the live token (id, name, scope, topics) with this hash, or None."""
     return conn.execute(
-        text(
-            "SELECT id, name, scope, topics FROM api_token "
+        sql(
+            "SELECT id, name, scope, topics FROM delaysvc.api_token "
             "WHERE token_hash = :hash AND revoked_at IS NULL"
         ),
         {"hash": token_hash},
@@ -41,7 +43,9 @@ def find_token(conn: Connection, token_hash: str) -> Any:
 
 def revoke_token(conn: Connection, name: str) -> bool:
     result = conn.execute(
-        text("UPDATE api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"),
+        sql(
+            "UPDATE delaysvc.api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"
+        ),
         {"name": name},
     )
     return result.rowcount >= 1

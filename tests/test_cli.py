@@ -24,7 +24,11 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def _clean_env(**variables: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
+    }
     env.update(variables)
     return env
 

@@ -22,6 +22,7 @@ from delaysvc import store_dashboard as dash
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from delaysvc.sql import qualify
 from delaysvc.tasks.app import STATS_SECONDS
 from delaysvc.web import create_app
 
@@ -673,9 +674,9 @@ def test_keyset_page_walks_the_primary_key_backwards(engine: Engine, producer: P
             dash.MessageSearch(limit=50, status="ready"),
         ):
             sql, params = dash._search_statement(search, search.limit + 1)
-            plan = conn.execute(text("EXPLAIN (FORMAT JSON) " + sql), params).scalar_one()[0][
-                "Plan"
-            ]
+            plan = conn.execute(text("EXPLAIN (FORMAT JSON) " + qualify(sql)), params).scalar_one()[
+                0
+            ]["Plan"]
             assert plan["Node Type"] == "Limit", search
             scan = plan["Plans"][0]
             assert (scan["Node Type"], scan["Index Name"], scan["Scan Direction"]) == (

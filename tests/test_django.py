@@ -63,6 +63,7 @@ from delaysvc.contrib import django as delaysvc_django  # noqa: E402
 from delaysvc.errors import BacklogFull, NotFound, ValidationError  # noqa: E402
 from delaysvc.producer import Producer  # noqa: E402
 from delaysvc.settings import Settings  # noqa: E402
+from delaysvc.sql import table  # noqa: E402
 from tests.conftest import TEST_LEVELS  # noqa: E402
 from tests.django_project.shop.models import Order  # noqa: E402
 from tests.joined_checks import (  # noqa: E402
@@ -120,7 +121,8 @@ def test_a_rollback_stores_neither_the_order_nor_the_message(engine: Engine) -> 
         assert delaysvc_django.get(message.id).status == "scheduled"  # in this transaction
         raise Rollback
     # through Django's cursor: its query log (and execute wrappers) see delaysvc's statements
-    assert sum("INSERT INTO commit_log" in query["sql"] for query in queries) == 1
+    insert = f"INSERT INTO {table('commit_log')}"
+    assert sum(insert in query["sql"] for query in queries) == 1
     assert Order.objects.count() == 0
     assert stored(engine, "order.cancel") == NOTHING
     with pytest.raises(NotFound):

@@ -24,7 +24,11 @@ Record = dict[str, Any]
 
 
 def _env(**variables: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
+    }
     env.update(variables)
     return env
 

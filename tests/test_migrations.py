@@ -77,7 +77,7 @@ def test_upgrade_from_empty_creates_every_table_and_level(empty_engine: Engine) 
     assert tables >= TABLES
     assert _partitions(empty_engine) == [f"consume_queue_{n}" for n in range(1, 6)]
     with empty_engine.connect() as conn:
-        version = conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
+        version = conn.execute(text("SELECT version_num FROM delaysvc_version")).scalar_one()
         lanes = conn.execute(text("SELECT lane, delay_ms FROM schedule_offset ORDER BY lane"))
         assert [tuple(row) for row in lanes] == [
             (0, 0),
@@ -94,7 +94,7 @@ def test_migrated_schema_matches_the_models(empty_engine: Engine) -> None:
     upgrade(empty_engine, _levels(TEST_LEVELS))
 
     def include(obj, name, type_, reflected, compare_to) -> bool:  # type: ignore[no-untyped-def]
-        return not (type_ == "table" and (is_level_partition(name) or name == "alembic_version"))
+        return not (type_ == "table" and (is_level_partition(name) or name == "delaysvc_version"))
 
     with empty_engine.connect() as conn:
         context = MigrationContext.configure(
@@ -109,7 +109,7 @@ def test_downgrade_to_base_removes_everything_and_upgrade_works_again(
 ) -> None:
     upgrade(empty_engine, _levels(TEST_LEVELS))
     downgrade(empty_engine, "base")
-    assert _tables(empty_engine) <= {"alembic_version"}
+    assert _tables(empty_engine) <= {"delaysvc_version"}
     assert _sequences(empty_engine) == set()
     upgrade(empty_engine, _levels(TEST_LEVELS))
     assert _tables(empty_engine) >= TABLES

@@ -23,7 +23,11 @@ JAVA = "apt-get install openjdk-17-jre-headless (Spark needs Java 17 or later)"
 
 
 def _env(**variables: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
+    }
     env.pop("JAVA_HOME", None)
     env.update(PYTHONPATH=str(ROOT), DELAYSVC_DATABASE_URL=NO_DATABASE, **variables)
     return env

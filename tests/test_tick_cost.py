@@ -16,6 +16,7 @@ from sqlalchemy import Connection, Engine, text
 from delaysvc import store
 from delaysvc.bench.scale import fill_lane
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
+from delaysvc.sql import qualify
 
 BATCH = 100
 
@@ -33,6 +34,7 @@ def _prepared_plan(
     """The plan, with shared buffers, of `statement` run as a prepared statement (as psycopg
     runs one it has seen five times) with PostgreSQL's generic or custom plan forced; rolled
     back. `args`: parameter name -> (SQL type, SQL expression for its value)."""
+    statement = qualify(statement)  # the process's schema, as the service's own statements
     for number, name in enumerate(args, start=1):
         statement = re.sub(rf"(?<!:):{name}\b", f"${number}", statement)
     types = ", ".join(kind for kind, _ in args.values())

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.engine import make_url
 
 from delaysvc.bench import report, suites
@@ -30,6 +30,7 @@ from delaysvc.db import database_url, make_engine, sqlalchemy_url
 from delaysvc.errors import MissingPart
 from delaysvc.migrate import upgrade
 from delaysvc.settings import Settings
+from delaysvc.sql import sql
 
 BENCH_DATABASE = "delaysvc_bench"
 
@@ -264,8 +265,8 @@ def bench_database(settings: Settings, name: str = BENCH_DATABASE, migrate: bool
     server = make_url(sqlalchemy_url(database_url(settings, embedded=True)))
     admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        conn.execute(text(f"CREATE DATABASE {name}"))
+        conn.execute(sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        conn.execute(sql(f"CREATE DATABASE {name}"))
     admin.dispose()
     url = server.set(database=name).render_as_string(hide_password=False)
     if migrate:
@@ -279,7 +280,7 @@ def drop_database(settings: Settings, name: str) -> None:
     server = make_url(sqlalchemy_url(database_url(settings, embedded=True)))
     admin = create_engine(server.set(database="postgres"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        conn.execute(sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
     admin.dispose()
 
 

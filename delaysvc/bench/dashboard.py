@@ -15,13 +15,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from delaysvc import auth
 from delaysvc import store_dashboard as dash
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.scale import FILL_CHUNK, LONG_LEVEL_MS, _fill_backlog
 from delaysvc.bench.suites import Figures
+from delaysvc.sql import sql
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -45,7 +46,9 @@ def dashboard_suite(ctx: BenchContext) -> Figures:
         dash.sample_stats(ctx.engine)
     with ctx.engine.connect() as conn:
         newest, table_bytes = conn.execute(
-            text("SELECT max(id), pg_total_relation_size('commit_log') FROM commit_log")
+            sql(
+                "SELECT max(id), pg_total_relation_size('delaysvc.commit_log') FROM delaysvc.commit_log"
+            )
         ).one()
     pages = [
         "/",
@@ -88,10 +91,10 @@ def _fill_finished(engine: Engine, count: int) -> None:
         size = min(FILL_CHUNK, count - chunk)
         with engine.begin() as conn:
             conn.execute(
-                text(
+                sql(
                     """
 WITH m AS (
-    INSERT INTO commit_log (topic, key, body, body_is_json, delay_level, lane, status,
+    INSERT INTO delaysvc.commit_log (topic, key, body, body_is_json, delay_level, lane, status,
         stored_at, deliver_ts, delivered_at, started_at, finished_at, attempts, duration_ms,
         last_error)
     SELECT 'bench.dash.' || (g % :topics), 'order-' || (:start + g), :body, true, 3, 3,
@@ -104,7 +107,7 @@ WITH m AS (
          LATERAL (SELECT now() - interval '7 days' + (:start + g) * interval '50 ms') AS x(t)
     RETURNING id, topic, status, finished_at
 )
-INSERT INTO dead_letter (message_id, topic, died_at, reason, attempts, error)
+INSERT INTO delaysvc.dead_letter (message_id, topic, died_at, reason, attempts, error)
 SELECT id, topic, finished_at, 'retries exhausted', 17,
     'ConnectionError: billing API unreachable' FROM m WHERE status = 'dead'
 """
@@ -113,7 +116,7 @@ SELECT id, topic, finished_at, 'retries exhausted', 17,
             )
         progress.update(chunk + size)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE"))
+        conn.execute(sql("VACUUM ANALYZE"))
     progress.done()
 
 

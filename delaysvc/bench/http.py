@@ -16,13 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import text
-
 from delaysvc import auth
 from delaysvc.bench import raw
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.db import libpq_url
+from delaysvc.sql import sql
 from delaysvc.up import wait_until_answering, web_command
 
 if TYPE_CHECKING:
@@ -118,7 +117,7 @@ def http_suite(ctx: BenchContext) -> Figures:
         web.wait(timeout=30)
     with ctx.engine.connect() as conn:
         stored = conn.execute(
-            text("SELECT count(*) FROM commit_log WHERE topic = :t"), {"t": TOPIC}
+            sql("SELECT count(*) FROM delaysvc.commit_log WHERE topic = :t"), {"t": TOPIC}
         ).scalar_one()
     errors = {k: result[k] for k in ("connect", "read", "write", "status", "timeout")}
     acknowledged = result["requests"] - result["status"]

@@ -35,13 +35,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, create_engine
 
 from delaysvc.bench import raw, record
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.suites import Figures, percentiles, reset_tables
 from delaysvc.db import libpq_url
 from delaysvc.producer import Producer
+from delaysvc.sql import sql
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -417,7 +418,7 @@ def _tables_bytes(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(
             conn.execute(
-                text(
+                sql(
                     "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
                     "WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"
                 )

@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from delaysvc.bench.suites import Figures
+from delaysvc.sql import sql
 
 PEER_SAMPLES = "peer_lateness_ms:"  # + peer label: samples plotted together as CDFs
 PG_SETTINGS = (
@@ -27,8 +28,8 @@ PG_SETTINGS = (
 
 def machine_facts(engine: Engine) -> dict[str, Any]:
     with engine.connect() as conn:
-        version = conn.execute(text("SHOW server_version")).scalar_one()
-        pg = {name: conn.execute(text(f"SHOW {name}")).scalar_one() for name in PG_SETTINGS}
+        version = conn.execute(sql("SHOW server_version")).scalar_one()
+        pg = {name: conn.execute(sql(f"SHOW {name}")).scalar_one() for name in PG_SETTINGS}
     memory_kb = 0
     if Path("/proc/meminfo").exists():
         first = Path("/proc/meminfo").read_text().splitlines()[0]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from delaysvc import health
 from delaysvc.bench.load import send_at_rate
@@ -30,6 +30,7 @@ from delaysvc.bench.peers import DelaysvcPeer
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import BODY, Figures, percentiles
 from delaysvc.producer import Producer
+from delaysvc.sql import sql
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -151,12 +152,14 @@ def _wait_until_running(engine: Engine) -> None:
 
 def _last_id(engine: Engine) -> int:
     with engine.connect() as conn:
-        return int(conn.execute(text("SELECT coalesce(max(id), 0) FROM commit_log")).scalar_one())
+        return int(
+            conn.execute(sql("SELECT coalesce(max(id), 0) FROM delaysvc.commit_log")).scalar_one()
+        )
 
 
 def _running(engine: Engine) -> int:
     with engine.connect() as conn:
-        running = text("SELECT count(*) FROM commit_log WHERE status = 'running'")
+        running = sql("SELECT count(*) FROM delaysvc.commit_log WHERE status = 'running'")
         return int(conn.execute(running).scalar_one())
 
 
@@ -173,7 +176,9 @@ def _succeeded(engine: Engine, first_id: int) -> int:
     with engine.connect() as conn:
         return int(
             conn.execute(
-                text("SELECT count(*) FROM commit_log WHERE id > :id AND status = 'succeeded'"),
+                sql(
+                    "SELECT count(*) FROM delaysvc.commit_log WHERE id > :id AND status = 'succeeded'"
+                ),
                 {"id": first_id},
             ).scalar_one()
         )
@@ -185,11 +190,11 @@ def _window(engine: Engine, first_id: int) -> list[Any]:
     with engine.connect() as conn:
         return list(
             conn.execute(
-                text(
+                sql(
                     "SELECT extract(epoch FROM deliver_ts) AS due, "
                     "extract(epoch FROM delivered_at - deliver_ts) * 1000 AS late_ms, "
                     "extract(epoch FROM started_at - deliver_ts) * 1000 AS start_ms, "
-                    "attempts, status FROM commit_log WHERE id > :id ORDER BY deliver_ts"
+                    "attempts, status FROM delaysvc.commit_log WHERE id > :id ORDER BY deliver_ts"
                 ),
                 {"id": first_id},
             )

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from delaysvc.bench.peers import _rss, _start, _stop
@@ -30,6 +30,7 @@ from delaysvc.bench.suites import BODY, Figures, reset_tables
 from delaysvc.delivery import run_once
 from delaysvc.producer import Producer
 from delaysvc.schema import TIMER_LANE
+from delaysvc.sql import sql
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -72,9 +73,10 @@ def scale_suite(ctx: BenchContext) -> Figures:
     backlog = _measure(ctx, seconds, due, send_level)
     with ctx.engine.connect() as conn:
         table_bytes = conn.execute(
-            text(
+            sql(
                 "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
-                "WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"
+                "WHERE c.relkind IN ('r', 'p') AND c.relnamespace = "
+                "(SELECT relnamespace FROM pg_class WHERE oid = 'delaysvc.commit_log'::regclass)"
             )
         ).scalar_one()
     result: dict[str, Any] = {
@@ -133,18 +135,20 @@ def fill_lane(
 ) -> None:
     """`count` messages in `lane`, as the producer would store them, in one statement;
     `deliver_ts` is an SQL expression for the first one's due time."""
-    sequence = f"consume_queue_{lane}_seq" if lane != TIMER_LANE else "timer_queue_seq"
+    sequence = (
+        f"delaysvc.consume_queue_{lane}_seq" if lane != TIMER_LANE else "delaysvc.timer_queue_seq"
+    )
     target = (
-        ", q AS (INSERT INTO consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
+        ", q AS (INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
         f"SELECT {lane}, queue_offset, id, topic, deliver_ts FROM m) "
         if lane != TIMER_LANE
-        else ", q AS (INSERT INTO timer_queue (deliver_ts, queue_offset, message_id, topic) "
+        else ", q AS (INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic) "
         "SELECT deliver_ts, queue_offset, id, topic FROM m) "
-    ) + f"INSERT INTO lane_count (lane, delta) SELECT {lane}, count(*) FROM m"
+    ) + f"INSERT INTO delaysvc.lane_count (lane, delta) SELECT {lane}, count(*) FROM m"
     with engine.begin() as conn:
         conn.execute(
-            text(
-                "WITH m AS (INSERT INTO commit_log (topic, body, body_is_json, delay_level, lane,"
+            sql(
+                "WITH m AS (INSERT INTO delaysvc.commit_log (topic, body, body_is_json, delay_level, lane,"
                 " queue_offset, status, stored_at, deliver_ts) "
                 f"SELECT :topic, :body, true, {lane or 'NULL'}, {lane}, "
                 f"nextval('{sequence}'), 'scheduled', now(), "
@@ -174,11 +178,11 @@ def _fill_backlog(engine: Engine, pending: int, levels: list[int], settings: Any
             done += size
             progress.update(done)
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE"))
+        conn.execute(sql("VACUUM ANALYZE"))
         # flush the load's dirty pages now, or the checkpoint writing gigabytes competes with
         # the measurement that follows (a service with a backlog is not mid-bulk-load)
         try:
-            conn.execute(text("CHECKPOINT"))
+            conn.execute(sql("CHECKPOINT"))
         except DBAPIError as exc:  # needs superuser or pg_checkpoint: measure regardless
             step(f"scale: no CHECKPOINT after the load ({exc.orig})")
     progress.done()

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from delaysvc.bench.load import send_at_rate
@@ -27,6 +27,7 @@ from delaysvc.bench.peers import DelaysvcPeer, _rss, _start, _stop
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import BODY, Figures
 from delaysvc.producer import Producer
+from delaysvc.sql import sql
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -166,20 +167,20 @@ def _log_waits_and_slow_statements(engine: Engine) -> None:
     can be traced in its log. Needs a superuser; skipped otherwise."""
     with engine.connect() as conn:
         superuser = "SELECT rolsuper FROM pg_roles WHERE rolname = current_user"
-        if not conn.execute(text(superuser)).scalar():
+        if not conn.execute(sql(superuser)).scalar():
             return
         settings = ["log_lock_waits = on", "log_min_duration_statement = 1000"]
         try:
-            conn.execute(text("LOAD 'auto_explain'"))  # a missing library would fail every login
+            conn.execute(sql("LOAD 'auto_explain'"))  # a missing library would fail every login
             settings += [
                 "session_preload_libraries = 'auto_explain'",
                 f"auto_explain.log_min_duration = {SLOW_PLAN_MS}",
             ]
         except DBAPIError:
             conn.rollback()
-        database = conn.execute(text("SELECT current_database()")).scalar_one()
+        database = conn.execute(sql("SELECT current_database()")).scalar_one()
         for setting in settings:
-            conn.execute(text(f'ALTER DATABASE "{database}" SET {setting}'))
+            conn.execute(sql(f'ALTER DATABASE "{database}" SET {setting}'))
         conn.commit()
 
 
@@ -191,7 +192,7 @@ def _warm_up(engine: Engine, producer: Producer) -> None:
     while time.monotonic() < deadline:
         with engine.connect() as conn:
             status = conn.execute(
-                text("SELECT status FROM commit_log WHERE id = :id"), {"id": sent.id}
+                sql("SELECT status FROM delaysvc.commit_log WHERE id = :id"), {"id": sent.id}
             ).scalar_one()
         if status == "succeeded":
             time.sleep(1.5)  # PostgreSQL publishes the statistics at most once a second
@@ -202,10 +203,12 @@ def _warm_up(engine: Engine, producer: Producer) -> None:
 
 def _claimed(engine: Engine) -> int:
     with engine.connect() as conn:
-        conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+        conn.execute(sql("SELECT pg_stat_clear_snapshot()"))
         return int(
             conn.execute(
-                text("SELECT n_tup_del FROM pg_stat_user_tables WHERE relname = 'topic_queue'")
+                sql(
+                    "SELECT n_tup_del FROM pg_stat_user_tables WHERE relid = 'delaysvc.topic_queue'::regclass"
+                )
             ).scalar_one()
         )
 
@@ -225,7 +228,7 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND state <> 'idl
 
 def long_running(conn: Connection, seconds: float = LONG_RUNNING_SECONDS) -> list[dict[str, Any]]:
     """The sessions of this database whose statement or transaction has run over `seconds`."""
-    return [dict(row._mapping) for row in conn.execute(text(_LONG_RUNNING), {"seconds": seconds})]
+    return [dict(row._mapping) for row in conn.execute(sql(_LONG_RUNNING), {"seconds": seconds})]
 
 
 def _sample_until(
@@ -238,14 +241,16 @@ def _sample_until(
     started = time.monotonic()
     while not stop.is_set():
         with engine.connect() as conn:
-            conn.execute(text("SELECT pg_stat_clear_snapshot()"))
+            conn.execute(sql("SELECT pg_stat_clear_snapshot()"))
             stats = {
                 row.relname: row
                 for row in conn.execute(
-                    text(
+                    sql(
                         "SELECT relname, n_tup_del, n_dead_tup, "
                         "pg_total_relation_size(relid) AS bytes FROM pg_stat_user_tables "
-                        "WHERE relname = ANY(:names)"
+                        "WHERE relid IN (SELECT oid FROM pg_class WHERE relnamespace = (SELECT "
+                        "relnamespace FROM pg_class WHERE oid = 'delaysvc.commit_log'::regclass)) "
+                        "AND relname = ANY(:names)"
                     ),
                     {"names": list(HOT_TABLES)},
                 )

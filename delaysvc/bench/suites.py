@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from delaysvc import store
 from delaysvc.bench import raw
@@ -34,6 +34,7 @@ from delaysvc.delivery import LaneRunner, run_once
 from delaysvc.producer import Producer
 from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
+from delaysvc.sql import qualify, sql
 
 NOOP_TOPIC = "bench.noop"
 FLOW_TOPIC = "bench.flow"
@@ -65,19 +66,19 @@ def reset_tables(engine: Engine) -> None:
     """Empty the service's tables between suites (the schema and levels stay)."""
     with engine.begin() as conn:
         conn.execute(
-            text(
-                "TRUNCATE commit_log, consume_queue, timer_queue, topic_queue, dead_letter, "
+            sql(
+                "TRUNCATE delaysvc.commit_log, delaysvc.consume_queue, delaysvc.timer_queue, delaysvc.topic_queue, delaysvc.dead_letter, "
                 "topic_state, lane_count"
             )
         )
         conn.execute(
-            text(
-                "UPDATE schedule_offset SET moved_total = 0, early_total = 0, stuck_offset = NULL,"
+            sql(
+                "UPDATE delaysvc.schedule_offset SET moved_total = 0, early_total = 0, stuck_offset = NULL,"
                 " stuck_error = NULL, stuck_since = NULL"
             )
         )
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE"))
+        conn.execute(sql("VACUUM ANALYZE"))
 
 
 def _send_backlog(producer: Producer, count: int, label: str, **options: Any) -> None:
@@ -155,7 +156,7 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
         started = time.perf_counter()
         for done in range(0, rows, 1000):
             store.stage_rows(cursor, staged)
-            cursor.execute(store.INSERT_STAGED)
+            cursor.execute(qualify(store.INSERT_STAGED))
             cursor.fetchall()
             conn.commit()
             progress.update(done + 1000)
@@ -190,7 +191,7 @@ def delivery_suite(
     _send_backlog(Producer(settings, engine), backlog, "fill level 1", delay_level=1)
     time.sleep(settings.levels.delay_ms(1) / 1000 + 0.1)  # all due
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        conn.execute(text("VACUUM ANALYZE"))
+        conn.execute(sql("VACUUM ANALYZE"))
     moved, started = 0, time.perf_counter()
     progress = Progress("drain", backlog)
     with engine.connect() as conn:
@@ -298,14 +299,18 @@ def _pending(engine: Engine) -> int:
     estimate, which lags after the bench empties the tables between suites."""
     with engine.connect() as conn:
         return conn.execute(
-            text("SELECT (SELECT count(*) FROM consume_queue) + (SELECT count(*) FROM timer_queue)")
+            sql(
+                "SELECT (SELECT count(*) FROM delaysvc.consume_queue) + (SELECT count(*) FROM delaysvc.timer_queue)"
+            )
         ).scalar_one()
 
 
 def _count(engine: Engine, condition: str) -> int:
     with engine.connect() as conn:
         return conn.execute(
-            text(f"SELECT count(*) FROM commit_log c WHERE {condition} AND status <> 'cancelled'")
+            sql(
+                f"SELECT count(*) FROM delaysvc.commit_log c WHERE {condition} AND status <> 'cancelled'"
+            )
         ).scalar_one()
 
 
@@ -313,8 +318,8 @@ def _lateness(engine: Engine, column: str) -> list[float]:
     """`column` (an expression over commit_log c) - deliver_ts, ms, where it is set."""
     with engine.connect() as conn:
         rows = conn.execute(
-            text(
-                f"SELECT date_part('epoch', {column} - deliver_ts) * 1000 FROM commit_log c "
+            sql(
+                f"SELECT date_part('epoch', {column} - deliver_ts) * 1000 FROM delaysvc.commit_log c "
                 f"WHERE {column} IS NOT NULL"
             )
         )

@@ -1,11 +1,18 @@
 """Alembic environment: runs on a connection handed in by `delaysvc.migrate`, or on one opened
-from the settings when the plain `alembic` command is used."""
+from the settings when the plain `alembic` command is used.
+
+Everything is made in delaysvc's own schema (`delaysvc.sql.schema()`), with its own version
+table there (`delaysvc_version`), so an application's Alembic beside it sees neither. The
+revisions name no schema: they run with the search_path set to delaysvc's for their
+transaction only. An install from before the schema moves first (`migrate.adopt_legacy_layout`).
+"""
 
 from typing import Any
 
 from alembic import context
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
+from delaysvc import migrate, sql
 from delaysvc.schema import is_level_partition, metadata
 
 config = context.config
@@ -19,11 +26,20 @@ def include_object(
 
 
 def run_migrations(connection: Connection) -> None:
+    # a test may lay out an old install (schema "public", Alembic's default version table)
+    schema = config.attributes.get("schema", sql.schema())
+    version_table = config.attributes.get("version_table", migrate.VERSION_TABLE)
+    connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+    if config.attributes.get("adopt", True):
+        migrate.adopt_legacy_layout(connection, schema)
+    connection.execute(text(f'SET LOCAL search_path TO "{schema}"'))
     context.configure(
         connection=connection,
         target_metadata=metadata,
         compare_type=True,
         include_object=include_object,
+        version_table=version_table,
+        version_table_schema=schema,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -38,4 +54,5 @@ else:
 
     engine = make_engine(Settings.from_env())
     with engine.begin() as conn:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": migrate.MIGRATION_LOCK})
         run_migrations(conn)

@@ -34,6 +34,7 @@ from delaysvc.levels import DelayLevels
 from delaysvc.pipeline import bulk, store
 from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
+from delaysvc.sql import qualify
 
 log = logging.getLogger(__name__)
 DELAYS = ("5m", "30m", "1h")  # levels 9, 16 and 17 of the default levels
@@ -84,7 +85,7 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
                 cur.execute(store._STAGE)
                 with cur.copy(f"COPY pipeline_bulk_stage ({store.COPY_COLUMNS}) FROM STDIN") as c:
                     c.write(text)
-                cur.execute(store.INSERT_STAGED_NEW)
+                cur.execute(qualify(store.INSERT_STAGED_NEW))
                 ready.wait()
                 conn.rollback()
         except BaseException as exc:
@@ -105,7 +106,9 @@ def insert_ceiling(settings: Settings, rows: int, sessions: int = 2) -> float:
     if errors:
         raise errors[0]
     with psycopg.connect(url, autocommit=True) as conn:  # the rolled-back rows' dead tuples
-        conn.execute("VACUUM commit_log, consume_queue, timer_queue")
+        conn.execute(
+            qualify("VACUUM delaysvc.commit_log, delaysvc.consume_queue, delaysvc.timer_queue")
+        )
     return share * sessions / seconds
 
 

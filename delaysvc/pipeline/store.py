@@ -10,10 +10,11 @@ from datetime import datetime
 from typing import Any
 
 from psycopg.errors import UniqueViolation
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 
 from delaysvc import store as service_store
 from delaysvc.errors import ValidationError
+from delaysvc.sql import qualify, sql
 from delaysvc.validation import validate_topic
 
 FINISHED = ("succeeded", "dead", "cancelled")
@@ -42,44 +43,46 @@ def _archivable(cutoff: datetime) -> str:
 
 
 def database_now(conn: Connection) -> datetime:
-    return conn.execute(text("SELECT now()")).scalar_one()
+    return conn.execute(sql("SELECT now()")).scalar_one()
 
 
 def try_lock_archive(conn: Connection) -> bool:
     """Session-level: held until unlock or the connection closes (a killed run frees it)."""
     return bool(
-        conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": ARCHIVE_LOCK}).scalar_one()
+        conn.execute(sql("SELECT pg_try_advisory_lock(:k)"), {"k": ARCHIVE_LOCK}).scalar_one()
     )
 
 
 def unlock_archive(conn: Connection) -> None:
-    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": ARCHIVE_LOCK})
+    conn.execute(sql("SELECT pg_advisory_unlock(:k)"), {"k": ARCHIVE_LOCK})
 
 
 def archivable_range(conn: Connection, cutoff: datetime) -> tuple[int | None, int | None]:
     row = conn.execute(
-        text(f"SELECT min(c.id), max(c.id) FROM commit_log c WHERE {_archivable(cutoff)}")
+        sql(f"SELECT min(c.id), max(c.id) FROM delaysvc.commit_log c WHERE {_archivable(cutoff)}")
     ).one()
     return row[0], row[1]
 
 
 def archive_query(low: int, high: int, cutoff: datetime) -> str:
     """The archivable rows in [low, high] with their dead letter, as a JDBC subquery."""
-    return (
-        f"(SELECT {_ARCHIVE_COLUMNS} FROM commit_log c "
-        "LEFT JOIN dead_letter d ON d.message_id = c.id "
+    return qualify(
+        f"(SELECT {_ARCHIVE_COLUMNS} FROM delaysvc.commit_log c "
+        "LEFT JOIN delaysvc.dead_letter d ON d.message_id = c.id "
         f"WHERE c.id BETWEEN {int(low)} AND {int(high)} AND {_archivable(cutoff)}) AS archivable"
     )
 
 
 def finished_query() -> str:
     """Every finished message still in PostgreSQL (the report's live half), as a subquery."""
-    return f"(SELECT {_REPORT_COLUMNS} FROM commit_log c WHERE {_FINISHED_SQL}) AS finished"
+    return qualify(
+        f"(SELECT {_REPORT_COLUMNS} FROM delaysvc.commit_log c WHERE {_FINISHED_SQL}) AS finished"
+    )
 
 
 def finished_id_range(conn: Connection) -> tuple[int | None, int | None]:
     row = conn.execute(
-        text(f"SELECT min(c.id), max(c.id) FROM commit_log c WHERE {_FINISHED_SQL}")
+        sql(f"SELECT min(c.id), max(c.id) FROM delaysvc.commit_log c WHERE {_FINISHED_SQL}")
     ).one()
     return row[0], row[1]
 
@@ -87,8 +90,8 @@ def finished_id_range(conn: Connection) -> tuple[int | None, int | None]:
 def range_checksum(conn: Connection, low: int, high: int, cutoff: datetime) -> tuple[int, int]:
     """(rows, sum of id hashes) of the archivable rows in [low, high]."""
     row = conn.execute(
-        text(
-            f"SELECT count(*), COALESCE(sum({ID_HASH_SQL}::numeric), 0) FROM commit_log c "
+        sql(
+            f"SELECT count(*), COALESCE(sum({ID_HASH_SQL}::numeric), 0) FROM delaysvc.commit_log c "
             f"WHERE c.id BETWEEN :low AND :high AND {_archivable(cutoff)}"
         ),
         {"low": low, "high": high},
@@ -101,14 +104,14 @@ def delete_archived(conn: Connection, ids: Sequence[int], cutoff: datetime) -> i
     finished before the cutoff: a dead letter redriven since stays."""
     params = {"ids": list(ids)}
     conn.execute(
-        text(
-            "DELETE FROM dead_letter d USING commit_log c WHERE d.message_id = c.id "
+        sql(
+            "DELETE FROM delaysvc.dead_letter d USING delaysvc.commit_log c WHERE d.message_id = c.id "
             f"AND c.id = ANY(:ids) AND {_archivable(cutoff)}"
         ),
         params,
     )
     return conn.execute(
-        text(f"DELETE FROM commit_log c WHERE c.id = ANY(:ids) AND {_archivable(cutoff)}"),
+        sql(f"DELETE FROM delaysvc.commit_log c WHERE c.id = ANY(:ids) AND {_archivable(cutoff)}"),
         params,
     ).rowcount
 
@@ -120,8 +123,8 @@ def start_run(
     conn: Connection, kind: str, params: dict[str, Any], low: int | None, high: int | None
 ) -> int:
     return conn.execute(
-        text(
-            "INSERT INTO pipeline_run (kind, params, range_from_id, range_to_id) "
+        sql(
+            "INSERT INTO delaysvc.pipeline_run (kind, params, range_from_id, range_to_id) "
             "VALUES (:kind, CAST(:params AS jsonb), :low, :high) RETURNING id"
         ),
         {"kind": kind, "params": json.dumps(params), "low": low, "high": high},
@@ -131,9 +134,9 @@ def start_run(
 def unfinished_runs(conn: Connection, kind: str) -> Sequence[Any]:
     return list(
         conn.execute(
-            text(
+            sql(
                 "SELECT id, params, range_from_id, range_to_id, output_path, checksum "
-                "FROM pipeline_run WHERE kind = :kind AND status = 'running' ORDER BY id"
+                "FROM delaysvc.pipeline_run WHERE kind = :kind AND status = 'running' ORDER BY id"
             ),
             {"kind": kind},
         )
@@ -144,8 +147,8 @@ def verified_archive_folders(conn: Connection) -> list[str]:
     """Folders of archive runs whose copy was verified (the only ones that count)."""
     return list(
         conn.execute(
-            text(
-                "SELECT output_path FROM pipeline_run WHERE kind = 'archive' "
+            sql(
+                "SELECT output_path FROM delaysvc.pipeline_run WHERE kind = 'archive' "
                 "AND status <> 'failed' AND checksum IS NOT NULL AND output_path IS NOT NULL "
                 "ORDER BY id"
             )
@@ -172,14 +175,14 @@ def update_run(conn: Connection, run_id: int, *, finished: bool = False, **value
     if finished:
         sets.append("finished_at = now()")
     conn.execute(
-        text(f"UPDATE pipeline_run SET {', '.join(sets)} WHERE id = :id"),
+        sql(f"UPDATE delaysvc.pipeline_run SET {', '.join(sets)} WHERE id = :id"),
         {"id": run_id, **values},
     )
 
 
 def merge_run_params(conn: Connection, run_id: int, params: dict[str, Any]) -> None:
     conn.execute(
-        text("UPDATE pipeline_run SET params = params || CAST(:p AS jsonb) WHERE id = :id"),
+        sql("UPDATE delaysvc.pipeline_run SET params = params || CAST(:p AS jsonb) WHERE id = :id"),
         {"id": run_id, "p": json.dumps(params)},
     )
 
@@ -200,8 +203,8 @@ def upsert_report(conn: Connection, rows: Sequence[dict[str, Any]], run_id: int)
     names = [n.strip() for n in _REPORT_FIELDS.split(",")]
     updates = ", ".join(f"{n} = EXCLUDED.{n}" for n in names[3:])
     conn.execute(
-        text(
-            f"INSERT INTO report_hourly ({_REPORT_FIELDS}) "
+        sql(
+            f"INSERT INTO delaysvc.report_hourly ({_REPORT_FIELDS}) "
             f"VALUES ({', '.join(':' + n for n in names)}) "
             f"ON CONFLICT (hour, topic, level) DO UPDATE SET {updates}"
         ),
@@ -225,7 +228,7 @@ _STAGE_COLUMNS = (
 # order so parallel partitions holding the same keys lock them in the same order.
 _INSERT_STAGED = f"""
 WITH msg AS (
-    INSERT INTO commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
+    INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
         lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
     SELECT topic, key, tags, body, body_is_json, properties, delay_level, placed.lane,
         {service_store._NEXT_OFFSET.format(lane="placed.lane")},
@@ -278,12 +281,12 @@ def insert_copy_text(conn: Connection, rows: str, *, keys_may_be_held: bool = Tr
         if not keys_may_be_held:
             try:
                 with driver.transaction():  # type: ignore[union-attr]  # a savepoint
-                    cursor.execute(INSERT_STAGED_NEW)
+                    cursor.execute(qualify(INSERT_STAGED_NEW))
                     return _count(cursor.fetchone())
             except UniqueViolation as exc:
                 if exc.diag.constraint_name != KEY_INDEX:
                     raise
-        cursor.execute(INSERT_STAGED_SKIPPING_HELD_KEYS)
+        cursor.execute(qualify(INSERT_STAGED_SKIPPING_HELD_KEYS))
         return _count(cursor.fetchone())
 
 
@@ -328,11 +331,11 @@ def recent_report_rows(
         )
     if topic is not None:
         validate_topic(topic)
-    query = text(
+    query = sql(
         "SELECT hour, topic, level, messages, lateness_p50_ms, lateness_p95_ms, "
         "lateness_p99_ms, lateness_max_ms, duration_p50_ms, duration_p95_ms, duration_p99_ms, "
         "retried, dead, retried::float8 / NULLIF(messages, 0) AS retry_rate, "
-        "dead::float8 / NULLIF(messages, 0) AS dead_rate, run_id FROM report_hourly "
+        "dead::float8 / NULLIF(messages, 0) AS dead_rate, run_id FROM delaysvc.report_hourly "
         "WHERE hour >= date_trunc('hour', now()) - make_interval(hours => :hours - 1) "
         + ("AND topic = :topic " if topic is not None else "")
         + "ORDER BY hour, topic, level"

@@ -20,11 +20,12 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from delaysvc import store
 from delaysvc.levels import format_ms
 from delaysvc.schema import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
+from delaysvc.sql import sql
 
 
 class ServiceCollector(Collector):
@@ -34,7 +35,7 @@ class ServiceCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         with self.engine.begin() as conn:
-            conn.execute(text(f"SET LOCAL statement_timeout = {int(self.timeout)}"))
+            conn.execute(sql(f"SET LOCAL statement_timeout = {int(self.timeout)}"))
             lanes = store.lane_stats(conn)
             topics = store.topic_stats(conn)
             stored = store.messages_stored(conn)

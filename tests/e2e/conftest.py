@@ -17,6 +17,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc import store
 from delaysvc.settings import Settings
+from delaysvc.sql import qualify
 from delaysvc.up import beat_command, web_command, worker_commands
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl
 
@@ -38,7 +39,11 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
 class Service:
     def __init__(self, database_url: str, var_dir: Path, engine: Engine, **settings: str):
         self.engine = engine
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
+        }
         self.env.update(
             DELAYSVC_DATABASE_URL=database_url,
             DELAYSVC_DELAY_LEVELS=TEST_LEVELS,
@@ -126,11 +131,11 @@ class Service:
 
     def scalar(self, sql: str, **params: Any) -> Any:
         with self.engine.connect() as conn:
-            return conn.execute(text(sql), params).scalar()
+            return conn.execute(text(qualify(sql)), params).scalar()
 
     def rows(self, sql: str, **params: Any) -> list[Any]:
         with self.engine.connect() as conn:
-            return list(conn.execute(text(sql), params))
+            return list(conn.execute(text(qualify(sql)), params))
 
     def count_status(self, status: str, topic: str | None = None) -> int:
         return self.scalar(

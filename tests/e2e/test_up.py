@@ -157,7 +157,11 @@ def _assert_one_readable_stream(lines: list[str], port: int) -> None:
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
+    }
     env.pop("XDG_RUNTIME_DIR", None)  # as in a container: the wheel's runtime dir falls back
     env.update(PYTHONPATH=str(ROOT), **extra)
     return env
