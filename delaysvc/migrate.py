@@ -117,8 +117,8 @@ def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> No
             "SELECT c.relname AS name, c.relkind AS kind FROM pg_class c "
             "WHERE c.relnamespace = CAST(:legacy AS regnamespace) AND c.relkind IN ('r', 'p', 'S') "
             # a sequence owned by a column moves with its table
-            "AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_class'::regclass "
-            "AND d.objid = c.oid AND d.deptype IN ('a', 'i')) "
+            "AND NOT (c.relkind = 'S' AND EXISTS (SELECT 1 FROM pg_depend d WHERE "
+            "d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype IN ('a', 'i'))) "
             "ORDER BY c.relname"
         ),
         {"legacy": f'"{legacy}"'},
