@@ -206,7 +206,8 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
         conn.execute(sql(f"CREATE SEQUENCE IF NOT EXISTS delaysvc.{sequence}"))
         conn.execute(
             sql(
-                f"CREATE TABLE IF NOT EXISTS delaysvc.{partition} PARTITION OF delaysvc.consume_queue "
+                f"CREATE TABLE IF NOT EXISTS delaysvc.{partition} PARTITION OF "
+                "delaysvc.consume_queue "
                 f"FOR VALUES IN ({level}) WITH (autovacuum_vacuum_scale_factor = 0.01, "
                 "autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_cost_delay = 0)"
             )
@@ -648,7 +649,8 @@ def find_message_by_key(conn: Statements, topic: str, key: str) -> Any:
     """The unfinished message holding the key, else the newest finished one."""
     return conn.execute(
         sql(
-            f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.topic = :topic AND c.key = :key "
+            f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.topic = :topic AND c.key "
+            "= :key "
             "ORDER BY c.finished_at IS NULL DESC, c.id DESC LIMIT 1"
         ),
         {"topic": topic, "key": key},
@@ -687,7 +689,8 @@ def take_out_of_topic_queue(conn: Statements, message_id: int) -> bool:
 def mark_cancelled(conn: Statements, message_id: int) -> Any:
     return conn.execute(
         sql(
-            "UPDATE delaysvc.commit_log SET status = 'cancelled', finished_at = statement_timestamp(), "
+            "UPDATE delaysvc.commit_log SET status = 'cancelled', finished_at = "
+            "statement_timestamp(), "
             f"lane = -1, queue_offset = NULL WHERE id = :id RETURNING {MESSAGE_COLUMNS}"
         ),
         {"id": message_id},
@@ -929,8 +932,9 @@ def skip_stuck_head(conn: Connection, lane: int) -> int:
         sql(
             f"""
 WITH buried AS (
-    UPDATE delaysvc.commit_log c SET status = 'dead', finished_at = statement_timestamp(), lane = -1,
-        queue_offset = NULL, last_error = :reason
+    UPDATE delaysvc.commit_log c
+    SET status = 'dead', finished_at = statement_timestamp(), lane = -1, queue_offset = NULL,
+        last_error = :reason
     WHERE c.id = :id AND {WAITING} AND {NOT_MOVED}
     RETURNING c.id, c.topic, c.attempts
 )
@@ -960,7 +964,8 @@ RETURNING message_id"""
 def record_heartbeat(conn: Connection, component: str, host: str) -> None:
     conn.execute(
         sql(
-            "INSERT INTO delaysvc.heartbeat (component, seen_at, host) VALUES (:c, clock_timestamp(), :h) "
+            "INSERT INTO delaysvc.heartbeat (component, seen_at, host) VALUES (:c, "
+            "clock_timestamp(), :h) "
             "ON CONFLICT (component) DO UPDATE SET seen_at = EXCLUDED.seen_at, host = EXCLUDED.host"
         ),
         {"c": component, "h": host},
@@ -985,7 +990,8 @@ def slowest_lane_heartbeat(conn: Connection) -> float | None:
         sql(
             "SELECT bool_or(h.seen_at IS NULL) AS unseen, "
             "max(extract(epoch FROM clock_timestamp() - h.seen_at)) AS age "
-            "FROM delaysvc.schedule_offset s LEFT JOIN delaysvc.heartbeat h ON h.component = 'lane ' || s.lane"
+            "FROM delaysvc.schedule_offset s LEFT JOIN delaysvc.heartbeat h ON h.component = "
+            "'lane ' || s.lane"
         )
     ).one()
     return None if row.unseen or row.age is None else float(row.age)
@@ -1159,7 +1165,8 @@ def lane_pending(conn: Statements, lane: int) -> int:
     rows at most between two folds)."""
     return conn.execute(
         sql(
-            "SELECT CAST(COALESCE(sum(delta), 0) AS bigint) FROM delaysvc.lane_count WHERE lane = :lane"
+            "SELECT CAST(COALESCE(sum(delta), 0) AS bigint) FROM delaysvc.lane_count WHERE lane "
+            "= :lane"
         ),
         {"lane": lane},
     ).scalar_one()
@@ -1276,7 +1283,9 @@ SELECT s.lane, s.delay_ms, s.schedule_offset, s.moved_total, s.early_total, s.la
        rate.moved_per_s,
        clock_timestamp() AS now
 FROM delaysvc.schedule_offset s
-LEFT JOIN (SELECT lane, CAST(sum(delta) AS bigint) AS pending FROM delaysvc.lane_count GROUP BY lane) counts
+LEFT JOIN (
+    SELECT lane, CAST(sum(delta) AS bigint) AS pending FROM delaysvc.lane_count GROUP BY lane
+) counts
        ON counts.lane = s.lane
 LEFT JOIN LATERAL (
     SELECT q.deliver_ts FROM delaysvc.consume_queue q WHERE s.lane > 0 AND q.level = s.lane
@@ -1331,7 +1340,8 @@ UPDATE delaysvc.commit_log c SET status = 'running',
     started_at = CASE WHEN claimed.n <= :start_first AND c.attempts = 0
                       THEN clock_timestamp() END,
     lease_until = clock_timestamp() + :lease_seconds * interval '1 second',
-    claim_id = (SELECT nextval('delaysvc.claim_seq')),  -- one per claim: every later change names it
+    -- one per claim: every later change names it
+    claim_id = (SELECT nextval('delaysvc.claim_seq')),
     -- moved by the delivery, which left its commit_log row as it was (see MESSAGE_STATE)
     delivered_at = CASE WHEN c.status = 'ready' THEN c.delivered_at ELSE claimed.enqueued_at END,
     lane = -1, queue_offset = NULL
@@ -1405,7 +1415,8 @@ def running_job(conn: Connection, message_id: int, claim_id: int) -> Any:
     """The job if it is still running under this claim, else None."""
     return conn.execute(
         sql(
-            f"SELECT {MESSAGE_COLUMNS} FROM delaysvc.commit_log WHERE id = :id AND claim_id = :claim_id "
+            f"SELECT {MESSAGE_COLUMNS} FROM delaysvc.commit_log WHERE id = :id AND claim_id = "
+            ":claim_id "
             "AND status = 'running'"
         ),
         {"id": message_id, "claim_id": claim_id},
@@ -1431,7 +1442,8 @@ def _finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) ->
     ids, claims, durations = (list(column) for column in zip(*jobs, strict=True))
     return conn.execute(
         sql(
-            "UPDATE delaysvc.commit_log c SET status = 'succeeded', finished_at = clock_timestamp(), "
+            "UPDATE delaysvc.commit_log c SET status = 'succeeded', finished_at = "
+            "clock_timestamp(), "
             "lease_until = NULL, duration_ms = v.duration_ms "
             "FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[]), "
             "CAST(:durations AS int[])) AS v(id, claim_id, duration_ms) "
@@ -1543,7 +1555,8 @@ def renew_leases(conn: Connection, held: dict[int, list[int]], lease_seconds: in
     return conn.execute(
         sql(
             """
-UPDATE delaysvc.commit_log c SET lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
+UPDATE delaysvc.commit_log c
+SET lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
 FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[])) AS v(id, claim_id)
 WHERE c.id = v.id AND c.claim_id = v.claim_id AND c.status = 'running'
 """
@@ -1654,7 +1667,8 @@ def list_dead(
         conn.execute(
             sql(
                 "SELECT d.message_id, d.topic, d.died_at, d.reason, d.attempts, c.key, "
-                "c.last_error FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON c.id = d.message_id "
+                "c.last_error FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON c.id = "
+                "d.message_id "
                 "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
                 "AND (CAST(:after AS bigint) IS NULL OR d.message_id < :after) "
                 "ORDER BY d.message_id DESC LIMIT :limit"
@@ -1694,7 +1708,8 @@ def dead_ids(
     return list(
         conn.execute(
             sql(
-                "SELECT d.message_id FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON c.id = d.message_id "
+                "SELECT d.message_id FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON "
+                "c.id = d.message_id "
                 "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
                 "AND (CAST(:pattern AS text) IS NULL OR "
                 "     strpos(coalesce(c.last_error, '') || ' ' || d.reason, :pattern) > 0) "
@@ -1719,7 +1734,8 @@ def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
 def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
     conn.execute(
         sql(
-            "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, :hash, :role) "
+            "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, "
+            ":hash, :role) "
             "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
             "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL"
         ),

@@ -44,7 +44,8 @@ def find_token(conn: Connection, token_hash: str) -> Any:
 def revoke_token(conn: Connection, name: str) -> bool:
     result = conn.execute(
         sql(
-            "UPDATE delaysvc.api_token SET revoked_at = now() WHERE name = :name AND revoked_at IS NULL"
+            "UPDATE delaysvc.api_token SET revoked_at = now() WHERE name = :name AND revoked_at "
+            "IS NULL"
         ),
         {"name": name},
     )

@@ -47,7 +47,8 @@ def dashboard_suite(ctx: BenchContext) -> Figures:
     with ctx.engine.connect() as conn:
         newest, table_bytes = conn.execute(
             sql(
-                "SELECT max(id), pg_total_relation_size('delaysvc.commit_log') FROM delaysvc.commit_log"
+                "SELECT max(id), pg_total_relation_size('delaysvc.commit_log') FROM "
+                "delaysvc.commit_log"
             )
         ).one()
     pages = [

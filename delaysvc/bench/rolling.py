@@ -177,7 +177,8 @@ def _succeeded(engine: Engine, first_id: int) -> int:
         return int(
             conn.execute(
                 sql(
-                    "SELECT count(*) FROM delaysvc.commit_log WHERE id > :id AND status = 'succeeded'"
+                    "SELECT count(*) FROM delaysvc.commit_log WHERE id > :id AND status = "
+                    "'succeeded'"
                 ),
                 {"id": first_id},
             ).scalar_one()

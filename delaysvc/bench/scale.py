@@ -139,16 +139,19 @@ def fill_lane(
         f"delaysvc.consume_queue_{lane}_seq" if lane != TIMER_LANE else "delaysvc.timer_queue_seq"
     )
     target = (
-        ", q AS (INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, deliver_ts) "
+        ", q AS (INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, "
+        "deliver_ts) "
         f"SELECT {lane}, queue_offset, id, topic, deliver_ts FROM m) "
         if lane != TIMER_LANE
-        else ", q AS (INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic) "
+        else ", q AS (INSERT INTO delaysvc.timer_queue "
+        "(deliver_ts, queue_offset, message_id, topic) "
         "SELECT deliver_ts, queue_offset, id, topic FROM m) "
     ) + f"INSERT INTO delaysvc.lane_count (lane, delta) SELECT {lane}, count(*) FROM m"
     with engine.begin() as conn:
         conn.execute(
             sql(
-                "WITH m AS (INSERT INTO delaysvc.commit_log (topic, body, body_is_json, delay_level, lane,"
+                "WITH m AS (INSERT INTO delaysvc.commit_log (topic, body, body_is_json, "
+                "delay_level, lane,"
                 " queue_offset, status, stored_at, deliver_ts) "
                 f"SELECT :topic, :body, true, {lane or 'NULL'}, {lane}, "
                 f"nextval('{sequence}'), 'scheduled', now(), "

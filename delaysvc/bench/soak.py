@@ -207,7 +207,8 @@ def _claimed(engine: Engine) -> int:
         return int(
             conn.execute(
                 sql(
-                    "SELECT n_tup_del FROM pg_stat_user_tables WHERE relid = 'delaysvc.topic_queue'::regclass"
+                    "SELECT n_tup_del FROM pg_stat_user_tables WHERE relid = "
+                    "'delaysvc.topic_queue'::regclass"
                 )
             ).scalar_one()
         )

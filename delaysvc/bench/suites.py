@@ -67,13 +67,15 @@ def reset_tables(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
             sql(
-                "TRUNCATE delaysvc.commit_log, delaysvc.consume_queue, delaysvc.timer_queue, delaysvc.topic_queue, delaysvc.dead_letter, "
+                "TRUNCATE delaysvc.commit_log, delaysvc.consume_queue, delaysvc.timer_queue, "
+                "delaysvc.topic_queue, delaysvc.dead_letter, "
                 "topic_state, lane_count"
             )
         )
         conn.execute(
             sql(
-                "UPDATE delaysvc.schedule_offset SET moved_total = 0, early_total = 0, stuck_offset = NULL,"
+                "UPDATE delaysvc.schedule_offset SET moved_total = 0, early_total = 0, "
+                "stuck_offset = NULL,"
                 " stuck_error = NULL, stuck_since = NULL"
             )
         )
@@ -300,7 +302,8 @@ def _pending(engine: Engine) -> int:
     with engine.connect() as conn:
         return conn.execute(
             sql(
-                "SELECT (SELECT count(*) FROM delaysvc.consume_queue) + (SELECT count(*) FROM delaysvc.timer_queue)"
+                "SELECT (SELECT count(*) FROM delaysvc.consume_queue) + (SELECT count(*) FROM "
+                "delaysvc.timer_queue)"
             )
         ).scalar_one()
 
@@ -309,7 +312,8 @@ def _count(engine: Engine, condition: str) -> int:
     with engine.connect() as conn:
         return conn.execute(
             sql(
-                f"SELECT count(*) FROM delaysvc.commit_log c WHERE {condition} AND status <> 'cancelled'"
+                f"SELECT count(*) FROM delaysvc.commit_log c WHERE {condition} AND status <> "
+                "'cancelled'"
             )
         ).scalar_one()
 
@@ -319,7 +323,8 @@ def _lateness(engine: Engine, column: str) -> list[float]:
     with engine.connect() as conn:
         rows = conn.execute(
             sql(
-                f"SELECT date_part('epoch', {column} - deliver_ts) * 1000 FROM delaysvc.commit_log c "
+                f"SELECT date_part('epoch', {column} - deliver_ts) * 1000 FROM "
+                "delaysvc.commit_log c "
                 f"WHERE {column} IS NOT NULL"
             )
         )

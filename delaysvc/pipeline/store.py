@@ -105,7 +105,8 @@ def delete_archived(conn: Connection, ids: Sequence[int], cutoff: datetime) -> i
     params = {"ids": list(ids)}
     conn.execute(
         sql(
-            "DELETE FROM delaysvc.dead_letter d USING delaysvc.commit_log c WHERE d.message_id = c.id "
+            "DELETE FROM delaysvc.dead_letter d USING delaysvc.commit_log c WHERE d.message_id = "
+            "c.id "
             f"AND c.id = ANY(:ids) AND {_archivable(cutoff)}"
         ),
         params,
