@@ -27,6 +27,7 @@ from delaysvc.errors import (
     RetryLater,
     ValidationError,
 )
+from delaysvc.periodic_schedules import periodic
 from delaysvc.producer import Message
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ __all__ = [
     "default_producer",
     "get",
     "handler",
+    "periodic",
     "send",
     "send_batch",
 ]

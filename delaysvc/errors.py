@@ -48,6 +48,12 @@ class DuplicateKey(DelaysvcError):
     code = "duplicate_key"
 
 
+class DeclaredInCode(DelaysvcError):
+    """A periodic schedule declared in code (`@periodic`) is changed there, not at run time."""
+
+    code = "declared_in_code"
+
+
 class BacklogFull(DelaysvcError):
     """A backlog cap with the `reject` policy is reached."""
 

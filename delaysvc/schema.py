@@ -328,6 +328,33 @@ report_hourly = Table(
 )
 
 
+# Periodic schedules (`delaysvc.periodic_schedules`): one row per schedule; `next_tick` is the
+# next tick not yet fired, advanced in the transaction that stores the tick's message, so each
+# tick is one message however many beats run.
+periodic_schedule = Table(
+    "periodic_schedule",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("topic", Text, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("body_is_json", Boolean, nullable=False),
+    Column("cron", Text),
+    Column("every_ms", BigInteger),
+    Column("timezone", Text, nullable=False, server_default=text("'UTC'")),
+    Column("on_missed", Text, nullable=False, server_default=text("'skip'")),
+    Column("declared_in", Text, nullable=False),
+    Column("paused", Boolean, nullable=False, server_default=text("false")),
+    Column("next_tick", Timestamp, nullable=False),
+    Column("last_tick", Timestamp),
+    Column("last_message_id", BigInteger),
+    Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
+    Column("updated_at", Timestamp, nullable=False, server_default=text("now()")),
+    CheckConstraint("(cron IS NULL) <> (every_ms IS NULL)", name="ck_periodic_schedule_spec"),
+    CheckConstraint("on_missed IN ('skip', 'latest')", name="ck_periodic_schedule_on_missed"),
+    CheckConstraint("declared_in IN ('code', 'api')", name="ck_periodic_schedule_declared_in"),
+    Index("ix_periodic_schedule_next_tick", "next_tick", postgresql_where=text("NOT paused")),
+)
+
 SEQUENCES = (timer_queue_seq, topic_queue_seq, claim_seq)
 
 

@@ -58,7 +58,9 @@ def worker_commands(
 
     commands = []
     if delivery:
-        threads = settings.levels.max_level + 3
+        threads = (
+            settings.levels.max_level + 4
+        )  # every lane, and the fold, stats and schedules tasks
         pool = ["-P", "threads", "-c", str(threads)]
         argv = [*CELERY, "worker", "-Q", DELIVERY_QUEUE, *pool, "-n", "delivery@%h", *QUIET]
         commands.append(Command("delivery", argv))

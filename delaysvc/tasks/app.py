@@ -19,6 +19,7 @@ from celery.schedules import schedule
 from celery.signals import setup_logging, worker_init
 from sqlalchemy import Engine
 
+from delaysvc import periodic_schedules as periodic
 from delaysvc.consumption import Consumer, load_handler_modules
 from delaysvc.db import make_engine
 from delaysvc.settings import Settings
@@ -70,6 +71,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         "delaysvc.tasks.delivery",
         "delaysvc.tasks.consume",
         "delaysvc.tasks.stats",
+        "delaysvc.tasks.periodic",
         *settings.handler_modules,
     ]
     app = Celery("delaysvc", broker=broker_url, include=include)
@@ -88,6 +90,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             "delaysvc.deliver_lane": {"queue": DELIVERY_QUEUE},
             "delaysvc.sample_stats": {"queue": DELIVERY_QUEUE},
             "delaysvc.fold_lane_counts": {"queue": DELIVERY_QUEUE},
+            "delaysvc.fire_schedules": {"queue": DELIVERY_QUEUE},
             "delaysvc.*": {"queue": CONSUME_QUEUE},
         },
         task_default_queue=CONSUME_QUEUE,
@@ -116,6 +119,11 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
                 "task": "delaysvc.fold_lane_counts",
                 "schedule": every(FOLD_SECONDS),
                 "options": {"expires": FOLD_SECONDS},
+            },
+            "fire-schedules": {
+                "task": "delaysvc.fire_schedules",
+                "schedule": every(periodic.FIRE_SECONDS),
+                "options": {"expires": periodic.FIRE_SECONDS},
             },
             "sample-stats": {
                 "task": "delaysvc.sample_stats",
@@ -173,7 +181,7 @@ class Runtime:
 
     @cached_property
     def engine(self) -> Engine:
-        return make_engine(self.settings, pool_size=max(5, self.settings.levels.max_level + 3))
+        return make_engine(self.settings, pool_size=max(5, self.settings.levels.max_level + 4))
 
     @cached_property
     def consumer(self) -> Consumer:

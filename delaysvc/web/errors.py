@@ -20,6 +20,7 @@ STATUS = {
     "not_cancellable": 409,
     "duplicate_key": 409,
     "not_stuck": 409,
+    "declared_in_code": 409,
     "backlog_full": 429,
     "schema_not_ready": 503,
     "unavailable": 503,

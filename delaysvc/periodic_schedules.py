@@ -1,0 +1,329 @@
+"""Periodic schedules: a message for a topic at every tick of a cron expression or a fixed
+interval, in a time zone.
+
+A schedule is a row of `periodic_schedule`, declared in code next to the handlers
+(`@periodic("*/5 * * * *", topic="report.build")`, stored when a worker starts) or created at
+run time through the API or the CLI. Beat fires `delaysvc.fire_schedules` every second;
+`fire_due` locks each due schedule (`FOR UPDATE SKIP LOCKED`), stores the tick's message and
+advances `next_tick` in the same transaction. A second beat, or a second worker running the
+same task, skips the locked row and then finds its next tick in the future: one message per
+tick, however many run. The message's key is `periodic:<name>:<tick>`, and its properties name
+the schedule and the tick.
+
+After downtime (no beat running, or the schedule paused and resumed) several ticks may be due.
+`on_missed="skip"` (the default, as Oban's and River's cron) fires only a tick that is at most
+`GRACE` late; `"latest"` fires the most recent missed tick once. Older ticks are never fired.
+A fixed interval is counted from the Unix epoch in UTC, so `every 5m` ticks at :00, :05, ...
+Cron expressions are read by cronsim, in the schedule's time zone (daylight-saving changes as
+cron does them: a time that does not exist that day runs at the next one that does).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypeVar
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from cronsim import CronSim, CronSimError
+from sqlalchemy import Connection, Engine
+
+from delaysvc import store_schedules
+from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
+from delaysvc.levels import format_ms, parse_duration_ms
+from delaysvc.schema import NO_LANE
+from delaysvc.store import NewMessage, insert_message_on
+from delaysvc.validation import encode_body, validate_topic
+
+OnMissed = Literal["skip", "latest"]
+ON_MISSED: tuple[OnMissed, ...] = ("skip", "latest")
+FIRE_SECONDS = 1.0  # beat fires `delaysvc.fire_schedules` this often
+GRACE = timedelta(seconds=60)
+"""A tick fired at most this late is on time; a later one was missed (see the module's text)."""
+MIN_EVERY_MS = 1000
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+MAX_BODY_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A validated schedule (see `schedule()`): what fires, and when."""
+
+    name: str
+    topic: str
+    body: bytes
+    body_is_json: bool
+    cron: str | None
+    every_ms: int | None
+    timezone: str
+    on_missed: OnMissed
+
+    @property
+    def spec(self) -> str:
+        """As a person writes it: the cron expression, or `every 5m`."""
+        return self.cron if self.cron is not None else f"every {format_ms(self.every_ms or 0)}"
+
+    def next_tick(self, after: datetime) -> datetime:
+        """The first tick strictly after `after` (UTC)."""
+        if self.every_ms is not None:
+            step = timedelta(milliseconds=self.every_ms)
+            return _EPOCH + ((after - _EPOCH) // step + 1) * step
+        assert self.cron is not None
+        return next(CronSim(self.cron, after.astimezone(self.zone))).astimezone(UTC)
+
+    def latest_tick(self, at: datetime) -> datetime:
+        """The last tick at or before `at` (UTC)."""
+        if self.every_ms is not None:
+            step = timedelta(milliseconds=self.every_ms)
+            return _EPOCH + ((at - _EPOCH) // step) * step
+        assert self.cron is not None
+        after = (at + timedelta(microseconds=1)).astimezone(self.zone)
+        return next(CronSim(self.cron, after, reverse=True)).astimezone(UTC)
+
+    @property
+    def zone(self) -> ZoneInfo:
+        return ZoneInfo(self.timezone)
+
+    @classmethod
+    def from_row(cls, row: Any) -> Schedule:
+        return cls(
+            row.name,
+            row.topic,
+            bytes(row.body),
+            row.body_is_json,
+            row.cron,
+            row.every_ms,
+            row.timezone,
+            row.on_missed,
+        )
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def schedule(
+    name: str,
+    when: str | timedelta,
+    *,
+    topic: str,
+    body: Any = None,
+    timezone: str = "UTC",
+    on_missed: str = "skip",
+) -> Schedule:
+    """Validate a schedule. `when` is a cron expression of five fields (`*/5 * * * *`; `@daily`
+    and the other shorthands too) or an interval: a duration (`30s`, `1h30m`, a timedelta) or
+    `every <duration>`, at least 1 s. Errors name the field and what is allowed."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValidationError(
+            "name",
+            f"{name!r} is not a schedule name: 1-200 letters, digits and . _ : -, "
+            "starting with a letter or digit",
+        )
+    topic = validate_topic(topic)
+    data, is_json = encode_body(body, MAX_BODY_BYTES)
+    cron, every_ms = _when(when)
+    try:
+        ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError, TypeError):
+        raise ValidationError(
+            "timezone", f"{timezone!r} is not an IANA time zone (such as 'Europe/Berlin', 'UTC')"
+        ) from None
+    if on_missed not in ON_MISSED:
+        raise ValidationError("on_missed", f"{on_missed!r}: use 'skip' or 'latest'")
+    return Schedule(name, topic, data, is_json, cron, every_ms, timezone, on_missed)
+
+
+def _when(when: str | timedelta) -> tuple[str | None, int | None]:
+    if isinstance(when, timedelta):
+        every_ms = int(when / timedelta(milliseconds=1))
+    elif not isinstance(when, str) or not when.strip():
+        raise ValidationError("schedule", "give a cron expression or an interval such as '5m'")
+    elif _looks_like_interval(when):
+        text = when.strip().removeprefix("every").strip()
+        every_ms = parse_duration_ms(text, field="schedule")
+    else:
+        cron = " ".join(when.split())
+        try:
+            CronSim(cron, datetime.now(UTC))
+        except CronSimError as exc:
+            raise ValidationError(
+                "schedule",
+                f"{when!r} is not a cron expression ({exc}); use five fields such as "
+                "'*/5 * * * *', or an interval such as '5m'",
+            ) from None
+        return cron, None
+    if every_ms < MIN_EVERY_MS:
+        raise ValidationError("schedule", f"an interval must be at least 1s, got {when!r}")
+    return None, every_ms
+
+
+def _looks_like_interval(when: str) -> bool:
+    text = when.strip()
+    return text.startswith("every") or (text[0].isdigit() and " " not in text)
+
+
+# ------------------------------------------------------------------ declared in code
+
+_declared: dict[str, Schedule] = {}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def periodic(
+    when: str | timedelta,
+    *,
+    topic: str,
+    body: Any = None,
+    name: str | None = None,
+    timezone: str = "UTC",
+    on_missed: str = "skip",
+) -> Callable[[F], F]:
+    """Declare a schedule in code, next to the handlers (a module in DELAYSVC_HANDLERS):
+
+        @periodic("0 3 * * *", topic="report.nightly", timezone="Europe/Berlin")
+        @handler("report.nightly")
+        def nightly(message): ...
+
+    Also a plain call at module level. The name defaults to the topic. Workers store the
+    declared schedules when they start: a changed one is updated (its next tick computed
+    again), one no longer declared is removed."""
+    declared = schedule(
+        name or topic, when, topic=topic, body=body, timezone=timezone, on_missed=on_missed
+    )
+    existing = _declared.get(declared.name)
+    if existing is not None and existing != declared:
+        raise ConfigError(
+            f"two periodic schedules are named {declared.name!r}: give each its own name="
+        )
+    _declared[declared.name] = declared
+
+    def keep(function: F) -> F:
+        return function
+
+    return keep
+
+
+def declared() -> list[Schedule]:
+    return list(_declared.values())
+
+
+def store_declared(engine: Engine, now: datetime | None = None) -> int:
+    """Store the schedules this process's code declares (a worker's start): new ones are
+    added, changed ones updated, and code-declared ones no longer declared removed; the
+    ones created through the API or the CLI are left alone. -> schedules declared."""
+    with engine.begin() as conn:
+        now = now or store_schedules.database_now(conn)
+        for item in _declared.values():
+            store_schedules.put(conn, item, "code", item.next_tick(now))
+        store_schedules.remove_undeclared(conn, list(_declared))
+    return len(_declared)
+
+
+# ------------------------------------------------------------------ firing
+
+
+@dataclass
+class Fired:
+    fired: int = 0
+    skipped: int = 0
+
+
+def fire_due(engine: Engine, now: datetime | None = None, limit: int = 100) -> Fired:
+    """Fire every due schedule's tick (one transaction; see the module's text)."""
+    result = Fired()
+    with engine.begin() as conn:
+        now = now or store_schedules.database_now(conn)
+        for row in store_schedules.lock_due(conn, now, limit):
+            item = Schedule.from_row(row)
+            latest = item.latest_tick(now)
+            message_id = None
+            if now - latest <= GRACE or item.on_missed == "latest":
+                message_id = _fire(conn, item, latest)
+                result.fired += 1
+            else:
+                result.skipped += 1
+            store_schedules.advance(
+                conn, item.name, item.next_tick(now), latest if message_id else None, message_id
+            )
+    return result
+
+
+def _fire(conn: Connection, item: Schedule, tick: datetime) -> int:
+    tick_text = tick.isoformat()
+    message = NewMessage(
+        topic=item.topic,
+        body=item.body,
+        body_is_json=item.body_is_json,
+        lane=NO_LANE,
+        delay_level=0,
+        delay_ms=0,
+        deliver_at=None,
+        key=f"periodic:{item.name}:{tick_text}",
+        properties={"periodic": item.name, "tick": tick_text},
+    )
+    row, _created, _ = insert_message_on(conn, message)
+    return int(row.id)
+
+
+class Schedules:
+    """Schedules at run time, for the API, the CLI and the dashboard: list them, create or
+    replace one, pause, resume, delete. Those declared in code may be paused and resumed only."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def list(self) -> list[Any]:
+        with self.engine.connect() as conn:
+            return store_schedules.all_schedules(conn)
+
+    def get(self, name: str) -> Any:
+        with self.engine.connect() as conn:
+            return _found(store_schedules.get(conn, name), name)
+
+    def put(self, item: Schedule) -> tuple[Any, bool]:
+        """Create `item`, or replace the schedule of its name. -> (row, created)."""
+        with self.engine.begin() as conn:
+            existing = store_schedules.get(conn, item.name, lock=True)
+            if existing is not None and existing.declared_in == "code":
+                raise DeclaredInCode(
+                    f"schedule {item.name!r} is declared in code (@periodic): change it there"
+                )
+            now = store_schedules.database_now(conn)
+            store_schedules.put(conn, item, "api", item.next_tick(now))
+            return store_schedules.get(conn, item.name), existing is None
+
+    def pause(self, name: str) -> Any:
+        with self.engine.begin() as conn:
+            return _found(store_schedules.set_paused(conn, name, True, None), name)
+
+    def resume(self, name: str) -> Any:
+        with self.engine.begin() as conn:
+            row = _found(store_schedules.get(conn, name, lock=True), name)
+            now = store_schedules.database_now(conn)
+            next_tick = Schedule.from_row(row).next_tick(now) if row.paused else None
+            return store_schedules.set_paused(conn, name, False, next_tick)
+
+    def delete(self, name: str) -> None:
+        with self.engine.begin() as conn:
+            row = _found(store_schedules.get(conn, name, lock=True), name)
+            if row.declared_in == "code":
+                raise DeclaredInCode(
+                    f"schedule {name!r} is declared in code (@periodic): remove it there, "
+                    "or pause it"
+                )
+            store_schedules.delete(conn, name)
+
+
+def _found(row: Any, name: str) -> Any:
+    if row is None:
+        raise NotFound(f"no periodic schedule is named {name!r}")
+    return row
+
+
+def ticks(item: Schedule, start: datetime, count: int) -> Iterator[datetime]:
+    """The next `count` ticks after `start` (for the dashboard and `schedules list`)."""
+    at = start
+    for _ in range(count):
+        at = item.next_tick(at)
+        yield at

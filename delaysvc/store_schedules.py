@@ -1,0 +1,140 @@
+"""The statements on periodic schedules (`periodic_schedule`), each named for what it does.
+Callers own the transaction (see `delaysvc.periodic_schedules`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection
+
+from delaysvc.sql import sql
+
+if TYPE_CHECKING:
+    from delaysvc.periodic_schedules import Schedule
+
+COLUMNS = """name, topic, body, body_is_json, cron, every_ms, timezone, on_missed, declared_in,
+    paused, next_tick, last_tick, last_message_id, created_at, updated_at"""
+
+
+def database_now(conn: Connection) -> datetime:
+    now: datetime = conn.execute(sql("SELECT statement_timestamp()")).scalar_one()
+    return now
+
+
+def put(conn: Connection, item: Schedule, declared_in: str, next_tick: datetime) -> None:
+    """Add or update a schedule (its paused flag and history kept); one that is the same is
+    not written. Its next tick is computed again only when its timing changed."""
+    conn.execute(
+        sql(
+            f"""
+INSERT INTO delaysvc.periodic_schedule AS s (name, topic, body, body_is_json, cron, every_ms,
+    timezone, on_missed, declared_in, next_tick)
+VALUES (:name, :topic, :body, :body_is_json, :cron, :every_ms, :timezone, :on_missed,
+    :declared_in, :next_tick)
+ON CONFLICT (name) DO UPDATE SET topic = EXCLUDED.topic, body = EXCLUDED.body,
+    body_is_json = EXCLUDED.body_is_json, cron = EXCLUDED.cron, every_ms = EXCLUDED.every_ms,
+    timezone = EXCLUDED.timezone, on_missed = EXCLUDED.on_missed,
+    declared_in = EXCLUDED.declared_in, updated_at = statement_timestamp(),
+    next_tick = CASE WHEN (s.cron, s.every_ms, s.timezone)
+        IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.every_ms, EXCLUDED.timezone)
+        THEN EXCLUDED.next_tick ELSE s.next_tick END
+WHERE (s.topic, s.body, s.body_is_json, s.cron, s.every_ms, s.timezone, s.on_missed,
+    s.declared_in) IS DISTINCT FROM (EXCLUDED.topic, EXCLUDED.body, EXCLUDED.body_is_json,
+    EXCLUDED.cron, EXCLUDED.every_ms, EXCLUDED.timezone, EXCLUDED.on_missed,
+    EXCLUDED.declared_in)
+RETURNING {COLUMNS}"""
+        ),
+        {
+            "name": item.name,
+            "topic": item.topic,
+            "body": item.body,
+            "body_is_json": item.body_is_json,
+            "cron": item.cron,
+            "every_ms": item.every_ms,
+            "timezone": item.timezone,
+            "on_missed": item.on_missed,
+            "declared_in": declared_in,
+            "next_tick": next_tick,
+        },
+    )
+
+
+def remove_undeclared(conn: Connection, names: Sequence[str]) -> int:
+    """Remove the code-declared schedules not among `names`. -> how many."""
+    return conn.execute(
+        sql(
+            "DELETE FROM delaysvc.periodic_schedule WHERE declared_in = 'code' "
+            "AND name <> ALL(CAST(:names AS text[]))"
+        ),
+        {"names": list(names)},
+    ).rowcount
+
+
+def lock_due(conn: Connection, now: datetime, limit: int) -> list[Any]:
+    """The running schedules whose next tick has come, locked for this transaction; one that
+    another transaction holds is skipped (it is being fired)."""
+    return list(
+        conn.execute(
+            sql(
+                f"SELECT {COLUMNS} FROM delaysvc.periodic_schedule "
+                "WHERE NOT paused AND next_tick <= :now ORDER BY next_tick LIMIT :limit "
+                "FOR UPDATE SKIP LOCKED"
+            ),
+            {"now": now, "limit": limit},
+        )
+    )
+
+
+def advance(
+    conn: Connection,
+    name: str,
+    next_tick: datetime,
+    fired_tick: datetime | None,
+    message_id: int | None,
+) -> None:
+    conn.execute(
+        sql(
+            "UPDATE delaysvc.periodic_schedule SET next_tick = :next_tick, "
+            "last_tick = COALESCE(:fired, last_tick), "
+            "last_message_id = COALESCE(:message_id, last_message_id) WHERE name = :name"
+        ),
+        {"name": name, "next_tick": next_tick, "fired": fired_tick, "message_id": message_id},
+    )
+
+
+def all_schedules(conn: Connection) -> list[Any]:
+    return list(
+        conn.execute(sql(f"SELECT {COLUMNS} FROM delaysvc.periodic_schedule ORDER BY name"))
+    )
+
+
+def get(conn: Connection, name: str, lock: bool = False) -> Any:
+    suffix = " FOR UPDATE" if lock else ""
+    return conn.execute(
+        sql(f"SELECT {COLUMNS} FROM delaysvc.periodic_schedule WHERE name = :name{suffix}"),
+        {"name": name},
+    ).first()
+
+
+def set_paused(conn: Connection, name: str, paused: bool, next_tick: datetime | None) -> Any:
+    """Pause, or resume from `next_tick` (the first tick after now: a pause is not caught up).
+    -> the row, or None if there is no such schedule."""
+    return conn.execute(
+        sql(
+            f"UPDATE delaysvc.periodic_schedule SET paused = :paused, "
+            "next_tick = COALESCE(:next_tick, next_tick), updated_at = statement_timestamp() "
+            f"WHERE name = :name RETURNING {COLUMNS}"
+        ),
+        {"name": name, "paused": paused, "next_tick": next_tick},
+    ).first()
+
+
+def delete(conn: Connection, name: str) -> bool:
+    return (
+        conn.execute(
+            sql("DELETE FROM delaysvc.periodic_schedule WHERE name = :name"), {"name": name}
+        ).rowcount
+        > 0
+    )

@@ -1,0 +1,221 @@
+"""Periodic schedules (`delaysvc.periodic_schedules`): validation, ticks in a time zone, one
+message per tick however many fire at once, the policy after downtime, pause and resume,
+schedules declared in code. The end-to-end test with several beats and workers is in
+tests/e2e/test_periodic_e2e.py."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine, text
+
+from delaysvc import periodic_schedules as periodic
+from delaysvc import store_schedules
+from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
+from delaysvc.periodic_schedules import Schedules, fire_due, schedule
+
+T0 = datetime(2026, 11, 25, 10, 0, 0, tzinfo=UTC)
+
+
+@pytest.fixture(autouse=True)
+def no_declarations() -> Iterator[None]:
+    saved = dict(periodic._declared)
+    periodic._declared.clear()
+    yield
+    periodic._declared.clear()
+    periodic._declared.update(saved)
+
+
+def _put(engine: Engine, item: periodic.Schedule, next_tick: datetime) -> None:
+    with engine.begin() as conn:
+        store_schedules.put(conn, item, "api", next_tick)
+
+
+def _messages(engine: Engine, name: str) -> list[tuple[str, str, dict[str, str]]]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT key, status, properties FROM commit_log "
+                "WHERE properties->>'periodic' = :name ORDER BY id"
+            ),
+            {"name": name},
+        )
+        return [(row.key, row.status, row.properties) for row in rows]
+
+
+# ------------------------------------------------------------------ what a schedule is
+
+
+@pytest.mark.parametrize(
+    ("when", "field", "says"),
+    [
+        ("*/5 * * *", "schedule", "not a cron expression"),
+        ("61 * * * *", "schedule", "not a cron expression"),
+        ("500ms", "schedule", "at least 1s"),
+        ("every 5x", "schedule", "not a duration"),
+        ("", "schedule", "cron expression or an interval"),
+    ],
+)
+def test_a_bad_schedule_is_refused_naming_what_is_allowed(when: str, field: str, says: str) -> None:
+    with pytest.raises(ValidationError, match=says) as caught:
+        schedule("s", when, topic="t")
+    assert caught.value.field == field
+
+
+def test_a_bad_name_time_zone_or_policy_is_refused_naming_it() -> None:
+    with pytest.raises(ValidationError, match="not a schedule name") as caught:
+        schedule("has space", "1m", topic="t")
+    assert caught.value.field == "name"
+    with pytest.raises(ValidationError, match="IANA time zone") as caught:
+        schedule("s", "0 3 * * *", topic="t", timezone="Mars/Olympus")
+    assert caught.value.field == "timezone"
+    with pytest.raises(ValidationError, match="'skip' or 'latest'") as caught:
+        schedule("s", "1m", topic="t", on_missed="all")
+    assert caught.value.field == "on_missed"
+
+
+def test_an_interval_ticks_on_multiples_of_itself_from_the_epoch() -> None:
+    every = schedule("s", "every 5m", topic="t")
+    assert (every.cron, every.every_ms, every.spec) == (None, 300_000, "every 5m")
+    at = T0 + timedelta(minutes=2, seconds=7)
+    assert every.next_tick(at) == T0 + timedelta(minutes=5)
+    assert every.latest_tick(at) == T0
+    assert every.next_tick(T0) == T0 + timedelta(minutes=5)  # strictly after
+    assert every.latest_tick(T0) == T0  # at or before
+    assert schedule("s", timedelta(seconds=30), topic="t").every_ms == 30_000
+
+
+def test_a_cron_expression_ticks_in_its_time_zone_across_daylight_saving() -> None:
+    nightly = schedule("s", "30 2 * * *", topic="t", timezone="Europe/Berlin")
+    # 2026-03-29: 02:30 does not exist in Berlin (clocks go 02:00 -> 03:00): cron runs at 03:00
+    before = datetime(2026, 3, 28, 12, 0, tzinfo=UTC)
+    first = nightly.next_tick(before)
+    assert first == datetime(2026, 3, 29, 1, 0, tzinfo=UTC)  # 03:00 CEST
+    assert nightly.next_tick(first) == datetime(2026, 3, 30, 0, 30, tzinfo=UTC)  # 02:30 CEST
+    winter = datetime(2026, 1, 10, 12, 0, tzinfo=UTC)
+    assert nightly.next_tick(winter) == datetime(2026, 1, 11, 1, 30, tzinfo=UTC)  # 02:30 CET
+    assert nightly.latest_tick(winter) == datetime(2026, 1, 10, 1, 30, tzinfo=UTC)
+
+
+# ------------------------------------------------------------------ firing
+
+
+def test_a_due_tick_becomes_one_ready_message_and_the_next_tick_is_set(engine: Engine) -> None:
+    item = schedule("every2", "2s", topic="t.periodic", body={"n": 1})
+    _put(engine, item, T0)
+    assert fire_due(engine, now=T0 - timedelta(milliseconds=1)).fired == 0  # not yet
+    assert fire_due(engine, now=T0 + timedelta(milliseconds=400)).fired == 1
+    assert fire_due(engine, now=T0 + timedelta(milliseconds=600)).fired == 0  # once
+    tick = T0.isoformat()
+    assert _messages(engine, "every2") == [
+        (f"periodic:every2:{tick}", "ready", {"periodic": "every2", "tick": tick})
+    ]
+    row = Schedules(engine).get("every2")
+    assert row.next_tick == T0 + timedelta(seconds=2)
+    assert row.last_tick == T0 and row.last_message_id is not None
+
+
+@pytest.mark.parametrize(("policy", "fired"), [("skip", 0), ("latest", 1)])
+def test_after_downtime_missed_ticks_are_skipped_or_the_latest_runs_once(
+    engine: Engine, policy: str, fired: int
+) -> None:
+    item = schedule("hourly", "0 * * * *", topic="t.periodic", on_missed=policy)
+    _put(engine, item, T0)
+    now = T0 + timedelta(hours=5, minutes=20)  # five ticks missed, the last 20 minutes ago
+    result = fire_due(engine, now=now)
+    assert (result.fired, result.skipped) == (fired, 1 - fired)
+    latest = (T0 + timedelta(hours=5)).isoformat()
+    assert [key for key, _, _ in _messages(engine, "hourly")] == (
+        [f"periodic:hourly:{latest}"] if fired else []
+    )
+    assert Schedules(engine).get("hourly").next_tick == T0 + timedelta(hours=6)
+    # a tick only a little late is on time under either policy
+    assert fire_due(engine, now=T0 + timedelta(hours=6, seconds=30)).fired == 1
+
+
+def test_four_firers_at_once_fire_each_tick_exactly_once(engine: Engine) -> None:
+    """As several beats (or one beat's task on several workers) would: every tick of a 1 s
+    schedule over 4 s is reported fired by exactly one of them (the key would hide a second
+    message, so the firers' own counts are what is checked)."""
+    now = datetime.now(UTC)
+    item = schedule("every1", "1s", topic="t.periodic")
+    _put(engine, item, item.next_tick(now))
+    counts = [0] * 4
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def fire(index: int) -> None:
+        try:
+            while not stop.is_set():
+                counts[index] += fire_due(engine).fired
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fire, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    threading.Event().wait(4.2)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    keys = [key for key, _, _ in _messages(engine, "every1")]
+    assert len(keys) == len(set(keys)) == sum(counts)
+    assert 3 <= len(keys) <= 5
+    ticks = sorted(datetime.fromisoformat(key.split(":", 2)[2]) for key in keys)
+    assert all(b - a == timedelta(seconds=1) for a, b in itertools.pairwise(ticks))
+
+
+def test_a_paused_schedule_does_not_fire_and_resumes_from_the_next_tick(engine: Engine) -> None:
+    item = schedule("paused", "1s", topic="t.periodic")
+    _put(engine, item, T0)
+    schedules = Schedules(engine)
+    assert schedules.pause("paused").paused
+    assert fire_due(engine, now=T0 + timedelta(seconds=5)).fired == 0
+    resumed = schedules.resume("paused")
+    assert not resumed.paused
+    assert resumed.next_tick > datetime.now(UTC) - timedelta(seconds=1)  # not caught up
+    with pytest.raises(NotFound, match="no periodic schedule is named 'nope'"):
+        schedules.pause("nope")
+
+
+# ------------------------------------------------------------------ declared in code
+
+
+def test_declared_schedules_are_stored_updated_and_removed_and_kept_from_run_time_changes(
+    engine: Engine,
+) -> None:
+    periodic.periodic("0 3 * * *", topic="report.nightly", timezone="Europe/Berlin")
+    periodic.periodic("every 10m", topic="cache.warm", name="warm")
+    schedules = Schedules(engine)
+    schedules.put(schedule("from-api", "1h", topic="t.api"))
+    assert periodic.store_declared(engine, now=T0) == 2
+    rows = {row.name: row for row in schedules.list()}
+    assert set(rows) == {"report.nightly", "warm", "from-api"}
+    assert rows["report.nightly"].declared_in == "code"
+    assert rows["report.nightly"].next_tick == datetime(2026, 11, 26, 2, 0, tzinfo=UTC)
+    with pytest.raises(DeclaredInCode, match="declared in code"):
+        schedules.put(schedule("warm", "1m", topic="cache.warm"))
+    with pytest.raises(DeclaredInCode):
+        schedules.delete("warm")
+    assert schedules.pause("warm").paused  # pausing one is fine
+
+    periodic._declared.clear()  # the next release: one changed, one gone
+    periodic.periodic("every 5m", topic="cache.warm", name="warm")
+    periodic.store_declared(engine, now=T0 + timedelta(minutes=1))
+    rows = {row.name: row for row in schedules.list()}
+    assert set(rows) == {"warm", "from-api"}
+    assert rows["warm"].every_ms == 300_000 and rows["warm"].paused  # kept paused
+    assert rows["warm"].next_tick == T0 + timedelta(minutes=5)
+    schedules.delete("from-api")
+    assert [row.name for row in schedules.list()] == ["warm"]
+
+
+def test_two_declarations_of_one_name_are_refused() -> None:
+    periodic.periodic("1m", topic="a")
+    with pytest.raises(ConfigError, match="two periodic schedules are named 'a'"):
+        periodic.periodic("2m", topic="a")
