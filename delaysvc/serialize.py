@@ -1,9 +1,10 @@
-"""JSON shapes of messages, lanes, topics and dead letters, shared by the HTTP API and the
-CLI's `--json`."""
+"""JSON shapes of messages, lanes, topics, dead letters and periodic schedules, shared by the
+HTTP API and the CLI's `--json`."""
 
 from __future__ import annotations
 
 import base64
+import json
 from datetime import datetime
 from typing import Any
 
@@ -95,4 +96,26 @@ def dead_letter_json(row: Any) -> dict[str, Any]:
         "reason": row.reason,
         "attempts": row.attempts,
         "last_error": row.last_error,
+    }
+
+
+def schedule_json(row: Any) -> dict[str, Any]:
+    """A periodic schedule (`periodic_schedule` row)."""
+    body = bytes(row.body)
+    return {
+        "name": row.name,
+        "topic": row.topic,
+        "schedule": row.cron if row.cron is not None else f"every {format_ms(row.every_ms)}",
+        "timezone": row.timezone,
+        "on_missed": row.on_missed,
+        "declared_in": row.declared_in,
+        "paused": row.paused,
+        "next_tick": iso(row.next_tick),
+        "last_tick": iso(row.last_tick),
+        "last_message_id": row.last_message_id,
+        **(
+            {"body": json.loads(body)}
+            if row.body_is_json
+            else {"body_base64": base64.b64encode(body).decode()}
+        ),
     }

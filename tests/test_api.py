@@ -459,6 +459,7 @@ def _spec_paths(app: Flask) -> set[tuple[str, str]]:
     for rule in app.url_map.iter_rules():
         if rule.rule.startswith("/api/v1/"):
             path = rule.rule[len("/api/v1") :].replace("<int:message_id>", "{message_id}")
+            path = path.replace("<name>", "{name}")
             served |= {(path, m.lower()) for m in rule.methods - {"HEAD", "OPTIONS"}}
     return served
 
@@ -621,3 +622,106 @@ def test_admin_routes_refuse_a_send_token(app: Flask, send_token: dict[str, str]
     client = app.test_client()
     assert client.get("/api/v1/dead", headers=send_token).status_code == 403
     assert client.post("/api/v1/dead/1/redrive", headers=send_token).status_code == 403
+
+
+def test_periodic_schedules_through_the_api(
+    client: FlaskClient,
+    admin_token: dict[str, str],
+    send_token: dict[str, str],
+    engine: Engine,
+) -> None:
+    import jsonschema
+
+    from delaysvc import periodic_schedules
+
+    paths = client.get("/api/v1/openapi.json").get_json()["paths"]
+
+    def checked(response: Any, path: str, method: str, status: int) -> Any:
+        assert response.status_code == status, response.get_json()
+        declared = paths[path][method]["responses"][str(status)]
+        jsonschema.validate(response.get_json(), declared["content"]["application/json"]["schema"])
+        return response.get_json()
+
+    new = {"schedule": "*/5 * * * *", "topic": "report.build", "body": {"kind": "short"}}
+    created = checked(
+        client.put("/api/v1/schedules/reports", json=new, headers=admin_token),
+        "/schedules/{name}",
+        "put",
+        201,
+    )
+    assert created["schedule"] == "*/5 * * * *" and created["body"] == {"kind": "short"}
+    assert created["declared_in"] == "api" and created["next_tick"] is not None
+    replaced = checked(
+        client.put(
+            "/api/v1/schedules/reports",
+            json=new | {"schedule": "every 1h", "timezone": "Europe/Berlin"},
+            headers=admin_token,
+        ),
+        "/schedules/{name}",
+        "put",
+        200,
+    )
+    assert (replaced["schedule"], replaced["timezone"]) == ("every 1h", "Europe/Berlin")
+    listed = checked(client.get("/api/v1/schedules", headers=admin_token), "/schedules", "get", 200)
+    assert [item["name"] for item in listed["schedules"]] == ["reports"]
+    paused = checked(
+        client.post("/api/v1/schedules/reports/pause", headers=admin_token),
+        "/schedules/{name}/pause",
+        "post",
+        200,
+    )
+    assert paused["paused"] is True
+    resumed = checked(
+        client.post("/api/v1/schedules/reports/resume", headers=admin_token),
+        "/schedules/{name}/resume",
+        "post",
+        200,
+    )
+    assert resumed["paused"] is False
+
+    bad = client.put(
+        "/api/v1/schedules/reports", json=new | {"schedule": "61 * * * *"}, headers=admin_token
+    )
+    assert "not a cron expression" in _error(bad, 400, "invalid")
+    bad = client.put("/api/v1/schedules/reports", json=new | {"timezone": 5}, headers=admin_token)
+    assert "IANA time zone" in _error(bad, 400, "invalid")
+    assert client.get("/api/v1/schedules", headers=send_token).status_code == 403
+    _error(client.post("/api/v1/schedules/nope/pause", headers=admin_token), 404, "not_found")
+
+    periodic_schedules._declared.clear()
+    try:
+        periodic_schedules.periodic("1m", topic="t.code", name="from-code")
+        periodic_schedules.store_declared(engine)
+    finally:
+        periodic_schedules._declared.clear()
+    conflict = client.put("/api/v1/schedules/from-code", json=new, headers=admin_token)
+    assert "declared in code" in _error(conflict, 409, "declared_in_code")
+    conflict = client.delete("/api/v1/schedules/from-code", headers=admin_token)
+    assert "declared in code" in _error(conflict, 409, "declared_in_code")
+    deleted = checked(
+        client.delete("/api/v1/schedules/reports", headers=admin_token),
+        "/schedules/{name}",
+        "delete",
+        200,
+    )
+    assert deleted == {"deleted": "reports"}
+    _error(client.get("/api/v1/schedules/reports", headers=admin_token), 404, "not_found")
+
+
+def test_an_admin_token_limited_to_topics_sees_and_changes_only_their_schedules(
+    client: FlaskClient, admin_token: dict[str, str], engine: Engine
+) -> None:
+    limited = {
+        "Authorization": "Bearer " + auth.create_token(engine, "orders-ops", "admin", ["orders"])
+    }
+    mine = {"schedule": "1m", "topic": "orders"}
+    theirs = {"schedule": "1m", "topic": "billing"}
+    assert client.put("/api/v1/schedules/a", json=mine, headers=limited).status_code == 201
+    assert client.put("/api/v1/schedules/b", json=theirs, headers=admin_token).status_code == 201
+    refused = client.put("/api/v1/schedules/c", json=theirs, headers=limited)
+    assert refused.status_code == 403
+    listed = client.get("/api/v1/schedules", headers=limited).get_json()["schedules"]
+    assert [item["name"] for item in listed] == ["a"]
+    for call in (client.get, client.delete):
+        assert call("/api/v1/schedules/b", headers=limited).status_code == 404
+    assert client.post("/api/v1/schedules/b/pause", headers=limited).status_code == 404

@@ -13,8 +13,15 @@ from werkzeug.exceptions import Forbidden
 from delaysvc import store
 from delaysvc.auth import ApiToken, authenticate_token
 from delaysvc.dead_letters import DeadLetters
-from delaysvc.errors import ValidationError
-from delaysvc.serialize import dead_letter_json, lane_json, message_json, topic_json
+from delaysvc.errors import NotFound, ValidationError
+from delaysvc.periodic_schedules import Schedules, schedule
+from delaysvc.serialize import (
+    dead_letter_json,
+    lane_json,
+    message_json,
+    schedule_json,
+    topic_json,
+)
 from delaysvc.validation import validate_topic
 from delaysvc.web.errors import error_response
 
@@ -203,6 +210,70 @@ def dead_letters():
 def redrive(message_id: int):
     letters = DeadLetters(services()["engine"])
     return jsonify(message_json(letters.redrive(message_id, topics=token().topics)))
+
+
+def _schedules() -> Schedules:
+    return Schedules(services()["engine"])
+
+
+def _visible_schedule(name: str) -> Any:
+    """The schedule, if it is of one of the token's topics (else 404, as if it did not exist)."""
+    row = _schedules().get(name)
+    if not token().allows(row.topic):
+        raise NotFound(f"no periodic schedule is named {name!r}")
+    return row
+
+
+@api.get("/schedules")
+@requires("admin")
+def list_schedules():
+    rows = [row for row in _schedules().list() if token().allows(row.topic)]
+    return jsonify({"schedules": [schedule_json(row) for row in rows]})
+
+
+@api.get("/schedules/<name>")
+@requires("admin")
+def get_schedule(name: str):
+    return jsonify(schedule_json(_visible_schedule(name)))
+
+
+@api.put("/schedules/<name>")
+@requires("admin")
+def put_schedule(name: str):
+    options = json_body()
+    require_topic(options)
+    item = schedule(
+        name,
+        options.get("schedule"),  # type: ignore[arg-type]  # checked by schedule()
+        topic=options.get("topic"),  # type: ignore[arg-type]
+        body=options.get("body"),
+        timezone=options.get("timezone", "UTC"),
+        on_missed=options.get("on_missed", "skip"),
+    )
+    row, created = _schedules().put(item)
+    return jsonify(schedule_json(row)), 201 if created else 200
+
+
+@api.post("/schedules/<name>/pause")
+@requires("admin")
+def pause_schedule(name: str):
+    _visible_schedule(name)
+    return jsonify(schedule_json(_schedules().pause(name)))
+
+
+@api.post("/schedules/<name>/resume")
+@requires("admin")
+def resume_schedule(name: str):
+    _visible_schedule(name)
+    return jsonify(schedule_json(_schedules().resume(name)))
+
+
+@api.delete("/schedules/<name>")
+@requires("admin")
+def delete_schedule(name: str):
+    _visible_schedule(name)
+    _schedules().delete(name)
+    return jsonify({"deleted": name})
 
 
 @api.get("/openapi.json")

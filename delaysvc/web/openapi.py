@@ -116,7 +116,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
         401: "no or unknown token",
         403: "the token lacks the scope, or is limited to topics and this is not one of them",
         404: "not found, or of a topic outside the token's topics",
-        409: "not cancellable",
+        409: "not cancellable, or a schedule declared in code",
         413: "too large",
         415: "not JSON",
         429: "backlog cap reached",
@@ -133,6 +133,51 @@ _TOKENS = (
     "topics."
 )
 _ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
+_NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+_SCHEDULE: dict[str, Any] = {
+    "type": "object",
+    "required": [
+        "name",
+        "topic",
+        "schedule",
+        "timezone",
+        "on_missed",
+        "declared_in",
+        "paused",
+        "next_tick",
+        "last_tick",
+        "last_message_id",
+    ],
+    "properties": {
+        "name": {"type": "string"},
+        "topic": {"type": "string"},
+        "schedule": {"type": "string", "description": "a cron expression, or `every 5m`"},
+        "timezone": {"type": "string"},
+        "on_missed": {"type": "string", "enum": ["skip", "latest"]},
+        "declared_in": {"type": "string", "enum": ["code", "api"]},
+        "paused": {"type": "boolean"},
+        "next_tick": _TIME,
+        "last_tick": _TIME,
+        "last_message_id": {"type": ["integer", "null"]},
+        "body": {},
+        "body_base64": {"type": "string"},
+    },
+}
+_NEW_SCHEDULE: dict[str, Any] = {
+    "type": "object",
+    "required": ["schedule", "topic"],
+    "properties": {
+        "schedule": {
+            "type": "string",
+            "description": "a cron expression of five fields (`*/5 * * * *`), or an interval "
+            "of at least 1s (`30s`, `every 1h`)",
+        },
+        "topic": {"type": "string"},
+        "body": {"description": "any JSON value (default null), at most 64 KiB encoded"},
+        "timezone": {"type": "string", "description": "IANA name, default UTC"},
+        "on_missed": {"type": "string", "enum": ["skip", "latest"]},
+    },
+}
 
 
 def document() -> dict[str, Any]:
@@ -277,6 +322,67 @@ def document() -> dict[str, Any]:
                 "post": {
                     "summary": "Run a dead letter again (admin)",
                     "responses": {"200": _json(_MESSAGE, "ready again"), **_errors(401, 403, 404)},
+                },
+            },
+            "/schedules": {
+                "get": {
+                    "summary": "Periodic schedules (admin)",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["schedules"],
+                                "properties": {"schedules": {"type": "array", "items": _SCHEDULE}},
+                            },
+                            "every schedule of the token's topics",
+                        ),
+                        **_errors(401, 403),
+                    },
+                }
+            },
+            "/schedules/{name}": {
+                "parameters": _NAME,
+                "get": {
+                    "summary": "A periodic schedule (admin)",
+                    "responses": {
+                        "200": _json(_SCHEDULE, "the schedule"),
+                        **_errors(401, 403, 404),
+                    },
+                },
+                "put": {
+                    "summary": "Create or replace a periodic schedule (admin)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": _NEW_SCHEDULE}},
+                    },
+                    "responses": {
+                        "201": _json(_SCHEDULE, "created"),
+                        "200": _json(_SCHEDULE, "replaced"),
+                        **_errors(400, 401, 403, 409, 413, 415),
+                    },
+                },
+                "delete": {
+                    "summary": "Delete a periodic schedule made at run time (admin)",
+                    "responses": {
+                        "200": _json(
+                            {"type": "object", "required": ["deleted"]}, "deleted (its name)"
+                        ),
+                        **_errors(401, 403, 404, 409),
+                    },
+                },
+            },
+            "/schedules/{name}/pause": {
+                "parameters": _NAME,
+                "post": {
+                    "summary": "Pause a periodic schedule (admin)",
+                    "responses": {"200": _json(_SCHEDULE, "paused"), **_errors(401, 403, 404)},
+                },
+            },
+            "/schedules/{name}/resume": {
+                "parameters": _NAME,
+                "post": {
+                    "summary": "Resume a periodic schedule from its next tick (admin)",
+                    "responses": {"200": _json(_SCHEDULE, "resumed"), **_errors(401, 403, 404)},
                 },
             },
             "/openapi.json": {
