@@ -299,3 +299,36 @@ def test_load_sends_a_steady_stream_into_the_service_database(
 def test_load_refuses_a_bad_topic_before_sending(delaysvc: Run) -> None:
     line = _assert_one_line_error(delaysvc("load", "--topic", "no spaces", "--seconds", "1"), 2)
     assert "topic" in line
+
+
+def test_periodic_schedules_are_added_listed_paused_resumed_and_deleted(delaysvc: Run) -> None:
+    added = delaysvc(
+        "schedules", "add", "nightly", "30 2 * * *", "--topic", "report.nightly",
+        "--body", '{"kind": "full"}', "--timezone", "Europe/Berlin", "--on-missed", "latest",
+    )  # fmt: skip
+    assert added.returncode == 0, added.stderr
+    assert added.stdout.startswith("added: nightly") and "30 2 * * *" in added.stdout
+    assert added.stderr == ""
+    interval = delaysvc("schedules", "add", "warm", "every 10m", "--topic", "cache.warm")
+    assert interval.returncode == 0, interval.stderr
+
+    listed = delaysvc("schedules", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    items = {item["name"]: item for item in json.loads(listed.stdout)["schedules"]}
+    assert items["nightly"]["body"] == {"kind": "full"}
+    assert (items["nightly"]["timezone"], items["nightly"]["on_missed"]) == (
+        "Europe/Berlin",
+        "latest",
+    )
+    assert items["warm"]["schedule"] == "every 10m" and items["warm"]["body"] is None
+
+    assert "paused: warm" in delaysvc("schedules", "pause", "warm").stdout
+    lines = delaysvc("schedules", "list").stdout.splitlines()
+    assert "paused" in next(line for line in lines if line.startswith("warm"))
+    assert "resumed: warm" in delaysvc("schedules", "resume", "warm").stdout
+    assert delaysvc("schedules", "delete", "warm").stdout == "deleted: warm\n"
+
+    line = _assert_one_line_error(delaysvc("schedules", "add", "x", "* * *", "--topic", "t"), 2)
+    assert "not a cron expression" in line
+    line = _assert_one_line_error(delaysvc("schedules", "pause", "warm"), 1)
+    assert "no periodic schedule is named 'warm'" in line
