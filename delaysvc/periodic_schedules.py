@@ -10,9 +10,11 @@ same task, skips the locked row and then finds its next tick in the future: one 
 tick, however many run. The message's key is `periodic:<name>:<tick>`, and its properties name
 the schedule and the tick.
 
-After downtime (no beat running, or the schedule paused and resumed) several ticks may be due.
-`on_missed="skip"` (the default, as Oban's and River's cron) fires only a tick that is at most
-`GRACE` late; `"latest"` fires the most recent missed tick once. Older ticks are never fired.
+Each tick at most `GRACE` (a minute) late is fired, each as its own message: a beat that ran a
+little late fires every tick it passed. After downtime (no beat running) older ticks are
+missed: `on_missed="skip"` (the default, as Oban's and River's cron) fires none of them;
+`"latest"` fires the most recent one once, if no tick was on time. A paused schedule resumes
+from its next tick after now: a pause is never caught up.
 A fixed interval is counted from the Unix epoch in UTC, so `every 5m` ticks at :00, :05, ...
 Cron expressions are read by cronsim, in the schedule's time zone (daylight-saving changes as
 cron does them: a time that does not exist that day runs at the next one that does).
@@ -43,6 +45,7 @@ FIRE_SECONDS = 1.0  # beat fires `delaysvc.fire_schedules` this often
 GRACE = timedelta(seconds=60)
 """A tick fired at most this late is on time; a later one was missed (see the module's text)."""
 MIN_EVERY_MS = 1000
+MAX_TICKS_PER_RUN = 100
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 MAX_BODY_BYTES = 64 * 1024
 
@@ -230,23 +233,38 @@ class Fired:
 
 
 def fire_due(engine: Engine, now: datetime | None = None, limit: int = 100) -> Fired:
-    """Fire every due schedule's tick (one transaction; see the module's text)."""
+    """Fire the due ticks of every due schedule (one transaction; see the module's text):
+    each tick at most GRACE late gets its own message (a beat that ran late fires the ticks it
+    passed); when only older ones are due, `on_missed` says whether the latest of them runs."""
     result = Fired()
     with engine.begin() as conn:
         now = now or store_schedules.database_now(conn)
         for row in store_schedules.lock_due(conn, now, limit):
             item = Schedule.from_row(row)
-            latest = item.latest_tick(now)
-            message_id = None
-            if now - latest <= GRACE or item.on_missed == "latest":
-                message_id = _fire(conn, item, latest)
-                result.fired += 1
-            else:
+            on_time = _ticks_between(item, max(row.next_tick, now - GRACE), now)
+            if not on_time and item.on_missed == "latest":
+                on_time = [item.latest_tick(now)]
+            if row.next_tick < (on_time[0] if on_time else now - GRACE):
                 result.skipped += 1
-            store_schedules.advance(
-                conn, item.name, item.next_tick(now), latest if message_id else None, message_id
-            )
+            message_id = None
+            for tick in on_time:
+                message_id = _fire(conn, item, tick)
+                result.fired += 1
+            full = len(on_time) == MAX_TICKS_PER_RUN  # the rest at the next run
+            next_tick = item.next_tick(on_time[-1] if full else now)
+            fired = on_time[-1] if on_time else None
+            store_schedules.advance(conn, item.name, next_tick, fired, message_id)
     return result
+
+
+def _ticks_between(item: Schedule, start: datetime, end: datetime) -> list[datetime]:
+    """The ticks in [start, end], at most MAX_TICKS_PER_RUN of them."""
+    found: list[datetime] = []
+    tick = item.next_tick(start - timedelta(microseconds=1))
+    while tick <= end and len(found) < MAX_TICKS_PER_RUN:
+        found.append(tick)
+        tick = item.next_tick(tick)
+    return found
 
 
 def _fire(conn: Connection, item: Schedule, tick: datetime) -> int:
