@@ -105,7 +105,7 @@ def _other(message: Any) -> None:
 # ---------------------------------------------------------------- login, logout, session
 
 
-PAGES = ["/", "/topics", "/messages", "/messages/1", "/dead", "/history"]
+PAGES = ["/", "/topics", "/messages", "/messages/1", "/dead", "/schedules", "/history"]
 JSON_ENDPOINTS = [
     "/ui/overview.json",
     "/ui/topics.json",
@@ -268,6 +268,8 @@ def _actions(message_id: int) -> list[tuple[str, dict[str, Any]]]:
         ("/dead/purge", {"ids": str(message_id)}),
         ("/dead/redrive", {"scope": "group", "topic": "dash.t"}),
         ("/dead/purge", {"scope": "group", "topic": "dash.t"}),
+        ("/schedules/dash.nightly/pause", {}),
+        ("/schedules/dash.nightly/resume", {}),
     ]
 
 
@@ -938,3 +940,39 @@ def test_history_refuses_bad_arguments_naming_them(
     response = admin.get("/ui/history.json?" + query)
     assert response.status_code == 400
     assert field in response.text and allowed in response.text
+
+
+def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
+    admin: FlaskClient, viewer: FlaskClient, engine: Engine
+) -> None:
+    from delaysvc.periodic_schedules import Schedules, fire_due, schedule
+
+    assert "No periodic schedule yet" in admin.get("/schedules").text
+    schedules = Schedules(engine)
+    schedules.put(schedule("dash.every", "1s", topic="dash.t"))
+    schedules.put(schedule("dash.nightly", "30 2 * * *", topic="dash.t", timezone="Europe/Berlin"))
+    with engine.connect() as conn:
+        due = conn.execute(
+            text("SELECT next_tick FROM periodic_schedule WHERE name = 'dash.every'")
+        )
+        next_tick = due.scalar_one()
+    fire_due(engine, now=next_tick)
+    page = admin.get("/schedules").text
+    every = re.search(r'<tr data-name="dash.every".*?</tr>', page, re.S).group(0)
+    assert "every 1s" in every and "/messages/" in every  # the last run links its message
+    nightly = re.search(r'<tr data-name="dash.nightly".*?</tr>', page, re.S).group(0)
+    assert "30 2 * * *" in nightly and "Europe/Berlin" in nightly and ">Pause<" in nightly
+    assert re.search(r'class="time last-run">-<', nightly)  # never ran
+
+    notes = flashes(
+        admin, admin.post("/schedules/dash.nightly/pause", data={"csrf_token": csrf(admin)})
+    )
+    assert notes == ["dash.nightly paused"]
+    nightly = re.search(r'<tr data-name="dash.nightly".*?</tr>', admin.get("/schedules").text, re.S)
+    assert ">Resume<" in nightly.group(0) and "paused" in nightly.group(0)
+    resumed = admin.post("/schedules/dash.nightly/resume", data={"csrf_token": csrf(admin)})
+    assert flashes(admin, resumed)[0].startswith("dash.nightly resumed: next run ")
+    assert not schedules.get("dash.nightly").paused
+    missing = admin.post("/schedules/nope/pause", data={"csrf_token": csrf(admin)})
+    assert flashes(admin, missing) == ["not changed: no periodic schedule is named &#39;nope&#39;"]
+    assert ">Pause<" not in viewer.get("/schedules").text  # a viewer sees no buttons

@@ -339,3 +339,22 @@ def history_view(rows: list[Any], now: datetime, days: int) -> dict[str, Any]:
         "rows": [history_row(row) for row in reversed(rows[-HISTORY_TABLE_ROWS:])],
         "total_rows": len(rows),
     }
+
+
+def schedule_row(row: Any, now: datetime) -> dict[str, Any]:
+    """One periodic schedule for the Schedules page."""
+    spec = row.cron if row.cron is not None else f"every {format_ms(row.every_ms)}"
+    return {
+        "name": row.name,
+        "spec": spec,
+        "timezone": row.timezone,
+        "topic": row.topic,
+        "on_missed": row.on_missed,
+        "declared_in": row.declared_in,
+        "paused": row.paused,
+        "next_tick": row.next_tick,
+        "next_in": "paused" if row.paused else relative(row.next_tick, now),
+        "last_tick": row.last_tick,
+        "last_ago": relative(row.last_tick, now),
+        "last_message_id": row.last_message_id,
+    }

@@ -1,5 +1,5 @@
-"""Overview (lanes and charts), topics and history: pages, the JSON they poll, and their
-actions."""
+"""Overview (lanes and charts), topics, periodic schedules and history: pages, the JSON they
+poll, and their actions."""
 
 from __future__ import annotations
 
@@ -10,11 +10,21 @@ from flask import jsonify, redirect, render_template, request, url_for
 from delaysvc import store
 from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
+from delaysvc.periodic_schedules import Schedules
 from delaysvc.serialize import topic_json
 from delaysvc.validation import validate_topic
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, timeout_ms, ui
-from delaysvc.web.ui_format import backlog_chart, history_view, lane_row, lateness_chart, topic_row
+from delaysvc.web.ui_format import (
+    backlog_chart,
+    history_view,
+    lane_row,
+    lateness_chart,
+    relative,
+    schedule_row,
+    topic_row,
+    when,
+)
 
 
 def overview_data() -> dict[str, Any]:
@@ -90,6 +100,37 @@ def pause_topic(topic: str) -> Any:
 @admin_required
 def resume_topic(topic: str) -> Any:
     return _set_paused(topic, False)
+
+
+@ui.get("/schedules")
+def schedules() -> Any:
+    with dash.bounded(services()["engine"], timeout_ms()) as conn:
+        now = store.database_now(conn)
+    rows = [schedule_row(row, now) for row in Schedules(services()["engine"]).list()]
+    return render_template("schedules.html", schedules=rows, when=when, relative=relative, now=now)
+
+
+def _pause_schedule(name: str, paused: bool) -> Any:
+    schedules = Schedules(services()["engine"])
+    try:
+        row = schedules.pause(name) if paused else schedules.resume(name)
+    except DelaysvcError as exc:
+        done(f"not changed: {exc}")
+    else:
+        done(f"{name} {'paused' if paused else 'resumed: next run ' + when(row.next_tick)}")
+    return redirect(url_for("dashboard.ui.schedules"))
+
+
+@ui.post("/schedules/<name>/pause")
+@admin_required
+def pause_schedule(name: str) -> Any:
+    return _pause_schedule(name, True)
+
+
+@ui.post("/schedules/<name>/resume")
+@admin_required
+def resume_schedule(name: str) -> Any:
+    return _pause_schedule(name, False)
 
 
 def history_args() -> tuple[int, str | None]:
