@@ -264,6 +264,27 @@ def test_topic_appears_live_and_admin_pauses_it(
     shot(page, "topics")
 
 
+def test_a_schedule_shows_its_runs_live_and_admin_pauses_it(
+    page: Page, server: str, engine: Engine
+) -> None:
+    from delaysvc.periodic_schedules import Schedules, fire_due, schedule
+
+    schedules = Schedules(engine)
+    schedules.put(schedule("shop.digest", "0 8 * * *", topic="shop.email", timezone="Europe/Paris"))
+    log_in(page, server)
+    page.click("nav >> text=Schedules")
+    row = page.locator('#schedules tr[data-name="shop.digest"]')
+    expect(row.locator(".last-run")).to_have_text("-")
+    expect(row.locator(".next-run")).to_contain_text("(in ")
+    fire_due(engine, now=schedules.get("shop.digest").next_tick)  # as beat would at 08:00
+    expect(row.locator(".last-run a")).to_be_visible()  # the page refreshed in place
+    row.locator("button", has_text="Pause").click()
+    expect(page.locator("#flash")).to_have_text("shop.digest paused")
+    expect(row.locator(".next-run")).to_have_text("paused")
+    expect(row.locator("button", has_text="Resume")).to_be_visible()
+    shot(page, "schedules")
+
+
 def test_find_a_message_and_cancel_it(page: Page, server: str, producer: Producer) -> None:
     sent = [
         producer.send("shop.order.cancel", {"order": n}, delay="30m", key=f"order-{n}")
