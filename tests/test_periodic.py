@@ -99,6 +99,15 @@ def test_a_cron_expression_ticks_in_its_time_zone_across_daylight_saving() -> No
     winter = datetime(2026, 1, 10, 12, 0, tzinfo=UTC)
     assert nightly.next_tick(winter) == datetime(2026, 1, 11, 1, 30, tzinfo=UTC)  # 02:30 CET
     assert nightly.latest_tick(winter) == datetime(2026, 1, 10, 1, 30, tzinfo=UTC)
+    # 2026-10-25: 02:00-03:00 happens twice in Berlin; a daily 02:30 runs once, and a
+    # half-hourly schedule runs in both, its ticks 30 minutes apart throughout
+    autumn = datetime(2026, 10, 24, 12, 0, tzinfo=UTC)
+    assert nightly.next_tick(autumn) == datetime(2026, 10, 25, 0, 30, tzinfo=UTC)  # CEST
+    assert nightly.next_tick(nightly.next_tick(autumn)) == datetime(2026, 10, 26, 1, 30, tzinfo=UTC)
+    half_hourly = schedule("s", "*/30 * * * *", topic="t", timezone="Europe/Berlin")
+    ticks = list(periodic.ticks(half_hourly, datetime(2026, 10, 24, 23, 50, tzinfo=UTC), 7))
+    assert ticks == [datetime(2026, 10, 25, 0, 0, tzinfo=UTC) + timedelta(minutes=30 * n)
+                     for n in range(7)]  # fmt: skip
 
 
 # ------------------------------------------------------------------ firing
