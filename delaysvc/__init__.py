@@ -33,7 +33,7 @@ from delaysvc.producer import Message
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from delaysvc.producer import Producer
+    from delaysvc.producer import OnDuplicate, Producer
     from delaysvc.settings import Settings
 
 __all__ = [
@@ -95,6 +95,7 @@ def send(
     key: str | None = None,
     tags: Sequence[str] | None = None,
     properties: Mapping[str, str] | None = None,
+    on_duplicate: OnDuplicate = "keep",
     connection: Any = None,
 ) -> Message:
     """Schedule `body` for `topic`: at most one of delay_level, delay (`"45m"` or a
@@ -110,6 +111,7 @@ def send(
         key=key,
         tags=tags,
         properties=properties,
+        on_duplicate=on_duplicate,
         connection=connection,
     )
 

@@ -19,6 +19,7 @@ from delaysvc import store
 from delaysvc.errors import DelaysvcError, NotFound, ValidationError
 from delaysvc.levels import format_ms
 from delaysvc.periodic_schedules import Schedules
+from delaysvc.producer import OnDuplicate
 from delaysvc.settings import Settings
 
 
@@ -216,6 +217,14 @@ def _parse_body(text: str) -> Any:
 @click.option("--key", help="Unique among unfinished messages of the topic.")
 @click.option("--tag", "tags", multiple=True, help="Repeatable.")
 @click.option("--property", "properties", multiple=True, help="NAME=VALUE, repeatable.")
+@click.option(
+    "--on-duplicate",
+    type=click.Choice(["keep", "replace", "debounce"]),
+    default="keep",
+    show_default=True,
+    help="When an unfinished message holds the key: keep it, replace it, or replace it "
+    "without making it due earlier.",
+)
 @pass_ctx
 def send(
     ctx: Context,
@@ -227,6 +236,7 @@ def send(
     key: str | None,
     tags: tuple[str, ...],
     properties: tuple[str, ...],
+    on_duplicate: OnDuplicate,
 ) -> None:
     """Schedule BODY (JSON, or plain text) for TOPIC."""
     at = None
@@ -250,8 +260,11 @@ def send(
         key=key,
         tags=list(tags) or None,
         properties=props or None,
+        on_duplicate=on_duplicate,
     )
     verb = "sent" if message.created else "exists (same topic and key)"
+    if message.replaced_id is not None:
+        verb = f"sent, replacing {message.replaced_id}"
     click.echo(
         f"{verb}: id={message.id} status={message.status} level={message.delay_level} "
         f"deliver_at={message.deliver_at.isoformat()}"

@@ -9,12 +9,13 @@ trace of either. Without it, the call runs in a transaction of its own.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
@@ -68,6 +69,9 @@ class Message:
     last_error: str | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)
     body: Any = None
+    replaced_id: int | None = None
+    """The message this send replaced (`on_duplicate="replace"` or `"debounce"`): cancelled,
+    its `last_error` naming this one."""
 
     @classmethod
     def from_row(cls, row: Any, created: bool = True) -> Message:
@@ -127,6 +131,28 @@ class Schedule:
         if self.deliver_at is not None:
             return self.deliver_at
         return now + timedelta(milliseconds=self.delay_ms or 0)
+
+
+OnDuplicate = Literal["keep", "replace", "debounce"]
+ON_DUPLICATE: tuple[OnDuplicate, ...] = ("keep", "replace", "debounce")
+
+
+def validate_on_duplicate(value: object) -> OnDuplicate:
+    if value not in ON_DUPLICATE:
+        raise ValidationError(
+            "on_duplicate", f"{value!r}: use 'keep' (the default), 'replace' or 'debounce'"
+        )
+    return value
+
+
+def _not_earlier(conn: Any, new: store.NewMessage, due: datetime) -> store.NewMessage:
+    """`new`, due at `due` instead if it would be due before it (a debounce never makes a
+    message due earlier)."""
+    if store.due_before(conn, new, due):
+        return dataclasses.replace(
+            new, lane=TIMER_LANE, delay_level=None, delay_ms=None, deliver_at=due
+        )
+    return new
 
 
 def resolve_schedule(
@@ -284,10 +310,18 @@ class Producer:
         key: str | None = None,
         tags: Sequence[str] | None = None,
         properties: Mapping[str, str] | None = None,
+        on_duplicate: OnDuplicate = "keep",
         connection: Joinable | None = None,
     ) -> Message:
         """Schedule `body` for `topic`: at most one of delay_level, delay (`"45m"` or a
-        timedelta), delay_ms, deliver_at; none means the topic's default delay, else now."""
+        timedelta), delay_ms, deliver_at; none means the topic's default delay, else now.
+
+        `on_duplicate` says what a send does when an unfinished message of the topic holds its
+        key: `"keep"` returns that message (`created=False`); `"replace"` puts this body and
+        due time in its place; `"debounce"` does too, but never makes it due earlier than it
+        was. A replaced message is cancelled and the new one stored in the same transaction,
+        so exactly one of them ever runs; one that is already running is returned as it is."""
+        policy = validate_on_duplicate(on_duplicate)
         new = self.prepare(
             topic,
             body,
@@ -299,12 +333,60 @@ class Producer:
             tags=tags,
             properties=properties,
         )
+        if policy != "keep" and new.key is not None:
+            return self._send_replacing(new, policy, connection)
         return self._send_one(new, connection)
 
     def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
         """`send` with its arguments as one mapping, as an HTTP body holds them
         (`{"topic": ..., "body": ..., "delay": "5m"}`); unknown fields are refused."""
-        return self._send_one(self._prepare_item(item, None), connection)
+        options = dict(item) if isinstance(item, Mapping) else item
+        policy = "keep"
+        if isinstance(options, dict):
+            policy = validate_on_duplicate(options.pop("on_duplicate", "keep"))
+        new = self._prepare_item(options, None)
+        if policy != "keep" and new.key is not None:
+            return self._send_replacing(new, policy, connection)
+        return self._send_one(new, connection)
+
+    def _send_replacing(
+        self, new: store.NewMessage, policy: OnDuplicate, connection: Joinable | None
+    ) -> Message:
+        """A send whose key may be held: store it, or put it in the holder's place (see
+        `send`'s `on_duplicate`), in one transaction."""
+
+        def write(conn: joining.Joined) -> tuple[Any, bool, int | None]:
+            with conn.transaction():
+                for _ in range(5):
+                    ((row, created, _),) = self._store(conn, [new])
+                    if created:
+                        return row, True, None
+                    holder = row
+                    if holder.status not in (*WAITING, "ready"):
+                        return holder, False, None  # running: it runs with its own body
+                    placed = new
+                    if policy == "debounce":
+                        placed = _not_earlier(conn, new, holder.deliver_ts)
+                    try:
+                        self._cancel(conn, holder.id, None, None, None)
+                    except NotCancellable:
+                        continue  # it started meanwhile: the next insert finds it running
+                    ((row, created, _),) = self._store(conn, [placed])
+                    if created:
+                        store.note_replaced(conn, holder.id, row.id)
+                        return row, True, holder.id
+                raise NotCancellable(f"the message holding key {new.key!r} keeps changing state")
+
+        row, created, replaced = self._write(connection, write)
+        if not created:
+            log.info("message.duplicate_key", extra={"message_id": row.id, "topic": new.topic})
+            return Message.from_row(row, created=False)
+        message = dataclasses.replace(Message.sent(new, row), replaced_id=replaced)
+        log.info(
+            "message.replaced" if replaced else "message.sent",
+            extra={"message_id": message.id, "topic": message.topic, "replaced": replaced},
+        )
+        return message
 
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
         if connection is None and not self.settings.caps and self._autocommitted_sends:
@@ -342,6 +424,11 @@ class Producer:
         now = datetime.now().astimezone()
         for index, item in enumerate(messages):
             try:
+                if isinstance(item, Mapping) and item.get("on_duplicate", "keep") != "keep":
+                    raise ValidationError(
+                        "on_duplicate", "is for single sends; in a batch a held key is kept"
+                    )
+                item = {k: v for k, v in item.items() if k != "on_duplicate"}
                 prepared.append(self._prepare_item(item, now))
             except ValidationError as exc:
                 raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None

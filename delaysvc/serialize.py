@@ -27,6 +27,8 @@ def message_json(message: Message, *, full: bool = True, body: bool = False) -> 
         "delay_level": message.delay_level,
         "deliver_at": iso(message.deliver_at),
     }
+    if message.replaced_id is not None:
+        data["replaced_id"] = message.replaced_id
     if full:
         data.update(
             stored_at=iso(message.stored_at),

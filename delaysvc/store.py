@@ -697,6 +697,24 @@ def mark_cancelled(conn: Statements, message_id: int) -> Any:
     ).one()
 
 
+def note_replaced(conn: Statements, message_id: int, by_id: int) -> None:
+    """A message cancelled for a send that replaced it says which (`on_duplicate`)."""
+    conn.execute(
+        sql("UPDATE delaysvc.commit_log SET last_error = :note WHERE id = :id"),
+        {"id": message_id, "note": f"replaced by message {by_id}"},
+    )
+
+
+def due_before(conn: Statements, message: NewMessage, due: datetime) -> bool:
+    """Would `message`, stored now, be due before `due` (the database's clock)?"""
+    return bool(
+        conn.execute(
+            sql(f"SELECT COALESCE(CAST(:at AS timestamptz), {NOW} + :ms * interval '1 ms') < :due"),
+            {"at": message.deliver_at, "now": None, "ms": message.delay_ms or 0, "due": due},
+        ).scalar_one()
+    )
+
+
 # ---------------------------------------------------------------- delivery
 
 

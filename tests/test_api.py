@@ -725,3 +725,39 @@ def test_an_admin_token_limited_to_topics_sees_and_changes_only_their_schedules(
     for call in (client.get, client.delete):
         assert call("/api/v1/schedules/b", headers=limited).status_code == 404
     assert client.post("/api/v1/schedules/b/pause", headers=limited).status_code == 404
+
+
+def test_on_duplicate_replaces_or_debounces_the_holder_of_a_key(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    first = client.post(
+        "/api/v1/messages",
+        json={"topic": "t.kp", "body": 1, "delay": "1h", "key": "k"},
+        headers=send_token,
+    ).get_json()
+    kept = client.post(
+        "/api/v1/messages", json={"topic": "t.kp", "body": 2, "key": "k"}, headers=send_token
+    )
+    assert kept.status_code == 200 and kept.get_json()["id"] == first["id"]
+    replaced = client.post(
+        "/api/v1/messages",
+        json={"topic": "t.kp", "body": 3, "delay": "2h", "key": "k", "on_duplicate": "replace"},
+        headers=send_token,
+    )
+    assert replaced.status_code == 201
+    assert replaced.get_json()["replaced_id"] == first["id"]
+    old = client.get(f"/api/v1/messages/{first['id']}", headers=send_token).get_json()
+    assert old["status"] == "cancelled"
+    assert old["last_error"] == f"replaced by message {replaced.get_json()['id']}"
+    bad = client.post(
+        "/api/v1/messages",
+        json={"topic": "t.kp", "body": 4, "key": "k", "on_duplicate": "merge"},
+        headers=send_token,
+    )
+    assert "'replace' or 'debounce'" in _error(bad, 400, "invalid")
+    batch = client.post(
+        "/api/v1/messages/batch",
+        json={"messages": [{"topic": "t.kp", "body": 5, "key": "k", "on_duplicate": "replace"}]},
+        headers=send_token,
+    )
+    assert "messages[0].on_duplicate: is for single sends" in _error(batch, 400, "invalid")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -332,3 +333,14 @@ def test_periodic_schedules_are_added_listed_paused_resumed_and_deleted(delaysvc
     assert "not a cron expression" in line
     line = _assert_one_line_error(delaysvc("schedules", "pause", "warm"), 1)
     assert "no periodic schedule is named 'warm'" in line
+
+
+def test_send_on_duplicate_replace_says_what_it_replaced(delaysvc: Run) -> None:
+    first = delaysvc("send", "cli.kp", '{"v": 1}', "--delay", "1h", "--key", "k")
+    assert first.returncode == 0, first.stderr
+    first_id = re.search(r"id=(\d+)", first.stdout).group(1)
+    kept = delaysvc("send", "cli.kp", '{"v": 2}', "--key", "k")
+    assert kept.stdout.startswith(f"exists (same topic and key): id={first_id} ")
+    replaced = delaysvc("send", "cli.kp", '{"v": 3}', "--key", "k", "--on-duplicate", "replace")
+    assert replaced.returncode == 0, replaced.stderr
+    assert replaced.stdout.startswith(f"sent, replacing {first_id}: id=")

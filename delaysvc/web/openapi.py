@@ -31,6 +31,10 @@ _MESSAGE_BRIEF: dict[str, Any] = {
         "status": _STATUS,
         "delay_level": {"type": ["integer", "null"]},
         "deliver_at": _TIME,
+        "replaced_id": {
+            "type": "integer",
+            "description": "the message this send replaced (on_duplicate), now cancelled",
+        },
     },
 }
 _MESSAGE = {
@@ -83,6 +87,13 @@ _NEW_MESSAGE: dict[str, Any] = {
             "maxProperties": 64,
             "propertyNames": {"pattern": "^[^\\u0000]{1,128}$"},
             "additionalProperties": {"type": "string", "pattern": "^[^\\u0000]{0,4096}$"},
+        },
+        "on_duplicate": {
+            "type": "string",
+            "enum": ["keep", "replace", "debounce"],
+            "description": "when an unfinished message of the topic holds the key: return it "
+            "(keep, the default), put this body and due time in its place (replace), or do so "
+            "but never due earlier than it was (debounce); single sends only",
         },
     },
 }
