@@ -115,6 +115,8 @@ class ConsumeResult:
     dead: int = 0
     dispatched: int = 0
     released: int = 0  # claimed, not started within half a lease: back in the queue
+    limited: bool = False  # the topic has limits: the claim took what they allowed
+    wait_s: float | None = None  # out of tokens: the next one comes in this long
 
 
 FLUSH_SECONDS = 0.25
@@ -252,6 +254,21 @@ Dispatch = Callable[[str, Job, int], None]
 """Sends a job of a Celery-task topic to that task (see `delaysvc.tasks.consume`)."""
 
 
+def _allowed(limits: Any, wanted: int, result: ConsumeResult) -> int:
+    """How many jobs a claim of a limited topic may take (`store.lock_limits`): no more than
+    free slots under `max_running`, and then one (each consumer process runs its batch one job
+    at a time: a batch would hold slots without running them); no more than whole tokens
+    under `rate_per_s`, and with none, say when the next one comes."""
+    result.limited = True
+    if limits.max_running is not None:
+        wanted = min(wanted, 1, limits.max_running - limits.running)
+    if limits.rate_per_s is not None:
+        wanted = min(wanted, int(limits.available))
+        if limits.available < 1:
+            result.wait_s = (1 - limits.available) / limits.rate_per_s
+    return max(wanted, 0)
+
+
 class Consumer:
     """Claims ready jobs of a topic in batches, runs them, records every outcome."""
 
@@ -288,10 +305,14 @@ class Consumer:
         # a Celery task runs where delaysvc cannot renew its lease: it gets a fixed one
         lease = self.settings.task_lease_seconds if dispatched else self.settings.lease_seconds
         start_first = self._quick_jobs.get(topic, 1) if self.max_retries(topic) > 0 else 1
+        wanted = limit or self.settings.consume_batch
         with self.engine.begin() as conn:
-            rows = store.claim_ready(
-                conn, topic, limit or self.settings.consume_batch, lease, start_first
-            )
+            limits = store.lock_limits(conn, topic)
+            if limits is not None:
+                wanted = _allowed(limits, wanted, result)
+            rows = store.claim_ready(conn, topic, wanted, lease, start_first) if wanted else []
+            if limits is not None and limits.rate_per_s is not None:
+                store.spend_tokens(conn, topic, limits.available - len(rows), limits.now)
         result.claimed = len(rows)
         if not rows:
             return result

@@ -187,6 +187,14 @@ topic_state = Table(
     Column("topic", Text, primary_key=True),
     Column("paused", Boolean, nullable=False, server_default=text("false")),
     Column("updated_at", Timestamp, nullable=False, server_default=text("now()")),
+    # limits (`delaysvc.limits`): jobs running at once, and starts per second (a token bucket
+    # of one second's starts, `tokens` as of `tokens_at`), both checked under this row's lock
+    Column("max_running", Integer),
+    Column("rate_per_s", Float),
+    Column("tokens", Float),
+    Column("tokens_at", Timestamp),
+    CheckConstraint("max_running > 0", name="ck_topic_state_max_running"),
+    CheckConstraint("rate_per_s > 0", name="ck_topic_state_rate_per_s"),
 )
 
 api_token = Table(

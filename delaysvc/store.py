@@ -1674,6 +1674,76 @@ def set_paused(conn: Connection, topic: str, paused: bool) -> None:
     )
 
 
+def set_limits(
+    conn: Connection, topic: str, max_running: int | None, rate_per_s: float | None
+) -> Any:
+    """Set (None: lift) a topic's limits; the token bucket starts full. -> its state row."""
+    return conn.execute(
+        sql(
+            "INSERT INTO delaysvc.topic_state (topic, max_running, rate_per_s) "
+            "VALUES (:topic, :max_running, :rate) ON CONFLICT (topic) DO UPDATE SET "
+            "max_running = EXCLUDED.max_running, rate_per_s = EXCLUDED.rate_per_s, "
+            "tokens = NULL, tokens_at = NULL, updated_at = now() "
+            "RETURNING topic, paused, max_running, rate_per_s"
+        ),
+        {"topic": topic, "max_running": max_running, "rate": rate_per_s},
+    ).one()
+
+
+def topic_limits(conn: Connection) -> list[Any]:
+    return list(
+        conn.execute(
+            sql(
+                "SELECT topic, paused, max_running, rate_per_s FROM delaysvc.topic_state "
+                "WHERE max_running IS NOT NULL OR rate_per_s IS NOT NULL ORDER BY topic"
+            )
+        )
+    )
+
+
+# A limited topic's claims queue behind its topic_state row (FOR UPDATE): the count of its
+# running jobs and its tokens are read and spent by one claim at a time. The lock is taken by a
+# statement of its own: a statement's subqueries read the snapshot it started with, from before
+# it waited for the lock, and would miss the jobs the previous claim took. The bucket holds one
+# second's starts (at least one); `available` is what it holds now.
+_LOCK_LIMITS = """SELECT max_running, rate_per_s, tokens, tokens_at FROM delaysvc.topic_state
+WHERE topic = :topic AND (max_running IS NOT NULL OR rate_per_s IS NOT NULL) FOR UPDATE"""
+_READ_LIMITS = """SELECT CAST(:max_running AS integer) AS max_running,
+    CAST(:rate AS float8) AS rate_per_s, clock_timestamp() AS now,
+    CASE WHEN CAST(:rate AS float8) IS NOT NULL THEN LEAST(GREATEST(:rate, 1),
+        COALESCE(CAST(:tokens AS float8), GREATEST(:rate, 1)) + :rate * extract(epoch FROM
+        clock_timestamp() - COALESCE(CAST(:tokens_at AS timestamptz), clock_timestamp())))
+    END AS available,
+    CASE WHEN CAST(:max_running AS integer) IS NOT NULL THEN (SELECT count(*)
+        FROM delaysvc.commit_log c WHERE c.status = 'running' AND c.topic = :topic)
+    END AS running"""
+
+
+def lock_limits(conn: Connection, topic: str) -> Any:
+    """The topic's limits with its running jobs and available tokens, its row locked until
+    the caller commits; None for a topic without limits (nothing locked)."""
+    locked = conn.execute(sql(_LOCK_LIMITS), {"topic": topic}).first()
+    if locked is None:
+        return None
+    return conn.execute(
+        sql(_READ_LIMITS),
+        {
+            "topic": topic,
+            "max_running": locked.max_running,
+            "rate": locked.rate_per_s,
+            "tokens": locked.tokens,
+            "tokens_at": locked.tokens_at,
+        },
+    ).one()
+
+
+def spend_tokens(conn: Connection, topic: str, left: float, at: datetime) -> None:
+    conn.execute(
+        sql("UPDATE delaysvc.topic_state SET tokens = :left, tokens_at = :at WHERE topic = :topic"),
+        {"topic": topic, "left": left, "at": at},
+    )
+
+
 # ---------------------------------------------------------------- dead letters
 
 

@@ -44,11 +44,15 @@ def _warm_consumer(**_: object) -> None:
 
 @shared_task(name="delaysvc.consume", ignore_result=True)
 def consume(topic: str) -> int:
-    """Run one batch of `topic`; while batches come back full, queue the next one."""
+    """Run one batch of `topic`; while batches come back full, queue the next one. A topic
+    with limits goes on while its claims take jobs (each process that ran one tries for the
+    next slot), and when out of tokens, once the next token is due."""
     rt = runtime()
     result = rt.consumer.run_once(topic)
-    if result.claimed >= rt.settings.consume_batch:
+    if result.claimed >= rt.settings.consume_batch or (result.limited and result.claimed):
         consume.apply_async((topic,), expires=60)
+    elif result.wait_s is not None:
+        consume.apply_async((topic,), countdown=result.wait_s, expires=60)
     return result.claimed
 
 

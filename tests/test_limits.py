@@ -1,0 +1,125 @@
+"""Per-topic limits (`delaysvc.limits`) as the claims enforce them: at most `max_running`
+running at once, at most a bucket of one second's tokens at `rate_per_s`, exact under
+concurrent claims. The end-to-end test with four consumer processes is in
+tests/e2e/test_limits_e2e.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine
+
+from delaysvc import consumption, limits, store
+from delaysvc.consumption import Consumer, handler
+from delaysvc.errors import ValidationError
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+
+
+@pytest.fixture(autouse=True)
+def clean_registry() -> Any:
+    saved = dict(consumption._registry)
+    consumption._registry.clear()
+    yield
+    consumption._registry.clear()
+    consumption._registry.update(saved)
+
+
+def _claim(engine: Engine, settings: Settings, topic: str, wanted: int) -> tuple[int, Any]:
+    """One claim as a consumer makes it, committed, its jobs left running."""
+    result = consumption.ConsumeResult(topic)
+    with engine.begin() as conn:
+        found = store.lock_limits(conn, topic)
+        if found is not None:
+            wanted = consumption._allowed(found, wanted, result)
+        rows = store.claim_ready(conn, topic, wanted, 60) if wanted else []
+        if found is not None and found.rate_per_s is not None:
+            store.spend_tokens(conn, topic, found.available - len(rows), found.now)
+    return len(rows), result
+
+
+def test_limits_are_validated_naming_the_field() -> None:
+    assert limits.parse_rate("10/s") == 10.0
+    assert limits.parse_rate("600/m") == 10.0
+    assert limits.parse_rate(2.5) == 2.5
+    for bad in ("10", "fast", "0/s", "-1/s", True):
+        with pytest.raises(ValidationError, match="rate") as caught:
+            limits.parse_rate(bad)
+        assert caught.value.field == "rate"
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValidationError, match="a whole number from 1") as caught:
+            limits.check_max_running(bad)
+        assert caught.value.field == "max_running"
+
+
+def test_max_running_caps_the_jobs_running_at_once_one_per_claim(
+    engine: Engine, settings: Settings, producer: Producer
+) -> None:
+    for n in range(5):
+        producer.send("lim.c", {"n": n})
+    limits.set_limits(engine, "lim.c", max_running=2)
+    assert [_claim(engine, settings, "lim.c", 100)[0] for _ in range(3)] == [1, 1, 0]
+    limits.set_limits(engine, "lim.c", max_running=None)  # lifted: a whole batch again
+    assert _claim(engine, settings, "lim.c", 100)[0] == 3
+    unlimited = _claim(engine, settings, "other", 100)[1]
+    assert not unlimited.limited
+
+
+def test_rate_spends_a_bucket_of_one_seconds_tokens_and_says_when_the_next_comes(
+    engine: Engine, settings: Settings, producer: Producer
+) -> None:
+    for n in range(40):
+        producer.send("lim.r", {"n": n})
+    limits.set_limits(engine, "lim.r", rate="5/s")
+    assert _claim(engine, settings, "lim.r", 100)[0] == 5  # a full bucket
+    taken, result = _claim(engine, settings, "lim.r", 100)
+    assert taken == 0 and result.wait_s is not None and 0 < result.wait_s <= 0.2
+    time.sleep(0.45)  # about two tokens
+    assert _claim(engine, settings, "lim.r", 100)[0] == 2
+
+
+def test_concurrent_claims_never_exceed_the_limits(
+    engine: Engine, settings: Settings, producer: Producer
+) -> None:
+    """Eight threads claim as fast as they can for 2 s: the running jobs never exceed 3, and
+    the starts never exceed the bucket (rate * (T + 1))."""
+    for n in range(400):
+        producer.send("lim.both", {"n": n})
+    limits.set_limits(engine, "lim.both", max_running=3, rate="50/s")
+    running_peak = 0
+    started = 0
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    @handler("lim.both")
+    def work(message: Any) -> None:
+        nonlocal running_peak
+        with engine.connect() as conn:
+            running = store.lock_limits(conn, "lim.both").running
+        with lock:
+            running_peak = max(running_peak, running)
+        time.sleep(0.01)
+
+    def consume() -> None:
+        nonlocal started
+        consumer = Consumer(settings, engine)
+        while not stop.is_set():
+            claimed = consumer.run_once("lim.both").claimed
+            with lock:
+                started += claimed
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=consume) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(2.0)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - began
+    assert 1 <= running_peak <= 3
+    assert started <= 50 * (elapsed + 1)
+    assert started >= 3 / 0.02  # the slots were kept busy
