@@ -380,6 +380,45 @@ def dead_purge(
     click.echo(f"purged: {count}")
 
 
+# ---------------------------------------------------------------- topic limits
+
+
+@cli.command("limit")
+@click.argument("topic")
+@click.option("--max-running", type=int, help="At most this many jobs of TOPIC run at once.")
+@click.option("--rate", help="At most this many starts: '10/s', '600/m', '100/h'.")
+@pass_ctx
+def limit(ctx: Context, topic: str, max_running: int | None, rate: str | None) -> None:
+    """Limit TOPIC across every consumer; an option left out lifts that limit."""
+    from delaysvc.limits import set_limits
+
+    found = set_limits(ctx.engine, topic, max_running=max_running, rate=rate)
+    click.echo(f"{found.topic}: {_limits_text(found)}")
+
+
+@cli.command("limits")
+@JSON_OPTION
+@pass_ctx
+def limits_list(ctx: Context, as_json: bool) -> None:
+    """The topics with limits."""
+    from delaysvc.limits import all_limits
+
+    found = all_limits(ctx.engine)
+    if as_json:
+        from delaysvc.serialize import limits_json
+
+        echo_json({"limits": [limits_json(item) for item in found]})
+        return
+    for item in found:
+        click.echo(f"{item.topic:<30} {_limits_text(item)}")
+
+
+def _limits_text(item: Any) -> str:
+    running = f"at most {item.max_running} running" if item.max_running else "any number running"
+    rate = f"at most {item.rate_per_s:g} starts/s" if item.rate_per_s else "no rate limit"
+    return f"{running}, {rate}"
+
+
 # ---------------------------------------------------------------- periodic schedules
 
 

@@ -121,3 +121,8 @@ def schedule_json(row: Any) -> dict[str, Any]:
             else {"body_base64": base64.b64encode(body).decode()}
         ),
     }
+
+
+def limits_json(item: Any) -> dict[str, Any]:
+    """A topic's limits (`delaysvc.limits.TopicLimits`)."""
+    return {"topic": item.topic, "max_running": item.max_running, "rate_per_s": item.rate_per_s}

@@ -459,7 +459,7 @@ def _spec_paths(app: Flask) -> set[tuple[str, str]]:
     for rule in app.url_map.iter_rules():
         if rule.rule.startswith("/api/v1/"):
             path = rule.rule[len("/api/v1") :].replace("<int:message_id>", "{message_id}")
-            path = path.replace("<name>", "{name}")
+            path = path.replace("<name>", "{name}").replace("<topic>", "{topic}")
             served |= {(path, m.lower()) for m in rule.methods - {"HEAD", "OPTIONS"}}
     return served
 
@@ -761,3 +761,27 @@ def test_on_duplicate_replaces_or_debounces_the_holder_of_a_key(
         headers=send_token,
     )
     assert "messages[0].on_duplicate: is for single sends" in _error(batch, 400, "invalid")
+
+
+def test_topic_limits_through_the_api(
+    client: FlaskClient, admin_token: dict[str, str], send_token: dict[str, str]
+) -> None:
+    put = client.put(
+        "/api/v1/topics/sms.send/limits",
+        json={"max_running": 4, "rate": "600/m"},
+        headers=admin_token,
+    )
+    assert put.status_code == 200, put.get_json()
+    assert put.get_json() == {"topic": "sms.send", "max_running": 4, "rate_per_s": 10.0}
+    listed = client.get("/api/v1/limits", headers=admin_token).get_json()
+    assert listed == {"limits": [{"topic": "sms.send", "max_running": 4, "rate_per_s": 10.0}]}
+    bad = client.put("/api/v1/topics/sms.send/limits", json={"max_running": 0}, headers=admin_token)
+    assert "a whole number from 1" in _error(bad, 400, "invalid")
+    bad = client.put("/api/v1/topics/sms.send/limits", json={"rate": "lots"}, headers=admin_token)
+    assert "'10/s'" in _error(bad, 400, "invalid")
+    assert (
+        client.put("/api/v1/topics/sms.send/limits", json={}, headers=send_token).status_code == 403
+    )
+    lifted = client.put("/api/v1/topics/sms.send/limits", json={}, headers=admin_token)
+    assert lifted.get_json() == {"topic": "sms.send", "max_running": None, "rate_per_s": None}
+    assert client.get("/api/v1/limits", headers=admin_token).get_json() == {"limits": []}

@@ -344,3 +344,16 @@ def test_send_on_duplicate_replace_says_what_it_replaced(delaysvc: Run) -> None:
     replaced = delaysvc("send", "cli.kp", '{"v": 3}', "--key", "k", "--on-duplicate", "replace")
     assert replaced.returncode == 0, replaced.stderr
     assert replaced.stdout.startswith(f"sent, replacing {first_id}: id=")
+
+
+def test_topic_limits_are_set_listed_and_lifted(delaysvc: Run) -> None:
+    set_ = delaysvc("limit", "sms.send", "--max-running", "4", "--rate", "10/s")
+    assert set_.returncode == 0, set_.stderr
+    assert set_.stdout == "sms.send: at most 4 running, at most 10 starts/s\n"
+    listed = json.loads(delaysvc("limits", "--json").stdout)
+    assert listed == {"limits": [{"topic": "sms.send", "max_running": 4, "rate_per_s": 10.0}]}
+    line = _assert_one_line_error(delaysvc("limit", "sms.send", "--rate", "fast"), 2)
+    assert "'10/s'" in line
+    lifted = delaysvc("limit", "sms.send")
+    assert lifted.stdout == "sms.send: any number running, no rate limit\n"
+    assert delaysvc("limits").stdout == ""

@@ -14,10 +14,12 @@ from delaysvc import store
 from delaysvc.auth import ApiToken, authenticate_token
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import NotFound, ValidationError
+from delaysvc.limits import all_limits, set_limits
 from delaysvc.periodic_schedules import Schedules, schedule
 from delaysvc.serialize import (
     dead_letter_json,
     lane_json,
+    limits_json,
     message_json,
     schedule_json,
     topic_json,
@@ -210,6 +212,30 @@ def dead_letters():
 def redrive(message_id: int):
     letters = DeadLetters(services()["engine"])
     return jsonify(message_json(letters.redrive(message_id, topics=token().topics)))
+
+
+@api.get("/limits")
+@requires("admin")
+def list_limits():
+    found = [item for item in all_limits(services()["engine"]) if token().allows(item.topic)]
+    return jsonify({"limits": [limits_json(item) for item in found]})
+
+
+@api.put("/topics/<topic>/limits")
+@requires("admin")
+def put_limits(topic: str):
+    options = json_body()
+    require_topic({"topic": topic})
+    unknown = sorted(set(options) - {"max_running", "rate"})
+    if unknown:
+        raise ValidationError(unknown[0], "unknown field; allowed: max_running, rate")
+    found = set_limits(
+        services()["engine"],
+        topic,
+        max_running=options.get("max_running"),
+        rate=options.get("rate"),
+    )
+    return jsonify(limits_json(found))
 
 
 def _schedules() -> Schedules:

@@ -144,6 +144,15 @@ _TOKENS = (
     "topics."
 )
 _ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
+_LIMITS: dict[str, Any] = {
+    "type": "object",
+    "required": ["topic", "max_running", "rate_per_s"],
+    "properties": {
+        "topic": {"type": "string"},
+        "max_running": {"type": ["integer", "null"]},
+        "rate_per_s": {"type": ["number", "null"]},
+    },
+}
 _NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
 _SCHEDULE: dict[str, Any] = {
     "type": "object",
@@ -333,6 +342,57 @@ def document() -> dict[str, Any]:
                 "post": {
                     "summary": "Run a dead letter again (admin)",
                     "responses": {"200": _json(_MESSAGE, "ready again"), **_errors(401, 403, 404)},
+                },
+            },
+            "/limits": {
+                "get": {
+                    "summary": "Topics with limits (admin)",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["limits"],
+                                "properties": {"limits": {"type": "array", "items": _LIMITS}},
+                            },
+                            "the limits of the token's topics",
+                        ),
+                        **_errors(401, 403),
+                    },
+                }
+            },
+            "/topics/{topic}/limits": {
+                "parameters": [
+                    {"name": "topic", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "put": {
+                    "summary": "Set a topic's limits; a field left out or null lifts it (admin)",
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "properties": {
+                                        "max_running": {
+                                            "type": ["integer", "null"],
+                                            "minimum": 1,
+                                            "maximum": 100000,
+                                        },
+                                        "rate": {
+                                            "type": ["string", "number", "null"],
+                                            "description": "starts per time ('10/s', '600/m') "
+                                            "or per second",
+                                        },
+                                    },
+                                }
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": _json(_LIMITS, "the topic's limits"),
+                        **_errors(400, 401, 403, 415),
+                    },
                 },
             },
             "/schedules": {
