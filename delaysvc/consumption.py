@@ -117,6 +117,7 @@ class ConsumeResult:
     released: int = 0  # claimed, not started within half a lease: back in the queue
     limited: bool = False  # the topic has limits: the claim took what they allowed
     wait_s: float | None = None  # out of tokens: the next one comes in this long
+    free_slots: int = 0  # under max_running, slots left after this claim for other consumers
 
 
 FLUSH_SECONDS = 0.25
@@ -261,7 +262,9 @@ def _allowed(limits: Any, wanted: int, result: ConsumeResult) -> int:
     under `rate_per_s`, and with none, say when the next one comes."""
     result.limited = True
     if limits.max_running is not None:
-        wanted = min(wanted, 1, limits.max_running - limits.running)
+        free = limits.max_running - limits.running
+        wanted = min(wanted, 1, free)
+        result.free_slots = max(free - 1, 0)
     if limits.rate_per_s is not None:
         wanted = min(wanted, int(limits.available))
         if limits.available < 1:

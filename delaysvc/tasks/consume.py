@@ -15,6 +15,7 @@ from delaysvc.health import record_heartbeat
 from delaysvc.tasks.app import CONSUME_QUEUE, runtime
 
 log = logging.getLogger(__name__)
+LIMITED_BUDGET_SECONDS = 2.0  # a limited topic's task claims again this long before requeueing
 
 
 @worker_ready.connect
@@ -49,11 +50,18 @@ def consume(topic: str) -> int:
     next slot), and when out of tokens, once the next token is due."""
     rt = runtime()
     result = rt.consumer.run_once(topic)
+    claimed = result.claimed
+    if result.claimed and result.free_slots:
+        consume.apply_async((topic,), expires=60)  # another process for the next free slot
+    until = time.monotonic() + LIMITED_BUDGET_SECONDS
+    while result.limited and result.claimed and time.monotonic() < until:
+        result = rt.consumer.run_once(topic)  # the slot it freed, without a broker round trip
+        claimed += result.claimed
     if result.claimed >= rt.settings.consume_batch or (result.limited and result.claimed):
         consume.apply_async((topic,), expires=60)
     elif result.wait_s is not None:
         consume.apply_async((topic,), countdown=result.wait_s, expires=60)
-    return result.claimed
+    return claimed
 
 
 @shared_task(name="delaysvc.consume_sweep", ignore_result=True)

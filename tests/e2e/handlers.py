@@ -98,3 +98,11 @@ def celery_task(body):  # type: ignore[no-untyped-def]
 @handler("e2e.noop")
 def does_nothing(message):  # type: ignore[no-untyped-def]
     """For the lateness of a handler's start, nothing else."""
+
+
+@handler("e2e.limited")
+def limited(message):  # type: ignore[no-untyped-def]
+    """200 ms of work between a start and an end record (the limits test overlaps them)."""
+    _record(message.id, message.attempts, "start")
+    time.sleep(0.2)
+    _record(message.id, message.attempts, "end")
