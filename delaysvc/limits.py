@@ -73,3 +73,14 @@ def set_limits(
 def all_limits(engine: Engine) -> list[TopicLimits]:
     with engine.connect() as conn:
         return [TopicLimits.from_row(row) for row in store.topic_limits(conn)]
+
+
+def apply_configured(
+    engine: Engine, configured: dict[str, tuple[int | None, float | None]]
+) -> None:
+    """Set the limits DELAYSVC_TOPIC_MAX_RUNNING and DELAYSVC_TOPIC_RATES name (a worker's
+    start): a topic named there gets them again at every start; others keep what the API,
+    the CLI or the dashboard set."""
+    with engine.begin() as conn:
+        for topic, (max_running, rate_per_s) in configured.items():
+            store.set_limits(conn, topic, max_running, rate_per_s)

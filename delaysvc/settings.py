@@ -57,6 +57,10 @@ class Settings(BaseModel):
     """Topics bound to existing Celery tasks, `report.build=app.tasks.build_report`."""
     backlog_caps: str = ""
     """`level:16=100000:reject,topic:sms.send=5000:deliver-early`."""
+    topic_max_running: str = ""
+    """Jobs of a topic running at once, `sms.send=4,report.build=1` (`delaysvc.limits`)."""
+    topic_rates: str = ""
+    """Starts of a topic per time, `sms.send=10/s,mail.send=600/m` (`delaysvc.limits`)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_delay: str = "400d"
     max_retries: int = Field(default=16, ge=0, le=1000)
@@ -139,7 +143,7 @@ class Settings(BaseModel):
     def check(self) -> None:
         """Cross-field validation; touching each derived property parses it."""
         _ = (self.levels, self.handler_modules, self.default_delays_ms, self.task_topics)
-        _ = (self.caps, self.max_delay_ms)
+        _ = (self.caps, self.max_delay_ms, self.topic_limits)
         for cap in self.caps:
             if cap.scope == "level" and not 1 <= int(cap.target) <= self.levels.max_level:
                 raise ConfigError(
@@ -165,6 +169,26 @@ class Settings(BaseModel):
             topic: _config_duration(f"DELAYSVC_TOPIC_DELAYS ({topic})", value)
             for topic, value in _pairs("DELAYSVC_TOPIC_DELAYS", self.topic_delays).items()
         }
+
+    @cached_property
+    def topic_limits(self) -> dict[str, tuple[int | None, float | None]]:
+        """The configured limits, per topic: (max_running, rate_per_s)."""
+        from delaysvc.limits import check_max_running, parse_rate
+
+        found: dict[str, tuple[int | None, float | None]] = {}
+        for topic, value in _pairs("DELAYSVC_TOPIC_MAX_RUNNING", self.topic_max_running).items():
+            number = int(value) if value.strip().isdigit() else value
+            try:
+                found[topic] = (check_max_running(number), None)
+            except DelaysvcValidationError as exc:
+                raise ConfigError(f"DELAYSVC_TOPIC_MAX_RUNNING ({topic}): {exc.detail}") from None
+        for topic, value in _pairs("DELAYSVC_TOPIC_RATES", self.topic_rates).items():
+            try:
+                rate = parse_rate(value.strip())
+            except DelaysvcValidationError as exc:
+                raise ConfigError(f"DELAYSVC_TOPIC_RATES ({topic}): {exc.detail}") from None
+            found[topic] = (found.get(topic, (None, None))[0], rate)
+        return found
 
     @cached_property
     def task_topics(self) -> dict[str, str]:

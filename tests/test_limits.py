@@ -123,3 +123,27 @@ def test_concurrent_claims_never_exceed_the_limits(
     assert 1 <= running_peak <= 3
     assert started <= 50 * (elapsed + 1)
     assert started >= 3 / 0.02  # the slots were kept busy
+
+
+def test_configured_limits_are_applied_and_bad_ones_refused_naming_the_setting(
+    engine: Engine,
+) -> None:
+    from delaysvc.errors import ConfigError
+
+    configured = Settings.from_env(
+        {
+            "DELAYSVC_TOPIC_MAX_RUNNING": "sms.send=4",
+            "DELAYSVC_TOPIC_RATES": "sms.send=10/s,mail=600/m",
+        }
+    ).topic_limits
+    limits.set_limits(engine, "other", max_running=1)  # set at run time: kept
+    limits.apply_configured(engine, configured)
+    assert limits.all_limits(engine) == [
+        limits.TopicLimits("mail", None, 10.0),
+        limits.TopicLimits("other", 1, None),
+        limits.TopicLimits("sms.send", 4, 10.0),
+    ]
+    with pytest.raises(ConfigError, match=r"DELAYSVC_TOPIC_RATES \(sms.send\): 'fast'"):
+        Settings.from_env({"DELAYSVC_TOPIC_RATES": "sms.send=fast"})
+    with pytest.raises(ConfigError, match=r"DELAYSVC_TOPIC_MAX_RUNNING \(a\): 0: a whole"):
+        Settings.from_env({"DELAYSVC_TOPIC_MAX_RUNNING": "a=0"})

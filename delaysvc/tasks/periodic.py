@@ -1,6 +1,7 @@
 """Periodic schedules (`delaysvc.periodic_schedules`) in the worker: beat fires
 `delaysvc.fire_schedules` every second on the delivery queue, and a delivery worker stores the
-schedules its handler modules declare (`@periodic`) when it starts."""
+schedules its handler modules declare (`@periodic`) and the configured topic limits
+(`delaysvc.limits`) when it starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_ready
 
+from delaysvc import limits
 from delaysvc import periodic_schedules as periodic
 from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
 
@@ -31,3 +33,7 @@ def _store_declared(sender: Any, **_: object) -> None:
         return
     declared = periodic.store_declared(runtime().engine)
     log.info("periodic.declared", extra={"schedules": declared})
+    configured = runtime().settings.topic_limits
+    if configured:
+        limits.apply_configured(runtime().engine, configured)
+        log.info("limits.configured", extra={"topics": ",".join(sorted(configured))})

@@ -3,6 +3,8 @@ more and keeps both slots busy; a topic limited to 10 starts a second starts 10 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from delaysvc import limits
@@ -24,14 +26,22 @@ def _start_and_end(service: Service, topic: str) -> list[tuple[float, float]]:
 
 
 def test_four_consumers_keep_a_topic_at_its_concurrency_limit_and_never_above(
-    service: Service, producer: Producer
+    service_factory: Callable[..., Service], producer: Producer
 ) -> None:
-    limits.set_limits(service.engine, "e2e.limited", max_running=2)
-    limits.set_limits(service.engine, "e2e.record", rate="10/s")
+    service = service_factory(topic_max_running="e2e.limited=2")  # from the configuration
+    limits.set_limits(service.engine, "e2e.record", rate="10/s")  # at run time
     service.delivery_worker()
     for _ in range(4):
         service.consume_worker(concurrency=1)
     service.beat()
+    wait_for(
+        lambda: (
+            {item.topic for item in limits.all_limits(service.engine)}
+            == {"e2e.limited", "e2e.record"}
+        ),
+        60,
+        "the delivery worker to apply the configured limit",
+    )
     for n in range(30):
         producer.send("e2e.limited", {"n": n})
     for n in range(60):
