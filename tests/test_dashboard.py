@@ -270,6 +270,7 @@ def _actions(message_id: int) -> list[tuple[str, dict[str, Any]]]:
         ("/dead/purge", {"scope": "group", "topic": "dash.t"}),
         ("/schedules/dash.nightly/pause", {}),
         ("/schedules/dash.nightly/resume", {}),
+        ("/topics/limits", {"topic": "dash.t", "max_running": "2"}),
     ]
 
 
@@ -976,3 +977,23 @@ def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
     missing = admin.post("/schedules/nope/pause", data={"csrf_token": csrf(admin)})
     assert flashes(admin, missing) == ["not changed: no periodic schedule is named &#39;nope&#39;"]
     assert ">Pause<" not in viewer.get("/schedules").text  # a viewer sees no buttons
+
+
+def test_topics_page_sets_and_shows_limits(
+    admin: FlaskClient, viewer: FlaskClient, engine: Engine
+) -> None:
+    from delaysvc import limits
+
+    assert "No topic has limits." in admin.get("/topics").text
+    form = {"topic": "dash.sms", "max_running": "3", "rate": "600/m", "csrf_token": csrf(admin)}
+    notes = flashes(admin, admin.post("/topics/limits", data=form))
+    assert notes == ["dash.sms: at most 3 running, 10 starts/s"]
+    assert limits.all_limits(engine) == [limits.TopicLimits("dash.sms", 3, 10.0)]
+    row = re.search(r'<tr data-topic="dash.sms">.*?</tr>', admin.get("/topics").text, re.S)
+    assert row is not None and ">3<" in row.group(0) and ">10<" in row.group(0)
+    bad = {"topic": "dash.sms", "max_running": "many", "csrf_token": csrf(admin)}
+    assert "not changed: " in flashes(admin, admin.post("/topics/limits", data=bad))[0]
+    lifted = {"topic": "dash.sms", "csrf_token": csrf(admin)}
+    flashes(admin, admin.post("/topics/limits", data=lifted))
+    assert limits.all_limits(engine) == []
+    assert 'id="limits-form"' not in viewer.get("/topics").text

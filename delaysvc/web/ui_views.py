@@ -10,6 +10,7 @@ from flask import jsonify, redirect, render_template, request, url_for
 from delaysvc import store
 from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
+from delaysvc.limits import all_limits, set_limits
 from delaysvc.periodic_schedules import Schedules
 from delaysvc.serialize import topic_json
 from delaysvc.validation import validate_topic
@@ -74,7 +75,31 @@ def topics_data() -> dict[str, Any]:
 
 @ui.get("/topics")
 def topics() -> Any:
-    return render_template("topics.html", data=topics_data())
+    found = all_limits(services()["engine"])
+    return render_template("topics.html", data=topics_data(), limits=found)
+
+
+@ui.post("/topics/limits")
+@admin_required
+def set_topic_limits() -> Any:
+    form = request.form
+    try:
+        running = form.get("max_running", "").strip()
+        if running and not running.isdigit():
+            raise ValidationError("max_running", f"{running!r}: a whole number from 1 to 100000")
+        found = set_limits(
+            services()["engine"],
+            form.get("topic", "").strip(),
+            max_running=int(running) if running else None,
+            rate=form.get("rate", "").strip() or None,
+        )
+    except ValidationError as exc:
+        done(f"not changed: {exc}")
+    else:
+        running_text = f"at most {found.max_running} running" if found.max_running else "any"
+        rate_text = f"{found.rate_per_s:g} starts/s" if found.rate_per_s else "no rate limit"
+        done(f"{found.topic}: {running_text}, {rate_text}")
+    return redirect(url_for("dashboard.ui.topics"))
 
 
 @ui.get("/ui/topics.json")
