@@ -95,6 +95,7 @@ def send(
     key: str | None = None,
     tags: Sequence[str] | None = None,
     properties: Mapping[str, str] | None = None,
+    priority: int = 0,
     on_duplicate: OnDuplicate = "keep",
     connection: Any = None,
 ) -> Message:
@@ -111,6 +112,7 @@ def send(
         key=key,
         tags=tags,
         properties=properties,
+        priority=priority,
         on_duplicate=on_duplicate,
         connection=connection,
     )

@@ -217,6 +217,7 @@ def _parse_body(text: str) -> Any:
 @click.option("--key", help="Unique among unfinished messages of the topic.")
 @click.option("--tag", "tags", multiple=True, help="Repeatable.")
 @click.option("--property", "properties", multiple=True, help="NAME=VALUE, repeatable.")
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option(
     "--on-duplicate",
     type=click.Choice(["keep", "replace", "debounce"]),
@@ -236,6 +237,7 @@ def send(
     key: str | None,
     tags: tuple[str, ...],
     properties: tuple[str, ...],
+    priority: int,
     on_duplicate: OnDuplicate,
 ) -> None:
     """Schedule BODY (JSON, or plain text) for TOPIC."""
@@ -260,6 +262,7 @@ def send(
         key=key,
         tags=list(tags) or None,
         properties=props or None,
+        priority=priority,
         on_duplicate=on_duplicate,
     )
     verb = "sent" if message.created else "exists (same topic and key)"

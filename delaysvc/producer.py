@@ -36,6 +36,7 @@ from delaysvc.validation import (
     decode_body,
     encode_body,
     validate_key,
+    validate_priority,
     validate_properties,
     validate_tags,
     validate_topic,
@@ -69,6 +70,7 @@ class Message:
     last_error: str | None = None
     errors: list[dict[str, Any]] = field(default_factory=list)
     body: Any = None
+    priority: int = 0
     replaced_id: int | None = None
     """The message this send replaced (`on_duplicate="replace"` or `"debounce"`): cancelled,
     its `last_error` naming this one."""
@@ -93,6 +95,7 @@ class Message:
             duration_ms=row.duration_ms,
             last_error=row.last_error,
             errors=getattr(row, "errors", None) or [],
+            priority=getattr(row, "priority", 0),
             # rows returned by a send carry no body (the caller has it)
             body=decode_body(_bytes(row.body), row.body_is_json) if hasattr(row, "body") else None,
         )
@@ -114,6 +117,7 @@ class Message:
             tags=list(new.tags) if new.tags else [],
             properties=dict(new.properties) if new.properties else {},
             delivered_at=row.stored_at if ready else None,
+            priority=new.priority,
         )
 
 
@@ -266,6 +270,7 @@ class Producer:
         key: str | None = None,
         tags: Sequence[str] | None = None,
         properties: Mapping[str, str] | None = None,
+        priority: int = 0,
         now: datetime | None = None,
     ) -> store.NewMessage:
         """Validate everything and decide the lane; nothing is written."""
@@ -294,6 +299,7 @@ class Producer:
             properties=validate_properties(
                 dict(properties) if isinstance(properties, Mapping) else properties
             ),
+            priority=validate_priority(priority),
         )
 
     # -- writing --------------------------------------------------------------
@@ -310,6 +316,7 @@ class Producer:
         key: str | None = None,
         tags: Sequence[str] | None = None,
         properties: Mapping[str, str] | None = None,
+        priority: int = 0,
         on_duplicate: OnDuplicate = "keep",
         connection: Joinable | None = None,
     ) -> Message:
@@ -332,6 +339,7 @@ class Producer:
             key=key,
             tags=tags,
             properties=properties,
+            priority=priority,
         )
         if policy != "keep" and new.key is not None:
             return self._send_replacing(new, policy, connection)
@@ -536,9 +544,10 @@ class Producer:
     def _prepare_item(self, item: Mapping[str, Any], now: datetime | None) -> store.NewMessage:
         if not isinstance(item, Mapping):
             raise ValidationError("item", "must be an object with topic and body")
-        unknown = sorted(set(item) - set(MESSAGE_FIELDS))
+        allowed = {*MESSAGE_FIELDS, "priority"}
+        unknown = sorted(set(item) - allowed)
         if unknown:
-            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(MESSAGE_FIELDS)}")
+            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(allowed)}")
         if "topic" not in item or "body" not in item:
             raise ValidationError("topic" if "topic" not in item else "body", "is required")
         options = {k: v for k, v in item.items() if k not in ("topic", "body")}

@@ -59,6 +59,7 @@ commit_log = Table(
     Column("body_is_json", Boolean, nullable=False),
     Column("properties", JSONB),
     Column("delay_level", SmallInteger),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
     Column("lane", SmallInteger, nullable=False),
     Column("queue_offset", BigInteger),
     Column("status", Text, nullable=False),
@@ -106,6 +107,7 @@ consume_queue = Table(
     Column("message_id", BigInteger, nullable=False),
     Column("topic", Text, nullable=False),
     Column("deliver_ts", Timestamp, nullable=False),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
     postgresql_partition_by="LIST (level)",
 )
 
@@ -117,6 +119,7 @@ timer_queue = Table(
     Column("queue_offset", BigInteger, primary_key=True),
     Column("message_id", BigInteger, nullable=False),
     Column("topic", Text, nullable=False),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
     postgresql_with=HOT_TABLE_STORAGE,
 )
 
@@ -134,7 +137,9 @@ topic_queue = Table(
     Column("topic", Text, nullable=False),
     Column("deliver_ts", Timestamp, nullable=False),
     Column("enqueued_at", Timestamp, nullable=False, server_default=text("now()")),
-    Index("ix_topic_queue_topic_seq", "topic", "seq"),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
+    # claims take the highest priority first, then queue order
+    Index("ix_topic_queue_topic_priority_seq", "topic", text("priority DESC"), "seq"),
     postgresql_with=HOT_TABLE_STORAGE,
 )
 

@@ -36,6 +36,7 @@ def message_json(message: Message, *, full: bool = True, body: bool = False) -> 
             started_at=iso(message.started_at),
             finished_at=iso(message.finished_at),
             attempts=message.attempts,
+            priority=message.priority,
             last_error=message.last_error,
             tags=message.tags or [],
             properties=message.properties or {},

@@ -74,14 +74,15 @@ _NEXT_OFFSET = """CASE WHEN {lane} > 0
 
 _ENQUEUE_FROM = """
 , level_rows AS (
-    INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, deliver_ts)
-    SELECT lane, queue_offset, id, topic, deliver_ts FROM {src} WHERE lane > 0
+    INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, deliver_ts,
+        priority)
+    SELECT lane, queue_offset, id, topic, deliver_ts, priority FROM {src} WHERE lane > 0
 ), timer_rows AS (
-    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic)
-    SELECT deliver_ts, queue_offset, id, topic FROM {src} WHERE lane = 0
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
+    SELECT deliver_ts, queue_offset, id, topic, priority FROM {src} WHERE lane = 0
 ), ready_rows AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
-    SELECT id, topic, deliver_ts FROM {src} WHERE lane < 0 ORDER BY id
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT id, topic, deliver_ts, priority FROM {src} WHERE lane < 0 ORDER BY id
 ), lane_counted AS (
     INSERT INTO delaysvc.lane_count (lane, delta)
     SELECT lane, count(*) FROM {src} WHERE lane >= 0 GROUP BY lane
@@ -93,8 +94,8 @@ _COUNTED_OUT = """lane_counted AS (
     SELECT CAST(:lane AS smallint), -count(*) FROM {src} HAVING count(*) > 0
 )"""
 
-MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
-    queue_offset, status, stored_at, deliver_ts, delivered_at, started_at, finished_at,
+MESSAGE_COLUMNS = """id, topic, key, tags, body, body_is_json, properties, delay_level, priority,
+    lane, queue_offset, status, stored_at, deliver_ts, delivered_at, started_at, finished_at,
     attempts, duration_ms, last_error, errors"""
 
 # A message the delivery moved into its topic's queue keeps its commit_log row as it was
@@ -111,7 +112,7 @@ LANE = f"CASE WHEN {MOVED} THEN -1 ELSE c.lane END"
 DELIVERED_AT = f"""COALESCE((SELECT tq.enqueued_at FROM delaysvc.topic_queue tq
     WHERE tq.message_id = c.id AND {WAITING}), c.delivered_at)"""
 MESSAGE_STATE = f"""c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties,
-    c.delay_level, {LANE} AS lane, CASE WHEN {MOVED} THEN NULL ELSE c.queue_offset END
+    c.delay_level, c.priority, {LANE} AS lane, CASE WHEN {MOVED} THEN NULL ELSE c.queue_offset END
     AS queue_offset, {STATUS} AS status, c.stored_at, c.deliver_ts,
     {DELIVERED_AT} AS delivered_at,
     c.started_at, c.finished_at, c.attempts, c.duration_ms, c.last_error, c.errors"""
@@ -132,6 +133,7 @@ class NewMessage:
     key: str | None = None
     tags: list[str] | None = None
     properties: dict[str, str] | None = None
+    priority: int = 0
 
 
 # ---------------------------------------------------------------- levels and lanes
@@ -248,11 +250,12 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
 # lane. Shared by a level change (`relocate_to_timer`) and the mover (`relocate_misplaced`).
 _INTO_TIMER_LANE = """
 , placed AS (
-    SELECT message_id, topic, deliver_ts, nextval('delaysvc.timer_queue_seq') AS queue_offset
+    SELECT message_id, topic, deliver_ts, priority,
+        nextval('delaysvc.timer_queue_seq') AS queue_offset
     FROM {taken} WHERE {where}
 ), timed AS (
-    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic)
-    SELECT deliver_ts, queue_offset, message_id, topic FROM placed
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
+    SELECT deliver_ts, queue_offset, message_id, topic, priority FROM placed
 ), relaned AS (
     UPDATE delaysvc.commit_log c SET lane = 0, queue_offset = p.queue_offset
     FROM placed p WHERE c.id = p.message_id
@@ -266,7 +269,7 @@ _INTO_TIMER_LANE = """
 _RELOCATE_TO_TIMER = f"""
 WITH taken AS (
     DELETE FROM delaysvc.consume_queue q WHERE q.level = :lane
-    RETURNING q.message_id, q.topic, q.deliver_ts
+    RETURNING q.message_id, q.topic, q.deliver_ts, q.priority
 ){_INTO_TIMER_LANE.format(taken="taken", where="true")}
 SELECT count(*) FROM placed
 """
@@ -314,15 +317,16 @@ def _ms_or_none(ms: int | None) -> str:
 _INSERT_ONE = """
 WITH {placed}msg AS (
     INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
-        lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+        priority, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
     SELECT :topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
-        CAST(:properties AS jsonb), CAST(:delay_level AS smallint), {lane},
+        CAST(:properties AS jsonb), CAST(:delay_level AS smallint),
+        CAST(:priority AS smallint), {lane},
         {offset}, {status}, statement_timestamp(),
         COALESCE(CAST(:deliver_at AS timestamptz),
                  statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
         {delivered_at}{source}
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts
+    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts, priority
 ){enqueue}
 SELECT id, stored_at, deliver_ts, lane FROM msg
 """
@@ -346,8 +350,8 @@ _INSERT_ONE_TIMER = _INSERT_ONE.format(
     source="",
     enqueue="""
 , timer_rows AS (
-    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic)
-    SELECT deliver_ts, queue_offset, id, topic FROM msg
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
+    SELECT deliver_ts, queue_offset, id, topic, priority FROM msg
 ), lane_counted AS (
     INSERT INTO delaysvc.lane_count (lane, delta) SELECT 0, 1 FROM msg
 )""",
@@ -361,8 +365,8 @@ _INSERT_ONE_READY = _INSERT_ONE.format(
     source="",
     enqueue="""
 , queued AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
-    SELECT id, topic, deliver_ts FROM msg
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT id, topic, deliver_ts, priority FROM msg
 )""",
 )
 
@@ -382,6 +386,7 @@ def _message_params(message: NewMessage) -> dict[str, Any]:
         "body_is_json": message.body_is_json,
         "properties": json.dumps(message.properties) if message.properties is not None else None,
         "delay_level": message.delay_level,
+        "priority": message.priority,
         "lane": message.lane,
         "delay_ms": message.delay_ms,
         "deliver_at": message.deliver_at,
@@ -455,12 +460,13 @@ def _insert_or_find(
 # creates nothing (ON CONFLICT DO NOTHING sees rows this statement inserted).
 _STAGE_TABLE = "delaysvc_send_stage"
 _STAGE_COLUMNS = (
-    "ord, topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, deliver_at"
+    "ord, topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, "
+    "deliver_at, priority"
 )
 _CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
     ord int, topic text, key text, tags text[], body bytea, body_is_json boolean,
     properties jsonb, delay_level smallint, lane smallint, delay_ms bigint,
-    deliver_at timestamptz
+    deliver_at timestamptz, priority smallint
 ) ON COMMIT DELETE ROWS"""
 _COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
 INSERT_STAGED = f"""
@@ -468,14 +474,14 @@ WITH staged AS (
     DELETE FROM {_STAGE_TABLE} RETURNING *
 ), numbered AS (
     SELECT nextval('delaysvc.commit_log_id_seq') AS id, s.ord, s.topic, s.key, s.tags, s.body,
-        s.body_is_json, s.properties, s.delay_level,
+        s.body_is_json, s.properties, s.delay_level, s.priority,
         CAST({_PLACED_LANE.format(lane="s.lane", delay_ms="s.delay_ms")} AS smallint) AS lane,
         s.delay_ms, s.deliver_at
     FROM (SELECT * FROM staged ORDER BY ord) s
 ), msg AS (
     INSERT INTO delaysvc.commit_log (id, topic, key, tags, body, body_is_json, properties,
-        delay_level, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
-    SELECT id, topic, key, tags, body, body_is_json, properties, delay_level, lane,
+        delay_level, priority, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    SELECT id, topic, key, tags, body, body_is_json, properties, delay_level, priority, lane,
         {_NEXT_OFFSET.format(lane="lane")},
         CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
         statement_timestamp(),
@@ -483,7 +489,7 @@ WITH staged AS (
         CASE WHEN lane < 0 THEN statement_timestamp() END
     FROM numbered ORDER BY ord
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts
+    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts, priority
 ){_ENQUEUE_FROM.format(src="msg")}
 SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id = m.id
 """
@@ -493,10 +499,10 @@ SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id
 # batch is staged by one statement from a JSON document of its rows (`_stage_document`).
 _STAGE_FROM_JSON = f"""INSERT INTO {_STAGE_TABLE} ({_STAGE_COLUMNS})
 SELECT ord, topic, key, tags, decode(body, 'base64'), body_is_json, properties, delay_level,
-    lane, delay_ms, deliver_at
+    lane, delay_ms, deliver_at, priority
 FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS s(ord int, topic text, key text, tags text[],
     body text, body_is_json boolean, properties jsonb, delay_level smallint, lane smallint,
-    delay_ms bigint, deliver_at timestamptz)"""
+    delay_ms bigint, deliver_at timestamptz, priority smallint)"""
 
 
 def stage_rows(cursor: Cursor[Any], rows: Iterable[tuple[Any, ...]]) -> None:
@@ -522,6 +528,7 @@ def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
         message.lane,
         message.delay_ms,
         message.deliver_at,
+        message.priority,
     )
 
 
@@ -540,6 +547,7 @@ def _stage_document(messages: Sequence[NewMessage]) -> str:
                 "lane": m.lane,
                 "delay_ms": m.delay_ms,
                 "deliver_at": m.deliver_at.isoformat() if m.deliver_at is not None else None,
+                "priority": m.priority,
             }
             for ord_, m in enumerate(messages)
         ]
@@ -734,8 +742,9 @@ CLOCK_MARGIN_MS = 1000
 _MOVED_TO_TOPIC = f"""
 , ready AS (
     -- commit_log is not written: see MESSAGE_STATE (the claim writes the delivery down)
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, enqueued_at)
-    SELECT message_id, topic, deliver_ts, clock_timestamp() FROM moved ORDER BY queue_offset
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, enqueued_at, priority)
+    SELECT message_id, topic, deliver_ts, clock_timestamp(), priority FROM moved
+    ORDER BY queue_offset
 ), advanced AS (
     UPDATE delaysvc.schedule_offset SET
         schedule_offset = GREATEST(schedule_offset,
@@ -791,7 +800,7 @@ WITH head AS (
     -- by the locked rows' ctids: a TID scan of the level's partition
     DELETE FROM delaysvc.consume_queue q
     WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM locked))
-    RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
+    RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts, q.priority
 ){_MOVED_TO_TOPIC}"""
 
 _MOVE_DUE_TIMER = f"""
@@ -804,7 +813,7 @@ WITH due AS (
 ), moved AS (
     -- by the locked rows' ctids: a TID scan, whatever the planner thinks of the table's size
     DELETE FROM delaysvc.timer_queue t WHERE t.ctid = ANY(ARRAY(SELECT ctid FROM due))
-    RETURNING t.queue_offset, t.message_id, t.topic, t.deliver_ts
+    RETURNING t.queue_offset, t.message_id, t.topic, t.deliver_ts, t.priority
 ){_MOVED_TO_TOPIC}"""
 
 
@@ -869,12 +878,13 @@ WITH head AS (
 ), taken AS (
     DELETE FROM delaysvc.consume_queue q
     WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM beyond))
-    RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts
+    RETURNING q.queue_offset, q.message_id, q.topic, q.deliver_ts, q.priority
 ), sorted AS (
     SELECT t.*, b.clock_back FROM taken t JOIN beyond b USING (message_id)
 ){_INTO_TIMER_LANE.format(taken="sorted", where="NOT clock_back")}, now_due AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, enqueued_at)
-    SELECT message_id, topic, deliver_ts, clock_timestamp() FROM sorted WHERE clock_back
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, enqueued_at, priority)
+    SELECT message_id, topic, deliver_ts, clock_timestamp(), priority FROM sorted
+    WHERE clock_back
     ORDER BY queue_offset
 )
 SELECT (SELECT count(*) FROM placed) AS to_timer,
@@ -1250,16 +1260,16 @@ WITH pick AS (
 ), from_levels AS (
     DELETE FROM delaysvc.consume_queue q USING pick
     WHERE pick.lane > 0 AND q.level = pick.lane AND q.queue_offset = pick.queue_offset
-    RETURNING q.message_id, q.topic, q.deliver_ts, CAST(q.level AS int) AS lane
+    RETURNING q.message_id, q.topic, q.deliver_ts, CAST(q.level AS int) AS lane, q.priority
 ), from_timer AS (
     DELETE FROM delaysvc.timer_queue t USING pick
     WHERE pick.lane = 0 AND t.deliver_ts = pick.deliver_ts AND t.queue_offset = pick.queue_offset
-    RETURNING t.message_id, t.topic, t.deliver_ts, 0 AS lane
+    RETURNING t.message_id, t.topic, t.deliver_ts, 0 AS lane, t.priority
 ), moved AS (
     SELECT * FROM from_levels UNION ALL SELECT * FROM from_timer
 ), ready AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
-    SELECT message_id, topic, deliver_ts FROM moved ORDER BY deliver_ts, message_id
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT message_id, topic, deliver_ts, priority FROM moved ORDER BY deliver_ts, message_id
 ), marked AS (
     UPDATE delaysvc.commit_log c SET status = 'ready', delivered_at = clock_timestamp(),
         lane = -1, queue_offset = NULL
@@ -1341,14 +1351,16 @@ def unique_violation(exc: IntegrityError, constraint: str) -> bool:
 _CLAIM_READY = """
 WITH picked AS (
     SELECT ctid FROM delaysvc.topic_queue WHERE topic = :topic
-    ORDER BY seq LIMIT {limit} FOR UPDATE SKIP LOCKED
+    ORDER BY priority DESC, seq LIMIT {limit} FOR UPDATE SKIP LOCKED
 ), claimed AS (
     -- by the locked rows' ctids: a TID scan, whatever the planner thinks of the queue's size
     DELETE FROM delaysvc.topic_queue q WHERE q.ctid = ANY(ARRAY(SELECT ctid FROM picked))
     AND NOT EXISTS (SELECT 1 FROM delaysvc.topic_state WHERE topic = :topic AND paused)
-    RETURNING q.message_id, q.seq, q.enqueued_at
+    RETURNING q.message_id, q.seq, q.enqueued_at, q.priority
 ), numbered AS (
-    SELECT message_id, seq, enqueued_at, row_number() OVER (ORDER BY seq) AS n FROM claimed
+    SELECT message_id, seq, enqueued_at, priority,
+        row_number() OVER (ORDER BY priority DESC, seq) AS n
+    FROM claimed
 )
 UPDATE delaysvc.commit_log c SET status = 'running',
     -- an attempt is counted when its handler starts (`start_jobs`): here only for the first
@@ -1367,7 +1379,8 @@ FROM numbered claimed WHERE c.id = claimed.message_id
     -- a queue row of a message that is no longer waiting (never expected) is dropped, not run
     AND c.status IN ('scheduled', 'retrying', 'ready')
 RETURNING c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties, c.attempts,
-    c.deliver_ts, c.stored_at, c.claim_id, c.started_at IS NOT NULL AS started, claimed.seq
+    c.deliver_ts, c.stored_at, c.claim_id, c.started_at IS NOT NULL AS started, claimed.seq,
+    claimed.priority
 """
 
 
@@ -1404,7 +1417,7 @@ def claim_ready(
     tests/test_tick_cost.py reproduces it)."""
     params = {"topic": topic, "lease_seconds": lease_seconds, "start_first": start_first}
     rows = _unprepared(conn, claim_statement(limit), params)
-    return sorted(rows, key=lambda row: row.seq)
+    return sorted(rows, key=lambda row: (-row.priority, row.seq))
 
 
 # Committed asynchronously (synchronous_commit off for this statement's own transaction): the
@@ -1488,7 +1501,7 @@ WITH again AS (
             OFFSET GREATEST(jsonb_array_length(COALESCE(c.errors, '[]')) + 1 - {_KEEP_ERRORS}, 0)
         ) kept)
     WHERE c.id = :id AND c.status = 'running' AND c.claim_id = :claim_id
-    RETURNING c.id, c.topic, c.lane, c.queue_offset, c.deliver_ts
+    RETURNING c.id, c.topic, c.lane, c.queue_offset, c.deliver_ts, c.priority
 ){_ENQUEUE_FROM.format(src="again")}
 SELECT count(*) FROM again
 """
@@ -1601,10 +1614,10 @@ WITH back AS (
         started_at = NULL
     WHERE c.id = ANY(CAST(:ids AS bigint[])) AND c.claim_id = :claim_id
       AND c.status = 'running'
-    RETURNING c.id, c.topic, c.deliver_ts
+    RETURNING c.id, c.topic, c.deliver_ts, c.priority
 )
-INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
-SELECT id, topic, deliver_ts FROM back ORDER BY id
+INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+SELECT id, topic, deliver_ts, priority FROM back ORDER BY id
 """
         ),
         {"ids": list(message_ids), "claim_id": claim_id},
@@ -1627,10 +1640,10 @@ WITH expired AS (
         last_error = CASE WHEN c.started_at IS NULL THEN c.last_error
             ELSE 'lease expired: the worker running attempt ' || c.attempts || ' was lost' END
     FROM expired WHERE c.id = expired.id
-    RETURNING c.id, c.topic, c.deliver_ts
+    RETURNING c.id, c.topic, c.deliver_ts, c.priority
 ), queued AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
-    SELECT id, topic, deliver_ts FROM back
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT id, topic, deliver_ts, priority FROM back
 )
 SELECT id, topic FROM back
 """
@@ -1780,8 +1793,8 @@ WITH revived AS (
     FROM revived WHERE c.id = revived.message_id AND c.status = 'dead'
     RETURNING c.*
 ), queued AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts)
-    SELECT id, topic, deliver_ts FROM again
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT id, topic, deliver_ts, priority FROM again
 )
 SELECT {MESSAGE_COLUMNS} FROM again
 """

@@ -34,6 +34,20 @@ MESSAGE_FIELDS = (
 )
 """What a message is sent with (`send`'s arguments; an HTTP item, a bulk-schedule row)."""
 
+MAX_PRIORITY = 1000
+
+
+def validate_priority(priority: object) -> int:
+    """A whole number from -1000 to 1000 (higher is claimed first; 0 by default)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValidationError("priority", f"must be a whole number, got {priority!r}")
+    if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValidationError(
+            "priority", f"{priority} is out of range: use -{MAX_PRIORITY} to {MAX_PRIORITY}"
+        )
+    return priority
+
+
 MAX_KEY_CHARS = 256
 MAX_TAGS = 16
 MAX_PROPERTIES = 64

@@ -785,3 +785,15 @@ def test_topic_limits_through_the_api(
     lifted = client.put("/api/v1/topics/sms.send/limits", json={}, headers=admin_token)
     assert lifted.get_json() == {"topic": "sms.send", "max_running": None, "rate_per_s": None}
     assert client.get("/api/v1/limits", headers=admin_token).get_json() == {"limits": []}
+
+
+def test_priority_is_sent_and_shown(client: FlaskClient, send_token: dict[str, str]) -> None:
+    sent = client.post(
+        "/api/v1/messages", json={"topic": "t.p", "body": 1, "priority": 7}, headers=send_token
+    ).get_json()
+    shown = client.get(f"/api/v1/messages/{sent['id']}", headers=send_token).get_json()
+    assert shown["priority"] == 7
+    bad = client.post(
+        "/api/v1/messages", json={"topic": "t.p", "body": 1, "priority": 5000}, headers=send_token
+    )
+    assert "-1000 to 1000" in _error(bad, 400, "invalid")

@@ -357,3 +357,9 @@ def test_topic_limits_are_set_listed_and_lifted(delaysvc: Run) -> None:
     lifted = delaysvc("limit", "sms.send")
     assert lifted.stdout == "sms.send: any number running, no rate limit\n"
     assert delaysvc("limits").stdout == ""
+
+
+def test_send_with_a_priority_shows_it(delaysvc: Run) -> None:
+    sent = delaysvc("send", "cli.p", "{}", "--priority", "3")
+    message_id = re.search(r"id=(\d+)", sent.stdout).group(1)
+    assert json.loads(delaysvc("show", message_id).stdout)["priority"] == 3

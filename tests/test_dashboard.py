@@ -997,3 +997,8 @@ def test_topics_page_sets_and_shows_limits(
     flashes(admin, admin.post("/topics/limits", data=lifted))
     assert limits.all_limits(engine) == []
     assert 'id="limits-form"' not in viewer.get("/topics").text
+
+
+def test_the_message_page_shows_its_priority(admin: FlaskClient, producer: Producer) -> None:
+    sent = producer.send("dash.p", {"n": 1}, priority=4)
+    assert '<dd data-field="priority">4</dd>' in admin.get(f"/messages/{sent.id}").text

@@ -186,6 +186,27 @@ def test_a_host_applications_alembic_autogenerates_nothing_for_delaysvcs_tables(
 # ------------------------------------------------------------------ an install from before
 
 
+def test_an_install_at_the_last_revision_before_the_schema_moves_and_upgrades(
+    empty: tuple[str, Engine],
+) -> None:
+    url, engine = empty
+    try:
+        sql.use_schema("public")
+        _legacy_install(engine, TEST_LEVELS)
+    finally:
+        sql.use_schema(TEST_SCHEMA)
+    migrate.upgrade(engine, Settings(delay_levels=TEST_LEVELS).levels)
+    with engine.connect() as conn:
+        version = conn.execute(sql.sql("SELECT version_num FROM delaysvc.delaysvc_version"))
+        assert version.scalars().all() == migrate.heads()
+        left = conn.execute(
+            text("SELECT relname FROM pg_class WHERE relnamespace = 'public'::regnamespace")
+        )
+        assert left.scalars().all() == []
+    producer = Producer(Settings(database_url=url, delay_levels=TEST_LEVELS), engine)
+    assert producer.send("move.after", {"n": 1}, delay_level=1, priority=5).status == "scheduled"
+
+
 @pytest.fixture
 def handlers() -> Iterator[None]:
     saved = dict(_registry)
@@ -194,15 +215,17 @@ def handlers() -> Iterator[None]:
     _registry.update(saved)
 
 
-def _legacy_install(engine: Engine, levels: str) -> None:
+def _legacy_install(engine: Engine, levels: str, revision: str = LEGACY_HEAD) -> None:
     """What the last release before the schema made: revisions up to 0008 in the connection's
-    schema (public) with Alembic's default `alembic_version` beside them, and the partitions."""
+    schema (public) with Alembic's default `alembic_version` beside them, and the partitions.
+    With `revision="head"`, the same layout at today's revisions, so that today's statements
+    can put messages in it (the move does not depend on the revision)."""
     config = migrate.alembic_config()
     with engine.begin() as conn:
         config.attributes.update(
             connection=conn, schema="public", version_table="alembic_version", adopt=False
         )
-        command.upgrade(config, LEGACY_HEAD)
+        command.upgrade(config, revision)
         store.ensure_levels(conn, Settings(delay_levels=levels).levels)
 
 
@@ -222,7 +245,7 @@ def test_an_install_from_before_the_schema_moves_in_place_and_loses_no_message(
     ran: list[int] = []
     try:
         sql.use_schema("public")  # the old release's statements: its tables, bare in public
-        _legacy_install(engine, TEST_LEVELS)
+        _legacy_install(engine, TEST_LEVELS, "head")
         producer = Producer(settings, engine)
         level = [producer.send("move.level", n, delay_level=1).id for n in range(5)]
         timer = [producer.send("move.timer", n, delay="1500ms").id for n in range(3)]

@@ -6,6 +6,7 @@ whichever plan PostgreSQL picks for the prepared statement."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -154,6 +155,63 @@ def test_a_claim_touches_the_same_buffers_with_20k_and_200k_finished_messages(
         large = _claim_buffers(conn, plan_cache_mode)
     assert small > BATCH
     assert large <= small * 1.25, (small, large)
+
+
+def _fill_ready_with_priorities(engine: Engine, ready: int) -> None:
+    """`ready` jobs of 't.cost' in the topic queue, priorities -2..2 in turn."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "WITH m AS (INSERT INTO commit_log (topic, body, body_is_json, lane, status, "
+                "stored_at, deliver_ts, delivered_at, priority) "
+                "SELECT 't.cost', :body, true, -1, 'ready', now(), now(), now(), (g % 5) - 2 "
+                "FROM generate_series(1, :n) g RETURNING id, topic, deliver_ts, priority) "
+                "INSERT INTO topic_queue (message_id, topic, deliver_ts, priority) "
+                "SELECT id, topic, deliver_ts, priority FROM m ORDER BY id"
+            ),
+            {"n": ready, "body": b'{"order_id": 42}'},
+        )
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("VACUUM ANALYZE"))
+
+
+def _index_names(node: dict) -> set[str]:
+    found = {node["Index Name"]} if "Index Name" in node else set()
+    for child in node.get("Plans", []):
+        found |= _index_names(child)
+    return found
+
+
+@pytest.mark.skipif(
+    os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
+    reason="fills a million rows: runs in CI's first pass (embedded PostgreSQL) only",
+)
+@pytest.mark.parametrize("plan_cache_mode", PLANS)
+def test_a_claim_by_priority_stays_an_index_scan_at_a_million_ready_jobs(
+    engine: Engine, plan_cache_mode: str
+) -> None:
+    """The claim takes the highest priority first through the topic queue's
+    (topic, priority DESC, seq) index: at 1M ready jobs it touches about what it touches at
+    20k, and never sorts or scans the queue."""
+    _fill_ready_with_priorities(engine, 20_000)
+    with engine.connect() as conn:
+        small = _claim_buffers(conn, plan_cache_mode)
+    _fill_ready_with_priorities(engine, 980_000)
+    args = {
+        "topic": ("text", "'t.cost'"),
+        "lease_seconds": ("int", "60"),
+        "start_first": ("int", "100"),
+    }
+    with engine.connect() as conn:
+        large = _claim_buffers(conn, plan_cache_mode)
+    with engine.connect() as conn:
+        top = _prepared_plan(conn, store.claim_statement(BATCH), args, plan_cache_mode)
+    assert "ix_topic_queue_topic_priority_seq" in _index_names(top)
+    assert not _seq_scans(top)
+    assert large <= small * 1.25, (small, large)
+    with engine.begin() as conn:
+        claimed = store.claim_ready(conn, "t.cost", BATCH, 60)
+    assert {row.priority for row in claimed} == {2}
 
 
 def _plan_after_growth(

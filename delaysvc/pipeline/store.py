@@ -243,7 +243,7 @@ WITH msg AS (
 } AS smallint) AS lane) placed
     ORDER BY topic, key
     {{on_conflict}}
-    RETURNING id, topic, lane, queue_offset, deliver_ts
+    RETURNING id, topic, lane, queue_offset, deliver_ts, priority
 ){service_store._ENQUEUE_FROM.format(src="msg")}
 SELECT count(*) FROM msg
 """

@@ -55,6 +55,7 @@ _MESSAGE = {
         "started_at": _TIME,
         "finished_at": _TIME,
         "attempts": {"type": "integer"},
+        "priority": {"type": "integer"},
         "last_error": {"type": ["string", "null"]},
         "tags": {"type": "array", "items": {"type": "string"}},
         "properties": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -87,6 +88,12 @@ _NEW_MESSAGE: dict[str, Any] = {
             "maxProperties": 64,
             "propertyNames": {"pattern": "^[^\\u0000]{1,128}$"},
             "additionalProperties": {"type": "string", "pattern": "^[^\\u0000]{0,4096}$"},
+        },
+        "priority": {
+            "type": "integer",
+            "minimum": -1000,
+            "maximum": 1000,
+            "description": "higher is claimed first within the topic; 0 by default",
         },
         "on_duplicate": {
             "type": "string",
