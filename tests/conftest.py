@@ -156,3 +156,14 @@ def _null_pool():  # type: ignore[no-untyped-def]
     from sqlalchemy.pool import NullPool
 
     return NullPool
+
+
+@pytest.fixture
+def own_handlers() -> Iterator[None]:
+    """Handlers a test registers are gone after it (the registry as it was before)."""
+    from delaysvc import consumption
+
+    saved = dict(consumption._registry)
+    yield
+    consumption._registry.clear()
+    consumption._registry.update(saved)

@@ -13,20 +13,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import consumption, delivery
+from delaysvc import delivery
 from delaysvc.consumption import Consumer, handler
 from delaysvc.errors import ValidationError
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
-
-@pytest.fixture(autouse=True)
-def clean_registry() -> Any:
-    saved = dict(consumption._registry)
-    consumption._registry.clear()
-    yield
-    consumption._registry.clear()
-    consumption._registry.update(saved)
+pytestmark = pytest.mark.usefixtures("own_handlers")
 
 
 def test_keep_is_the_default_and_returns_the_holder(producer: Producer) -> None:

@@ -18,14 +18,7 @@ from delaysvc.errors import ValidationError
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
-
-@pytest.fixture(autouse=True)
-def clean_registry() -> Any:
-    saved = dict(consumption._registry)
-    consumption._registry.clear()
-    yield
-    consumption._registry.clear()
-    consumption._registry.update(saved)
+pytestmark = pytest.mark.usefixtures("own_handlers")
 
 
 def _claim(engine: Engine, settings: Settings, topic: str, wanted: int) -> tuple[int, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import consumption, delivery, store
+from delaysvc import delivery, store
 from delaysvc.consumption import Consumer, handler
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DeadLetter, RetryLater, ValidationError
@@ -18,14 +18,7 @@ from delaysvc.producer import Producer
 from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
 
-
-@pytest.fixture(autouse=True)
-def clean_registry() -> Any:
-    saved = dict(consumption._registry)
-    consumption._registry.clear()
-    yield
-    consumption._registry.clear()
-    consumption._registry.update(saved)
+pytestmark = pytest.mark.usefixtures("own_handlers")
 
 
 def _queued_priority(engine: Engine, message_id: int) -> int | None:
