@@ -5,14 +5,13 @@ messages with it."""
 
 from __future__ import annotations
 
-import io
+import ast
 import itertools
 import os
 import re
 import subprocess
 import sys
 import time
-import tokenize
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,12 +46,35 @@ def empty(pg_server: Server) -> Iterator[tuple[str, Engine]]:
 # ------------------------------------------------------------------ every statement names it
 
 _TABLES = "|".join(sorted({*metadata.tables, *(s.name for s in SEQUENCES), "commit_log_id_seq"}))
-_SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|FROM|JOIN|TABLE|nextval)\b")
+_SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|FROM|JOIN|TABLE|TRUNCATE|VACUUM|nextval)\b")
+_NAMES = set(_TABLES.split("|"))
+_TRUNCATED = re.compile(r"\b(?:TRUNCATE|VACUUM|ANALYZE)\s+((?:[\w.\"]+\s*,\s*)*[\w.\"]+)")
+_LIST = re.compile(r"\s*,\s*")
 # a table where a statement names one (not a column of the same name: schedule_offset has one)
 _BARE = re.compile(
     rf"(?:\b(?:FROM|JOIN|INTO|UPDATE|TABLE|TRUNCATE|VACUUM|ANALYZE|OF|EXISTS|USING)\s+|"
     rf"nextval\(')({_TABLES}|consume_queue_)\b"
 )
+
+
+def _strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Every string the code builds (adjacent literals joined, an f-string's holes as `{}`),
+    docstrings left out."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docstrings:
+                yield node.lineno, node.value
+        elif isinstance(node, ast.JoinedStr):
+            parts = [v.value if isinstance(v, ast.Constant) else "{}" for v in node.values]
+            yield node.lineno, "".join(str(part) for part in parts)
 
 
 def test_every_statement_of_the_service_names_delaysvcs_schema() -> None:
@@ -63,11 +85,13 @@ def test_every_statement_of_the_service_names_delaysvcs_schema() -> None:
     for path in sorted((ROOT / "delaysvc").rglob("*.py")):
         if "migrations" in path.parts:  # they run with the search_path set to the schema
             continue
-        tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-        for token in tokens:
-            if token.type == tokenize.STRING and _SQL.search(token.string):
-                for found in _BARE.finditer(token.string):
-                    bare.append(f"{path.relative_to(ROOT)}:{token.start[0]}: {found.group(0)}")
+        for line, string in _strings(ast.parse(path.read_text())):
+            if not _SQL.search(string):
+                continue
+            found = [match.group(0) for match in _BARE.finditer(string)]
+            for listed in _TRUNCATED.finditer(string):
+                found += [name for name in _LIST.split(listed.group(1)) if name in _NAMES]
+            bare += [f"{path.relative_to(ROOT)}:{line}: {what}" for what in found]
     assert bare == []
 
 

@@ -69,7 +69,7 @@ def reset_tables(engine: Engine) -> None:
             sql(
                 "TRUNCATE delaysvc.commit_log, delaysvc.consume_queue, delaysvc.timer_queue, "
                 "delaysvc.topic_queue, delaysvc.dead_letter, "
-                "topic_state, lane_count"
+                "delaysvc.topic_state, delaysvc.lane_count"
             )
         )
         conn.execute(
