@@ -137,15 +137,15 @@ def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> No
             f"CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
         )
     )
-    table = f'"{legacy}".{LEGACY_VERSION_TABLE}'
+    shared = f'"{legacy}".{LEGACY_VERSION_TABLE}'
     for version in versions:
         conn.execute(
             text(f'INSERT INTO "{schema}".{VERSION_TABLE} (version_num) VALUES (:v)'),
             {"v": version},
         )
-        conn.execute(text(f"DELETE FROM {table} WHERE version_num = :v"), {"v": version})
-    if conn.execute(text(f"SELECT NOT EXISTS (SELECT 1 FROM {table})")).scalar():
-        conn.execute(text(f"DROP TABLE {table}"))  # it held delaysvc's revision alone
+        conn.execute(text(f"DELETE FROM {shared} WHERE version_num = :v"), {"v": version})
+    if conn.execute(text(f"SELECT NOT EXISTS (SELECT 1 FROM {shared})")).scalar():
+        conn.execute(text(f"DROP TABLE {shared}"))  # it held delaysvc's revision alone
     log.warning(
         "schema.moved",
         extra={"tables_and_sequences": moved, "from_schema": legacy, "to_schema": schema},

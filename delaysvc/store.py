@@ -1061,14 +1061,14 @@ def _added(old: str, new: str) -> str:
 
 
 _ADD_MINUTE = f"""
-INSERT INTO {{table}} (minute, {{key}}, counts, max_ms)
+INSERT INTO delaysvc.{{table}} AS m (minute, {{key}}, counts, max_ms)
 VALUES (date_trunc('minute', clock_timestamp()), :key, CAST(:counts AS bigint[]), :max_ms)
 ON CONFLICT (minute, {{key}}) DO UPDATE SET
-    counts = {_added("{table}.counts", "EXCLUDED.counts")},
-    max_ms = GREATEST({{table}}.max_ms, EXCLUDED.max_ms)"""
+    counts = {_added("m.counts", "EXCLUDED.counts")},
+    max_ms = GREATEST(m.max_ms, EXCLUDED.max_ms)"""
 
 _ADD_LATENESS = f"""
-WITH minute AS ({_ADD_MINUTE.format(table="delaysvc.lateness_histogram", key="lane")})
+WITH minute AS ({_ADD_MINUTE.format(table="lateness_histogram", key="lane")})
 INSERT INTO delaysvc.lateness_total (lane, counts, sum_ms)
 VALUES (:key, CAST(:counts AS bigint[]), :sum_ms)
 ON CONFLICT (lane) DO UPDATE SET
@@ -1152,7 +1152,9 @@ def add_outcomes(conn: Connection, topic: str, outcomes: OutcomeCounts) -> None:
 def _prune_minutes(conn: Connection, table: str) -> None:
     """Forget minute rows older than a week (the running totals keep what they counted)."""
     assert table in ("lateness_histogram", "handler_duration_histogram")
-    conn.execute(sql(f"DELETE FROM {table} WHERE minute < now() - interval '{MINUTES_KEPT}'"))
+    conn.execute(
+        sql(f"DELETE FROM delaysvc.{table} WHERE minute < now() - interval '{MINUTES_KEPT}'")
+    )
 
 
 def lateness_totals(conn: Connection) -> list[Any]:
@@ -1665,9 +1667,9 @@ def distinct_topics(conn: Connection, table: Literal["topic_queue", "dead_letter
             sql(
                 f"""
 WITH RECURSIVE t AS (
-    (SELECT topic FROM {table} ORDER BY topic LIMIT 1)
+    (SELECT topic FROM delaysvc.{table} ORDER BY topic LIMIT 1)
     UNION ALL
-    SELECT (SELECT topic FROM {table} WHERE topic > t.topic ORDER BY topic LIMIT 1)
+    SELECT (SELECT topic FROM delaysvc.{table} WHERE topic > t.topic ORDER BY topic LIMIT 1)
     FROM t WHERE t.topic IS NOT NULL
 )
 SELECT topic FROM t WHERE topic IS NOT NULL

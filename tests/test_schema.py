@@ -50,6 +50,8 @@ _SQL = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE|FROM|JOIN|TABLE|TRUNCATE|VACU
 _NAMES = set(_TABLES.split("|"))
 _TRUNCATED = re.compile(r"\b(?:TRUNCATE|VACUUM|ANALYZE)\s+((?:[\w.\"]+\s*,\s*)*[\w.\"]+)")
 _LIST = re.compile(r"\s*,\s*")
+# a table named by a placeholder: `FROM {table}` must be `FROM delaysvc.{table}`
+_PLACEHOLDER = re.compile(r"\b(?:FROM|JOIN|INTO|UPDATE|TABLE|OF)\s+\{+table\}+")
 # a table where a statement names one (not a column of the same name: schedule_offset has one)
 _BARE = re.compile(
     rf"(?:\b(?:FROM|JOIN|INTO|UPDATE|TABLE|TRUNCATE|VACUUM|ANALYZE|OF|EXISTS|USING)\s+|"
@@ -57,9 +59,17 @@ _BARE = re.compile(
 )
 
 
+def _part(value: ast.expr) -> str:
+    """A piece of an f-string: its text, or its hole as `{name}` (`{}` for an expression)."""
+    if isinstance(value, ast.Constant):
+        return str(value.value)
+    inner = getattr(value, "value", None)
+    return "{" + inner.id + "}" if isinstance(inner, ast.Name) else "{}"
+
+
 def _strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
-    """Every string the code builds (adjacent literals joined, an f-string's holes as `{}`),
-    docstrings left out."""
+    """Every string the code builds (adjacent literals joined, an f-string's holes as
+    `{name}`), docstrings left out."""
     docstrings = {
         id(node.body[0].value)
         for node in ast.walk(tree)
@@ -73,7 +83,7 @@ def _strings(tree: ast.AST) -> Iterator[tuple[int, str]]:
             if id(node) not in docstrings:
                 yield node.lineno, node.value
         elif isinstance(node, ast.JoinedStr):
-            parts = [v.value if isinstance(v, ast.Constant) else "{}" for v in node.values]
+            parts = [_part(value) for value in node.values]
             yield node.lineno, "".join(str(part) for part in parts)
 
 
@@ -89,6 +99,7 @@ def test_every_statement_of_the_service_names_delaysvcs_schema() -> None:
             if not _SQL.search(string):
                 continue
             found = [match.group(0) for match in _BARE.finditer(string)]
+            found += [match.group(0) for match in _PLACEHOLDER.finditer(string)]
             for listed in _TRUNCATED.finditer(string):
                 found += [name for name in _LIST.split(listed.group(1)) if name in _NAMES]
             bare += [f"{path.relative_to(ROOT)}:{line}: {what}" for what in found]
