@@ -37,10 +37,12 @@ os.environ["PGOPTIONS"] = f"-c search_path={TEST_SCHEMA},public"
 
 def outside_env() -> dict[str, str]:
     """This process's environment without delaysvc's settings, but for the tests' schema: for
-    a process started as a user would start it."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")} | {
-        "DELAYSVC_SCHEMA": TEST_SCHEMA
-    }
+    a process started as a user would start it. Without the tests' search_path too: the
+    workers, web servers and commands the tests start find their tables by the schema their
+    statements name, or fail."""
+    kept = {k: v for k, v in os.environ.items() if not k.startswith("DELAYSVC_")}
+    kept.pop("PGOPTIONS", None)
+    return kept | {"DELAYSVC_SCHEMA": TEST_SCHEMA}
 
 
 ROOT = Path(__file__).resolve().parent.parent

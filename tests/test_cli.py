@@ -4,7 +4,6 @@ configured by `DELAYSVC_*` variables only."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from delaysvc import auth
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from tests.conftest import outside_env
 
 DEFAULT_DELAYS = ["1s", "5s", "10s", "30s", "1m", "2m", "3m", "4m", "5m"]
 DEFAULT_DELAYS += ["6m", "7m", "8m", "9m", "10m", "20m", "30m", "1h", "2h"]
@@ -25,11 +25,7 @@ Run = Callable[..., subprocess.CompletedProcess[str]]
 
 
 def _clean_env(**variables: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
-    }
+    env = outside_env()
     env.update(variables)
     return env
 

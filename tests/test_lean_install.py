@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, text
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, outside_env
 
 HEAVY = {
     "celery",
@@ -62,11 +62,7 @@ def test_the_library_alone_installs_lean_and_sends(
     assert (site / "delaysvc" / "migrations" / "script.py.mako").is_file()
     assert (site / "delaysvc" / "web" / "templates" / "base.html").is_file()
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
-    }
+    env = outside_env()
     env.update(DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s")
     env.pop("PYTHONPATH", None)
     sent = subprocess.run(

@@ -18,17 +18,13 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, TEST_LEVELS
+from tests.conftest import ROOT, TEST_LEVELS, outside_env
 
 Record = dict[str, Any]
 
 
 def _env(**variables: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
-    }
+    env = outside_env()
     env.update(variables)
     return env
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from delaysvc.pipeline.requirements import missing_jdbc_driver
-from tests.conftest import ROOT
+from tests.conftest import ROOT, outside_env
 
 NO_DATABASE = "postgresql://nobody@127.0.0.1:1/nothing"
 HIDE_PYSPARK = "import sys; sys.modules['pyspark'] = None; from delaysvc.cli import main; main()"
@@ -23,11 +23,7 @@ JAVA = "apt-get install openjdk-17-jre-headless (Spark needs Java 17 or later)"
 
 
 def _env(**variables: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
-    }
+    env = outside_env()
     env.pop("JAVA_HOME", None)
     env.update(PYTHONPATH=str(ROOT), DELAYSVC_DATABASE_URL=NO_DATABASE, **variables)
     return env

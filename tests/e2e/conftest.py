@@ -19,7 +19,7 @@ from delaysvc import store
 from delaysvc.settings import Settings
 from delaysvc.sql import qualify
 from delaysvc.up import beat_command, web_command, worker_commands
-from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl
+from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +39,7 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: flo
 class Service:
     def __init__(self, database_url: str, var_dir: Path, engine: Engine, **settings: str):
         self.engine = engine
-        self.env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
-        }
+        self.env = outside_env()
         self.env.update(
             DELAYSVC_DATABASE_URL=database_url,
             DELAYSVC_DELAY_LEVELS=TEST_LEVELS,

@@ -28,7 +28,7 @@ from sqlalchemy import text
 from delaysvc.db import make_engine, start_embedded
 from delaysvc.settings import Settings
 from delaysvc.up import wait_until_answering
-from tests.conftest import ROOT
+from tests.conftest import ROOT, outside_env
 from tests.e2e.conftest import Service, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -157,11 +157,7 @@ def _assert_one_readable_stream(lines: list[str], port: int) -> None:
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("DELAYSVC_") or k == "DELAYSVC_SCHEMA"
-    }
+    env = outside_env()
     env.pop("XDG_RUNTIME_DIR", None)  # as in a container: the wheel's runtime dir falls back
     env.update(PYTHONPATH=str(ROOT), **extra)
     return env
