@@ -1002,3 +1002,13 @@ def test_topics_page_sets_and_shows_limits(
 def test_the_message_page_shows_its_priority(admin: FlaskClient, producer: Producer) -> None:
     sent = producer.send("dash.p", {"n": 1}, priority=4)
     assert '<dd data-field="priority">4</dd>' in admin.get(f"/messages/{sent.id}").text
+
+
+def test_a_replaced_message_links_the_message_that_replaced_it(
+    admin: FlaskClient, producer: Producer
+) -> None:
+    first = producer.send("dash.kp", {"v": 1}, delay="1h", key="k")
+    second = producer.send("dash.kp", {"v": 2}, delay="1h", key="k", on_duplicate="replace")
+    page = admin.get(f"/messages/{first.id}").text
+    assert f'<a href="/messages/{second.id}">message {second.id}</a>' in page
+    assert 'id="replaced-by"' not in admin.get(f"/messages/{second.id}").text

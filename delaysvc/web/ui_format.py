@@ -9,6 +9,7 @@ shows the elements whose `data-flag` is true.
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -254,7 +255,14 @@ def message_view(message: Message) -> dict[str, Any]:
         },
         "flags": {"cancellable": message.status in CANCELLABLE, "dead": message.status == "dead"},
         "timeline": timeline(message),
+        "replaced_by": _replaced_by(message),
     }
+
+
+def _replaced_by(message: Message) -> int | None:
+    """The message that replaced this one (`on_duplicate`), as its last error names it."""
+    found = re.fullmatch(r"replaced by message (\d+)", message.last_error or "")
+    return int(found.group(1)) if found and message.status == "cancelled" else None
 
 
 # ---------------------------------------------------------------- history
