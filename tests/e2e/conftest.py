@@ -156,7 +156,7 @@ def service_factory(
     with engine.begin() as conn:
         conn.execute(
             text(
-                "CREATE TABLE e2e_run (message_id bigint, attempt int, pid int, note text, "
+                "CREATE TABLE public.e2e_run (message_id bigint, attempt int, pid int, note text, "
                 "at timestamptz DEFAULT clock_timestamp())"
             )
         )
