@@ -85,9 +85,12 @@ def main() -> None:
 @pass_ctx
 def migrate(ctx: Context) -> None:
     """Upgrade the schema and create one consume queue per configured level."""
+    from delaysvc.db import make_engine
     from delaysvc.migrate import upgrade
 
-    for change in upgrade(ctx.engine, ctx.settings.levels):
+    direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
+    engine = make_engine(ctx.settings, direct) if direct else ctx.engine
+    for change in upgrade(engine, ctx.settings.levels):
         click.echo(change.describe())
     click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
 
@@ -612,6 +615,11 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
     from delaysvc.up import run_worker, worker_commands
 
     extras.require("delaysvc worker", "worker")
+    if delivery:
+        from delaysvc.db import require_session
+        from delaysvc.tasks.app import DELIVERY_NEEDS
+
+        require_session(ctx.settings, DELIVERY_NEEDS)
     require_levels(ctx)
     commands = worker_commands(ctx.settings, delivery, consume, concurrency)
     if not commands:

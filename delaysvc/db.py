@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from psycopg.pq import TransactionStatus
-from sqlalchemy import Dialect, Engine, create_engine, event, exc
+from sqlalchemy import Dialect, Engine, create_engine, event, exc, make_url
 
 from delaysvc.errors import ConfigError
 from delaysvc.settings import Settings
@@ -116,21 +116,56 @@ def database_url(settings: Settings, embedded: bool = False) -> str:
 
 
 def make_engine(settings: Settings, url: str | None = None, **options: object) -> Engine:
+    """An engine on `url` (default: the configured database). Behind a transaction-pooling
+    PgBouncer (`database_pooling=transaction`; every URL but `direct_database_url` is taken to
+    go through it) psycopg prepares no statement on the server: the next transaction may run
+    on another server connection, where the statement does not exist (PgBouncer 1.21's
+    `max_prepared_statements` makes them work; this works on every version)."""
+    url = url or database_url(settings)
+    connect_args: dict[str, object] = {"application_name": "delaysvc"}  # a startup parameter
+    if (
+        behind_transaction_pooler(settings, url)
+        and make_url(sqlalchemy_url(url)).get_driver_name() == "psycopg"
+    ):
+        connect_args["prepare_threshold"] = None
     engine = create_engine(
-        sqlalchemy_url(url or database_url(settings)),
+        sqlalchemy_url(url),
         pool_pre_ping=False,  # a round trip per checkout: `_closed_by_server` costs none
         pool_recycle=1800,
+        connect_args=connect_args,
         **options,
     )
     event.listen(engine, "checkout", _closed_by_server)
-
-    @event.listens_for(engine, "connect")
-    def _session_defaults(dbapi_connection, _record):
-        with dbapi_connection.cursor() as cursor:
-            cursor.execute("SET application_name = 'delaysvc'")
-        dbapi_connection.commit()
-
     return engine
+
+
+def behind_transaction_pooler(settings: Settings, url: str) -> bool:
+    return settings.database_pooling == "transaction" and url != settings.direct_database_url
+
+
+def session_url(settings: Settings, needs: str) -> str:
+    """The URL for work that keeps a PostgreSQL session across transactions (`needs` names
+    it): `direct_database_url`, else the configured database (`require_session`)."""
+    require_session(settings, needs)
+    return settings.direct_database_url or database_url(settings)
+
+
+def require_session(settings: Settings, needs: str) -> None:
+    """Refuse, naming what to set, work that keeps a session across transactions (a
+    session-level advisory lock) when its only URL is a transaction-pooling PgBouncer, which
+    hands each transaction to any server connection and so would lose the lock."""
+    if settings.database_pooling == "transaction" and not settings.direct_database_url:
+        raise ConfigError(
+            f"{needs} keeps a PostgreSQL session across transactions (an advisory lock), which "
+            "a transaction-pooling PgBouncer (DELAYSVC_DATABASE_POOLING=transaction) does not "
+            "keep: set DELAYSVC_DIRECT_DATABASE_URL to a direct or session-pooled URL of the "
+            "same database"
+        )
+
+
+def session_engine(settings: Settings, needs: str, **options: object) -> Engine:
+    """An engine on `session_url`."""
+    return make_engine(settings, session_url(settings, needs), **options)
 
 
 def _closed_by_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:

@@ -27,6 +27,8 @@ from delaysvc.validation import validate_topic
 log = logging.getLogger(__name__)
 CapPolicy = Literal["reject", "deliver-early"]
 LogFormat = Literal["text", "json"]
+Pooling = Literal["session", "transaction"]
+POOLINGS: tuple[Pooling, ...] = ("session", "transaction")
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 
@@ -46,6 +48,14 @@ class Settings(BaseModel):
 
     database_url: str | None = None
     """SQLAlchemy URL of PostgreSQL; unset -> an embedded PostgreSQL under `var_dir`."""
+    database_pooling: Pooling = "session"
+    """What `database_url` reaches: `session`, a server or a session-pooling PgBouncer, or
+    `transaction`, a transaction-pooling PgBouncer, through which no statement is prepared on
+    the server and nothing keeps a session (`delaysvc.db`)."""
+    direct_database_url: str | None = None
+    """A direct (or session-pooled) URL of the same database, for what keeps a session across
+    transactions: the delivery worker's lanes and the archive's lock. Needed with
+    `database_pooling=transaction`; unset otherwise, they use `database_url`."""
     broker_url: str | None = None
     """Celery broker (redis://, amqp://); unset -> a filesystem broker under `var_dir`."""
     delay_levels: str = DEFAULT_LEVELS
@@ -106,6 +116,17 @@ class Settings(BaseModel):
             return value.strip().lower()
         allowed = " or ".join(LOG_FORMATS)
         raise ConfigError(f"DELAYSVC_LOG_FORMAT: {value!r} is not a log format; use {allowed}")
+
+    @field_validator("database_pooling", mode="before")
+    @classmethod
+    def _known_pooling(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in POOLINGS:
+            return value.strip().lower()
+        allowed = " or ".join(POOLINGS)
+        raise ConfigError(
+            f"DELAYSVC_DATABASE_POOLING: {value!r} is not a pooling mode; use {allowed} "
+            "(transaction: DELAYSVC_DATABASE_URL is a transaction-pooling PgBouncer)"
+        )
 
     @field_validator("metrics_token")
     @classmethod

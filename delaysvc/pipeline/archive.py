@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine
+from sqlalchemy.pool import NullPool
 
-from delaysvc.db import database_url
+from delaysvc.db import make_engine, session_url
 from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
@@ -152,7 +153,8 @@ def run(
         raise DelaysvcError(f"--out {out} is a file, not a folder")
     started = time.monotonic()
     result = ArchiveResult()
-    with _archive_lock(engine), jdbc_target(database_url(settings)) as target:
+    url = session_url(settings, ARCHIVE)  # the lock's session, and the reads (not pooled)
+    with _archive_lock(settings, url), jdbc_target(url) as target:
         job = Job(spark, engine, target, out, crash_at, result)
         for left, recorded in _leftovers(engine):
             log.info("archive.resume", extra={"run_id": left.run_id})
@@ -164,8 +166,12 @@ def run(
     return result
 
 
+ARCHIVE = "delaysvc pipeline archive"
+
+
 @contextmanager
-def _archive_lock(engine: Engine) -> Iterator[None]:
+def _archive_lock(settings: Settings, url: str) -> Iterator[None]:
+    engine = make_engine(settings, url, poolclass=NullPool)
     with engine.connect() as conn:
         conn = conn.execution_options(isolation_level="AUTOCOMMIT")  # no long transaction
         if not store.try_lock_archive(conn):
@@ -174,6 +180,7 @@ def _archive_lock(engine: Engine) -> Iterator[None]:
             yield
         finally:
             store.unlock_archive(conn)
+    engine.dispose()
 
 
 def _leftovers(engine: Engine) -> list[tuple[Span, str | None]]:

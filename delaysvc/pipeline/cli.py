@@ -108,7 +108,10 @@ def archive(services: Services, older_than: str, out: Path) -> None:
     """Finished messages older than --older-than -> Parquet, verified, then deleted."""
     retention_ms = parse_duration_ms(older_than, field="--older-than")
     services.require(jdbc=True)
+    from delaysvc.db import require_session
     from delaysvc.pipeline import archive as job
+
+    require_session(services.configured, job.ARCHIVE)  # before Spark starts: it has a session
 
     result = job.run(services.spark(), services.settings, services.engine, retention_ms, out)
     runs = ", ".join(result.folders) or "nothing to archive"

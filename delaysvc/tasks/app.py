@@ -21,12 +21,13 @@ from sqlalchemy import Engine
 
 from delaysvc import periodic_schedules as periodic
 from delaysvc.consumption import Consumer, load_handler_modules
-from delaysvc.db import make_engine
+from delaysvc.db import database_url, make_engine, require_session, session_url
 from delaysvc.settings import Settings
 from delaysvc.tasks import broker
 
 DELIVERY_QUEUE = "delaysvc.delivery"
 CONSUME_QUEUE = "delaysvc.consume"
+DELIVERY_NEEDS = "a delivery worker (each lane's runner)"
 SWEEP_SECONDS = 1.0
 RESCUE_SECONDS = 10.0
 STATS_SECONDS = 10.0  # the dashboard's charts and moved/s
@@ -150,6 +151,8 @@ def _require_levels(sender: object, **_: object) -> None:
     from delaysvc import store
 
     settings = sender.app.conf.delaysvc_settings  # type: ignore[attr-defined]
+    if DELIVERY_QUEUE in set(sender.app.amqp.queues.consume_from):  # type: ignore[attr-defined]
+        require_session(settings, DELIVERY_NEEDS)
     engine = make_engine(settings)
     try:
         with engine.connect() as conn:
@@ -182,6 +185,15 @@ class Runtime:
     @cached_property
     def engine(self) -> Engine:
         return make_engine(self.settings, pool_size=max(5, self.settings.levels.max_level + 4))
+
+    @cached_property
+    def delivery_engine(self) -> Engine:
+        """The lanes' engine: a lane runner keeps its lane's advisory lock on its session
+        (`db.session_url`), so behind a transaction-pooling PgBouncer it is the direct URL's."""
+        url = session_url(self.settings, DELIVERY_NEEDS)
+        if url == database_url(self.settings):
+            return self.engine
+        return make_engine(self.settings, url, pool_size=self.settings.levels.max_level + 2)
 
     @cached_property
     def consumer(self) -> Consumer:

@@ -75,7 +75,7 @@ def deliver_lane(lane: int) -> int:
     rt = runtime()
     budget = rt.settings.lane_budget_seconds
     runner = LaneRunner(
-        rt.engine,
+        rt.delivery_engine,
         lane,
         rt.settings.delivery_batch,
         rt.settings.idle_poll_ms / 1000,

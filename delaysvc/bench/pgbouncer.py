@@ -1,0 +1,139 @@
+"""A PgBouncer in front of a PostgreSQL, started on a free port, for the bench and the tests.
+
+`PgBouncer` is Debian's `pgbouncer` (`apt-get install pgbouncer`), configured as web
+applications run it: transaction pooling (each transaction on whichever server connection is
+free), a small server pool shared by more clients. It refuses to run as root; as root it runs
+as the user that can reach the server (the owner of its socket folder, else `nobody`). It dies
+with the process that started it.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from delaysvc.errors import MissingPart
+from delaysvc.up import _die_with_parent
+
+INSTALL = "PgBouncer is not installed: apt-get install pgbouncer (or your system's package)"
+
+
+def missing() -> str | None:
+    return None if shutil.which("pgbouncer") else INSTALL
+
+
+@dataclass(frozen=True)
+class Server:
+    """Where the PostgreSQL behind the PgBouncer is, read off its URL."""
+
+    host: str
+    port: int
+    user: str
+
+    @classmethod
+    def of(cls, url: str) -> Server:
+        parts = urlsplit(url.replace("postgresql+psycopg://", "postgresql://", 1))
+        query = parse_qs(parts.query)
+        host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
+        port = int(query.get("port", [parts.port or 5432])[0])
+        return cls(host, port, parts.username or "postgres")
+
+
+@dataclass(frozen=True)
+class Bouncer:
+    port: int
+    log: Path
+
+    def url(self, direct_url: str) -> str:
+        """`direct_url`'s database and user, through this PgBouncer."""
+        parts = urlsplit(direct_url.replace("postgresql+psycopg://", "postgresql://", 1))
+        user = parts.username or "postgres"
+        return f"postgresql://{user}@127.0.0.1:{self.port}{parts.path}"
+
+
+@contextmanager
+def pgbouncer(
+    direct_url: str, pool_mode: str = "transaction", pool_size: int = 2
+) -> Iterator[Bouncer]:
+    """A PgBouncer in front of `direct_url`'s server (any of its databases, `pool_size` server
+    connections per database and user), stopped on leaving."""
+    if missing():
+        raise MissingPart(INSTALL)
+    server = Server.of(direct_url)
+    folder = Path(tempfile.mkdtemp(prefix="delaysvc-pgbouncer-"))
+    folder.chmod(0o755)
+    port = _free_port()
+    host = f"host={server.host} port={server.port}"
+    config = folder / "pgbouncer.ini"
+    config.write_text(
+        f"[databases]\n* = {host}\n\n[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {folder / 'users.txt'}\n"
+        f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 500\n"
+        # libpq's PGOPTIONS and pgjdbc's extra_float_digits: not kept per client in this mode
+        "ignore_startup_parameters = extra_float_digits,options\n"
+        "logfile =\npidfile =\n"
+    )
+    (folder / "users.txt").write_text(f'"{server.user}" ""\n')
+    for path in folder.iterdir():
+        path.chmod(0o644)
+    log = folder / "pgbouncer.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            ["pgbouncer", str(config)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            user=_run_as(server),
+            preexec_fn=_die_with_parent(),  # runs after the user change, so the signal stays
+        )
+    try:
+        _wait_listening(port, process, log)
+        yield Bouncer(port, log)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_as(server: Server) -> str | None:
+    """Not root (PgBouncer refuses it): the owner of the server's socket folder, or nobody."""
+    if os.geteuid() != 0:
+        return None
+    if server.host.startswith("/"):
+        owner = pwd.getpwuid(Path(server.host).stat().st_uid).pw_name
+        if owner != "root":
+            return owner
+    return "nobody"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"pgbouncer exited at start: {log.read_text(errors='replace')}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"pgbouncer did not listen on {port} within 15 s")

@@ -1,0 +1,251 @@
+"""Behind a real PgBouncer in transaction pooling mode (Debian's `pgbouncer`, started on a free
+port in front of the tests' server, one server connection per database so every client's
+transactions share it): producers (single, batch, in the caller's transaction), consumers, the
+API and migrations work through it with `DELAYSVC_DATABASE_POOLING=transaction`; what keeps a
+session (the delivery's lanes, the archive's lock) takes `DELAYSVC_DIRECT_DATABASE_URL` or is
+refused at start, naming it. Reads that check the outcome go to the server directly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import Engine, create_engine, exc, text
+from sqlalchemy.orm import Session
+
+from delaysvc import auth, delivery
+from delaysvc.bench.pgbouncer import Bouncer, pgbouncer
+from delaysvc.consumption import Consumer, handler
+from delaysvc.db import libpq_url, make_engine, sqlalchemy_url
+from delaysvc.migrate import upgrade
+from delaysvc.producer import Producer
+from delaysvc.schema import TIMER_LANE
+from delaysvc.settings import Settings
+from delaysvc.web import create_app
+from tests.conftest import ROOT, Server, outside_env
+from tests.joined_checks import (  # clean_registry: a fixture
+    BODY,
+    NOTHING,
+    Rollback,
+    clean_registry,  # noqa: F401
+    stored,
+)
+
+
+@pytest.fixture(scope="module")
+def bouncer(pg_server: Server) -> Iterator[Bouncer]:
+    with pgbouncer(pg_server.url("postgres"), pool_mode="transaction", pool_size=1) as running:
+        yield running
+
+
+@pytest.fixture
+def pooled(settings: Settings, bouncer: Bouncer) -> Settings:
+    """The test's settings with its database reached through the PgBouncer."""
+    return settings.model_copy(
+        update={
+            "database_url": bouncer.url(settings.database_url or ""),
+            "database_pooling": "transaction",
+            "direct_database_url": settings.database_url,
+        }
+    )
+
+
+@pytest.fixture
+def pooled_engine(pooled: Settings) -> Iterator[Engine]:
+    engine = make_engine(pooled, pool_size=4)
+    yield engine
+    engine.dispose()
+
+
+def test_without_the_setting_prepared_statements_collide_on_the_shared_server_connection(
+    settings: Settings, bouncer: Bouncer
+) -> None:
+    """Why the setting exists: psycopg prepares the single send on the server; the next client
+    on the same server connection prepares its own under the same name."""
+    unaware = settings.model_copy(update={"database_url": bouncer.url(settings.database_url or "")})
+    engines = [make_engine(unaware) for _ in range(2)]
+    try:
+        Producer(unaware, engines[0]).send("pgb.plain", {"n": 1})
+        with pytest.raises(exc.DBAPIError, match=r"prepared statement .* already exists"):
+            Producer(unaware, engines[1]).send("pgb.plain", {"n": 2})
+    finally:
+        for engine in engines:
+            engine.dispose()
+
+
+def test_single_sends_from_many_threads_and_a_batch_go_through(
+    pooled: Settings, pooled_engine: Engine, engine: Engine
+) -> None:
+    producer = Producer(pooled, pooled_engine)
+    errors: list[BaseException] = []
+
+    def send_some(worker: int) -> None:
+        try:
+            for n in range(25):  # past psycopg's prepare threshold (5) on each connection
+                producer.send("pgb.single", {"w": worker, "n": n}, key=f"{worker}-{n}")
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=send_some, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    again = producer.send("pgb.single", {"w": 0, "n": 0}, key="0-0")  # the key dedupes
+    assert not again.created
+    results = producer.send_batch(
+        [{"topic": "pgb.batch", "body": {"n": n}, "delay": "1h", "key": f"b{n}"} for n in range(50)]
+    )
+    assert sum(r.created for r in results) == 50
+    with engine.connect() as conn:
+        counts = dict(
+            conn.execute(
+                text("SELECT topic, count(*) FROM commit_log GROUP BY topic ORDER BY topic")
+            ).all()
+        )
+    assert counts == {"pgb.batch": 50, "pgb.single": 100}
+
+
+def test_in_the_callers_transaction_a_rollback_stores_nothing_and_a_commit_once(
+    pooled: Settings, pooled_engine: Engine, engine: Engine
+) -> None:
+    """The application's own engines through the PgBouncer: psycopg 3 with prepared statements
+    off (as PgBouncer's users configure it), and psycopg2 (which prepares nothing)."""
+    producer = Producer(pooled, pooled_engine)
+    url = sqlalchemy_url(pooled.database_url or "")
+    apps = {
+        "psycopg": create_engine(url, connect_args={"prepare_threshold": None}),
+        "psycopg2": create_engine(url.replace("+psycopg://", "+psycopg2://")),
+    }
+    try:
+        for name, app_engine in apps.items():
+            topic = f"pgb.joined.{name}"
+            with pytest.raises(Rollback), Session(app_engine) as session, session.begin():
+                producer.send(topic, BODY, key="order-1", connection=session)
+                raise Rollback
+            assert stored(engine, topic) == NOTHING
+            for _ in range(6):  # the key holds across transactions (and past the threshold)
+                with Session(app_engine) as session, session.begin():
+                    sent = producer.send(topic, BODY, key="order-1", connection=session)
+            assert stored(engine, topic)["commit_log"] == [sent.id]
+    finally:
+        for app_engine in apps.values():
+            app_engine.dispose()
+
+
+@pytest.mark.usefixtures("clean_registry")
+def test_consumers_run_jobs_that_the_direct_delivery_moved(
+    pooled: Settings, pooled_engine: Engine, engine: Engine
+) -> None:
+    seen: list[int] = []
+    handler("pgb.job")(lambda job: seen.append(job.body["n"]))
+    producer = Producer(pooled, pooled_engine)
+    sent = [producer.send("pgb.job", {"n": n}, delay="1s") for n in range(30)]
+    with make_engine(pooled, pooled.direct_database_url).connect() as conn:  # as the lanes do
+        later = sent[-1].deliver_at + timedelta(seconds=1)
+        moved = delivery.run_once(conn, sent[0].delay_level or TIMER_LANE, 100, now=later)
+    assert moved.moved == 30
+    consumer = Consumer(pooled, pooled_engine)
+    while consumer.run_once("pgb.job").claimed:
+        pass
+    assert sorted(seen) == list(range(30))
+    with engine.connect() as conn:
+        statuses = conn.execute(text("SELECT DISTINCT status FROM commit_log")).scalars().all()
+    assert statuses == ["succeeded"]
+
+
+def test_the_api_and_dashboard_and_migrations_work_through_it(
+    pooled: Settings, pooled_engine: Engine, engine: Engine
+) -> None:
+    assert upgrade(pooled_engine, pooled.levels) == []  # migrated already: nothing to change
+    app = create_app(pooled)
+    client = app.test_client()
+    token = {"Authorization": f"Bearer {auth.create_token(engine, 'shop', 'admin')}"}
+    for n in range(8):
+        response = client.post(
+            "/api/v1/messages",
+            json={"topic": "pgb.api", "body": {"n": n}, "delay": "1h", "key": f"k{n}"},
+            headers=token,
+        )
+        assert response.status_code == 201, response.get_json()
+    message_id = response.get_json()["id"]
+    got = client.get(f"/api/v1/messages/{message_id}", headers=token)
+    assert got.get_json()["status"] == "scheduled"
+    for path in ("/api/v1/levels", "/api/v1/topics", "/api/v1/dead", "/metrics"):
+        assert client.get(path, headers=token).status_code == 200, path
+    assert client.delete(f"/api/v1/messages/{message_id}", headers=token).status_code == 200
+    assert client.get("/healthz").status_code in (200, 503)  # answers (no workers run here)
+    app.extensions["delaysvc"]["engine"].dispose()
+    with engine.connect() as conn:
+        statuses = conn.execute(
+            text("SELECT status, count(*) FROM commit_log GROUP BY status ORDER BY status")
+        ).all()
+    assert [tuple(row) for row in statuses] == [("cancelled", 1), ("scheduled", 7)]
+
+
+def _pooled_env(pooled: Settings) -> dict[str, str]:
+    env = outside_env() | {
+        "DELAYSVC_DATABASE_URL": pooled.database_url or "",
+        "DELAYSVC_DATABASE_POOLING": "transaction",
+        "DELAYSVC_DELAY_LEVELS": pooled.delay_levels,
+    }
+    return env
+
+
+def test_a_delivery_worker_without_a_direct_url_is_refused_at_start(pooled: Settings) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "worker", "--no-consume"],
+        env=_pooled_env(pooled),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "DELAYSVC_DIRECT_DATABASE_URL" in done.stderr
+    assert "transaction-pooling PgBouncer" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_archive_without_a_direct_url_is_refused_before_spark_starts(
+    pooled: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from delaysvc.pipeline import cli as pipeline_cli
+
+    for key, value in _pooled_env(pooled).items():
+        if key.startswith("DELAYSVC_"):
+            monkeypatch.setenv(key, value)
+    monkeypatch.setattr(pipeline_cli.Services, "require", lambda self, jdbc: None)
+
+    def no_spark(self: object) -> None:
+        raise AssertionError("Spark was started")
+
+    monkeypatch.setattr(pipeline_cli.Services, "spark", no_spark)
+    result = CliRunner().invoke(pipeline_cli.pipeline, ["archive", "--older-than", "1d"])
+    assert result.exit_code != 0
+    assert "delaysvc pipeline archive keeps a PostgreSQL session" in str(
+        result.output or result.exception
+    )
+    assert "DELAYSVC_DIRECT_DATABASE_URL" in str(result.output or result.exception)
+
+
+def test_a_session_level_lock_does_not_survive_the_pooler(
+    bouncer: Bouncer, settings: Settings
+) -> None:
+    """What the refusal guards: an advisory lock taken through the PgBouncer is held by a
+    server connection that then serves other clients, and is released by none of them."""
+    url = libpq_url(bouncer.url(settings.database_url or ""))
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as first:
+        first.execute("SELECT pg_try_advisory_lock(4242)")
+        with psycopg.connect(url, autocommit=True, prepare_threshold=None) as second:
+            # the same server connection: the other client "holds" the first one's lock too
+            held = second.execute("SELECT pg_try_advisory_lock(4242)").fetchone()
+            assert held == (True,)
+            second.execute("SELECT pg_advisory_unlock_all()")
