@@ -5,6 +5,8 @@ level was shortened to 10m)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -19,7 +21,7 @@ from delaysvc.migrate import upgrade
 from delaysvc.producer import Producer
 from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
-from tests.conftest import TEST_LEVELS  # "1s 2s 3s 5s 8s"
+from tests.conftest import ROOT, TEST_LEVELS, outside_env  # "1s 2s 3s 5s 8s"
 
 
 def tick(engine: Engine, lane: int, now=None):  # type: ignore[no-untyped-def]
@@ -186,3 +188,26 @@ def test_cli_migrate_names_each_change(tmp_path, database_url, engine, producer)
         "level 5: 8s -> 6s; its 1 waiting messages moved to the timer lane, due when they were due"
         in result.output
     )
+
+
+def test_a_celery_worker_started_directly_with_other_levels_exits_naming_the_difference(
+    settings, tmp_path
+):
+    """`celery -A delaysvc.tasks worker` refuses as `delaysvc worker` does (Celery itself only
+    logs an exception raised in its worker_init signal, and went on running)."""
+    env = outside_env() | {
+        "DELAYSVC_DATABASE_URL": settings.database_url,
+        "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 1h",
+        "DELAYSVC_VAR_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "worker", "-P", "threads"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "level 5: 1h configured, 8s in the database" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -7,11 +7,13 @@ refused at start, naming it. Reads that check the outcome go to the server direc
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -199,10 +201,20 @@ def _pooled_env(pooled: Settings) -> dict[str, str]:
     return env
 
 
-def test_a_delivery_worker_without_a_direct_url_is_refused_at_start(pooled: Settings) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["delaysvc", "worker", "--no-consume"],
+        ["celery", "-A", "delaysvc.tasks", "worker", "-Q", "delaysvc.delivery", "-P", "threads"],
+    ],
+    ids=["delaysvc-worker", "celery-worker"],
+)
+def test_a_delivery_worker_without_a_direct_url_is_refused_at_start(
+    pooled: Settings, command: list[str], tmp_path: Path
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "delaysvc", "worker", "--no-consume"],
-        env=_pooled_env(pooled),
+        [sys.executable, "-m", *command],
+        env=_pooled_env(pooled) | {"DELAYSVC_VAR_DIR": str(tmp_path)},
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -249,3 +261,18 @@ def test_a_session_level_lock_does_not_survive_the_pooler(
             held = second.execute("SELECT pg_try_advisory_lock(4242)").fetchone()
             assert held == (True,)
             second.execute("SELECT pg_advisory_unlock_all()")
+
+
+def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
+    settings: Settings, tmp_path: Path
+) -> None:
+    from delaysvc.bench import run
+
+    out = run(settings, ["pgbouncer"], tmp_path / "run", seconds=0.2)
+    results = json.loads((out / "results.json").read_text())["results"]
+    for name in ("pgbouncer_send_c1", "pgbouncer_send_c4", "pgbouncer_send_c16"):
+        assert results[name]["pgbouncer_msgs_per_s"] > 0, results
+        assert results[name]["direct_msgs_per_s"] > 0, results
+    assert results["pgbouncer_send_batch_1000"]["pgbouncer_msgs_per_s"] > 0
+    assert results["pgbouncer_setup"]["pgbouncer_version"].startswith("PgBouncer")
+    assert "| pgbouncer_send_c4: msgs/s through PgBouncer" in (out / "results.md").read_text()

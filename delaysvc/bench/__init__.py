@@ -159,6 +159,12 @@ SUITES: dict[str, Suite] = {
         ),
         "Celery countdown, Procrastinate, RabbitMQ TTL+DLX and delaysvc on one workload",
     ),
+    "pgbouncer": Suite(
+        _suite_in("pgbouncer"),
+        (SECONDS,),
+        "single send and batch straight to PostgreSQL vs through PgBouncer (transaction mode)",
+        _missing_in("pgbouncer"),
+    ),
     "scale": Suite(
         _suite_in("scale"),
         (

@@ -20,10 +20,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlsplit
 
+from delaysvc.bench.progress import step
+from delaysvc.bench.suites import Figures
 from delaysvc.errors import MissingPart
 from delaysvc.up import _die_with_parent
+
+if TYPE_CHECKING:
+    from delaysvc.bench import BenchContext
 
 INSTALL = "PgBouncer is not installed: apt-get install pgbouncer (or your system's package)"
 
@@ -137,3 +143,71 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> N
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"pgbouncer did not listen on {port} within 15 s")
+
+
+def pgbouncer_suite(ctx: BenchContext) -> Figures:
+    """Single sends/s straight to PostgreSQL and through a transaction-pooling PgBouncer
+    (its default four server connections), same run, alternating, for 1, 4 and 16 clients;
+    and batches of 1,000."""
+    from delaysvc.bench.suites import NOOP_TOPIC, _send_single, reset_tables
+    from delaysvc.db import make_engine
+    from delaysvc.producer import Producer
+
+    figures = Figures()
+    seconds = ctx.seconds("seconds")
+    with pgbouncer(ctx.url, pool_size=POOL_SIZE) as bouncer:
+        pooled = ctx.settings.model_copy(
+            update={
+                "database_url": bouncer.url(ctx.url),
+                "database_pooling": "transaction",
+                "direct_database_url": ctx.url,
+            }
+        )
+        engines = {
+            "direct": make_engine(ctx.settings, ctx.url, pool_size=16),
+            "pgbouncer": make_engine(pooled, pool_size=16),
+        }
+        producers = {
+            "direct": Producer(ctx.settings, engines["direct"]),
+            "pgbouncer": Producer(pooled, engines["pgbouncer"]),
+        }
+        try:
+            for clients in (1, 4, 16):
+                rates = {}
+                for way, producer in producers.items():
+                    step(f"pgbouncer: Producer.send {way}, {clients} clients, {seconds:g}s")
+                    reset_tables(ctx.engine)
+                    rates[way] = _send_single(producer, clients, seconds)
+                figures.results[f"pgbouncer_send_c{clients}"] = {
+                    "direct_msgs_per_s": round(rates["direct"]),
+                    "pgbouncer_msgs_per_s": round(rates["pgbouncer"]),
+                    "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
+                    "server_connections": POOL_SIZE,
+                }
+            batches = {}
+            for way, producer in producers.items():
+                step(f"pgbouncer: send_batch of 1,000 {way}, 20 batches")
+                reset_tables(ctx.engine)
+                started = time.perf_counter()
+                for _ in range(20):
+                    producer.send_batch([{"topic": NOOP_TOPIC, "body": {}, "delay": "1h"}] * 1000)
+                batches[way] = 20_000 / (time.perf_counter() - started)
+            figures.results["pgbouncer_send_batch_1000"] = {
+                "direct_msgs_per_s": round(batches["direct"]),
+                "pgbouncer_msgs_per_s": round(batches["pgbouncer"]),
+                "ratio": round(batches["pgbouncer"] / batches["direct"], 3),
+                "server_connections": POOL_SIZE,
+            }
+        finally:
+            for engine in engines.values():
+                engine.dispose()
+    figures.results["pgbouncer_setup"] = {"pgbouncer_version": _version()}
+    return figures
+
+
+POOL_SIZE = 4
+
+
+def _version() -> str:
+    done = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()[0] if done.stdout else "unknown"

@@ -185,6 +185,14 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"(PostgreSQL alone, 2 sessions) | {r['first_of_ceiling']:.0%} | "
             f">= {r['target_rows_per_s']:,} rows/s |"
         ]
+    if "pgbouncer_msgs_per_s" in r:
+        return [
+            f"| {name}: msgs/s through PgBouncer (transaction pooling, {r['server_connections']} "
+            f"server connections) vs straight to PostgreSQL | {r['pgbouncer_msgs_per_s']:,} | "
+            f"{r['direct_msgs_per_s']:,} (direct) | {r['ratio']:.0%} | measured |"
+        ]
+    if "pgbouncer_version" in r:
+        return []
     if name == "send_batch_database_write":
         return [
             f"| {name}: msgs/s through a batch's own statements, no Python of ours (why "

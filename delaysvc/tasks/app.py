@@ -9,6 +9,7 @@ runtime the task wrappers share (engine, consumer). Queues:
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -22,6 +23,7 @@ from sqlalchemy import Engine
 from delaysvc import periodic_schedules as periodic
 from delaysvc.consumption import Consumer, load_handler_modules
 from delaysvc.db import database_url, make_engine, require_session, session_url
+from delaysvc.errors import ConfigError, SchemaNotReady
 from delaysvc.settings import Settings
 from delaysvc.tasks import broker
 
@@ -145,20 +147,27 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
 
 
 @worker_init.connect
-def _require_levels(sender: object, **_: object) -> None:
-    """A worker runs only with the database's delay levels (`store.check_levels`); `delaysvc
-    worker` checks before it starts Celery, this covers `celery -A delaysvc.tasks worker`."""
+def _refuse_to_start(sender: object, **_: object) -> None:
+    """`celery -A delaysvc.tasks worker` starts only as `delaysvc worker` would (which checks
+    before it starts Celery): with the database's delay levels (`store.check_levels`) and, to
+    serve the delivery queue, a URL that keeps a session (`db.require_session`). Celery logs
+    and ignores an exception a signal handler raises, so a refusal ends the process itself,
+    with the reason on stderr and exit status 2, as the CLI's own errors."""
     from delaysvc import store
 
     settings = sender.app.conf.delaysvc_settings  # type: ignore[attr-defined]
-    if DELIVERY_QUEUE in set(sender.app.amqp.queues.consume_from):  # type: ignore[attr-defined]
-        require_session(settings, DELIVERY_NEEDS)
-    engine = make_engine(settings)
     try:
-        with engine.connect() as conn:
-            store.check_levels(conn, settings.levels)
-    finally:
-        engine.dispose()
+        if DELIVERY_QUEUE in set(sender.app.amqp.queues.consume_from):  # type: ignore[attr-defined]
+            require_session(settings, DELIVERY_NEEDS)
+        engine = make_engine(settings)
+        try:
+            with engine.connect() as conn:
+                store.check_levels(conn, settings.levels)
+        finally:
+            engine.dispose()
+    except (ConfigError, SchemaNotReady) as refused:
+        print(f"error: {refused}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 @setup_logging.connect

@@ -168,7 +168,10 @@ def service_factory(
     made: list[Service] = []
 
     def make(**settings: str) -> Service:
-        service = Service(database_url, tmp_path / f"var{len(made)}", engine, **settings)
+        """A deployment on the test's database (at `database_url`, when given: through a
+        pooler) with these `DELAYSVC_*` settings."""
+        url = settings.pop("database_url", database_url)
+        service = Service(url, tmp_path / f"var{len(made)}", engine, **settings)
         made.append(service)
         return service
 

@@ -19,7 +19,8 @@ def _record(message_id: int, attempt: int, note: str = "") -> None:
     global _connection
     if _connection is None or _connection.closed:
         url = libpq_url(os.environ["DELAYSVC_DATABASE_URL"])
-        _connection = psycopg.connect(url, autocommit=True)
+        # no statement prepared on the server: the tests run the workers behind PgBouncer too
+        _connection = psycopg.connect(url, autocommit=True, prepare_threshold=None)
     _connection.execute(
         "INSERT INTO e2e_run (message_id, attempt, pid, note) VALUES (%s, %s, %s, %s)",
         (message_id, attempt, os.getpid(), note),
