@@ -115,6 +115,8 @@ def test_a_registered_suite_runs_with_its_quick_sizes_and_lands_in_the_report(
     assert document["sizes"]["n"] == 3
     assert document["quick"] is True
     assert set(document["suite_seconds"]) == {"toy"}
+    assert document["code"].startswith("commit ")  # the tests run from a git checkout
+    assert f"Code: {document['code']}." in (out / "results.md").read_text()
     assert "| toy: not run | toy ran in delaysvc_bench |" in (out / "results.md").read_text()
 
     run(settings, ["toy"], tmp_path / "full", n=11)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,32 @@ def machine_facts(engine: Engine) -> dict[str, Any]:
     }
 
 
+def code_version() -> str:
+    """The commit of the code that ran (and `+changes` when its work tree differs), when it
+    runs from a git checkout; else the installed version."""
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"delaysvc {version('delaysvc')}"
+    return f"commit {commit}{' +changes' if dirty else ''}"
+
+
 def _cpu_model() -> str:
     info = Path("/proc/cpuinfo")
     if info.exists():
@@ -67,6 +94,7 @@ def write(
     command = "delaysvc " + " ".join(sys.argv[1:]) if sys.argv else "delaysvc bench"
     document = {
         "command": command,
+        "code": code_version(),
         "started": started,
         "quick": quick,
         "machine": facts,
@@ -86,6 +114,8 @@ def _markdown(document: dict[str, Any], plots: list[str]) -> str:
         f"# delaysvc bench — {document['started']}",
         "",
         f"Command: `{document['command']}`",
+        "",
+        f"Code: {document['code']}.",
         "",
         f"Machine: {facts['cores']} cores ({facts['cpu']}), {facts['memory_gib']} GiB, "
         f"{facts['os']}, Python {facts['python']}, PostgreSQL {facts['postgresql']} "
