@@ -341,6 +341,20 @@ report_hourly = Table(
 )
 
 
+# A bulk-schedule run's stored batches (`delaysvc.pipeline.bulk`): one row per batch, written
+# in the batch's own transaction, so a Spark task run again (its executor lost, a speculative
+# copy) finds the batches an earlier attempt committed and stores them no second time.
+bulk_batch = Table(
+    "bulk_batch",
+    metadata,
+    Column("run", Text, primary_key=True),
+    Column("first_rid", BigInteger, primary_key=True, autoincrement=False),
+    Column("last_rid", BigInteger, nullable=False),
+    Column("rows", Integer, nullable=False),
+    Column("created", Integer),
+    Column("stored_at", Timestamp, nullable=False, server_default=text("now()")),
+)
+
 # Periodic schedules (`delaysvc.periodic_schedules`): one row per schedule; `next_tick` is the
 # next tick not yet fired, advanced in the transaction that stores the tick's message, so each
 # tick is one message however many beats run.

@@ -912,3 +912,41 @@ def test_end_to_end_bulk_schedule_then_delivered_by_real_workers_archived_and_re
     assert sum(r["messages"] for r in history) == rows
     assert {r["level"] for r in history} == {1, 2}
     assert all(r["dead_rate"] == 0 and r["lateness_p50_ms"] is not None for r in history)
+
+
+class ExecutorLost(Exception):
+    """The rows stop coming: the task's executor died mid-partition."""
+
+
+def test_a_task_run_again_stores_none_of_the_batches_its_first_attempt_committed(
+    settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keyless rows (no key rule to dedupe them): a first attempt commits two batches and
+    dies in its third; the second attempt gets the same rows and stores only the rest."""
+    monkeypatch.setattr(bulk, "BATCH", 10)
+    producer = Producer(settings, engine)
+    rows = [
+        (rid, True, bulk.message_line(producer.prepare("bulk.retry", {"n": rid}, delay="1h")))
+        for rid in range(100, 145)
+    ]
+    rows = [(rid, fast, line, None, None, None) for rid, fast, line in rows]
+
+    def dying(after: int) -> Iterator[Any]:
+        yield from rows[:after]
+        raise ExecutorLost
+
+    with pytest.raises(ExecutorLost):
+        list(bulk.store_partition(dying(25), settings, "csv", False, "run-1"))
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one() == 20
+    again = list(bulk.store_partition(iter(rows), settings, "csv", False, "run-1"))
+    assert again[-1] == (bulk.COUNTS, 45, 0, None)  # what the run created, over both attempts
+    with engine.connect() as conn:
+        bodies = conn.execute(text("SELECT body FROM commit_log ORDER BY id")).scalars().all()
+    assert sorted(json.loads(bytes(b))["n"] for b in bodies) == list(range(100, 145))
+    # a batch of the same first row but other rows is refused, not stored in part again
+    with pytest.raises(DelaysvcError, match="could store some rows twice"):
+        list(bulk.store_partition(iter(rows[:5]), settings, "csv", False, "run-1"))
+    with engine.begin() as conn:
+        pipeline_store.forget_bulk_run(conn, "run-1")
+        assert conn.execute(text("SELECT count(*) FROM bulk_batch")).scalar_one() == 0

@@ -21,7 +21,11 @@ id) through `store_partition`. JSON Lines rows always take the producer's path.
 
 Each Spark task stores its good rows BATCH at a time, each batch in its own transaction,
 through `store.insert_copy_text`: COPY into a staging table, then one set-based insert with
-the service's lanes, offsets, key rule and database-clock deliver_ts. Rows with a key are
+the service's lanes, offsets, key rule and database-clock deliver_ts. The same transaction
+records the batch (the run, its first and last row id: `store.claim_bulk_batch`), and a task
+run again (its executor lost, or a speculative copy) makes the same batches from the same
+rows (in row id order after a shuffle) and skips each one an earlier attempt committed: a
+retried task stores nothing twice, keyless rows included. Rows with a key are
 deduplicated by the service's key rule, so running the same file again adds nothing; keyless
 rows are not, unless `key_from_row` gives each a key derived from its content. Rejects are
 reported by row id and their original cells read back in a further pass (only when there are
@@ -37,11 +41,14 @@ import logging
 import re
 import shutil
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy.pool import NullPool
 
 from delaysvc.db import make_engine
 from delaysvc.errors import BacklogFull, ValidationError
@@ -197,7 +204,7 @@ def _record(row: Any, fmt: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- load
 
 
-def store_fast(batches: Iterable[Any], settings: Settings) -> Iterator[Any]:
+def store_fast(batches: Iterable[Any], settings: Settings, run: str) -> Iterator[Any]:
     """Store one partition of `rules.prepare`'s rows, given as Arrow record batches: the rows
     the JVM encoded whole (`_line`) as they are, the fast rows with a body left to Python
     (`_head`, `_body`) once it is encoded. Yields one Arrow batch of REPORT rows: the rejects,
@@ -212,7 +219,7 @@ def store_fast(batches: Iterable[Any], settings: Settings) -> Iterator[Any]:
 
     def flush() -> None:
         nonlocal created, duplicates
-        new, repeated, refused = _store_batch(engine, settings, lines, ids, duplicates > 0)
+        new, repeated, refused = _store_batch(engine, settings, run, lines, ids, duplicates > 0)
         created += new
         duplicates += repeated
         report.extend(refused)
@@ -261,7 +268,7 @@ def fast_line(head: str, body: str, settings: Settings) -> str:
 
 
 def store_partition(
-    rows: Iterable[Any], settings: Settings, fmt: str, key_from_row: bool
+    rows: Iterable[Any], settings: Settings, fmt: str, key_from_row: bool, run: str
 ) -> Iterator[tuple[str, int, Any, Any]]:
     """Validate and store one partition of `rules.prepare`'s rows, given as Spark Rows, any
     path. Yields REPORT tuples: (REJECT, row id, None, reason) per refused row, then one
@@ -280,7 +287,9 @@ def store_partition(
                     lines.append(line)
                     ids.append(rid)
             if lines:
-                new, repeated, refused = _store_batch(engine, settings, lines, ids, duplicates > 0)
+                new, repeated, refused = _store_batch(
+                    engine, settings, run, lines, ids, duplicates > 0
+                )
                 created += new
                 duplicates += repeated
                 yield from refused
@@ -349,12 +358,19 @@ def _number(value: int | None) -> str:
 
 
 def _store_batch(
-    engine: Any, settings: Settings, lines: list[str], ids: list[int], keys_may_be_held: bool
+    engine: Any,
+    settings: Settings,
+    run: str,
+    lines: list[str],
+    ids: list[int],
+    keys_may_be_held: bool,
 ) -> tuple[int, int, list[tuple[str, int, None, str]]]:
-    """Store the rows `ids` as COPY text `lines` in one transaction; the backlog caps apply
-    as they do to the producer's sends. -> (how many were created, how many were duplicates
-    of a held key, a REJECT report per row refused by a cap). A task whose batches have met
-    no held key yet tries the plain insert first (`store.insert_copy_text`)."""
+    """Store the rows `ids` as COPY text `lines` in one transaction, recorded as a batch of
+    `run` in it (`store.claim_bulk_batch`): a task run again skips what an earlier attempt
+    stored. The backlog caps apply as they do to the producer's sends. -> (how many were
+    created, how many were duplicates of a held key, a REJECT report per row refused by a
+    cap). A task whose batches have met no held key yet tries the plain insert first
+    (`store.insert_copy_text`)."""
     from delaysvc import caps
 
     placed = []
@@ -364,11 +380,16 @@ def _store_batch(
             placed.append(NewMessage(topic, b"", True, int(lane), None, None, None))
     try:
         with engine.begin() as conn:
+            earlier = store.claim_bulk_batch(conn, run, ids[0], ids[-1], len(ids))
+            if earlier is not None:
+                log.info("bulk.batch_stored_before", extra={"run": run, "first_rid": ids[0]})
+                return earlier, len(lines) - earlier, []
             if settings.caps:
                 caps.before_insert(conn, settings.caps, placed)
             created = store.insert_copy_text(
                 conn, "".join(lines), keys_may_be_held=keys_may_be_held
             )
+            store.record_bulk_created(conn, run, ids[0], created)
             if settings.caps:
                 caps.after_insert(conn, settings.caps, placed)
     except BacklogFull as exc:
@@ -455,6 +476,7 @@ def run(
     from delaysvc.pipeline import rules
 
     started = time.monotonic()
+    ledger = uuid.uuid4().hex  # this run's batches (`_store_batch`), whichever task attempt
     fmt = detect_format(path, fmt)
     rejects = rejects or default_rejects(path, fmt)
     # row ids are given before any repartition, so a second read of the file gives each row
@@ -470,23 +492,31 @@ def run(
     if partitions or source.rdd.getNumPartitions() < wanted:
         by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
         source = source.repartitionByRange(wanted, *by) if by else source.repartition(wanted)
+        # a task run again (its executor lost) reads its rows from the shuffle in another
+        # order: in row id order, it makes the same batches (`_store_batch`)
+        source = source.sortWithinPartitions(RID)
     report: list[tuple[Any, ...]] = []
     if fmt == "jsonl":  # every row takes the producer's path (rules.py says why)
         slow = source
     else:
         fast = rules.prepare(source, settings, key_from_row).select(*FAST_COLUMNS)
         # collect() runs the stores exactly once (a second action would store again)
-        stored = fast.mapInArrow(lambda batches: store_fast(batches, settings), REPORT)
+        stored = fast.mapInArrow(lambda batches: store_fast(batches, settings, ledger), REPORT)
         report = [tuple(row) for row in stored.collect()]
         slow_ids = [rid for tag, rid, _, _ in report if tag == SLOW]
         # the second pass takes the rows the first left by id, not by deciding again: a rule
         # that reads the clock (deliver_at within the longest delay) could decide otherwise
-        slow = _rows_with_ids(spark, frame, slow_ids).repartition(wanted) if slow_ids else None
+        slow = (
+            _rows_with_ids(spark, frame, slow_ids).repartition(wanted).sortWithinPartitions(RID)
+            if slow_ids
+            else None
+        )
     if slow is not None:
         rows = rules.prepare(slow, settings, key_from_row).rdd
         report += rows.mapPartitions(
-            lambda rows: store_partition(rows, settings, fmt, key_from_row)
+            lambda rows: store_partition(rows, settings, fmt, key_from_row, ledger)
         ).collect()
+    _forget_batches(settings, ledger)
     written = sum(a for tag, a, _, _ in report if tag == COUNTS)
     duplicates = sum(b for tag, _, b, _ in report if tag == COUNTS)
     reasons = {rid: reason for tag, rid, _, reason in report if tag == REJECT}
@@ -495,6 +525,15 @@ def run(
     read = written + duplicates + len(refused)
     log.info("bulk.done", extra={"read": read, "written": written, "rejected": len(refused)})
     return BulkResult(read, written, duplicates, len(refused), time.monotonic() - started, rejects)
+
+
+def _forget_batches(settings: Settings, ledger: str) -> None:
+    engine = make_engine(settings, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            store.forget_bulk_run(conn, ledger)
+    finally:
+        engine.dispose()
 
 
 def _refused_rows(

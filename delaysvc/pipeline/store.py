@@ -13,7 +13,7 @@ from psycopg.errors import UniqueViolation
 from sqlalchemy import Connection, Engine
 
 from delaysvc import store as service_store
-from delaysvc.errors import ValidationError
+from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.sql import qualify, sql
 from delaysvc.validation import validate_topic
 
@@ -293,6 +293,68 @@ def insert_copy_text(conn: Connection, rows: str, *, keys_may_be_held: bool = Tr
 
 def _count(row: Any) -> int:
     return int(row[0]) if row else 0
+
+
+# ---------------------------------------------------------------- bulk batches
+
+
+def claim_bulk_batch(
+    conn: Connection, run: str, first_rid: int, last_rid: int, rows: int
+) -> int | None:
+    """Record, in the caller's transaction, that `run` stores its batch of `rows` rows whose
+    ids run from `first_rid` to `last_rid`. -> None when no attempt stored it yet (store it
+    now), else how many messages the attempt that did created. An attempt still storing it
+    in another session holds this row's key: this one waits for it to end. A batch with the
+    same first row but other rows than the stored one is refused: storing it could store
+    some of its rows a second time."""
+    claimed = conn.execute(
+        sql(
+            "INSERT INTO delaysvc.bulk_batch (run, first_rid, last_rid, rows) "
+            "VALUES (:run, :first, :last, :rows) ON CONFLICT DO NOTHING RETURNING 1"
+        ),
+        {"run": run, "first": first_rid, "last": last_rid, "rows": rows},
+    ).first()
+    if claimed:
+        return None
+    held = conn.execute(
+        sql(
+            "SELECT last_rid, rows, created FROM delaysvc.bulk_batch "
+            "WHERE run = :run AND first_rid = :first"
+        ),
+        {"run": run, "first": first_rid},
+    ).one()
+    if (held.last_rid, held.rows) != (last_rid, rows):
+        raise DelaysvcError(
+            f"bulk-schedule run {run}: a task run again made its batch from row {first_rid} "
+            f"of {rows} rows up to row {last_rid}, its first attempt stored {held.rows} up to "
+            f"row {held.last_rid}; refused, as it could store some rows twice"
+        )
+    return int(held.created or 0)
+
+
+def record_bulk_created(conn: Connection, run: str, first_rid: int, created: int) -> None:
+    conn.execute(
+        sql(
+            "UPDATE delaysvc.bulk_batch SET created = :created "
+            "WHERE run = :run AND first_rid = :first"
+        ),
+        {"run": run, "first": first_rid, "created": created},
+    )
+
+
+BULK_BATCHES_KEPT = "7 days"
+"""A run that ended leaves no batch rows; one that crashed leaves them this long."""
+
+
+def forget_bulk_run(conn: Connection, run: str) -> None:
+    """The run ended: drop its batches, and those of runs that crashed long ago."""
+    conn.execute(
+        sql(
+            "DELETE FROM delaysvc.bulk_batch WHERE run = :run "
+            f"OR stored_at < now() - interval '{BULK_BATCHES_KEPT}'"
+        ),
+        {"run": run},
+    )
 
 
 # ---------------------------------------------------------------- reading the report
