@@ -77,8 +77,9 @@ def test_rate_spends_a_bucket_of_one_seconds_tokens_and_says_when_the_next_comes
 def test_concurrent_claims_never_exceed_the_limits(
     engine: Engine, settings: Settings, producer: Producer
 ) -> None:
-    """Eight threads claim as fast as they can for 2 s: the running jobs never exceed 3, and
-    the starts never exceed the bucket (rate * (T + 1))."""
+    """Eight threads claim as fast as they can until 150 jobs started: the running jobs never
+    exceed 3, and the starts never exceed the bucket (rate * (T + 1)). (How fast the limits
+    are reached is the e2e test's and the bench's: a loaded machine starts fewer per second.)"""
     for n in range(400):
         producer.send("lim.both", {"n": n})
     limits.set_limits(engine, "lim.both", max_running=3, rate="50/s")
@@ -86,6 +87,7 @@ def test_concurrent_claims_never_exceed_the_limits(
     started = 0
     lock = threading.Lock()
     stop = threading.Event()
+    wanted = 150
 
     @handler("lim.both")
     def work(message: Any) -> None:
@@ -103,19 +105,21 @@ def test_concurrent_claims_never_exceed_the_limits(
             claimed = consumer.run_once("lim.both").claimed
             with lock:
                 started += claimed
+                if started >= wanted:
+                    stop.set()
 
     began = time.monotonic()
     threads = [threading.Thread(target=consume) for _ in range(8)]
     for thread in threads:
         thread.start()
-    time.sleep(2.0)
+    stop.wait(60)
     stop.set()
     for thread in threads:
         thread.join()
     elapsed = time.monotonic() - began
+    assert started >= wanted, f"only {started} started in {elapsed:.1f} s"
     assert 1 <= running_peak <= 3
     assert started <= 50 * (elapsed + 1)
-    assert started >= 3 / 0.02  # the slots were kept busy
 
 
 def test_configured_limits_are_applied_and_bad_ones_refused_naming_the_setting(
