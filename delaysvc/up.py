@@ -135,7 +135,7 @@ QUICK_EXITS_BEFORE_GIVING_UP = 5
 (a setting, the database, a port): the supervisor stops everything and says so."""
 
 
-def _die_with_parent() -> Callable[[], None] | None:
+def die_with_parent() -> Callable[[], None] | None:
     """On Linux, a function for `preexec_fn` that has the kernel send the child SIGTERM when
     its supervisor dies, however it dies (SIGKILL, the OOM killer, a closed terminal), so no
     child outlives it and keeps a port or a lane for a deployment nobody supervises. The
@@ -188,7 +188,7 @@ class Supervisor:
         self.console = console
         self.keep_open = () if keep_open is None else (keep_open,)
         self.relays: list[threading.Thread] = []
-        self.preexec = _die_with_parent()
+        self.preexec = die_with_parent()
 
     def say(self, line: str, err: bool = False) -> None:
         if self.console is None:
@@ -270,7 +270,7 @@ def run_processes(
 ) -> int:
     """Run the commands, restarting any that exits (`Supervisor`), until we are told to stop
     (Ctrl-C, SIGTERM: -> 0) or a child cannot start (-> 1); then stop them all. Every child
-    dies with this process (`_die_with_parent`)."""
+    dies with this process (`die_with_parent`)."""
     if len(commands) > 1 and console is None:
         console = Console(command.name for command in commands)
     supervisor = Supervisor(commands, env, console, keep_open)

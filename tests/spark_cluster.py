@@ -16,12 +16,12 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from delaysvc.up import _die_with_parent
+from delaysvc.up import die_with_parent
 
 
 def spark_home() -> Path:
@@ -36,6 +36,8 @@ class Cluster:
     web_port: int
     processes: list[subprocess.Popen[bytes]]
     folder: Path
+    drivers: list[subprocess.Popen[str]] = field(default_factory=list)
+    """Applications started against it (the tests end them)."""
 
     def env(self) -> dict[str, str]:
         """What a driver started against this cluster needs in its environment."""
@@ -46,14 +48,19 @@ class Cluster:
             return int(json.load(r).get("aliveworkers", 0))
 
     def executors(self) -> list[psutil.Process]:
-        """The executor JVMs the workers started for the running application."""
+        """The executor JVMs the workers started (their children) for the running application."""
         found = []
-        for process in psutil.process_iter(["cmdline"]):
-            cmdline = process.info["cmdline"] or []
-            if any("CoarseGrainedExecutorBackend" in part for part in cmdline) and any(
-                self.master_url in part or str(self.folder) in part for part in cmdline
-            ):
-                found.append(process)
+        for started in self.processes:
+            try:
+                children = psutil.Process(started.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            for child in children:
+                try:
+                    if any("CoarseGrainedExecutorBackend" in part for part in child.cmdline()):
+                        found.append(child)
+                except psutil.NoSuchProcess:
+                    pass
         return found
 
 
@@ -99,7 +106,7 @@ def standalone_cluster(folder: Path, workers: int = 2) -> Iterator[Cluster]:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=die_with_parent(),
             )
         )
         log.close()

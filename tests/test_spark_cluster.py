@@ -1,8 +1,8 @@
 """The pipeline on a real Spark standalone cluster (a master and two one-core workers on
 127.0.0.1, started from PySpark's own `spark-class`; tests/spark_cluster.py): `delaysvc
 pipeline --master spark://...` and `spark-submit ... delaysvc/pipeline/cli.py` give what
-`local[2]` gives, and an executor killed in the middle of a bulk-schedule or an archive makes
-Spark run its tasks again, which store nothing twice and archive nothing twice.
+`local[2]` gives, and executors killed in the middle of a bulk-schedule or an archive make
+Spark run their tasks again on new ones, which store nothing twice and archive nothing twice.
 
 Three JVMs and their executors on two cores: this runs in CI's second pass only (the first
 runs the other heavy tests)."""
@@ -25,6 +25,7 @@ from sqlalchemy import Engine, create_engine, text
 
 from delaysvc.db import sqlalchemy_url
 from delaysvc.settings import DEBIAN_JDBC_JAR
+from delaysvc.up import die_with_parent
 from tests.conftest import ROOT, TEST_LEVELS, TEST_SCHEMA, Server, outside_env
 from tests.spark_cluster import Cluster, spark_home, standalone_cluster
 
@@ -39,9 +40,20 @@ FINISHED_AT = "2026-01-01 10:00:00+00"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     with standalone_cluster(tmp_path_factory.mktemp("spark-cluster"), workers=2) as running:
         yield running
+
+
+@pytest.fixture
+def cluster(cluster_up: Cluster) -> Iterator[Cluster]:
+    """The cluster; the drivers a test started are ended with it, however it ends."""
+    yield cluster_up
+    for driver in cluster_up.drivers:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    cluster_up.drivers.clear()
 
 
 @pytest.fixture
@@ -77,9 +89,17 @@ def _pipeline(
         ]  # fmt: skip
     else:
         command = [sys.executable, "-m", "delaysvc", "pipeline", "--master", master, *args]
-    return subprocess.Popen(
-        command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    driver = subprocess.Popen(
+        command,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=die_with_parent(),  # and ended by `drivers` when the test fails
     )
+    cluster.drivers.append(driver)
+    return driver
 
 
 def _ran(process: subprocess.Popen[str]) -> str:
@@ -193,7 +213,7 @@ def test_on_the_cluster_and_under_spark_submit_the_pipeline_gives_what_local_giv
     assert not on_cluster["left"]
 
 
-def _kill_an_executor_when(
+def _kill_the_executors_when(
     cluster: Cluster, process: subprocess.Popen[str], ready: Any, what: str
 ) -> None:
     deadline = time.monotonic() + 300
@@ -203,10 +223,11 @@ def _kill_an_executor_when(
         time.sleep(0.05)
     executors = cluster.executors()
     assert executors, "no executor to kill"
-    executors[0].kill()
+    for executor in executors:  # every one: the task that stored a batch is certainly lost
+        executor.kill()
 
 
-def test_an_executor_killed_mid_run_schedules_nothing_twice_and_archives_nothing_twice(
+def test_executors_killed_mid_run_schedule_nothing_twice_and_archive_nothing_twice(
     cluster: Cluster, database_url: str, tmp_path: Path
 ) -> None:
     rows = 200_000
@@ -219,7 +240,7 @@ def test_an_executor_killed_mid_run_schedules_nothing_twice_and_archives_nothing
             return int(conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one())
 
     bulk = _pipeline(cluster, database_url, cluster.master_url, "bulk-schedule", str(jobs))
-    _kill_an_executor_when(
+    _kill_the_executors_when(
         cluster, bulk, lambda: 0 < stored() < rows, "a first batch stored, not all"
     )
     assert _ran(bulk).startswith(f"bulk-schedule: read {rows}, written {rows}, rejected 0")
@@ -238,7 +259,7 @@ def test_an_executor_killed_mid_run_schedules_nothing_twice_and_archives_nothing
         "--out",
         str(out),
     )
-    _kill_an_executor_when(
+    _kill_the_executors_when(
         cluster, archive, lambda: any(out.glob("**/_temporary")), "the Parquet write to start"
     )
     assert _ran(archive).startswith(f"archive: read {rows}, written {rows}")

@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.errors import MissingPart
-from delaysvc.up import _die_with_parent
+from delaysvc.up import die_with_parent
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -100,7 +100,7 @@ def pgbouncer(
             stdout=out,
             stderr=subprocess.STDOUT,
             user=_run_as(server),
-            preexec_fn=_die_with_parent(),  # runs after the user change, so the signal stays
+            preexec_fn=die_with_parent(),  # runs after the user change, so the signal stays
         )
     try:
         _wait_listening(port, process, log)
