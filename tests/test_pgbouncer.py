@@ -273,6 +273,7 @@ def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
     for name in ("pgbouncer_send_c1", "pgbouncer_send_c4", "pgbouncer_send_c16"):
         assert results[name]["pgbouncer_msgs_per_s"] > 0, results
         assert results[name]["direct_msgs_per_s"] > 0, results
+        assert results[name]["direct_unprepared_msgs_per_s"] > 0, results
     assert results["pgbouncer_send_batch_1000"]["pgbouncer_msgs_per_s"] > 0
     assert results["pgbouncer_setup"]["pgbouncer_version"].startswith("PgBouncer")
     assert "| pgbouncer_send_c4: msgs/s through PgBouncer" in (out / "results.md").read_text()

@@ -146,9 +146,9 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> N
 
 
 def pgbouncer_suite(ctx: BenchContext) -> Figures:
-    """Single sends/s straight to PostgreSQL and through a transaction-pooling PgBouncer
-    (its default four server connections), same run, alternating, for 1, 4 and 16 clients;
-    and batches of 1,000."""
+    """Single sends/s straight to PostgreSQL (with and without prepared statements) and
+    through a transaction-pooling PgBouncer (four server connections), same run, for 1, 4
+    and 16 clients; and batches of 1,000."""
     from delaysvc.bench.suites import NOOP_TOPIC, _send_single, reset_tables
     from delaysvc.db import make_engine
     from delaysvc.producer import Producer
@@ -163,14 +163,12 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
                 "direct_database_url": ctx.url,
             }
         )
-        engines = {
-            "direct": make_engine(ctx.settings, ctx.url, pool_size=16),
-            "pgbouncer": make_engine(pooled, pool_size=16),
-        }
-        producers = {
-            "direct": Producer(ctx.settings, engines["direct"]),
-            "pgbouncer": Producer(pooled, engines["pgbouncer"]),
-        }
+        # straight to PostgreSQL without prepared statements too: what of the difference is
+        # the statement parsed and planned each time, and what the extra hop
+        unprepared = ctx.settings.model_copy(update={"database_pooling": "transaction"})
+        ways = {"direct": ctx.settings, "direct_unprepared": unprepared, "pgbouncer": pooled}
+        engines = {way: make_engine(s, pool_size=16) for way, s in ways.items()}
+        producers = {way: Producer(ways[way], engine) for way, engine in engines.items()}
         try:
             for clients in (1, 4, 16):
                 rates = {}
@@ -180,6 +178,7 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
                     rates[way] = _send_single(producer, clients, seconds)
                 figures.results[f"pgbouncer_send_c{clients}"] = {
                     "direct_msgs_per_s": round(rates["direct"]),
+                    "direct_unprepared_msgs_per_s": round(rates["direct_unprepared"]),
                     "pgbouncer_msgs_per_s": round(rates["pgbouncer"]),
                     "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
                     "server_connections": POOL_SIZE,
@@ -194,6 +193,7 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
                 batches[way] = 20_000 / (time.perf_counter() - started)
             figures.results["pgbouncer_send_batch_1000"] = {
                 "direct_msgs_per_s": round(batches["direct"]),
+                "direct_unprepared_msgs_per_s": round(batches["direct_unprepared"]),
                 "pgbouncer_msgs_per_s": round(batches["pgbouncer"]),
                 "ratio": round(batches["pgbouncer"] / batches["direct"], 3),
                 "server_connections": POOL_SIZE,
