@@ -320,3 +320,20 @@ def test_a_suite_that_raises_is_reported_failed_and_the_others_still_run(
     assert json.loads((out / "results.json").read_text())["results"]["fine"] == {
         "skipped": "nothing to measure"
     }
+
+
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="starts three worker hosts three times (~1 min): runs in CI's first pass only",
+)
+def test_hosts_runs_every_job_once_with_one_two_and_three_hosts(
+    settings: Settings, tmp_path: Path
+) -> None:
+    out = run(settings, ["hosts"], tmp_path / "run", hosts_jobs=600, processes=1)
+    results = json.loads((out / "results.json").read_text())["results"]
+    for hosts in (1, 2, 3):
+        result = results[f"hosts_{hosts}"]
+        assert (result["hosts"], result["succeeded"], result["ran_twice"]) == (hosts, 600, 0)
+        assert result["jobs_per_s"] > 0 and result["db_cpu_s"] >= 0
+    table = (out / "results.md").read_text()
+    assert "| hosts_3: jobs/s with 3 worker host(s) of 1 consumer processes" in table

@@ -193,6 +193,11 @@ SUITES: dict[str, Suite] = {
         "rolling restart of the delivery, then the consumer worker under a steady flow: lost, "
         "re-runs, lateness",
     ),
+    "hosts": Suite(
+        _suite_in("hosts"),
+        (Size("hosts_jobs", 100_000, 20_000, "Ready no-op jobs per host count."), PROCESSES),
+        "jobs/s and jobs per database CPU second with 1, 2 and 3 worker hosts on one database",
+    ),
     "http": Suite(
         _suite_in("http"),
         (

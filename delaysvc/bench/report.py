@@ -215,6 +215,14 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"(PostgreSQL alone, 2 sessions) | {r['first_of_ceiling']:.0%} | "
             f">= {r['target_rows_per_s']:,} rows/s |"
         ]
+    if "jobs_per_db_cpu_s" in r:
+        return [
+            f"| {name}: jobs/s with {r['hosts']} worker host(s) of {r['processes_per_host']} "
+            f"consumer processes ({r['succeeded']:,} of {r['jobs']:,} run, {r['ran_twice']} "
+            f"twice) | {r['jobs_per_s']:,} ({r['vs_one_host']}x one host) | "
+            f"{r['jobs_per_db_cpu_s'] or 0:,} jobs per PostgreSQL CPU second | - | grows until the "
+            "database is busy |"
+        ]
     if "pgbouncer_msgs_per_s" in r:
         return [
             f"| {name}: msgs/s through PgBouncer (transaction pooling, {r['server_connections']} "
