@@ -4,9 +4,9 @@ A host is what one machine of a deployment runs: its own delivery worker, consum
 (`--processes` processes) and beat, in a folder of its own, all on the bench's database and
 broker (Redis when it answers, else each host's own filesystem broker). For each count of
 hosts, `--hosts-jobs` no-op jobs wait ready in a paused topic while the hosts start and report
-in; the topic is resumed and the jobs run: jobs/s from the resume to the last one finished,
-and the CPU seconds PostgreSQL's processes spent in that time, so the figure is also jobs per
-database CPU second (what one database core sustains). Every job must run once.
+in; the topic is resumed and the jobs run: jobs/s from the first start to the last finish,
+and the CPU seconds PostgreSQL's processes spent from the resume to the end, so the figure is
+also jobs per database CPU second (what one database core sustains). Every job must run once.
 
 Here the hosts share the database's two cores, so the figure shows where the ceiling is on
 this machine, not how far separate machines would go: on separate machines, throughput grows
@@ -79,19 +79,18 @@ def _run(ctx: BenchContext, hosts: int, jobs: int, processes: int) -> dict[str, 
                     deployment.start(name)
             _wait_until_running(ctx.engine)  # a part of each kind reported in, on some host:
             time.sleep(SETTLE_SECONDS)  # the others' pools start too (Celery: ~3 s here)
-            cpu_before = _postgres_cpu_seconds()
-            started = time.monotonic()
+            cpu_before = _postgres_cpu()
             with ctx.engine.begin() as conn:
                 store.set_paused(conn, SOAK_TOPIC, False)
             done = _wait_until_done(ctx.engine, jobs)
-            elapsed = time.monotonic() - started
-            db_cpu = _postgres_cpu_seconds() - cpu_before
+            db_cpu = _cpu_since(cpu_before)
+            attempts = _attempts(ctx.engine)  # before the cleanup empties the tables
+            elapsed = _first_start_to_last_finish(ctx.engine)
         finally:
             for deployment in deployments:
                 deployment.stop_all()
             for peer in peers:
                 peer.cleanup()
-    attempts = _attempts(ctx.engine)
     return {
         "hosts": hosts,
         "processes_per_host": processes,
@@ -132,11 +131,33 @@ def _attempts(engine: Engine) -> dict[str, int]:
     return {"twice": int(twice)}
 
 
-def _postgres_cpu_seconds() -> float:
-    """CPU seconds (user + system) of every PostgreSQL server process on this machine."""
-    total = 0.0
+def _first_start_to_last_finish(engine: Engine) -> float:
+    """Seconds from the first job's start to the last one's end (the database's clock): the
+    rate once the consumers run, without the wake-up after the resume."""
+    with engine.connect() as conn:
+        return float(
+            conn.execute(
+                sql(
+                    "SELECT extract(epoch FROM max(finished_at) - min(started_at)) "
+                    "FROM delaysvc.commit_log"
+                )
+            ).scalar_one()
+            or 0.0
+        )
+
+
+def _postgres_cpu() -> dict[int, float]:
+    """CPU seconds (user + system) of each PostgreSQL server process on this machine."""
+    found = {}
     for process in psutil.process_iter(["name", "cpu_times"]):
         if process.info["name"] in ("postgres", "postmaster") and process.info["cpu_times"]:
             times = process.info["cpu_times"]
-            total += times.user + times.system
-    return total
+            found[process.pid] = times.user + times.system
+    return found
+
+
+def _cpu_since(before: dict[int, float]) -> float:
+    """CPU seconds PostgreSQL's processes spent since `before`: of each one running now, what
+    it added (all of it, for one started since). A backend that ended in between is not
+    counted: the workers' pooled connections live through the run."""
+    return sum(max(0.0, now - before.get(pid, 0.0)) for pid, now in _postgres_cpu().items())
