@@ -163,11 +163,6 @@ def require_session(settings: Settings, needs: str) -> None:
         )
 
 
-def session_engine(settings: Settings, needs: str, **options: object) -> Engine:
-    """An engine on `session_url`."""
-    return make_engine(settings, session_url(settings, needs), **options)
-
-
 def _closed_by_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     """A pooled connection the server ended while it sat idle (a restart, an administrator's
     `pg_terminate_backend`, an idle timeout) has the server's goodbye or end-of-file waiting
