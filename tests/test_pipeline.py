@@ -9,6 +9,7 @@ import csv
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,6 +35,11 @@ T0 = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
+    if os.environ.get("DELAYSVC_TEST_DATABASE_URL"):
+        pytest.skip(
+            "local Spark runs in CI's first pass (embedded PostgreSQL); the second runs the "
+            "pipeline on a Spark cluster and on local[2] through the CLI (test_spark_cluster.py)"
+        )
     from delaysvc.pipeline.spark import session
 
     spark = session("local[2]")
