@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -304,6 +305,13 @@ def run_processes(
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 1 if failed else 0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server to start on)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def wait_until_answering(url: str, timeout: float = 60.0) -> bool:

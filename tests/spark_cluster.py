@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from delaysvc.up import die_with_parent
+from delaysvc.up import die_with_parent, free_port
 
 
 def spark_home() -> Path:
@@ -80,12 +79,6 @@ def _python() -> str:
     import sys
 
     return sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @contextmanager

@@ -173,12 +173,11 @@ def test_celery_worker_and_beat_log_their_own_records_as_json(
 def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
     database_url: str, tmp_path: Path
 ) -> None:
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from delaysvc.up import free_port
+
+    port = free_port()
     env = _env(
         DELAYSVC_DATABASE_URL=database_url,
         DELAYSVC_DELAY_LEVELS=TEST_LEVELS,

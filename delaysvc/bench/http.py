@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.db import libpq_url
 from delaysvc.sql import sql
-from delaysvc.up import wait_until_answering, web_command
+from delaysvc.up import free_port, wait_until_answering, web_command
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -47,12 +46,6 @@ done = function(summary, latency, requests)
     latency:percentile(50), latency:percentile(90), latency:percentile(99), latency.max))
 end
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def missing() -> str | None:
@@ -101,7 +94,7 @@ def http_suite(ctx: BenchContext) -> Figures:
     step(f"raw: one-row INSERT per transaction, {clients} clients")
     raw_rate = raw.insert_one_row_per_transaction(libpq_url(ctx.url), clients, min(seconds, 10))
     token = auth.create_token(ctx.engine, "bench-http", scope="send")
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=ctx.url, PYTHONPATH=str(Path.cwd()))
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
     command = web_command("127.0.0.1", port, workers)

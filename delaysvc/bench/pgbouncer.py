@@ -26,7 +26,7 @@ from urllib.parse import parse_qs, urlsplit
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.errors import MissingPart
-from delaysvc.up import die_with_parent
+from delaysvc.up import die_with_parent, free_port
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -78,7 +78,7 @@ def pgbouncer(
     server = Server.of(direct_url)
     folder = Path(tempfile.mkdtemp(prefix="delaysvc-pgbouncer-"))
     folder.chmod(0o755)
-    port = _free_port()
+    port = free_port()
     host = f"host={server.host} port={server.port}"
     config = folder / "pgbouncer.ini"
     config.write_text(
@@ -124,12 +124,6 @@ def _run_as(server: Server) -> str | None:
         if owner != "root":
             return owner
     return "nobody"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> None:

@@ -11,7 +11,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,17 +26,11 @@ from sqlalchemy import text
 
 from delaysvc.db import make_engine, start_embedded
 from delaysvc.settings import Settings
-from delaysvc.up import wait_until_answering
+from delaysvc.up import free_port, wait_until_answering
 from tests.conftest import ROOT, outside_env
 from tests.e2e.conftest import Service, wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
@@ -124,7 +117,7 @@ def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callabl
     """`delaysvc up` started in `folder` until it prints `ready`; -> (port, a function running
     other `delaysvc` commands in the same folder). Stopped with SIGTERM at the end, which must
     end every child cleanly."""
-    port = _free_port()
+    port = free_port()
     up = start_up(folder, env, port)
     output = Output(up)
     try:
@@ -349,7 +342,7 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
     SIGKILL (the OOM killer, a closed terminal) leaves no child running, and the next `up`
     starts clean on the same folder."""
     env = _clean_env(DELAYSVC_HANDLERS="tests.e2e.handlers")
-    port = _free_port()
+    port = free_port()
     up = start_up(tmp_path, env, port)
     output = Output(up)
     try:
@@ -357,7 +350,7 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         url = start_embedded(tmp_path / "var")
 
         second = subprocess.run(
-            [sys.executable, "-m", "delaysvc", "up", "--port", str(_free_port())],
+            [sys.executable, "-m", "delaysvc", "up", "--port", str(free_port())],
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -439,7 +432,7 @@ def test_an_applications_own_tasks_web_and_migrations_never_shadow_delaysvcs(
         timeout=120,
     )
     assert migrated.returncode == 0, migrated.stderr
-    port = _free_port()
+    port = free_port()
     parts = [
         subprocess.Popen(
             [sys.executable, "-m", "delaysvc", *args],

@@ -26,15 +26,8 @@ from sqlalchemy import Engine, text
 from delaysvc import auth
 from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer import Producer
-from delaysvc.up import wait_until_answering
+from delaysvc.up import free_port, wait_until_answering
 from tests.e2e.conftest import Service, restart_postgres, tolerant, wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 pytestmark = pytest.mark.e2e
 
