@@ -25,6 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
+from delaysvc.db import libpq_url
 from delaysvc.errors import MissingPart
 from delaysvc.up import die_with_parent, free_port
 
@@ -48,7 +49,7 @@ class Server:
 
     @classmethod
     def of(cls, url: str) -> Server:
-        parts = urlsplit(url.replace("postgresql+psycopg://", "postgresql://", 1))
+        parts = urlsplit(libpq_url(url))
         query = parse_qs(parts.query)
         host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
         port = int(query.get("port", [parts.port or 5432])[0])
@@ -62,7 +63,7 @@ class Bouncer:
 
     def url(self, direct_url: str) -> str:
         """`direct_url`'s database and user, through this PgBouncer."""
-        parts = urlsplit(direct_url.replace("postgresql+psycopg://", "postgresql://", 1))
+        parts = urlsplit(libpq_url(direct_url))
         user = parts.username or "postgres"
         return f"postgresql://{user}@127.0.0.1:{self.port}{parts.path}"
 

@@ -172,15 +172,17 @@ ARCHIVE = "delaysvc pipeline archive"
 @contextmanager
 def _archive_lock(settings: Settings, url: str) -> Iterator[None]:
     engine = make_engine(settings, url, poolclass=NullPool)
-    with engine.connect() as conn:
-        conn = conn.execution_options(isolation_level="AUTOCOMMIT")  # no long transaction
-        if not store.try_lock_archive(conn):
-            raise DelaysvcError("another archive run is in progress; try again when it ends")
-        try:
-            yield
-        finally:
-            store.unlock_archive(conn)
-    engine.dispose()
+    try:
+        with engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")  # no long transaction
+            if not store.try_lock_archive(conn):
+                raise DelaysvcError("another archive run is in progress; try again when it ends")
+            try:
+                yield
+            finally:
+                store.unlock_archive(conn)
+    finally:
+        engine.dispose()
 
 
 def _leftovers(engine: Engine) -> list[tuple[Span, str | None]]:

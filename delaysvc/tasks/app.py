@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 
 from delaysvc import periodic_schedules as periodic
 from delaysvc.consumption import Consumer, load_handler_modules
-from delaysvc.db import database_url, make_engine, require_session, session_url
+from delaysvc.db import make_engine, require_session
 from delaysvc.errors import ConfigError, SchemaNotReady
 from delaysvc.settings import Settings
 from delaysvc.tasks import broker
@@ -198,11 +198,12 @@ class Runtime:
     @cached_property
     def delivery_engine(self) -> Engine:
         """The lanes' engine: a lane runner keeps its lane's advisory lock on its session
-        (`db.session_url`), so behind a transaction-pooling PgBouncer it is the direct URL's."""
-        url = session_url(self.settings, DELIVERY_NEEDS)
-        if url == database_url(self.settings):
+        (`db.require_session`), so with a direct URL it is that URL's, else the consumers'."""
+        require_session(self.settings, DELIVERY_NEEDS)
+        direct = self.settings.direct_database_url
+        if direct in (None, self.settings.database_url):
             return self.engine
-        return make_engine(self.settings, url, pool_size=self.settings.levels.max_level + 2)
+        return make_engine(self.settings, direct, pool_size=self.settings.levels.max_level + 2)
 
     @cached_property
     def consumer(self) -> Consumer:
