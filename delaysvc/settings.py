@@ -112,20 +112,17 @@ class Settings(BaseModel):
     @field_validator("log_format", mode="before")
     @classmethod
     def _known_log_format(cls, value: object) -> object:
-        if isinstance(value, str) and value.strip().lower() in LOG_FORMATS:
-            return value.strip().lower()
-        allowed = " or ".join(LOG_FORMATS)
-        raise ConfigError(f"DELAYSVC_LOG_FORMAT: {value!r} is not a log format; use {allowed}")
+        return _choice("DELAYSVC_LOG_FORMAT", value, LOG_FORMATS, "a log format")
 
     @field_validator("database_pooling", mode="before")
     @classmethod
     def _known_pooling(cls, value: object) -> object:
-        if isinstance(value, str) and value.strip().lower() in POOLINGS:
-            return value.strip().lower()
-        allowed = " or ".join(POOLINGS)
-        raise ConfigError(
-            f"DELAYSVC_DATABASE_POOLING: {value!r} is not a pooling mode; use {allowed} "
-            "(transaction: DELAYSVC_DATABASE_URL is a transaction-pooling PgBouncer)"
+        return _choice(
+            "DELAYSVC_DATABASE_POOLING",
+            value,
+            POOLINGS,
+            "a pooling mode",
+            " (transaction: DELAYSVC_DATABASE_URL is a transaction-pooling PgBouncer)",
         )
 
     @field_validator("metrics_token")
@@ -288,6 +285,16 @@ def _parse_cap(item: str) -> BacklogCap:
         except DelaysvcValidationError as exc:
             raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: {exc}") from None
     return BacklogCap(scope, target, int(limit), policy)  # type: ignore[arg-type]
+
+
+def _choice(
+    variable: str, value: object, allowed: tuple[str, ...], kind: str, hint: str = ""
+) -> str:
+    """`value` as one of `allowed` (any case, spaces around ignored), else a ConfigError
+    naming the variable, the value and what is allowed."""
+    if isinstance(value, str) and value.strip().lower() in allowed:
+        return value.strip().lower()
+    raise ConfigError(f"{variable}: {value!r} is not {kind}; use {' or '.join(allowed)}{hint}")
 
 
 def _describe(exc: ValidationError) -> str:
