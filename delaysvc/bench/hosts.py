@@ -26,8 +26,8 @@ from delaysvc import store
 from delaysvc.bench.peer_handlers import SOAK_TOPIC
 from delaysvc.bench.peers import DelaysvcPeer
 from delaysvc.bench.progress import Progress, step
-from delaysvc.bench.rolling import Deployment, _wait_until_running
-from delaysvc.bench.suites import BODY, Figures
+from delaysvc.bench.rolling import Deployment, _succeeded, _wait_until_running
+from delaysvc.bench.suites import Figures, _send_backlog
 from delaysvc.producer import Producer
 from delaysvc.sql import sql
 
@@ -65,13 +65,7 @@ def _run(ctx: BenchContext, hosts: int, jobs: int, processes: int) -> dict[str, 
             peer.prepare()  # the tables emptied, the broker flushed: before anything starts
         with ctx.engine.begin() as conn:
             store.set_paused(conn, SOAK_TOPIC, True)
-        producer = Producer(ctx.settings, ctx.engine)
-        progress = Progress("fill", jobs)
-        for start in range(0, jobs, 5000):
-            size = min(5000, jobs - start)
-            producer.send_batch([{"topic": SOAK_TOPIC, "body": BODY}] * size)
-            progress.update(start + size)
-        progress.done()
+        _send_backlog(Producer(ctx.settings, ctx.engine), jobs, "fill", topic=SOAK_TOPIC)
         deployments = [Deployment(peer, processes) for peer in peers]
         try:
             for deployment in deployments:
@@ -84,7 +78,7 @@ def _run(ctx: BenchContext, hosts: int, jobs: int, processes: int) -> dict[str, 
                 store.set_paused(conn, SOAK_TOPIC, False)
             done = _wait_until_done(ctx.engine, jobs)
             db_cpu = _cpu_since(cpu_before)
-            attempts = _attempts(ctx.engine)  # before the cleanup empties the tables
+            ran_twice = _ran_twice(ctx.engine)  # before the cleanup empties the tables
             elapsed = _first_start_to_last_finish(ctx.engine)
         finally:
             for deployment in deployments:
@@ -100,7 +94,7 @@ def _run(ctx: BenchContext, hosts: int, jobs: int, processes: int) -> dict[str, 
         "seconds": round(elapsed, 2),
         "db_cpu_s": round(db_cpu, 2),
         "jobs_per_db_cpu_s": round(done / db_cpu) if db_cpu else None,
-        "ran_twice": attempts.get("twice", 0),
+        "ran_twice": ran_twice,
     }
 
 
@@ -109,12 +103,7 @@ def _wait_until_done(engine: Engine, jobs: int) -> int:
     deadline = time.monotonic() + DRAIN_SECONDS
     done = 0
     while time.monotonic() < deadline:
-        with engine.connect() as conn:
-            done = int(
-                conn.execute(
-                    sql("SELECT count(*) FROM delaysvc.commit_log WHERE status = 'succeeded'")
-                ).scalar_one()
-            )
+        done = _succeeded(engine, 0)
         progress.update(done)
         if done >= jobs:
             break
@@ -123,12 +112,13 @@ def _wait_until_done(engine: Engine, jobs: int) -> int:
     return done
 
 
-def _attempts(engine: Engine) -> dict[str, int]:
+def _ran_twice(engine: Engine) -> int:
     with engine.connect() as conn:
-        twice = conn.execute(
-            sql("SELECT count(*) FROM delaysvc.commit_log WHERE attempts > 1")
-        ).scalar_one()
-    return {"twice": int(twice)}
+        return int(
+            conn.execute(
+                sql("SELECT count(*) FROM delaysvc.commit_log WHERE attempts > 1")
+            ).scalar_one()
+        )
 
 
 def _first_start_to_last_finish(engine: Engine) -> float:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from delaysvc.bench.progress import step
@@ -171,13 +171,7 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
                     step(f"pgbouncer: Producer.send {way}, {clients} clients, {seconds:g}s")
                     reset_tables(ctx.engine)
                     rates[way] = _send_single(producer, clients, seconds)
-                figures.results[f"pgbouncer_send_c{clients}"] = {
-                    "direct_msgs_per_s": round(rates["direct"]),
-                    "direct_unprepared_msgs_per_s": round(rates["direct_unprepared"]),
-                    "pgbouncer_msgs_per_s": round(rates["pgbouncer"]),
-                    "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
-                    "server_connections": POOL_SIZE,
-                }
+                figures.results[f"pgbouncer_send_c{clients}"] = _compared(rates)
             batches = {}
             for way, producer in producers.items():
                 step(f"pgbouncer: send_batch of 1,000 {way}, 20 batches")
@@ -186,13 +180,7 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
                 for _ in range(20):
                     producer.send_batch([{"topic": NOOP_TOPIC, "body": {}, "delay": "1h"}] * 1000)
                 batches[way] = 20_000 / (time.perf_counter() - started)
-            figures.results["pgbouncer_send_batch_1000"] = {
-                "direct_msgs_per_s": round(batches["direct"]),
-                "direct_unprepared_msgs_per_s": round(batches["direct_unprepared"]),
-                "pgbouncer_msgs_per_s": round(batches["pgbouncer"]),
-                "ratio": round(batches["pgbouncer"] / batches["direct"], 3),
-                "server_connections": POOL_SIZE,
-            }
+            figures.results["pgbouncer_send_batch_1000"] = _compared(batches)
         finally:
             for engine in engines.values():
                 engine.dispose()
@@ -201,6 +189,14 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
 
 
 POOL_SIZE = 4
+
+
+def _compared(rates: dict[str, float]) -> dict[str, Any]:
+    """msgs/s of each way, and PgBouncer's share of the direct rate."""
+    return {f"{way}_msgs_per_s": round(rate) for way, rate in rates.items()} | {
+        "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
+        "server_connections": POOL_SIZE,
+    }
 
 
 def _version() -> str:

@@ -83,11 +83,13 @@ def reset_tables(engine: Engine) -> None:
         conn.execute(sql("VACUUM ANALYZE"))
 
 
-def _send_backlog(producer: Producer, count: int, label: str, **options: Any) -> None:
+def _send_backlog(
+    producer: Producer, count: int, label: str, topic: str = NOOP_TOPIC, **options: Any
+) -> None:
     progress = Progress(label, count)
     for start in range(0, count, 5000):
         size = min(5000, count - start)
-        producer.send_batch([{"topic": NOOP_TOPIC, "body": BODY, **options}] * size)
+        producer.send_batch([{"topic": topic, "body": BODY, **options}] * size)
         progress.update(start + size)
     progress.done()
 
