@@ -11,9 +11,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,14 +72,8 @@ def cluster_env(folder: Path) -> dict[str, str]:
         SPARK_LOG_DIR=str(folder / "logs"),
         SPARK_PID_DIR=str(folder),
         SPARK_MASTER_OPTS="-Dspark.master.rest.enabled=false",
-        PYSPARK_PYTHON=os.environ.get("PYSPARK_PYTHON", _python()),
+        PYSPARK_PYTHON=os.environ.get("PYSPARK_PYTHON", sys.executable),
     )
-
-
-def _python() -> str:
-    import sys
-
-    return sys.executable
 
 
 @contextmanager
@@ -123,12 +118,12 @@ def standalone_cluster(folder: Path, workers: int = 2) -> Iterator[Cluster]:
         _wait(lambda: cluster.alive_workers() == workers, 90, f"{workers} workers", folder)
         yield cluster
     finally:
+        for executor in cluster.executors():  # found as the workers' children: first
+            executor.kill()
         for process in processes:  # the whole group: spark-class's shell and its JVM
             with suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        for executor in cluster.executors():
-            executor.kill()
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -140,11 +135,11 @@ def _answers(port: int) -> bool:
         return False
 
 
-def _wait(condition: object, timeout: float, what: str, folder: Path) -> None:
+def _wait(condition: Callable[[], bool], timeout: float, what: str, folder: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if condition():  # type: ignore[operator]
+            if condition():
                 return
         except OSError:
             pass
