@@ -13,6 +13,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc import consumption, delivery
 from delaysvc.consumption import Consumer
+from delaysvc.db import sqlalchemy_url
 from delaysvc.producer import Message
 from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
@@ -20,6 +21,11 @@ from delaysvc.settings import Settings
 
 class Rollback(Exception):
     """Raised inside a caller's transaction to roll it back."""
+
+
+def psycopg2_url(database_url: str) -> str:
+    """The database's SQLAlchemy URL on the psycopg2 driver."""
+    return sqlalchemy_url(database_url).replace("postgresql+psycopg://", "postgresql+psycopg2://")
 
 
 def stored(engine: Engine, topic: str) -> dict[str, list[Any]]:

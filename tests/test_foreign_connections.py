@@ -19,7 +19,7 @@ from psycopg.rows import dict_row
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from delaysvc.db import libpq_url, sqlalchemy_url
+from delaysvc.db import libpq_url
 from delaysvc.errors import BacklogFull, DatabaseUnavailable, NotFound, ValidationError
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
@@ -28,6 +28,7 @@ from tests.joined_checks import (
     NOTHING,
     Rollback,
     clean_registry,  # noqa: F401  (a fixture)
+    psycopg2_url,
     runs_like_any_other,
     stored,
 )
@@ -40,10 +41,6 @@ class Held:
 
     name: str
     transaction: Callable[[], AbstractContextManager[Any]]
-
-
-def psycopg2_url(database_url: str) -> str:
-    return sqlalchemy_url(database_url).replace("postgresql+psycopg://", "postgresql+psycopg2://")
 
 
 @pytest.fixture

@@ -36,6 +36,7 @@ from tests.joined_checks import (  # clean_registry: a fixture
     NOTHING,
     Rollback,
     clean_registry,  # noqa: F401
+    psycopg2_url,
     stored,
 )
 
@@ -124,7 +125,7 @@ def test_in_the_callers_transaction_a_rollback_stores_nothing_and_a_commit_once(
     url = sqlalchemy_url(pooled.database_url or "")
     apps = {
         "psycopg": create_engine(url, connect_args={"prepare_threshold": None}),
-        "psycopg2": create_engine(url.replace("+psycopg://", "+psycopg2://")),
+        "psycopg2": create_engine(psycopg2_url(url)),
     }
     try:
         for name, app_engine in apps.items():
@@ -150,7 +151,7 @@ def test_consumers_run_jobs_that_the_direct_delivery_moved(
     handler("pgb.job")(lambda job: seen.append(job.body["n"]))
     producer = Producer(pooled, pooled_engine)
     sent = [producer.send("pgb.job", {"n": n}, delay="1s") for n in range(30)]
-    with make_engine(pooled, pooled.direct_database_url).connect() as conn:  # as the lanes do
+    with engine.connect() as conn:  # straight to the server, as the lanes move
         later = sent[-1].deliver_at + timedelta(seconds=1)
         moved = delivery.run_once(conn, sent[0].delay_level or TIMER_LANE, 100, now=later)
     assert moved.moved == 30
