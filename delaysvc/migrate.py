@@ -109,13 +109,20 @@ def _exists(conn: Connection, relation: str) -> bool:
 
 
 def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> None:
-    from delaysvc.schema import SEQUENCES, is_level_partition, metadata
+    from delaysvc.schema import (
+        MESSAGE_VIEW,
+        SEQUENCES,
+        is_history_partition,
+        is_level_partition,
+        metadata,
+    )
 
-    names = set(metadata.tables) | {sequence.name for sequence in SEQUENCES}
+    names = set(metadata.tables) | {sequence.name for sequence in SEQUENCES} | {MESSAGE_VIEW}
     relations = conn.execute(
         text(
             "SELECT c.relname AS name, c.relkind AS kind FROM pg_class c "
-            "WHERE c.relnamespace = CAST(:legacy AS regnamespace) AND c.relkind IN ('r', 'p', 'S') "
+            "WHERE c.relnamespace = CAST(:legacy AS regnamespace) "
+            "AND c.relkind IN ('r', 'p', 'S', 'v') "
             # a sequence owned by a column moves with its table
             "AND NOT (c.relkind = 'S' AND EXISTS (SELECT 1 FROM pg_depend d WHERE "
             "d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype IN ('a', 'i'))) "
@@ -126,9 +133,10 @@ def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> No
     moved = 0
     for name, kind in relations:
         level_sequence = name.endswith("_seq") and is_level_partition(name[: -len("_seq")])
-        if name not in names and not is_level_partition(name) and not level_sequence:
+        partition = is_level_partition(name) or is_history_partition(name)
+        if name not in names and not partition and not level_sequence:
             continue
-        what = "SEQUENCE" if kind == "S" else "TABLE"
+        what = {"S": "SEQUENCE", "v": "VIEW"}.get(kind, "TABLE")
         conn.execute(text(f'ALTER {what} "{legacy}"."{name}" SET SCHEMA "{schema}"'))
         moved += 1
     conn.execute(

@@ -10,6 +10,8 @@ FIFO consume queue of delay level N, a partition `consume_queue_N` of `consume_q
 `queue_offset`; lane 0 is the timer lane for arbitrary delays, ordered by `deliver_ts`.
 """
 
+from datetime import date
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -94,10 +96,35 @@ commit_log = Table(
     ),
     # retrying messages per topic (the dashboard's and /api/v1/topics' retrying counts)
     Index("ix_commit_log_retrying_topic", "topic", postgresql_where=text("status = 'retrying'")),
+    # finished messages not yet moved into message_history, oldest first (`delaysvc.history`)
+    Index(
+        "ix_commit_log_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")
+    ),
     # 100: no free space kept on each page, which drew the new versions of delivered rows into
     # old pages all over a big table (migration 0006 has the measurement)
     postgresql_with={"fillfactor": "100", **HOT_TABLE_STORAGE},
 )
+
+# Finished messages, moved out of commit_log in batches by `delaysvc.history` (beat's
+# `move_history`, every few seconds), so commit_log holds the messages in flight and stays the
+# size of the backlog however much history piles up. Partitioned by the UTC day each message
+# finished (`message_history_YYYYMMDD`, made ahead by the same sweep): retention and the archive
+# drop a day's partition, never DELETE + VACUUM. No primary key (one would have to include
+# finished_at): ids are unique because each row is moved once, in one transaction with its
+# delete from commit_log. `delaysvc.message` (a view, migration 0013) is both tables as one:
+# every reader of a message that may have finished reads it there.
+message_history = Table(
+    "message_history",
+    metadata,
+    *(
+        Column(c.name, c.type, nullable=c.nullable and c.name != "finished_at")
+        for c in commit_log.columns
+    ),
+    Index("ix_message_history_id", "id"),
+    Index("ix_message_history_topic_key", "topic", "key", postgresql_where=text("key IS NOT NULL")),
+    postgresql_partition_by="RANGE (finished_at)",
+)
+MESSAGE_VIEW = "message"
 
 consume_queue = Table(
     "consume_queue",
@@ -395,4 +422,13 @@ def level_sequence(level: int) -> str:
 
 def is_level_partition(name: str) -> bool:
     prefix = "consume_queue_"
+    return name.startswith(prefix) and name[len(prefix) :].isdigit()
+
+
+def history_partition(day: date) -> str:
+    return f"message_history_{day:%Y%m%d}"
+
+
+def is_history_partition(name: str) -> bool:
+    prefix = "message_history_"
     return name.startswith(prefix) and name[len(prefix) :].isdigit()

@@ -31,6 +31,7 @@ Pooling = Literal["session", "transaction"]
 POOLINGS: tuple[Pooling, ...] = ("session", "transaction")
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
+DAY_MS = 86_400_000
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Settings(BaseModel):
     """Starts of a topic per time, `sms.send=10/s,mail.send=600/m` (`delaysvc.limits`)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_delay: str = "400d"
+    history_retention: str | None = None
+    """Finished messages are kept this long (`30d`), then their day of history is dropped whole
+    (`delaysvc.history`); unset, they stay until `delaysvc pipeline archive` copies them out."""
     max_retries: int = Field(default=16, ge=0, le=1000)
     lease_seconds: int = Field(default=30, gt=0)
     """A running job's lease: its process renews it every third of this while it lives, so a
@@ -161,7 +165,7 @@ class Settings(BaseModel):
     def check(self) -> None:
         """Cross-field validation; touching each derived property parses it."""
         _ = (self.levels, self.handler_modules, self.default_delays_ms, self.task_topics)
-        _ = (self.caps, self.max_delay_ms, self.topic_limits)
+        _ = (self.caps, self.max_delay_ms, self.topic_limits, self.history_retention_ms)
         for cap in self.caps:
             if cap.scope == "level" and not 1 <= int(cap.target) <= self.levels.max_level:
                 raise ConfigError(
@@ -180,6 +184,18 @@ class Settings(BaseModel):
     @cached_property
     def max_delay_ms(self) -> int:
         return _config_duration("DELAYSVC_MAX_DELAY", self.max_delay)
+
+    @cached_property
+    def history_retention_ms(self) -> int | None:
+        if self.history_retention is None:
+            return None
+        retention = _config_duration("DELAYSVC_HISTORY_RETENTION", self.history_retention)
+        if retention < DAY_MS:
+            raise ConfigError(
+                f"DELAYSVC_HISTORY_RETENTION={self.history_retention!r}: history is dropped a "
+                "whole day at a time, so keep it at least one day (e.g. 1d, 30d)"
+            )
+        return retention
 
     @cached_property
     def default_delays_ms(self) -> dict[str, int]:

@@ -36,6 +36,7 @@ from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, TextClause
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
+from delaysvc import store_history
 from delaysvc.db import sqlalchemy_error
 from delaysvc.errors import DuplicateKey, NotStuck, SchemaNotReady
 from delaysvc.levels import DelayLevels, format_ms
@@ -648,7 +649,7 @@ def find_unfinished_by_key(conn: Statements, topic: str, key: str | None) -> Any
 
 def get_message(conn: Statements, message_id: int) -> Any:
     return conn.execute(
-        sql(f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.id = :id"),
+        sql(f"SELECT {MESSAGE_STATE} FROM delaysvc.message c WHERE c.id = :id"),
         {"id": message_id},
     ).first()
 
@@ -657,7 +658,7 @@ def find_message_by_key(conn: Statements, topic: str, key: str) -> Any:
     """The unfinished message holding the key, else the newest finished one."""
     return conn.execute(
         sql(
-            f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.topic = :topic AND c.key "
+            f"SELECT {MESSAGE_STATE} FROM delaysvc.message c WHERE c.topic = :topic AND c.key "
             "= :key "
             "ORDER BY c.finished_at IS NULL DESC, c.id DESC LIMIT 1"
         ),
@@ -1770,7 +1771,7 @@ def list_dead(
         conn.execute(
             sql(
                 "SELECT d.message_id, d.topic, d.died_at, d.reason, d.attempts, c.key, "
-                "c.last_error FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON c.id = "
+                "c.last_error FROM delaysvc.dead_letter d JOIN delaysvc.message c ON c.id = "
                 "d.message_id "
                 "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
                 "AND (CAST(:after AS bigint) IS NULL OR d.message_id < :after) "
@@ -1782,7 +1783,11 @@ def list_dead(
 
 
 def redrive_dead(conn: Connection, message_id: int) -> Any:
-    """A dead message runs again now, with a fresh retry budget. -> its row, or None."""
+    """A dead message runs again now, with a fresh retry budget. -> its row, or None. One
+    already moved into the history comes back into commit_log first (under the history lock:
+    no sweep moves it while it does, no archive drops its day)."""
+    store_history.lock_history(conn, wait=True)
+    store_history.take_back_dead(conn, message_id)
     return conn.execute(
         sql(
             f"""
@@ -1811,7 +1816,7 @@ def dead_ids(
     return list(
         conn.execute(
             sql(
-                "SELECT d.message_id FROM delaysvc.dead_letter d JOIN delaysvc.commit_log c ON "
+                "SELECT d.message_id FROM delaysvc.dead_letter d JOIN delaysvc.message c ON "
                 "c.id = d.message_id "
                 "WHERE (CAST(:topic AS text) IS NULL OR d.topic = :topic) "
                 "AND (CAST(:pattern AS text) IS NULL OR "
@@ -1824,7 +1829,8 @@ def dead_ids(
 
 
 def purge_dead(conn: Connection, ids: Sequence[int]) -> int:
-    """Forget dead letters (their commit_log rows stay `dead` until archived)."""
+    """Forget dead letters (their messages stay `dead`, in commit_log or the history, until
+    archived or past the retention)."""
     return conn.execute(
         sql("DELETE FROM delaysvc.dead_letter WHERE message_id = ANY(CAST(:ids AS bigint[]))"),
         {"ids": list(ids)},

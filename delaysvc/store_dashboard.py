@@ -229,7 +229,8 @@ class MessagePage:
     """Cursor for the previous (newer) page: pass as `after`; None on the newest page."""
 
 
-# read through store.MESSAGE_STATE: a moved message's commit_log row is as it was
+# read through store.MESSAGE_STATE: a moved message's commit_log row is as it was; finished
+# ones may be in the history already, so the search reads delaysvc.message (both tables)
 _SEARCH_COLUMNS = (
     f"c.id, c.topic, c.key, {store.STATUS} AS status, c.delay_level, {store.LANE} AS lane, "
     f"c.stored_at, c.deliver_ts, {store.DELIVERED_AT} AS delivered_at, "
@@ -266,7 +267,7 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
     order = "ASC" if search.after is not None and search.before is None else "DESC"
     clause = f"WHERE {' AND '.join(where)} " if where else ""
     statement = (
-        f"SELECT {_SEARCH_COLUMNS} FROM delaysvc.commit_log c {clause}"
+        f"SELECT {_SEARCH_COLUMNS} FROM delaysvc.message c {clause}"
         f"ORDER BY c.id {order} LIMIT :limit"
     )
     return statement, params
@@ -296,9 +297,9 @@ def search_messages(conn: Connection, search: MessageSearch) -> MessagePage:
 
 
 _LAST_ERROR = """LEFT JOIN LATERAL (
-        SELECT c.key, c.last_error FROM delaysvc.commit_log c WHERE c.id = d.message_id LIMIT 1
+        SELECT c.key, c.last_error FROM delaysvc.message c WHERE c.id = d.message_id LIMIT 1
     ) c ON true"""
-"""The letter's commit_log row by one primary-key probe per letter (LIMIT 1 keeps the planner
+"""The letter's message row by one index probe per table per letter (LIMIT 1 keeps the planner
 from turning it into a hash join over the whole commit log)."""
 
 

@@ -59,9 +59,8 @@ def worker_commands(
 
     commands = []
     if delivery:
-        threads = (
-            settings.levels.max_level + 4
-        )  # every lane, and the fold, stats and schedules tasks
+        # every lane, and the fold, stats, schedules and history tasks
+        threads = settings.levels.max_level + 5
         pool = ["-P", "threads", "-c", str(threads)]
         argv = [*CELERY, "worker", "-Q", DELIVERY_QUEUE, *pool, "-n", "delivery@%h", *QUIET]
         commands.append(Command("delivery", argv))

@@ -13,7 +13,7 @@ from alembic import context
 from sqlalchemy import Connection, text
 
 from delaysvc import migrate, sql
-from delaysvc.schema import is_level_partition, metadata
+from delaysvc.schema import is_history_partition, is_level_partition, metadata
 
 config = context.config
 
@@ -21,8 +21,10 @@ config = context.config
 def include_object(
     obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
 ) -> bool:
-    """Level partitions are made by `ensure_levels` from the settings, not by a revision."""
-    return not (type_ == "table" and name is not None and is_level_partition(name))
+    """Level partitions are made by `ensure_levels` from the settings, and history partitions
+    by the history sweep, day by day, not by a revision."""
+    made_later = name is not None and (is_level_partition(name) or is_history_partition(name))
+    return not (type_ == "table" and made_later)
 
 
 def run_migrations(connection: Connection) -> None:

@@ -1,19 +1,28 @@
 """archive: finished messages older than a retention period -> Parquet (partitioned by topic
-and date) -> verified against PostgreSQL -> deleted from PostgreSQL in bounded batches.
+and date) -> verified against PostgreSQL -> gone from PostgreSQL.
 
-Each run has a `pipeline_run` row and its own folder `run=<id>`. The order of the steps is
-what makes a run safe to kill at any point:
+Finished messages live in the history, one partition per UTC day (`delaysvc.history`); the
+archive first moves every finished message still in commit_log there, then takes the history
+a day at a time. A day that ended before the cutoff is copied whole and its partition dropped
+(no DELETE, nothing to vacuum); the day the cutoff falls in is copied up to the cutoff and
+those rows deleted in bounded batches (they leave dead rows only in a partition that will be
+dropped whole later).
 
-1. record the run (id range and cutoff) and write the range's rows to its folder;
+Each run (one day, or the part of one) has a `pipeline_run` row and its own folder `run=<id>`.
+The order of the steps is what makes a run safe to kill at any point:
+
+1. record the run (id range, day and cutoff) and write its rows to its folder;
 2. read the folder back: its row count and sum of id hashes must equal PostgreSQL's for the
-   same range and cutoff; only then is the checksum recorded (the run is now "verified");
-3. delete the ids found in the folder, in batches, still only while finished before the
-   cutoff; then mark the run succeeded.
+   same rows; only then is the checksum recorded (the run is now "verified");
+3. a whole day: under the history lock (no row moving in or out), check the partition still
+   holds exactly the verified rows, then drop it with its messages' dead letters; part of a
+   day: delete the ids found in the folder, in batches, only while still in the history
+   (a redriven dead letter has left it). Then mark the run succeeded.
 
 The next run first finishes what a killed one left: without a recorded checksum nothing was
 deleted, so the folder is written again from scratch; with one, the verified folder is kept
-and the deletes resume. Only verified folders count as archived (`verified_archive_folders`).
-One run at a time (a PostgreSQL advisory lock).
+and the drop or the deletes resume. Only verified folders count as archived
+(`verified_archive_folders`). One run at a time (a PostgreSQL advisory lock).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
+from delaysvc import history, store_history
 from delaysvc.db import make_engine, session_url
 from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import store
@@ -60,10 +70,15 @@ class ArchiveResult:
 
 @dataclass(frozen=True)
 class Span:
+    """The history rows with ids in [low, high] that finished in [since, cutoff)."""
+
     run_id: int
     low: int
     high: int
+    since: datetime | None
     cutoff: datetime
+    partition: str | None
+    """Set when the span is a whole day of history: dropped whole once verified."""
 
 
 @dataclass
@@ -83,14 +98,15 @@ class Job:
 # ---------------------------------------------------------------- extract
 
 
-def extract(spark: Any, target: JdbcTarget, low: int, high: int, cutoff: datetime) -> Any:
-    """The archivable rows with ids in [low, high], read over JDBC in parallel id slices."""
-    span = high - low + 1
+def extract(spark: Any, target: JdbcTarget, span: Span) -> Any:
+    """The span's rows, read over JDBC in parallel id slices."""
+    low, high = span.low, span.high
+    rows = high - low + 1
     parallelism = spark.sparkContext.defaultParallelism
-    partitions = max(min(parallelism, span), math.ceil(span / ROWS_PER_PARTITION))
+    partitions = max(min(parallelism, rows), math.ceil(rows / ROWS_PER_PARTITION))
     return spark.read.jdbc(
         target.url,
-        store.archive_query(low, high, cutoff),
+        store.archive_query(low, high, span.since, span.cutoff),
         column="id",
         lowerBound=low,
         upperBound=high + 1,
@@ -156,11 +172,12 @@ def run(
     url = session_url(settings, ARCHIVE)  # the lock's session, and the reads (not pooled)
     with _archive_lock(settings, url), jdbc_target(url) as target:
         job = Job(spark, engine, target, out, crash_at, result)
+        moved = history.move_all(engine)
+        log.info("archive.history_moved", extra={"rows": moved})
         for left, recorded in _leftovers(engine):
             log.info("archive.resume", extra={"run_id": left.run_id})
             _finish(job, left, recorded)
-        fresh = _start(engine, older_than_ms)
-        if fresh is not None:
+        while (fresh := _start(engine, older_than_ms)) is not None:
             _finish(job, fresh, None)
     result.seconds = time.monotonic() - started
     return result
@@ -188,26 +205,55 @@ def _archive_lock(settings: Settings, url: str) -> Iterator[None]:
 def _leftovers(engine: Engine) -> list[tuple[Span, str | None]]:
     with engine.begin() as conn:
         runs = store.unfinished_runs(conn, "archive")
-    return [
-        (
-            Span(r.id, r.range_from_id, r.range_to_id, datetime.fromisoformat(r.params["cutoff"])),
-            r.checksum,
-        )
-        for r in runs
-    ]
+    return [(_span(r.id, r.range_from_id, r.range_to_id, r.params), r.checksum) for r in runs]
+
+
+def _span(run_id: int, low: int, high: int, params: dict[str, Any]) -> Span:
+    since = params.get("since")  # absent in a run left by a version before the history
+    return Span(
+        run_id,
+        low,
+        high,
+        None if since is None else datetime.fromisoformat(since),
+        datetime.fromisoformat(params["cutoff"]),
+        params.get("partition"),
+    )
 
 
 def _start(engine: Engine, older_than_ms: int) -> Span | None:
+    """Record a run for the oldest day of history with rows finished before the cutoff: the
+    whole day if it ended by then, else its rows up to the cutoff. None: nothing to archive.
+    A day with no rows left is dropped on the way."""
     with engine.begin() as conn:
         cutoff = store.database_now(conn) - timedelta(milliseconds=older_than_ms)
-        low, high = store.archivable_range(conn, cutoff)
-        if low is None or high is None:
-            log.info("archive.nothing_to_do", extra={"cutoff": cutoff.isoformat()})
-            return None
-        params = {"cutoff": cutoff.isoformat(), "older_than_ms": older_than_ms}
-        run_id = store.start_run(conn, "archive", params, low, high)
-    log.info("archive.started", extra={"run_id": run_id, "low": low, "high": high})
-    return Span(run_id, low, high, cutoff)
+        days = store_history.partitions(conn)
+    for day in days:
+        if day.starts >= cutoff:
+            break
+        whole = day.ends <= cutoff
+        until = day.ends if whole else cutoff
+        with engine.begin() as conn:
+            low, high = store.archivable_range(conn, day.starts, until)
+            if low is None or high is None:
+                if whole:
+                    store_history.lock_history(conn, wait=True)
+                    store_history.drop_partition(conn, day.name)
+                    log.info("archive.empty_day_dropped", extra={"partition": day.name})
+                continue
+            params = {
+                "cutoff": until.isoformat(),
+                "since": day.starts.isoformat(),
+                "partition": day.name if whole else None,
+                "older_than_ms": older_than_ms,
+            }
+            run_id = store.start_run(conn, "archive", params, low, high)
+        log.info(
+            "archive.started",
+            extra={"run_id": run_id, "partition": day.name, "whole_day": whole},
+        )
+        return _span(run_id, low, high, params)
+    log.info("archive.nothing_to_do", extra={"cutoff": cutoff.isoformat()})
+    return None
 
 
 def _finish(job: Job, span: Span, recorded: str | None) -> None:
@@ -218,16 +264,19 @@ def _finish(job: Job, span: Span, recorded: str | None) -> None:
         _write_and_verify(job, span, folder)
     elif format_checksum(checksum(job.spark.read.parquet(str(folder)))) != recorded:
         _fail(job.engine, span.run_id, f"its verified folder {folder} is missing or changed")
-    _delete(job, span, folder)
+    if span.partition is None:
+        _delete(job, span, folder)
+    else:
+        _drop(job, span, folder)
 
 
 def _write_and_verify(job: Job, span: Span, folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
-    load(transform(extract(job.spark, job.target, span.low, span.high, span.cutoff)), folder)
+    load(transform(extract(job.spark, job.target, span)), folder)
     job.crash("written")
     written = checksum(job.spark.read.parquet(str(folder)))
     with job.engine.connect() as conn:
-        source = store.range_checksum(conn, span.low, span.high, span.cutoff)
+        source = store.range_checksum(conn, span.low, span.high, span.since, span.cutoff)
     if written != source:
         shutil.rmtree(folder, ignore_errors=True)
         _fail(
@@ -256,13 +305,40 @@ def _delete(job: Job, span: Span, folder: Path) -> None:
     deleted = 0
     while batch := list(islice(ids, DELETE_BATCH)):
         with job.engine.begin() as conn:
-            deleted += store.delete_archived(conn, batch, span.cutoff)
+            deleted += store.delete_archived(conn, batch, span.since, span.cutoff)
         job.crash("deleting")
     with job.engine.begin() as conn:
         store.merge_run_params(conn, span.run_id, {"deleted": deleted})
         store.update_run(conn, span.run_id, status="succeeded", finished=True)
     job.result.deleted += deleted
     log.info("archive.deleted", extra={"run_id": span.run_id, "rows": deleted})
+
+
+def _drop(job: Job, span: Span, folder: Path) -> None:
+    """Drop the span's day of history, if it still holds exactly the verified rows."""
+    assert span.partition is not None
+    with job.engine.begin() as conn:
+        verified = store.run_checksum(conn, span.run_id)
+        store_history.lock_history(conn, wait=True)
+        held = span.partition in {day.name for day in store_history.partitions(conn)}
+        now = format_checksum(store.partition_checksum(conn, span.partition)) if held else None
+        if now in (None, verified):
+            if held:
+                store_history.drop_partition(conn, span.partition)
+            dropped = int(verified.split(":")[0]) if held else 0
+            store.merge_run_params(conn, span.run_id, {"deleted": dropped})
+            store.update_run(conn, span.run_id, status="succeeded", finished=True)
+    if now not in (None, verified):
+        shutil.rmtree(folder, ignore_errors=True)
+        _fail(
+            job.engine,
+            span.run_id,
+            f"{span.partition} changed after its copy was verified (a message finished late "
+            "into it, or a dead letter was redriven out of it); nothing was dropped, run it "
+            "again",
+        )
+    job.result.deleted += dropped
+    log.info("archive.dropped", extra={"run_id": span.run_id, "partition": span.partition})
 
 
 def _fail(engine: Engine, run_id: int, why: str) -> None:

@@ -17,7 +17,6 @@ from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.sql import qualify, sql
 from delaysvc.validation import validate_topic
 
-FINISHED = ("succeeded", "dead", "cancelled")
 _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
 # A 60-bit hash of the id: the first 15 hex digits of md5(id as decimal text). Spark computes
 # the same (`archive.id_hash`), so a sum of it checks that exactly the same ids are on both
@@ -36,10 +35,14 @@ _REPORT_COLUMNS = (
 )
 
 
-def _archivable(cutoff: datetime) -> str:
-    """The archivable condition with the cutoff as a literal (JDBC subqueries take no
-    parameters; the cutoff is a datetime we computed, never user text)."""
-    return f"{_FINISHED_SQL} AND c.finished_at < TIMESTAMPTZ '{cutoff.isoformat()}'"
+def _archivable(since: datetime | None, cutoff: datetime) -> str:
+    """The archivable condition, on the history, with the bounds as literals (JDBC subqueries
+    take no parameters; the bounds are datetimes we computed, never user text). Literal
+    bounds let PostgreSQL read only the partitions they cover."""
+    condition = f"c.finished_at < TIMESTAMPTZ '{cutoff.isoformat()}'"
+    if since is not None:
+        condition += f" AND c.finished_at >= TIMESTAMPTZ '{since.isoformat()}'"
+    return condition
 
 
 def database_now(conn: Connection) -> datetime:
@@ -57,62 +60,85 @@ def unlock_archive(conn: Connection) -> None:
     conn.execute(sql("SELECT pg_advisory_unlock(:k)"), {"k": ARCHIVE_LOCK})
 
 
-def archivable_range(conn: Connection, cutoff: datetime) -> tuple[int | None, int | None]:
+def archivable_range(
+    conn: Connection, since: datetime | None, cutoff: datetime
+) -> tuple[int | None, int | None]:
     row = conn.execute(
-        sql(f"SELECT min(c.id), max(c.id) FROM delaysvc.commit_log c WHERE {_archivable(cutoff)}")
+        sql(
+            "SELECT min(c.id), max(c.id) FROM delaysvc.message_history c "
+            f"WHERE {_archivable(since, cutoff)}"
+        )
     ).one()
     return row[0], row[1]
 
 
-def archive_query(low: int, high: int, cutoff: datetime) -> str:
+def archive_query(low: int, high: int, since: datetime | None, cutoff: datetime) -> str:
     """The archivable rows in [low, high] with their dead letter, as a JDBC subquery."""
     return qualify(
-        f"(SELECT {_ARCHIVE_COLUMNS} FROM delaysvc.commit_log c "
+        f"(SELECT {_ARCHIVE_COLUMNS} FROM delaysvc.message_history c "
         "LEFT JOIN delaysvc.dead_letter d ON d.message_id = c.id "
-        f"WHERE c.id BETWEEN {int(low)} AND {int(high)} AND {_archivable(cutoff)}) AS archivable"
+        f"WHERE c.id BETWEEN {int(low)} AND {int(high)} AND {_archivable(since, cutoff)}) "
+        "AS archivable"
     )
 
 
 def finished_query() -> str:
     """Every finished message still in PostgreSQL (the report's live half), as a subquery."""
     return qualify(
-        f"(SELECT {_REPORT_COLUMNS} FROM delaysvc.commit_log c WHERE {_FINISHED_SQL}) AS finished"
+        f"(SELECT {_REPORT_COLUMNS} FROM delaysvc.message c WHERE {_FINISHED_SQL}) AS finished"
     )
 
 
 def finished_id_range(conn: Connection) -> tuple[int | None, int | None]:
     row = conn.execute(
-        sql(f"SELECT min(c.id), max(c.id) FROM delaysvc.commit_log c WHERE {_FINISHED_SQL}")
+        sql(f"SELECT min(c.id), max(c.id) FROM delaysvc.message c WHERE {_FINISHED_SQL}")
     ).one()
     return row[0], row[1]
 
 
-def range_checksum(conn: Connection, low: int, high: int, cutoff: datetime) -> tuple[int, int]:
+def range_checksum(
+    conn: Connection, low: int, high: int, since: datetime | None, cutoff: datetime
+) -> tuple[int, int]:
     """(rows, sum of id hashes) of the archivable rows in [low, high]."""
     row = conn.execute(
         sql(
-            f"SELECT count(*), COALESCE(sum({ID_HASH_SQL}::numeric), 0) FROM delaysvc.commit_log c "
-            f"WHERE c.id BETWEEN :low AND :high AND {_archivable(cutoff)}"
+            f"SELECT count(*), COALESCE(sum({ID_HASH_SQL}::numeric), 0) "
+            "FROM delaysvc.message_history c "
+            f"WHERE c.id BETWEEN :low AND :high AND {_archivable(since, cutoff)}"
         ),
         {"low": low, "high": high},
     ).one()
     return int(row[0]), int(row[1])
 
 
-def delete_archived(conn: Connection, ids: Sequence[int], cutoff: datetime) -> int:
-    """Delete these archived messages (and their dead letters), only while they are still
-    finished before the cutoff: a dead letter redriven since stays."""
+def partition_checksum(conn: Connection, partition: str) -> tuple[int, int]:
+    """(rows, sum of id hashes) of a whole day of history."""
+    row = conn.execute(
+        sql(
+            f"SELECT count(*), COALESCE(sum({ID_HASH_SQL}::numeric), 0) FROM delaysvc.{partition} c"
+        )
+    ).one()
+    return int(row[0]), int(row[1])
+
+
+def delete_archived(
+    conn: Connection, ids: Sequence[int], since: datetime | None, cutoff: datetime
+) -> int:
+    """Delete these archived messages (and their dead letters) from the history, only while
+    they are still there: a dead letter redriven since has gone back to commit_log."""
     params = {"ids": list(ids)}
     conn.execute(
         sql(
-            "DELETE FROM delaysvc.dead_letter d USING delaysvc.commit_log c WHERE d.message_id = "
-            "c.id "
-            f"AND c.id = ANY(:ids) AND {_archivable(cutoff)}"
+            "DELETE FROM delaysvc.dead_letter d USING delaysvc.message_history c "
+            f"WHERE d.message_id = c.id AND c.id = ANY(:ids) AND {_archivable(since, cutoff)}"
         ),
         params,
     )
     return conn.execute(
-        sql(f"DELETE FROM delaysvc.commit_log c WHERE c.id = ANY(:ids) AND {_archivable(cutoff)}"),
+        sql(
+            "DELETE FROM delaysvc.message_history c "
+            f"WHERE c.id = ANY(:ids) AND {_archivable(since, cutoff)}"
+        ),
         params,
     ).rowcount
 
@@ -142,6 +168,12 @@ def unfinished_runs(conn: Connection, kind: str) -> Sequence[Any]:
             {"kind": kind},
         )
     )
+
+
+def run_checksum(conn: Connection, run_id: int) -> str:
+    return conn.execute(
+        sql("SELECT checksum FROM delaysvc.pipeline_run WHERE id = :id"), {"id": run_id}
+    ).scalar_one()
 
 
 def verified_archive_folders(conn: Connection) -> list[str]:

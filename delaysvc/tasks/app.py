@@ -20,6 +20,7 @@ from celery.schedules import schedule
 from celery.signals import setup_logging, worker_init
 from sqlalchemy import Engine
 
+from delaysvc import history
 from delaysvc import periodic_schedules as periodic
 from delaysvc.consumption import Consumer, load_handler_modules
 from delaysvc.db import make_engine, require_session
@@ -75,6 +76,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         "delaysvc.tasks.consume",
         "delaysvc.tasks.stats",
         "delaysvc.tasks.periodic",
+        "delaysvc.tasks.history",
         *settings.handler_modules,
     ]
     app = Celery("delaysvc", broker=broker_url, include=include)
@@ -94,6 +96,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             "delaysvc.sample_stats": {"queue": DELIVERY_QUEUE},
             "delaysvc.fold_lane_counts": {"queue": DELIVERY_QUEUE},
             "delaysvc.fire_schedules": {"queue": DELIVERY_QUEUE},
+            "delaysvc.move_history": {"queue": DELIVERY_QUEUE},
             "delaysvc.*": {"queue": CONSUME_QUEUE},
         },
         task_default_queue=CONSUME_QUEUE,
@@ -132,6 +135,11 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
                 "task": "delaysvc.sample_stats",
                 "schedule": every(STATS_SECONDS),
                 "options": {"expires": STATS_SECONDS},
+            },
+            "move-history": {
+                "task": "delaysvc.move_history",
+                "schedule": every(history.SWEEP_SECONDS),
+                "options": {"expires": history.SWEEP_SECONDS},
             },
             "rescue-leases": {
                 "task": "delaysvc.rescue_leases",
@@ -193,7 +201,7 @@ class Runtime:
 
     @cached_property
     def engine(self) -> Engine:
-        return make_engine(self.settings, pool_size=max(5, self.settings.levels.max_level + 4))
+        return make_engine(self.settings, pool_size=max(5, self.settings.levels.max_level + 5))
 
     @cached_property
     def delivery_engine(self) -> Engine:

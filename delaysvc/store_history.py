@@ -1,0 +1,142 @@
+"""Every statement on the finished messages' history (`delaysvc.history`): picking finished
+rows out of commit_log, moving them into their day's partition of `message_history`, making
+and dropping those partitions, and taking a dead message back for a redrive.
+
+Whatever writes the history (the sweep, a redrive, retention, the archive's drop) first takes
+the history lock (`lock_history`, a transaction-level advisory lock named after the table, so
+two schemas in one database do not share it): a drop never races a row moving in or out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, timedelta
+
+from sqlalchemy import Connection
+
+from delaysvc.schema import history_partition, is_history_partition, message_history
+from delaysvc.sql import sql, table
+
+COLUMNS = ", ".join(column.name for column in message_history.columns)
+DDL_LOCK_TIMEOUT = "2s"
+"""How long making or dropping a partition waits for readers of the history: a query on the
+parent table holds a lock that the DDL needs, and a DDL waiting for it would hold up every
+reader behind it; past this it gives up and the next sweep tries again."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    day: date
+
+    @property
+    def starts(self) -> datetime:
+        return _utc_midnight(self.day)
+
+    @property
+    def ends(self) -> datetime:
+        return _utc_midnight(self.day + timedelta(days=1))
+
+
+def _utc_midnight(day: date) -> datetime:
+    return datetime(day.year, day.month, day.day, tzinfo=UTC)
+
+
+def lock_history(conn: Connection, wait: bool) -> bool:
+    """Take the history lock until the transaction ends; without `wait`, False when another
+    transaction holds it."""
+    function = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+    locked = conn.execute(
+        sql(f"SELECT {function}(hashtext(:name))::text"), {"name": table("message_history")}
+    ).scalar_one()
+    return wait or locked == "true"
+
+
+def pick_finished(conn: Connection, limit: int) -> list[tuple[int, date]]:
+    """Up to `limit` finished messages still in commit_log, oldest first, locked: (id, UTC day
+    it finished)."""
+    rows = conn.execute(
+        sql(
+            "SELECT id, CAST(finished_at AT TIME ZONE 'UTC' AS date) AS day "
+            "FROM delaysvc.commit_log WHERE finished_at IS NOT NULL "
+            "ORDER BY finished_at LIMIT :limit FOR UPDATE SKIP LOCKED"
+        ),
+        {"limit": limit},
+    )
+    return [(row.id, row.day) for row in rows]
+
+
+def move_to_history(conn: Connection, ids: Sequence[int]) -> int:
+    """Move these finished messages from commit_log into message_history, in one statement.
+    -> rows moved."""
+    return conn.execute(
+        sql(
+            f"WITH moved AS (DELETE FROM delaysvc.commit_log c WHERE c.id = ANY(CAST(:ids AS "
+            f"bigint[])) AND c.finished_at IS NOT NULL RETURNING {COLUMNS}) "
+            f"INSERT INTO delaysvc.message_history ({COLUMNS}) SELECT {COLUMNS} FROM moved"
+        ),
+        {"ids": list(ids)},
+    ).rowcount
+
+
+def partitions(conn: Connection) -> list[Partition]:
+    """The history's day partitions, oldest first."""
+    names = conn.execute(
+        sql(
+            "SELECT c.relname FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid "
+            "WHERE i.inhparent = CAST(:parent AS regclass)"
+        ),
+        {"parent": table("message_history")},
+    ).scalars()
+    found = [
+        Partition(name, datetime.strptime(name[-8:], "%Y%m%d").date())
+        for name in names
+        if is_history_partition(name)
+    ]
+    return sorted(found, key=lambda p: p.day)
+
+
+def make_partitions(conn: Connection, days: Iterable[date]) -> list[str]:
+    """Make the partitions of these days that do not exist yet. -> the names made."""
+    have = {p.day for p in partitions(conn)}
+    made = []
+    for day in sorted(set(days) - have):
+        partition = Partition(history_partition(day), day)
+        conn.execute(sql(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'"))
+        conn.execute(
+            sql(
+                f"CREATE TABLE IF NOT EXISTS delaysvc.{partition.name} PARTITION OF "
+                f"delaysvc.message_history FOR VALUES FROM ('{partition.starts.isoformat()}') "
+                f"TO ('{partition.ends.isoformat()}')"
+            )
+        )
+        made.append(partition.name)
+    return made
+
+
+def drop_partition(conn: Connection, partition: str) -> int:
+    """Drop a day of history, and the dead letters of its messages with it. -> the dead
+    letters forgotten."""
+    forgotten = conn.execute(
+        sql(
+            f"DELETE FROM delaysvc.dead_letter d USING delaysvc.{partition} h "
+            "WHERE d.message_id = h.id"
+        )
+    ).rowcount
+    conn.execute(sql(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'"))
+    conn.execute(sql(f"DROP TABLE delaysvc.{partition}"))
+    return forgotten
+
+
+def take_back_dead(conn: Connection, message_id: int) -> int:
+    """A dead message already in the history goes back into commit_log, as it was (to be
+    redriven in the same transaction). -> 1, or 0 when it is not there."""
+    return conn.execute(
+        sql(
+            f"WITH back AS (DELETE FROM delaysvc.message_history h WHERE h.id = :id AND "
+            f"h.status = 'dead' RETURNING {COLUMNS}) "
+            f"INSERT INTO delaysvc.commit_log ({COLUMNS}) SELECT {COLUMNS} FROM back"
+        ),
+        {"id": message_id},
+    ).rowcount

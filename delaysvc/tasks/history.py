@@ -1,0 +1,15 @@
+"""The history sweep (`delaysvc.history.sweep`), run by beat every few seconds."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from delaysvc import history
+from delaysvc.tasks.app import runtime
+
+
+@shared_task(name="delaysvc.move_history", ignore_result=True)
+def move_history() -> int:
+    """Move finished messages into the history, drop days past the retention; -> rows moved."""
+    settings = runtime().settings
+    return history.sweep(runtime().engine, settings.history_retention_ms).moved

@@ -1,0 +1,205 @@
+"""The finished messages' history: the sweep moves finished rows out of commit_log into one
+partition per UTC day, every reader still finds them, retention drops whole days, a dead
+letter in the history is redriven, and concurrent sweeps with consumers finishing jobs move
+each message exactly once."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, date, datetime, timedelta
+
+import pytest
+from sqlalchemy import Engine, text
+
+from delaysvc import history, store, store_history
+from delaysvc.consumption import Consumer, handler
+from delaysvc.dead_letters import DeadLetters
+from delaysvc.errors import ConfigError, DeadLetter, NotCancellable, NotFound
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+
+pytestmark = pytest.mark.usefixtures("own_handlers")
+DAY = timedelta(days=1)
+
+
+def _count(engine: Engine, table: str, where: str = "true") -> int:
+    with engine.connect() as conn:
+        return conn.execute(text(f"SELECT count(*) FROM {table} WHERE {where}")).scalar_one()
+
+
+def _partitions(engine: Engine) -> list[str]:
+    with engine.connect() as conn:
+        return [p.name for p in store_history.partitions(conn)]
+
+
+def _finish(engine: Engine, producer: Producer, count: int, topic: str = "done") -> list[int]:
+    """`count` messages, finished (succeeded) now, by the handler path."""
+    handler(topic)(lambda message: None)
+    ids = [producer.send(topic, {"n": n}, delay_ms=0, key=f"k{n}").id for n in range(count)]
+    _deliver_now(engine, ids)
+    consumer = Consumer(producer.settings, engine)
+    while consumer.run_once(topic).claimed:
+        pass
+    return ids
+
+
+def _deliver_now(engine: Engine, ids: list[int]) -> None:
+    with engine.begin() as conn:
+        store.deliver_now(conn, ids)
+
+
+def _age(engine: Engine, ids: list[int], days: int) -> None:
+    """Make these finished messages (still in commit_log) finish `days` days earlier."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE commit_log SET finished_at = finished_at - make_interval(days => :d) "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"d": days, "ids": ids},
+        )
+
+
+def _today(engine: Engine) -> date:
+    with engine.connect() as conn:
+        now: datetime = conn.execute(text("SELECT now()")).scalar_one()
+    return now.astimezone(UTC).date()
+
+
+def test_the_sweep_moves_finished_messages_into_their_days_and_readers_still_find_them(
+    engine: Engine, producer: Producer
+) -> None:
+    ids = _finish(engine, producer, 30)
+    _age(engine, ids[:10], 3)
+    waiting = producer.send("later", {"x": 1}, delay="1h", key="w")
+    cancelled = producer.send("later", {"x": 2}, delay="1h")
+    producer.cancel(cancelled.id)
+
+    swept = history.sweep(engine, retention_ms=None)
+
+    today = _today(engine)
+    days = [today - 3 * DAY, today, today + DAY]
+    assert _partitions(engine) == [f"message_history_{d:%Y%m%d}" for d in days]
+    assert swept.moved == 31
+    assert _count(engine, "commit_log") == 1  # only the message in flight is left
+    assert _count(engine, f"message_history_{today - 3 * DAY:%Y%m%d}") == 10
+    assert _count(engine, f"message_history_{today:%Y%m%d}") == 21
+    assert _count(engine, "message") == 32
+    # every reader of a message that may have finished finds it where it is now
+    assert producer.get(ids[0]).status == "succeeded"
+    assert producer.get(cancelled.id).status == "cancelled"
+    assert producer.get(waiting.id).status == "scheduled"
+    assert producer.find("done", "k5").id == ids[5]
+    with pytest.raises(NotCancellable):
+        producer.cancel(ids[1])
+    # the key of a finished message is free again, as before
+    again = producer.send("done", {"n": 5}, delay="1h", key="k5")
+    assert again.id not in ids
+    assert history.sweep(engine, retention_ms=None).moved == 0
+
+
+def test_retention_drops_whole_days_ended_before_it_and_their_dead_letters(
+    engine: Engine, producer: Producer
+) -> None:
+    ids = _finish(engine, producer, 12)
+    handler("doomed")(lambda message: (_ for _ in ()).throw(DeadLetter("no")))
+    dead = producer.send("doomed", {}, delay_ms=0)
+    _deliver_now(engine, [dead.id])
+    Consumer(producer.settings, engine).run_once("doomed")
+    _age(engine, [*ids[:4], dead.id], 10)
+    _age(engine, ids[4:8], 2)
+    assert _count(engine, "dead_letter") == 1
+
+    swept = history.sweep(engine, retention_ms=int((3 * DAY).total_seconds() * 1000))
+
+    today = _today(engine)
+    assert swept.dropped == [f"message_history_{today - 10 * DAY:%Y%m%d}"]
+    assert _partitions(engine) == [
+        f"message_history_{d:%Y%m%d}" for d in (today - 2 * DAY, today, today + DAY)
+    ]
+    assert _count(engine, "message") == 8
+    assert _count(engine, "dead_letter") == 0
+    assert producer.get(ids[4]).status == "succeeded"
+    with pytest.raises(NotFound):
+        producer.get(ids[0])
+
+
+def test_a_dead_letter_in_the_history_is_redriven_and_runs_again(
+    engine: Engine, producer: Producer, settings: Settings
+) -> None:
+    outcomes = iter([DeadLetter("first time"), None])
+
+    def flaky(message: object) -> None:
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+
+    handler("flaky")(flaky)
+    message = producer.send("flaky", {}, delay_ms=0, key="once")
+    _deliver_now(engine, [message.id])
+    consumer = Consumer(settings, engine)
+    consumer.run_once("flaky")
+    assert history.sweep(engine, retention_ms=None).moved == 1
+    assert _count(engine, "message_history", "status = 'dead'") == 1
+
+    letters = DeadLetters(engine)
+    assert [row.message_id for row in letters.list()] == [message.id]
+    redriven = letters.redrive(message.id)
+
+    assert redriven.status == "ready"
+    assert _count(engine, "message_history") == 0
+    assert consumer.run_once("flaky").succeeded == 1
+    assert producer.get(message.id).status == "succeeded"
+    assert history.sweep(engine, retention_ms=None).moved == 1
+    assert _count(engine, "message", f"id = {message.id}") == 1
+
+
+def test_sweeps_racing_consumers_move_every_message_exactly_once(
+    engine: Engine, producer: Producer, settings: Settings
+) -> None:
+    handler("race")(lambda message: None)
+    total = 3_000
+    ids = [m.id for m in producer.send_batch([{"topic": "race", "body": {}}] * total)]
+    _deliver_now(engine, ids)
+    stop = threading.Event()
+    moved: list[int] = []
+
+    def sweeping() -> None:
+        while not stop.is_set():
+            moved.append(history.move_once(engine, limit=200).moved)
+
+    def consuming() -> None:
+        consumer = Consumer(settings, engine)
+        while consumer.run_once("race").claimed:
+            pass
+
+    sweepers = [threading.Thread(target=sweeping) for _ in range(2)]
+    consumers = [threading.Thread(target=consuming) for _ in range(2)]
+    for thread in [*sweepers, *consumers]:
+        thread.start()
+    for thread in consumers:
+        thread.join()
+    stop.set()
+    for thread in sweepers:
+        thread.join()
+    history.move_all(engine)
+
+    assert sum(moved) > 0  # the sweepers did move rows while jobs were finishing
+    with engine.connect() as conn:
+        found = conn.execute(text("SELECT id, status FROM message ORDER BY id")).all()
+    assert [row.id for row in found] == sorted(ids)
+    assert {row.status for row in found} == {"succeeded"}
+    assert _count(engine, "commit_log") == 0
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [("soon", "is not a duration"), ("12h", "at least one day")],
+)
+def test_a_retention_that_cannot_be_kept_is_refused_naming_the_setting(
+    value: str, complaint: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        Settings.from_env({"DELAYSVC_HISTORY_RETENTION": value})
+    assert "DELAYSVC_HISTORY_RETENTION" in str(refused.value)
+    assert complaint in str(refused.value)
