@@ -337,3 +337,32 @@ def test_hosts_runs_every_job_once_with_one_two_and_three_hosts(
         assert result["jobs_per_s"] > 0 and result["db_cpu_s"] >= 0
     table = (out / "results.md").read_text()
     assert "| hosts_3: jobs/s with 3 worker host(s) of 1 consumer processes" in table
+
+
+def test_history_measures_with_and_without_a_finished_history_and_drops_a_day(
+    settings: Settings, tmp_path: Path
+) -> None:
+    out = run(
+        settings,
+        ["history"],
+        tmp_path / "run",
+        history_finished=3000,
+        history_days=3,
+        history_seconds=0.3,
+        history_due=1500,
+        history_sweep=2000,
+    )
+    result = json.loads((out / "results.json").read_text())["results"]["history"]
+    assert (result["finished"], result["days"], result["retention_rows"]) == (3000, 3, 1000)
+    # 1,500 due rows in batches of 1,000: two moves in each phase, every job run
+    assert result["move_ms_empty"]["moves"] == result["move_ms_history"]["moves"] == 2
+    assert result["claim_per_s_empty"] > 0 and result["claim_per_s_history"] > 0
+    assert result["sweep_rows_per_s"] > 0 and result["history_bytes"] > 0
+    assert set(result["hot_bytes_history"]) == {
+        "commit_log",
+        "topic_queue",
+        "consume_queue_1",
+        "timer_queue",
+    }
+    table = (out / "results.md").read_text()
+    assert "| history: retention: drop the oldest day (1,000 messages) |" in table

@@ -22,7 +22,9 @@ from hypothesis import settings as settings_
 from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
+from delaysvc import history, store_history
 from delaysvc.consumption import Consumer, handler
+from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DeadLetter, DelaysvcError
 from delaysvc.pipeline import archive, bulk, report
 from delaysvc.pipeline import store as pipeline_store
@@ -49,7 +51,7 @@ def spark() -> Iterator[Any]:
 
 def _count(engine: Engine, where: str = "true") -> int:
     with engine.connect() as conn:
-        return conn.execute(text(f"SELECT count(*) FROM commit_log WHERE {where}")).scalar_one()
+        return conn.execute(text(f"SELECT count(*) FROM message WHERE {where}")).scalar_one()
 
 
 def _md5_hash_sum(ids: list[int]) -> int:
@@ -190,6 +192,26 @@ def _finished_messages(settings: Settings, engine: Engine, count: int) -> list[i
     return [*ids, dead.id, cancelled.id]
 
 
+def _within_one_day(engine: Engine) -> int:
+    """Move every finished message to 1:00 UTC of the day it finished; -> the `older_than_ms`
+    that puts the cutoff at 2:00 that day: the archive takes them as part of a day (the
+    cutoff's), whose rows it deletes, not as a whole day, whose partition it drops."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE commit_log SET finished_at = date_trunc('day', finished_at, 'UTC') "
+                "+ interval '1 hour' WHERE finished_at IS NOT NULL"
+            )
+        )
+        since = conn.execute(
+            text(
+                "SELECT now() - (min(finished_at) + interval '1 hour') FROM commit_log "
+                "WHERE finished_at IS NOT NULL"
+            )
+        ).scalar_one()
+    return int(since.total_seconds() * 1000)
+
+
 def _archived_ids(spark: Any, engine: Engine) -> list[int]:
     with engine.connect() as conn:
         folders = pipeline_store.verified_archive_folders(conn)
@@ -236,27 +258,34 @@ def test_archive_checksum_in_postgres_matches_spark_and_python(
                 "finished_at = now() - interval '2 days'"
             )
         )
+    history.move_all(engine)
+    with engine.begin() as conn:
         cutoff = pipeline_store.database_now(conn) - timedelta(days=1)
-        assert pipeline_store.range_checksum(conn, ids[1], ids[3], cutoff) == (
+        assert pipeline_store.range_checksum(conn, ids[1], ids[3], None, cutoff) == (
             3,
             _md5_hash_sum(ids[1:4]),
         )
 
 
-@pytest.mark.parametrize("point", archive.CRASH_POINTS)
+@pytest.mark.parametrize(
+    ("point", "whole_day"),
+    [("written", True), ("verified", True), *((point, False) for point in archive.CRASH_POINTS)],
+)
 def test_an_archive_run_killed_at_any_step_is_finished_exactly_once_by_the_next(
-    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, point: str
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, point: str, whole_day: bool
 ) -> None:
+    """A whole day is dropped (no "deleting" step); the part of a day is deleted in batches."""
     archive_delete_batch = archive.DELETE_BATCH
     archive.DELETE_BATCH = 7  # several delete batches, so "deleting" stops halfway
     try:
         ids = _finished_messages(settings, engine, 20)
+        older_than = 30 * DAY_MS if whole_day else _within_one_day(engine)
         out = tmp_path / "archive"
         with pytest.raises(archive.SimulatedCrash):
-            archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at=point)
+            archive.run(spark, settings, engine, older_than, out, crash_at=point)
         left = {"written": 23, "verified": 23, "deleting": 23 - 7}[point]
         assert _count(engine) == left
-        resumed = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+        resumed = archive.run(spark, settings, engine, older_than, out)
     finally:
         archive.DELETE_BATCH = archive_delete_batch
     assert resumed.written == (22 if point == "written" else 0)  # a verified copy is kept
@@ -285,6 +314,44 @@ def test_archive_refuses_to_delete_when_the_copy_does_not_verify(
     with engine.connect() as conn:
         status = conn.execute(text("SELECT status FROM pipeline_run WHERE id = 1")).scalar_one()
     assert status == "failed"
+
+
+def test_a_day_that_changed_after_its_copy_was_verified_is_not_dropped_and_the_next_run_takes_it(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Between the verified copy and the drop, a dead letter of that day is redriven out of
+    the history: the drop sees the day is not what was copied, drops nothing and fails the
+    run; the next run copies the day as it is now, each message once."""
+    ids = _finished_messages(settings, engine, 10)
+    dead = ids[-2]
+    out = tmp_path / "archive"
+    with pytest.raises(archive.SimulatedCrash):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at="verified")
+    assert DeadLetters(engine).redrive(dead).status == "ready"
+    with pytest.raises(DelaysvcError, match="changed after its copy was verified"):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert _count(engine) == 13  # nothing dropped
+    assert not (out / "run=1").exists()
+
+    again = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+
+    assert (again.written, again.deleted) == (11, 11)
+    assert _archived_ids(spark, engine) == sorted(set(ids) - {dead})
+    assert _count(engine) == 2  # the redriven message and the unfinished one
+    with engine.connect() as conn:
+        runs = conn.execute(text("SELECT id, status FROM pipeline_run ORDER BY id")).all()
+    assert [tuple(r) for r in runs] == [(1, "failed"), (2, "succeeded")]
+
+
+def test_archive_drops_the_days_it_copied_whole_and_leaves_the_history_small(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    _finished_messages(settings, engine, 10)
+    result = archive.run(spark, settings, engine, 30 * DAY_MS, tmp_path / "archive")
+    assert (result.written, result.deleted) == (12, 12)
+    with engine.connect() as conn:
+        days = [day.day for day in store_history.partitions(conn)]
+    assert days == []  # the copied day is gone, not emptied
 
 
 # ---------------------------------------------------------------- report
@@ -901,7 +968,7 @@ def test_end_to_end_bulk_schedule_then_delivered_by_real_workers_archived_and_re
         service.stop()
     with engine.connect() as conn:
         early = conn.execute(
-            text("SELECT count(*) FROM commit_log WHERE delivered_at < deliver_ts")
+            text("SELECT count(*) FROM message WHERE delivered_at < deliver_ts")
         ).scalar_one()
     assert early == 0  # none delivered before its time
 

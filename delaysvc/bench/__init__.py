@@ -198,6 +198,17 @@ SUITES: dict[str, Suite] = {
         (Size("hosts_jobs", 100_000, 20_000, "Ready no-op jobs per host count."), PROCESSES),
         "jobs/s and jobs per database CPU second with 1, 2 and 3 worker hosts on one database",
     ),
+    "history": Suite(
+        _suite_in("history"),
+        (
+            Size("history_finished", 10_000_000, 300_000, "Finished messages in the history."),
+            Size("history_days", 10, 3, "Days (partitions) they are spread over."),
+            Size("history_seconds", 10.0, 3.0, "Send measurement per phase, seconds."),
+            Size("history_due", 50_000, 10_000, "Due jobs moved and run per phase."),
+            Size("history_sweep", 1_000_000, 100_000, "Finished rows swept out of commit_log."),
+        ),
+        "send, move and claim with a big finished history vs none; sweep rate; retention time",
+    ),
     "http": Suite(
         _suite_in("http"),
         (

@@ -150,6 +150,27 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         return [f"| {name}: FAILED | {r['failed']} | - | - | - |"]
     if "skipped" in r:
         return [f"| {name}: not run | {r['skipped']} | - | - | - |"]
+    if "claim_slowdown" in r:
+        target = f"<= {r['target_slowdown']}x of empty"
+        versus = f"{r['finished']:,} finished vs none"
+        hot = "; ".join(
+            f"{t} {_mib(r['hot_bytes_empty'][t])} -> {_mib(v)}"
+            for t, v in r["hot_bytes_history"].items()
+        )
+        return [
+            f"| {name}: send msgs/s, {versus} | {r['send_per_s_history']:,} vs "
+            f"{r['send_per_s_empty']:,} | - | {r['send_slowdown']}x slower | {target} |",
+            f"| {name}: delivery move (mean ms), {versus} | {r['move_ms_history']['mean']} vs "
+            f"{r['move_ms_empty']['mean']} | - | {r['move_slowdown']}x | {target} |",
+            f"| {name}: no-op jobs claimed and run/s, {versus} | {r['claim_per_s_history']:,} vs "
+            f"{r['claim_per_s_empty']:,} | - | {r['claim_slowdown']}x slower | {target} |",
+            f"| {name}: hot tables, none -> {r['finished']:,} finished ({_mib(r['history_bytes'])}"
+            f" of history in {r['days']} day partitions) | {hot} | - | - | flat |",
+            f"| {name}: retention: drop the oldest day ({r['retention_rows']:,} messages) | "
+            f"{r['retention_seconds']} s | - | - | seconds |",
+            f"| {name}: sweep, finished rows moved out of commit_log/s | "
+            f"{r['sweep_rows_per_s']:,} | - | - | keeps up with the consumers |",
+        ]
     if "send_slowdown" in r:
         target = f"<= {r['target_slowdown']}x of empty"
         rss = "; ".join(

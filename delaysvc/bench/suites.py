@@ -67,7 +67,8 @@ def reset_tables(engine: Engine) -> None:
     with engine.begin() as conn:
         conn.execute(
             sql(
-                "TRUNCATE delaysvc.commit_log, delaysvc.consume_queue, delaysvc.timer_queue, "
+                "TRUNCATE delaysvc.commit_log, delaysvc.message_history, "
+                "delaysvc.consume_queue, delaysvc.timer_queue, "
                 "delaysvc.topic_queue, delaysvc.dead_letter, "
                 "delaysvc.topic_state, delaysvc.lane_count"
             )

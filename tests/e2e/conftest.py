@@ -135,8 +135,9 @@ class Service:
 
     def count_status(self, status: str, topic: str | None = None) -> int:
         return self.scalar(
-            # the state as readers see it: a moved message's commit_log row is as it was
-            f"SELECT count(*) FROM commit_log c WHERE {store.STATUS} = :status "
+            # the state as readers see it (a moved message's commit_log row is as it was), finished
+            # messages wherever they are (commit_log or the history: beat sweeps them)
+            f"SELECT count(*) FROM message c WHERE {store.STATUS} = :status "
             "AND (CAST(:topic AS text) IS NULL OR c.topic = :topic)",
             status=status,
             topic=topic,

@@ -27,7 +27,7 @@ def _runs(service: Service, message_id: int, note: str | None = None) -> list[in
 
 
 def _message(service: Service, message_id: int):  # type: ignore[no-untyped-def]
-    return service.rows("SELECT * FROM commit_log WHERE id = :id", id=message_id)[0]
+    return service.rows("SELECT * FROM message WHERE id = :id", id=message_id)[0]
 
 
 def test_a_handler_failing_twice_then_succeeding_ends_succeeded_with_two_errors(

@@ -30,7 +30,7 @@ def _topic_queue_order(service: Service, level: int | None) -> list[int]:
     return [
         row.message_id
         for row in service.rows(
-            "SELECT q.message_id FROM topic_queue q JOIN commit_log m ON m.id = q.message_id "
+            "SELECT q.message_id FROM topic_queue q JOIN message m ON m.id = q.message_id "
             "WHERE m.delay_level IS NOT DISTINCT FROM :level ORDER BY q.seq",
             level=level,
         )
@@ -48,7 +48,7 @@ def test_a_level_2_message_is_not_delivered_before_its_time_and_is_after(
     assert clamped.delay_level == 5
 
     wait_for(lambda: service.count_status("succeeded") == 1, 60, "the level-2 message to run")
-    row = service.rows("SELECT * FROM commit_log WHERE id = :id", id=message.id)[0]
+    row = service.rows("SELECT * FROM message WHERE id = :id", id=message.id)[0]
     assert row.delivered_at >= row.deliver_ts  # never early
     assert row.started_at >= row.delivered_at
     assert (row.deliver_ts - row.stored_at).total_seconds() == 2.0
@@ -75,7 +75,7 @@ def test_100_messages_at_each_of_levels_1_to_4_are_all_delivered_within_their_wi
         for level in (1, 2, 3, 4)
     }
     wait_for(lambda: service.count_status("ready") == 400, 60, "400 messages to be delivered")
-    delivered = service.rows(f"SELECT {store.DELIVERED_AT} AS at, c.deliver_ts FROM commit_log c")
+    delivered = service.rows(f"SELECT {store.DELIVERED_AT} AS at, c.deliver_ts FROM message c")
     assert len(delivered) == 400 and all(row.at is not None for row in delivered)
     assert [row for row in delivered if row.at < row.deliver_ts] == []  # none early
     for level, ids in sent.items():
@@ -224,7 +224,7 @@ def _late_ms(service: Service, message_id: int) -> float:
     return float(
         service.scalar(
             f"SELECT extract(epoch FROM {store.DELIVERED_AT} - c.deliver_ts) * 1000 "
-            "FROM commit_log c WHERE id = :id",
+            "FROM message c WHERE id = :id",
             id=message_id,
         )
     )
@@ -245,6 +245,6 @@ def test_a_delivery_worker_stopped_for_a_deploy_hands_its_lanes_to_the_new_one(
     sent = [producer.send("e2e.unhandled", {"n": n}, delay_level=1).id for n in range(5)]
     wait_for(lambda: service.count_status("ready") == len(sent), 10, "delivery by the new worker")
     worst = service.scalar(
-        f"SELECT max(extract(epoch FROM {store.DELIVERED_AT} - c.deliver_ts)) FROM commit_log c"
+        f"SELECT max(extract(epoch FROM {store.DELIVERED_AT} - c.deliver_ts)) FROM message c"
     )
     assert worst < 0.5, f"a message was delivered {worst:.2f} s late"

@@ -47,7 +47,7 @@ def test_three_hosts_move_each_message_once_in_order_and_run_it_once(
     assert first.scalar("SELECT count(DISTINCT message_id) FROM topic_queue") == total
     for level, ids in by_level.items():
         queued = first.rows(
-            "SELECT q.message_id FROM topic_queue q JOIN commit_log m ON m.id = q.message_id "
+            "SELECT q.message_id FROM topic_queue q JOIN message m ON m.id = q.message_id "
             "WHERE m.delay_level = :level ORDER BY q.seq",
             level=level,
         )

@@ -18,7 +18,7 @@ def _start_and_end(service: Service, topic: str) -> list[tuple[float, float]]:
     rows = service.rows(
         "SELECT extract(epoch FROM min(r.at) FILTER (WHERE r.note = 'start')) AS started, "
         "extract(epoch FROM max(r.at) FILTER (WHERE r.note = 'end')) AS ended "
-        "FROM e2e_run r JOIN commit_log c ON c.id = r.message_id WHERE c.topic = :topic "
+        "FROM e2e_run r JOIN message c ON c.id = r.message_id WHERE c.topic = :topic "
         "GROUP BY r.message_id",
         topic=topic,
     )
@@ -66,7 +66,7 @@ def test_four_consumers_keep_a_topic_at_its_concurrency_limit_and_never_above(
         float(row.at)
         for row in service.rows(
             "SELECT extract(epoch FROM r.at) AS at FROM e2e_run r "
-            "JOIN commit_log c ON c.id = r.message_id WHERE c.topic = 'e2e.record'"
+            "JOIN message c ON c.id = r.message_id WHERE c.topic = 'e2e.record'"
         )
     )
     assert len(starts) == 60

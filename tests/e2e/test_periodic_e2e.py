@@ -18,7 +18,7 @@ pytestmark = pytest.mark.e2e
 
 def _ticks(service, name: str) -> list[tuple[datetime, int]]:  # type: ignore[no-untyped-def]
     rows = service.rows(
-        "SELECT properties->>'tick' AS tick, id FROM commit_log "
+        "SELECT properties->>'tick' AS tick, id FROM message "
         "WHERE properties->>'periodic' = :name ORDER BY 1",
         name=name,
     )
@@ -39,7 +39,7 @@ def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
     wait_for(
         lambda: (
             service.scalar(
-                "SELECT count(*) FROM commit_log WHERE topic = 'e2e.tick' AND status = 'succeeded'"
+                "SELECT count(*) FROM message WHERE topic = 'e2e.tick' AND status = 'succeeded'"
             )
             >= 8
         ),
@@ -58,7 +58,7 @@ def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
         gaps = {b - a for a, b in itertools.pairwise(times)}
         assert gaps == {timedelta(seconds=step)}, (name, gaps)  # none left out
     not_once = service.scalar(
-        "SELECT count(*) FROM commit_log c WHERE c.topic = 'e2e.tick' AND c.status = 'succeeded' "
+        "SELECT count(*) FROM message c WHERE c.topic = 'e2e.tick' AND c.status = 'succeeded' "
         "AND (SELECT count(*) FROM e2e_run r WHERE r.message_id = c.id) <> 1"
     )
     assert not_once == 0  # each tick's message ran once

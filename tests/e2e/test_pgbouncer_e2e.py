@@ -49,7 +49,7 @@ def test_every_message_runs_once_through_the_pooler(
         assert max(r.n for r in runs) == 1  # each once
         for level in (1, 2):  # moved in offset order
             moved = service.rows(
-                "SELECT id FROM commit_log WHERE delay_level = :level AND topic = 'e2e.record' "
+                "SELECT id FROM message WHERE delay_level = :level AND topic = 'e2e.record' "
                 "ORDER BY delivered_at, id",
                 level=level,
             )

@@ -205,7 +205,7 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
         orders = "SELECT item, status FROM shop_order"
         wait_for(lambda: statuses(orders).get("book") == "cancelled", 60, "the unpaid order")
         assert statuses(orders) == {"book": "cancelled", "lamp": "paid"}
-        timers = statuses("SELECT key, status FROM commit_log WHERE key LIKE 'order-%'")
+        timers = statuses("SELECT key, status FROM message WHERE key LIKE 'order-%'")
         # beat samples every lane for the dashboard's charts and moved/s
         sampled = "SELECT CAST(lane AS text), count(*) FROM stats_sample GROUP BY lane"
         wait_for(lambda: len(statuses(sampled)) == 19, 60, "a stats sample of all 19 lanes")
@@ -227,7 +227,7 @@ def _level_1_handler_started_late_ms(url: str) -> float:
                 return conn.execute(
                     text(
                         "SELECT extract(epoch FROM started_at - deliver_ts) * 1000 "
-                        "FROM commit_log WHERE id = :id AND status = 'succeeded'"
+                        "FROM message WHERE id = :id AND status = 'succeeded'"
                     ),
                     {"id": sent.id},
                 ).scalar()

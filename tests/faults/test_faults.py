@@ -123,7 +123,7 @@ def test_a_handler_running_four_leases_in_a_live_process_is_run_once(
         lambda: service.count_status("succeeded") == 1, seconds + 90, "the long handler to end"
     )
     assert _runs_per_message(service, "start") == {sent.id: 1}
-    row = service.rows("SELECT attempts, last_error FROM commit_log WHERE id = :id", id=sent.id)
+    row = service.rows("SELECT attempts, last_error FROM message WHERE id = :id", id=sent.id)
     assert (row[0].attempts, row[0].last_error) == (1, None)
 
 
@@ -145,7 +145,7 @@ def test_kill_9_of_the_consumers_mid_batch_reruns_every_held_job_within_45_s(
     service.beat()
     ids = [producer.send("e2e.slow", {"sleep": 2}).id for _ in range(8)]
     wait_for(lambda: len(_runs_per_message(service, "start")) >= 2, 60, "two jobs to start")
-    held = service.rows("SELECT id FROM commit_log WHERE status = 'running'")
+    held = service.rows("SELECT id FROM message WHERE status = 'running'")
     service.kill(victim)
     killed_at = service.scalar("SELECT clock_timestamp()")
     service.consume_worker(2)
@@ -289,7 +289,7 @@ def _lateness(service: Service, ids: list[int]) -> dict[str, float]:
         """
         WITH l AS (SELECT extract(epoch FROM delivered_at - deliver_ts) AS moved,
                           extract(epoch FROM started_at - deliver_ts) AS started
-                   FROM commit_log WHERE id = ANY(:ids))
+                   FROM message WHERE id = ANY(:ids))
         SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY moved) AS moved_p50,
                percentile_cont(0.99) WITHIN GROUP (ORDER BY moved) AS moved_p99,
                max(moved) AS moved_max,
@@ -308,7 +308,7 @@ def _lateness_by_window(service: Service, ids: list[int], seconds: int = 15) -> 
         """
         SELECT percentile_cont(0.99) WITHIN GROUP (
                    ORDER BY extract(epoch FROM delivered_at - deliver_ts)) AS p99
-        FROM commit_log WHERE id = ANY(:ids)
+        FROM message WHERE id = ANY(:ids)
         GROUP BY floor(extract(epoch FROM deliver_ts) / :seconds)
         ORDER BY floor(extract(epoch FROM deliver_ts) / :seconds)""",
         ids=ids,
@@ -347,7 +347,7 @@ def test_a_long_transaction_holding_back_vacuum_for_minutes_degrades_gracefully_
     figures: dict[str, Any] = {"hold_seconds": HOLD_SECONDS}
     snapshot = service.engine.connect().execution_options(isolation_level="REPEATABLE READ")
     with snapshot as held:
-        held.execute(text("SELECT count(*) FROM commit_log"))  # the snapshot is taken here
+        held.execute(text("SELECT count(*) FROM message"))  # the snapshot is taken here
         assert held.execute(
             text(
                 "SELECT backend_xmin IS NOT NULL FROM pg_stat_activity WHERE pid = pg_backend_pid()"
@@ -390,7 +390,7 @@ while the first copy still waits; these tests resend within seconds of the fault
 
 def _keys_and_ids(service: Service) -> dict[str, int]:
     """key -> id of every e2e.record message; fails on a key stored twice."""
-    rows = service.rows("SELECT key, id FROM commit_log WHERE topic = 'e2e.record'")
+    rows = service.rows("SELECT key, id FROM message WHERE topic = 'e2e.record'")
     keys = [row.key for row in rows]
     assert len(keys) == len(set(keys)), "a key stored twice"
     return {row.key: row.id for row in rows}
@@ -558,8 +558,6 @@ def test_a_clock_moved_backwards_on_the_workers_and_beat_changes_nothing(
     wait_for(lambda: service.count_status("succeeded") == 300, 120, "all 300 to run", every=0.5)
     assert sorted(_runs_per_message(service)) == sorted(ids)
     assert service.scalar("SELECT sum(moved_total) FROM schedule_offset") == 300
-    assert service.scalar("SELECT count(*) FROM commit_log WHERE delivered_at < deliver_ts") == 0
-    late = service.scalar(
-        "SELECT max(extract(epoch FROM delivered_at - deliver_ts)) FROM commit_log"
-    )
+    assert service.scalar("SELECT count(*) FROM message WHERE delivered_at < deliver_ts") == 0
+    late = service.scalar("SELECT max(extract(epoch FROM delivered_at - deliver_ts)) FROM message")
     assert late < 5.0  # delivered on the database's time, not an hour late
