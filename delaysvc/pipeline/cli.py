@@ -105,7 +105,8 @@ def _summary(job: str, read: int, written: int, rejected: int, seconds: float, m
 @click.option("--out", type=click.Path(path_type=Path), default=Path("var/archive"))
 @click.pass_obj
 def archive(services: Services, older_than: str, out: Path) -> None:
-    """Finished messages older than --older-than -> Parquet, verified, then deleted."""
+    """Finished messages older than --older-than -> Parquet, verified, then dropped (whole
+    days of history) or deleted (the part of the day the cutoff falls in)."""
     retention_ms = parse_duration_ms(older_than, field="--older-than")
     services.require(jdbc=True)
     from delaysvc.db import require_session
