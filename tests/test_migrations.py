@@ -215,3 +215,86 @@ def test_0008_starts_the_running_totals_from_the_kept_minutes(empty_engine: Engi
     with empty_engine.connect() as conn:
         kept = conn.execute(text("SELECT count(*) FROM lateness_histogram")).scalar_one()
     assert kept == 3
+
+
+def test_0013_an_install_with_finished_history_upgrades_in_place_and_loses_no_message(
+    empty_engine: Engine, own_handlers: None
+) -> None:
+    """An install at 0012 with finished messages (succeeded, dead, cancelled, some from days
+    ago) and messages in flight (waiting, ready): the upgrade moves nothing; the sweep then moves
+    the finished ones into their days, the others run as before, the dead one is redriven out
+    of the history, and a downgrade puts the history back into commit_log."""
+    from delaysvc import history
+    from delaysvc.consumption import Consumer, handler
+    from delaysvc.dead_letters import DeadLetters
+    from delaysvc.errors import DeadLetter
+    from delaysvc.producer import Producer
+
+    upgrade(empty_engine, _levels(TEST_LEVELS), revision="0012")
+    settings = Settings(delay_levels=TEST_LEVELS)
+    producer, consumer = Producer(settings, empty_engine), Consumer(settings, empty_engine)
+    fate = {"doomed": True}
+
+    def job(message: object) -> None:
+        if fate["doomed"]:
+            raise DeadLetter("not yet")
+
+    handler("old.job")(job)
+    dead = producer.send("old.job", {"n": 0}).id
+    consumer.run_once("old.job")
+    fate["doomed"] = False
+    done = [producer.send("old.job", {"n": n}).id for n in range(1, 6)]
+    consumer.run_once("old.job")
+    cancelled = producer.send("old.job", {}, delay="1h")
+    with empty_engine.begin() as conn:  # cancelled as 0012's release did (no message view yet)
+        row = conn.execute(
+            text("SELECT lane, queue_offset, deliver_ts FROM commit_log WHERE id = :id"),
+            {"id": cancelled.id},
+        ).one()
+        assert store.take_out_of_lane(conn, row.lane, row.queue_offset, row.deliver_ts)
+        store.mark_cancelled(conn, cancelled.id)
+    waiting = producer.send("old.job", {"n": "later"}, delay_level=1).id
+    ready = producer.send("old.job", {"n": "now"}).id
+    with empty_engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE commit_log SET finished_at = finished_at - interval '3 days' "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"ids": done[:2]},
+        )
+        before = dict(conn.execute(text("SELECT id, status FROM commit_log")).all())
+    assert sorted(before.values()) == [
+        *["cancelled", "dead", "ready", "scheduled"],
+        *["succeeded"] * 5,
+    ]
+
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    with empty_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM message_history")).scalar_one() == 0
+    assert history.move_all(empty_engine) == 7
+    with empty_engine.connect() as conn:
+        after = dict(conn.execute(text("SELECT id, status FROM message")).all())
+        in_flight = conn.execute(text("SELECT id FROM commit_log ORDER BY id")).scalars().all()
+        days = conn.execute(
+            text("SELECT tableoid::regclass::text, count(*) FROM message_history GROUP BY 1")
+        ).all()
+    assert after == before
+    assert in_flight == [waiting, ready]
+    assert sorted(count for _, count in days) == [2, 5]
+
+    with empty_engine.begin() as conn:
+        store.deliver_now(conn, [waiting])
+    assert consumer.run_once("old.job").succeeded == 2
+    assert DeadLetters(empty_engine).redrive(dead).status == "ready"
+    assert consumer.run_once("old.job").succeeded == 1
+    assert history.move_all(empty_engine) == 3
+    with empty_engine.connect() as conn:
+        statuses = conn.execute(text("SELECT status, count(*) FROM message GROUP BY 1")).all()
+    assert dict(statuses) == {"succeeded": 8, "cancelled": 1}
+
+    downgrade(empty_engine, "0012")
+    with empty_engine.connect() as conn:
+        back = conn.execute(text("SELECT status, count(*) FROM commit_log GROUP BY 1")).all()
+    assert dict(back) == {"succeeded": 8, "cancelled": 1}
+    assert "message_history" not in _tables(empty_engine)
