@@ -238,7 +238,12 @@ _SEARCH_COLUMNS = (
 )
 
 
-_MAYBE_MOVED = ("scheduled", "retrying", "ready")
+_UNFINISHED = ("scheduled", "retrying", "ready", "running")
+_STATUS_CONDITIONS = {
+    "scheduled": f"{store.STATUS} = :status",
+    "retrying": f"{store.STATUS} = :status",
+    "ready": "",  # the topic queue holds exactly the ready messages
+}
 
 
 def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str, Any]]:
@@ -249,11 +254,9 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
         ("id", "c.id = :id"),
         ("topic", "c.topic = :topic"),
         ("key", "c.key = :key"),
-        # only a waiting or ready status may be a moved message's (store.MESSAGE_STATE)
-        (
-            "status",
-            f"{store.STATUS} = :status" if search.status in _MAYBE_MOVED else "c.status = :status",
-        ),
+        # only a waiting status may be a moved message's (store.MESSAGE_STATE); ready is
+        # being in the topic queue (joined below)
+        ("status", _STATUS_CONDITIONS.get(search.status or "", "c.status = :status")),
         ("stored_from", "c.stored_at >= :stored_from"),
         ("stored_to", "c.stored_at < :stored_to"),
         ("before", "c.id < :before"),
@@ -261,15 +264,21 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
     ]
     for name, condition in fields:
         value = getattr(search, name)
-        if value is not None:
+        if value is not None and condition:
             where.append(condition)
             params[name] = value
     order = "ASC" if search.after is not None and search.before is None else "DESC"
     clause = f"WHERE {' AND '.join(where)} " if where else ""
-    statement = (
-        f"SELECT {_SEARCH_COLUMNS} FROM delaysvc.message c {clause}"
-        f"ORDER BY c.id {order} LIMIT :limit"
-    )
+    # the page's rows first, then their state: a moved message's state probes the topic queue
+    # once per row of the page (computed over the whole walk, the planner would hash all of it)
+    # a message not finished yet is in commit_log, never in the history
+    source = "delaysvc.message c"
+    if search.status == "ready":
+        source = "delaysvc.commit_log c JOIN delaysvc.topic_queue tq ON tq.message_id = c.id"
+    elif search.status in _UNFINISHED:
+        source = "delaysvc.commit_log c"
+    page = f"SELECT c.* FROM {source} {clause}ORDER BY c.id {order} LIMIT :limit"
+    statement = f"SELECT {_SEARCH_COLUMNS} FROM ({page}) c ORDER BY c.id {order}"
     return statement, params
 
 

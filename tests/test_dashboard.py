@@ -17,7 +17,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
-from delaysvc import auth, delivery, store
+from delaysvc import auth, delivery, history, store, store_history
 from delaysvc import store_dashboard as dash
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
@@ -663,14 +663,36 @@ def test_search_messages_keyset_cursors(engine: Engine, producer: Producer) -> N
         )
 
 
-def test_keyset_page_walks_the_primary_key_backwards(engine: Engine, producer: Producer) -> None:
-    """The plan of a page at any depth: a LIMIT over a backward scan of commit_log's primary
-    key starting at the cursor (a moved message's state probes the topic queue's); no sort
-    and no count, so page cost does not grow with the table."""
+def _scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every node of a plan, depth first."""
+    return [plan, *(node for child in plan.get("Plans", []) for node in _scans(child))]
+
+
+@pytest.mark.parametrize("finished_days", [0, 2])
+def test_keyset_page_walks_the_ids_backwards(
+    engine: Engine, producer: Producer, finished_days: int
+) -> None:
+    """The plan of a page at any depth: a LIMIT over backward scans of the ids, commit_log's
+    primary key and each history day's id index (merged in id order), starting at the cursor
+    (a moved message's state probes the topic queue's); no sort, no sequential scan and no
+    count, so page cost does not grow with the tables."""
     for _ in range(2):
         producer.send_batch([{"topic": "dash.bulk", "body": {"n": n}} for n in range(10_000)])
     with engine.begin() as conn:
-        conn.execute(text("ANALYZE commit_log"))
+        for day in range(finished_days):  # finished messages, moved into two days of history
+            conn.execute(
+                text(
+                    "UPDATE commit_log SET status = 'succeeded', finished_at = now() - "
+                    "make_interval(days => :day) WHERE id % 3 = :day"
+                ),
+                {"day": day},
+            )
+            conn.execute(text("DELETE FROM topic_queue WHERE message_id % 3 = :day"), {"day": day})
+    history.move_all(engine)
+    with engine.begin() as conn:
+        conn.execute(text("ANALYZE commit_log, message_history"))
+        days = len(store_history.partitions(conn))
+        assert days == finished_days
         for search in (
             dash.MessageSearch(before=15_000, limit=50),
             dash.MessageSearch(before=15_000, limit=50, topic="dash.bulk"),
@@ -680,13 +702,26 @@ def test_keyset_page_walks_the_primary_key_backwards(engine: Engine, producer: P
             plan = conn.execute(text("EXPLAIN (FORMAT JSON) " + qualify(sql)), params).scalar_one()[
                 0
             ]["Plan"]
+            while plan["Node Type"] == "Subquery Scan":  # the page, then its rows' state
+                plan = plan["Plans"][0]
             assert plan["Node Type"] == "Limit", search
-            scan = plan["Plans"][0]
-            assert (scan["Node Type"], scan["Index Name"], scan["Scan Direction"]) == (
-                "Index Scan",
-                "commit_log_pkey",
-                "Backward",
-            ), search
+            nodes = _scans(plan["Plans"][0])
+            kinds = {node["Node Type"] for node in nodes}
+            assert not kinds & {"Sort", "Seq Scan", "Bitmap Heap Scan", "Aggregate"}, search
+            walks = [
+                (node["Index Name"], node["Scan Direction"])
+                for node in nodes
+                if node["Node Type"] in ("Index Scan", "Index Only Scan")
+            ]
+            if search.status == "ready":  # the topic queue's ids, walked, each probing its row
+                assert ("topic_queue_pkey", "Backward") in walks or (
+                    "commit_log_pkey",
+                    "Backward",
+                ) in walks, search
+                continue
+            assert ("commit_log_pkey", "Backward") in walks, search
+            assert len(walks) == 1 + days, search
+            assert {direction for _, direction in walks} == {"Backward"}, search
 
 
 def test_message_page_shows_the_timeline_errors_and_body(

@@ -116,7 +116,7 @@ def _ran_twice(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(
             conn.execute(
-                sql("SELECT count(*) FROM delaysvc.commit_log WHERE attempts > 1")
+                sql("SELECT count(*) FROM delaysvc.message WHERE attempts > 1")
             ).scalar_one()
         )
 
@@ -129,7 +129,7 @@ def _first_start_to_last_finish(engine: Engine) -> float:
             conn.execute(
                 sql(
                     "SELECT extract(epoch FROM max(finished_at) - min(started_at)) "
-                    "FROM delaysvc.commit_log"
+                    "FROM delaysvc.message"
                 )
             ).scalar_one()
             or 0.0

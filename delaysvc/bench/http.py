@@ -110,7 +110,7 @@ def http_suite(ctx: BenchContext) -> Figures:
         web.wait(timeout=30)
     with ctx.engine.connect() as conn:
         stored = conn.execute(
-            sql("SELECT count(*) FROM delaysvc.commit_log WHERE topic = :t"), {"t": TOPIC}
+            sql("SELECT count(*) FROM delaysvc.message WHERE topic = :t"), {"t": TOPIC}
         ).scalar_one()
     errors = {k: result[k] for k in ("connect", "read", "write", "status", "timeout")}
     acknowledged = result["requests"] - result["status"]

@@ -153,7 +153,7 @@ def _wait_until_running(engine: Engine) -> None:
 def _last_id(engine: Engine) -> int:
     with engine.connect() as conn:
         return int(
-            conn.execute(sql("SELECT coalesce(max(id), 0) FROM delaysvc.commit_log")).scalar_one()
+            conn.execute(sql("SELECT coalesce(max(id), 0) FROM delaysvc.message")).scalar_one()
         )
 
 
@@ -177,8 +177,7 @@ def _succeeded(engine: Engine, first_id: int) -> int:
         return int(
             conn.execute(
                 sql(
-                    "SELECT count(*) FROM delaysvc.commit_log WHERE id > :id AND status = "
-                    "'succeeded'"
+                    "SELECT count(*) FROM delaysvc.message WHERE id > :id AND status = 'succeeded'"
                 ),
                 {"id": first_id},
             ).scalar_one()
@@ -195,7 +194,7 @@ def _window(engine: Engine, first_id: int) -> list[Any]:
                     "SELECT extract(epoch FROM deliver_ts) AS due, "
                     "extract(epoch FROM delivered_at - deliver_ts) * 1000 AS late_ms, "
                     "extract(epoch FROM started_at - deliver_ts) * 1000 AS start_ms, "
-                    "attempts, status FROM delaysvc.commit_log WHERE id > :id ORDER BY deliver_ts"
+                    "attempts, status FROM delaysvc.message WHERE id > :id ORDER BY deliver_ts"
                 ),
                 {"id": first_id},
             )

@@ -192,7 +192,7 @@ def _warm_up(engine: Engine, producer: Producer) -> None:
     while time.monotonic() < deadline:
         with engine.connect() as conn:
             status = conn.execute(
-                sql("SELECT status FROM delaysvc.commit_log WHERE id = :id"), {"id": sent.id}
+                sql("SELECT status FROM delaysvc.message WHERE id = :id"), {"id": sent.id}
             ).scalar_one()
         if status == "succeeded":
             time.sleep(1.5)  # PostgreSQL publishes the statistics at most once a second

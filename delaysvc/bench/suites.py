@@ -315,19 +315,19 @@ def _count(engine: Engine, condition: str) -> int:
     with engine.connect() as conn:
         return conn.execute(
             sql(
-                f"SELECT count(*) FROM delaysvc.commit_log c WHERE {condition} AND status <> "
+                f"SELECT count(*) FROM delaysvc.message c WHERE {condition} AND status <> "
                 "'cancelled'"
             )
         ).scalar_one()
 
 
 def _lateness(engine: Engine, column: str) -> list[float]:
-    """`column` (an expression over commit_log c) - deliver_ts, ms, where it is set."""
+    """`column` (an expression over message c) - deliver_ts, ms, where it is set."""
     with engine.connect() as conn:
         rows = conn.execute(
             sql(
                 f"SELECT date_part('epoch', {column} - deliver_ts) * 1000 FROM "
-                "delaysvc.commit_log c "
+                "delaysvc.message c "
                 f"WHERE {column} IS NOT NULL"
             )
         )
