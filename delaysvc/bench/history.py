@@ -26,10 +26,9 @@ from sqlalchemy.exc import DBAPIError
 
 from delaysvc import history, store_history
 from delaysvc.bench.progress import Progress, step
-from delaysvc.bench.scale import fill_lane
-from delaysvc.bench.suites import BODY, Figures, reset_tables
+from delaysvc.bench.scale import fill_lane, send_rate, timed_moves
+from delaysvc.bench.suites import Figures, reset_tables
 from delaysvc.consumption import Consumer, handler
-from delaysvc.delivery import run_once
 from delaysvc.producer import Producer
 from delaysvc.sql import sql, table
 
@@ -87,22 +86,9 @@ def history_suite(ctx: BenchContext) -> Figures:
 def _measure(ctx: BenchContext, seconds: float, due: int) -> dict[str, Any]:
     """Send for `seconds`, move `due` due rows, run them; the sweep runs as beat would, so
     commit_log keeps only what is in flight."""
-    producer = Producer(ctx.settings, ctx.engine)
-    sent, stop = 0, time.monotonic() + seconds
-    started = time.perf_counter()
-    while time.monotonic() < stop:
-        producer.send(TOPIC, BODY, delay="1h")
-        sent += 1
-    send_per_s = sent / (time.perf_counter() - started)
+    send_per_s = send_rate(Producer(ctx.settings, ctx.engine), TOPIC, seconds, delay="1h")
     fill_lane(ctx.engine, 1, due, "now() - interval '1 minute'", topic=TOPIC)
-    times: list[float] = []
-    with ctx.engine.connect() as conn:
-        while True:
-            began = time.perf_counter()
-            moved = run_once(conn, 1, ctx.settings.delivery_batch).moved
-            if not moved:
-                break
-            times.append((time.perf_counter() - began) * 1000)
+    move_ms = timed_moves(ctx.engine, ctx.settings.delivery_batch)
     consumer = Consumer(ctx.settings, ctx.engine)
     began, ran = time.perf_counter(), 0
     while claimed := consumer.run_once(TOPIC, limit=ctx.settings.consume_batch).claimed:
@@ -110,14 +96,9 @@ def _measure(ctx: BenchContext, seconds: float, due: int) -> dict[str, Any]:
     claim_per_s = ran / (time.perf_counter() - began)
     history.move_all(ctx.engine)
     _vacuum(ctx.engine)
-    ordered = sorted(times) or [0.0]
     return {
         "send_per_s": send_per_s,
-        "move_ms": {
-            "moves": len(times),
-            "mean": round(sum(ordered) / len(ordered), 2),
-            "max": round(ordered[-1], 2),
-        },
+        "move_ms": move_ms,
         "claim_per_s": claim_per_s,
         "hot_bytes": _sizes(ctx.engine),
         "history_bytes": _history_bytes(ctx.engine),
