@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import urlsplit
 
 import pytest
 from pytest_postgresql.janitor import DatabaseJanitor
@@ -73,11 +73,10 @@ class Server:
 
 
 def _server_from_url(url: str) -> Server:
-    parts = urlsplit(url)
-    query = parse_qs(parts.query)
-    host = query.get("host", [parts.hostname or "127.0.0.1"])[0]
-    port = int(query.get("port", [parts.port or 5432])[0])
-    return Server(parts.username or "postgres", host, port, parts.password or None)
+    from delaysvc.bench.pgbouncer import Server as Where
+
+    where = Where.of(url)
+    return Server(where.user, where.host, where.port, urlsplit(url).password or None)
 
 
 @pytest.fixture(scope="session")
