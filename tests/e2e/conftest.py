@@ -16,12 +16,27 @@ import pytest
 from sqlalchemy import Engine, text
 
 from delaysvc import store
+from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.sql import qualify
 from delaysvc.up import beat_command, web_command, worker_commands
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env
 
 pytestmark = pytest.mark.e2e
+
+
+def send_many(
+    producer: Producer, count: int, topic: str = "e2e.unhandled", **options: object
+) -> list[int]:
+    """`count` messages of `topic` (bodies numbered), in batches of 5,000; -> their ids."""
+    ids: list[int] = []
+    for start in range(0, count, 5000):
+        items = [
+            {"topic": topic, "body": {"n": n}, **options}
+            for n in range(start, min(count, start + 5000))
+        ]
+        ids.extend(m.id for m in producer.send_batch(items))
+    return ids
 
 
 def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:

@@ -10,20 +10,9 @@ import pytest
 
 from delaysvc import store
 from delaysvc.producer import Producer
-from tests.e2e.conftest import Service, restart_postgres, tolerant, wait_for
+from tests.e2e.conftest import Service, restart_postgres, send_many, tolerant, wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def _send_many(producer: Producer, count: int, **options: object) -> list[int]:
-    ids: list[int] = []
-    for start in range(0, count, 5000):
-        items = [
-            {"topic": "e2e.unhandled", "body": {"n": n}, **options}
-            for n in range(start, min(count, start + 5000))
-        ]
-        ids.extend(m.id for m in producer.send_batch(items))
-    return ids
 
 
 def _topic_queue_order(service: Service, level: int | None) -> list[int]:
@@ -95,8 +84,8 @@ def test_exactly_once_and_in_order_with_4_delivery_workers_and_2_beats(
         service.delivery_worker()
     service.beat()
     service.beat()
-    by_level = {level: _send_many(producer, 1500, delay_level=level) for level in (1, 2, 3)}
-    timer = _send_many(producer, 1500, delay_ms=1500)
+    by_level = {level: send_many(producer, 1500, delay_level=level) for level in (1, 2, 3)}
+    timer = send_many(producer, 1500, delay_ms=1500)
     total = 6000
     wait_for(lambda: service.count_status("ready") == total, 120, f"{total} deliveries")
     assert service.scalar("SELECT count(*) FROM topic_queue") == total
@@ -116,7 +105,7 @@ def test_kill_9_of_the_worker_during_a_100k_drain_loses_and_duplicates_nothing(
     service: Service, producer: Producer
 ) -> None:
     total = 100_000
-    ids = _send_many(producer, total, delay_level=1)
+    ids = send_many(producer, total, delay_level=1)
     wait_for(
         lambda: (
             service.scalar("SELECT count(*) FROM consume_queue WHERE deliver_ts <= now()") == total
@@ -166,7 +155,7 @@ def test_a_postgresql_crash_restart_during_a_drain_loses_and_duplicates_nothing(
     service: Service, producer: Producer
 ) -> None:
     total = 60_000
-    ids = _send_many(producer, total, delay_level=1)
+    ids = send_many(producer, total, delay_level=1)
     service.delivery_worker()
     service.beat()
     wait_for(

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from delaysvc.producer import Producer
-from tests.e2e.conftest import Service, wait_for
+from tests.e2e.conftest import Service, send_many, wait_for
 
 pytestmark = pytest.mark.e2e
 HOSTS = 3
@@ -24,21 +24,9 @@ def test_three_hosts_move_each_message_once_in_order_and_run_it_once(
         host.delivery_worker()
         host.beat()
     by_level = {
-        level: [
-            m.id
-            for m in producer.send_batch(
-                [
-                    {"topic": "e2e.record", "body": {"n": n}, "delay_level": level}
-                    for n in range(800)
-                ]
-            )
-        ]
-        for level in (1, 2, 3)
+        level: send_many(producer, 800, "e2e.record", delay_level=level) for level in (1, 2, 3)
     }
-    timer = [
-        m.id
-        for m in producer.send_batch([{"topic": "e2e.record", "body": {}, "delay_ms": 1500}] * 600)
-    ]
+    timer = send_many(producer, 600, "e2e.record", delay_ms=1500)
     total = 3 * 800 + 600
     first = hosts[0]
     wait_for(
