@@ -101,8 +101,8 @@ def test_a_tick_touches_the_same_buffers_at_20k_and_200k_pending(
 
 
 def _fill_history(engine: Engine, finished: int, ready: int) -> None:
-    """`finished` succeeded messages (the history commit_log keeps) and `ready` jobs waiting in
-    the topic queue, written straight by SQL."""
+    """`finished` succeeded messages still in commit_log (the most it holds: the history sweep
+    fell behind) and `ready` jobs waiting in the topic queue, written straight by SQL."""
     with engine.begin() as conn:
         conn.execute(
             text(
