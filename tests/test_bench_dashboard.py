@@ -24,9 +24,7 @@ def test_dashboard_suite_times_every_page_over_a_filled_database(
     }
     assert len(result["pages_ms"]) == 16
     with engine.connect() as conn:
-        statuses = dict(
-            conn.execute(text("SELECT status, count(*) FROM commit_log GROUP BY 1")).all()
-        )
+        statuses = dict(conn.execute(text("SELECT status, count(*) FROM message GROUP BY 1")).all())
         dead_letters = conn.execute(text("SELECT count(*) FROM dead_letter")).scalar_one()
     assert statuses == {"scheduled": 2_000, "succeeded": 1_880, "cancelled": 100, "dead": 20}
     assert dead_letters == 20
