@@ -343,6 +343,40 @@ def test_a_day_that_changed_after_its_copy_was_verified_is_not_dropped_and_the_n
     assert [tuple(r) for r in runs] == [(1, "failed"), (2, "succeeded")]
 
 
+def test_an_archive_takes_what_finished_before_it_started_and_ends_while_more_finish(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--older-than 0s` on a busy system: each run it makes lets more messages finish (here
+    one per run, swept into the history at once). The cutoff is taken once, so the archive
+    ends with what had finished when it started; the newer ones wait for the next. (It took
+    the cutoff afresh per run, and ran after the finishing messages for as long as they came.)"""
+    ids = _finished_messages(settings, engine, 5)
+    finish = archive._finish
+    runs: list[int] = []
+
+    def finish_and_one_more_finishes(job: Any, span: Any, recorded: str | None) -> None:
+        runs.append(span.run_id)
+        assert len(runs) <= 3, "the archive keeps chasing messages that finished after it began"
+        finish(job, span, recorded)
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO commit_log (topic, body, body_is_json, lane, status, "
+                    "deliver_ts, finished_at) VALUES ('late', '', false, -1, 'succeeded', now(), "
+                    "now())"
+                )
+            )
+        history.move_all(engine)
+
+    monkeypatch.setattr(archive, "_finish", finish_and_one_more_finishes)
+    result = archive.run(spark, settings, engine, 0, tmp_path / "archive")
+
+    assert len(runs) == 1  # the day 40 days ago; the late message finished after the cutoff
+    assert _archived_ids(spark, engine) == sorted(ids)
+    assert result.deleted == len(ids)
+    assert _count(engine, "topic = 'late'") == 1  # still here, for the next archive
+
+
 def test_archive_drops_the_days_it_copied_whole_and_leaves_the_history_small(
     spark: Any, settings: Settings, engine: Engine, tmp_path: Path
 ) -> None:

@@ -177,7 +177,9 @@ def run(
         for left, recorded in _leftovers(engine):
             log.info("archive.resume", extra={"run_id": left.run_id})
             _finish(job, left, recorded)
-        while (fresh := _start(engine, older_than_ms)) is not None:
+        with engine.connect() as conn:  # once: rows finishing meanwhile wait for the next run
+            cutoff = store.database_now(conn) - timedelta(milliseconds=older_than_ms)
+        while (fresh := _start(engine, cutoff, older_than_ms)) is not None:
             _finish(job, fresh, None)
     result.seconds = time.monotonic() - started
     return result
@@ -220,12 +222,11 @@ def _span(run_id: int, low: int, high: int, params: dict[str, Any]) -> Span:
     )
 
 
-def _start(engine: Engine, older_than_ms: int) -> Span | None:
+def _start(engine: Engine, cutoff: datetime, older_than_ms: int) -> Span | None:
     """Record a run for the oldest day of history with rows finished before the cutoff: the
     whole day if it ended by then, else its rows up to the cutoff. None: nothing to archive.
     A day with no rows left is dropped on the way."""
     with engine.begin() as conn:
-        cutoff = store.database_now(conn) - timedelta(milliseconds=older_than_ms)
         days = store_history.partitions(conn)
     for day in days:
         if day.starts >= cutoff:
