@@ -82,6 +82,29 @@ def move_to_history(conn: Connection, ids: Sequence[int]) -> int:
     return conn.execute(sql(_MOVE), {"ids": list(ids)}).rowcount
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """Finished messages the sweep has not moved yet: how many (counted up to a cap) and how
+    long the oldest has waited (0 when none)."""
+
+    rows: int
+    oldest_seconds: float
+
+
+def unswept(conn: Connection, cap: int) -> Backlog:
+    """Through the finished index alone: cheap while the sweep keeps up, bounded when not."""
+    row = conn.execute(
+        sql(
+            "SELECT (SELECT count(*) FROM (SELECT 1 FROM delaysvc.commit_log "
+            "WHERE finished_at IS NOT NULL LIMIT :cap) f), "
+            "COALESCE(extract(epoch FROM clock_timestamp() - (SELECT min(finished_at) "
+            "FROM delaysvc.commit_log WHERE finished_at IS NOT NULL)), 0)"
+        ),
+        {"cap": cap},
+    ).one()
+    return Backlog(int(row[0]), max(float(row[1]), 0.0))
+
+
 def partitions(conn: Connection) -> list[Partition]:
     """The history's day partitions, oldest first."""
     names = conn.execute(

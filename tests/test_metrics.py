@@ -252,3 +252,35 @@ def test_celery_task_topics_count_outcomes_recorded_by_the_task_callbacks(
     ] == [1, 1, 1]
     # a Celery task's run time is not a handler's: no duration histogram for the topic
     assert (f"{DURATIONS}_count", (("topic", "metrics.task"),)) not in after.samples
+
+
+def test_the_history_sweeps_backlog_and_days_are_gauges(
+    client: FlaskClient, producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """Finished messages waiting for the sweep show as a count and the oldest one's wait (what
+    to alert on: beat stopped, the sweep failing); swept, both are 0 and the days are there."""
+    from delaysvc import history, store_history
+
+    register_handlers()
+    work(producer, engine, settings, {"metrics.ok": 3, "metrics.doomed": 2})
+    with engine.begin() as conn:  # one of them finished a minute ago
+        conn.execute(
+            text(
+                "UPDATE commit_log SET finished_at = finished_at - interval '1 minute' "
+                "WHERE id = (SELECT min(id) FROM commit_log)"
+            )
+        )
+    waiting = scrape(client)
+    assert waiting("delaysvc_history_unswept") == 5
+    assert 60 <= waiting("delaysvc_history_unswept_oldest_seconds") < 120
+    assert waiting("delaysvc_history_days") == 0
+
+    history.sweep(engine, retention_ms=None)
+
+    swept = scrape(client)
+    assert swept("delaysvc_history_unswept") == 0
+    assert swept("delaysvc_history_unswept_oldest_seconds") == 0
+    with engine.connect() as conn:
+        days = [p.day for p in store_history.partitions(conn)]
+    assert swept("delaysvc_history_days") == len(days) >= 2  # and tomorrow's, made ahead
+    assert swept.types["delaysvc_history_unswept"] == "gauge"

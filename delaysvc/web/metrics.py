@@ -22,10 +22,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from delaysvc import store
+from delaysvc import store, store_history
 from delaysvc.levels import format_ms
 from delaysvc.schema import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
 from delaysvc.sql import sql
+
+UNSWEPT_CAP = 1_000_000
 
 
 class ServiceCollector(Collector):
@@ -41,6 +43,8 @@ class ServiceCollector(Collector):
             stored = store.messages_stored(conn)
             late_rows = store.lateness_totals(conn)
             topic_rows = store.topic_totals(conn)
+            unswept = store_history.unswept(conn, UNSWEPT_CAP)
+            days = len(store_history.partitions(conn))
         yield CounterMetricFamily(
             "delaysvc_messages_stored",
             "Messages stored since the database was created",
@@ -109,6 +113,19 @@ class ServiceCollector(Collector):
             DURATION_BUCKETS_MS,
         )
         yield from _outcome_counters(topic_rows)
+        yield GaugeMetricFamily(
+            "delaysvc_history_unswept",
+            f"Finished messages not yet moved into the history (counted up to {UNSWEPT_CAP:,})",
+            value=unswept.rows,
+        )
+        yield GaugeMetricFamily(
+            "delaysvc_history_unswept_oldest_seconds",
+            "How long the oldest finished message has waited for the history sweep (0: none)",
+            value=unswept.oldest_seconds,
+        )
+        yield GaugeMetricFamily(
+            "delaysvc_history_days", "Days (partitions) of finished messages kept", value=days
+        )
 
 
 def _histogram(
