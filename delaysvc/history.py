@@ -20,8 +20,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from sqlalchemy import Engine
 
-from delaysvc import store_history
-from delaysvc.sql import sql
+from delaysvc import store, store_history
 from delaysvc.store_history import Partition
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ def sweep(
     started = time.monotonic()
     if at is None:
         with engine.connect() as conn:
-            at = conn.execute(sql("SELECT now()")).scalar_one()
+            at = store.database_now(conn)
     at = at.astimezone(UTC)
     swept = Swept(made=make_ahead(engine, at.date()))
     while time.monotonic() - started < budget_seconds:
