@@ -27,8 +27,11 @@ reader behind it; past this it gives up and the next sweep tries again."""
 
 @dataclass(frozen=True)
 class Partition:
-    name: str
     day: date
+
+    @property
+    def name(self) -> str:
+        return history_partition(self.day)
 
     @property
     def starts(self) -> datetime:
@@ -114,21 +117,17 @@ def partitions(conn: Connection) -> list[Partition]:
         ),
         {"parent": table("message_history")},
     ).scalars()
-    found = [
-        Partition(name, datetime.strptime(name[-8:], "%Y%m%d").date())
-        for name in names
-        if is_history_partition(name)
-    ]
-    return sorted(found, key=lambda p: p.day)
+    days = [datetime.strptime(n[-8:], "%Y%m%d").date() for n in names if is_history_partition(n)]
+    return [Partition(day) for day in sorted(days)]
 
 
 def make_partitions(conn: Connection, days: Iterable[date]) -> list[str]:
     """Make the partitions of these days that do not exist yet. -> the names made."""
-    have = {p.day for p in partitions(conn)}
-    made = []
-    for day in sorted(set(days) - have):
-        partition = Partition(history_partition(day), day)
+    missing = sorted(set(days) - {p.day for p in partitions(conn)})
+    if missing:
         conn.execute(sql(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'"))
+    made = []
+    for partition in map(Partition, missing):
         conn.execute(
             sql(
                 f"CREATE TABLE IF NOT EXISTS delaysvc.{partition.name} PARTITION OF "
