@@ -21,10 +21,10 @@ import time
 from datetime import UTC, timedelta
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from delaysvc import history, store_history
+from delaysvc import history, store, store_history
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.scale import fill_lane, send_rate, timed_moves
 from delaysvc.bench.suites import Figures, reset_tables
@@ -129,7 +129,7 @@ def _sweep_rate(engine: Engine, rows: int) -> int:
 def _fill_history(engine: Engine, finished: int, days: int) -> float:
     """`finished` succeeded messages, evenly over the `days` days before yesterday."""
     with engine.begin() as conn:
-        today = conn.execute(sql("SELECT now()")).scalar_one().astimezone(UTC).date()
+        today = store.database_now(conn).astimezone(UTC).date()
         first = today - timedelta(days=days + 1)
         store_history.make_partitions(conn, [first + timedelta(days=d) for d in range(days)])
     progress = Progress("fill", finished)
@@ -176,24 +176,21 @@ def _drop_oldest_day(engine: Engine) -> tuple[int, float]:
 
 def _sizes(engine: Engine) -> dict[str, int]:
     with engine.connect() as conn:
-        return {
-            name: conn.execute(
-                sql("SELECT pg_total_relation_size(CAST(:t AS regclass))"),
-                {"t": table(name)},
-            ).scalar_one()
-            for name in HOT_TABLES
-        }
+        return {name: _bytes(conn, name) for name in HOT_TABLES}
 
 
 def _history_bytes(engine: Engine) -> int:
     with engine.connect() as conn:
-        return sum(
-            conn.execute(
-                sql("SELECT pg_total_relation_size(CAST(:t AS regclass))"),
-                {"t": table(p.name)},
-            ).scalar_one()
-            for p in store_history.partitions(conn)
-        )
+        return sum(_bytes(conn, p.name) for p in store_history.partitions(conn))
+
+
+def _bytes(conn: Connection, name: str) -> int:
+    """A table's size with its indexes and TOAST."""
+    return int(
+        conn.execute(
+            sql("SELECT pg_total_relation_size(CAST(:t AS regclass))"), {"t": table(name)}
+        ).scalar_one()
+    )
 
 
 def _settle(engine: Engine) -> None:
