@@ -322,14 +322,16 @@ def _drop(job: Job, span: Span, folder: Path) -> None:
         verified = store.run_checksum(conn, span.run_id)
         store_history.lock_history(conn, wait=True)
         held = span.partition in {day.name for day in store_history.partitions(conn)}
-        now = format_checksum(store.partition_checksum(conn, span.partition)) if held else None
-        if now in (None, verified):
+        changed = (
+            held and format_checksum(store.partition_checksum(conn, span.partition)) != verified
+        )
+        if not changed:
             if held:
                 store_history.drop_partition(conn, span.partition)
             dropped = int(verified.split(":")[0]) if held else 0
             store.merge_run_params(conn, span.run_id, {"deleted": dropped})
             store.update_run(conn, span.run_id, status="succeeded", finished=True)
-    if now not in (None, verified):
+    if changed:
         shutil.rmtree(folder, ignore_errors=True)
         _fail(
             job.engine,
