@@ -238,25 +238,32 @@ _SEARCH_COLUMNS = (
 )
 
 
-_UNFINISHED = ("scheduled", "retrying", "ready", "running")
-_STATUS_CONDITIONS = {
-    "scheduled": f"{store.STATUS} = :status",
-    "retrying": f"{store.STATUS} = :status",
-    "ready": "",  # the topic queue holds exactly the ready messages
+# Where a search by status looks, and its condition. A message not finished yet is in
+# commit_log, never in the history; only a waiting status may be a moved message's
+# (store.MESSAGE_STATE); the topic queue holds exactly the ready messages. Any other status
+# (a finished one), or none, is read in delaysvc.message.
+_COMMIT_LOG = "delaysvc.commit_log c"
+_BY_STATUS: dict[str | None, tuple[str, str | None]] = {
+    "scheduled": (_COMMIT_LOG, f"{store.STATUS} = :status"),
+    "retrying": (_COMMIT_LOG, f"{store.STATUS} = :status"),
+    "ready": (f"{_COMMIT_LOG} JOIN delaysvc.topic_queue tq ON tq.message_id = c.id", None),
+    "running": (_COMMIT_LOG, "c.status = :status"),
+    None: ("delaysvc.message c", None),
 }
 
 
 def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str, Any]]:
     """SQL for one keyset page. Only the filters given appear in the WHERE clause (no
     `:x IS NULL OR ...`), so the planner walks the primary key from the cursor."""
+    source, status_condition = _BY_STATUS.get(
+        search.status, ("delaysvc.message c", "c.status = :status")
+    )
     where, params = [], {"limit": limit}
     fields = [
         ("id", "c.id = :id"),
         ("topic", "c.topic = :topic"),
         ("key", "c.key = :key"),
-        # only a waiting status may be a moved message's (store.MESSAGE_STATE); ready is
-        # being in the topic queue (joined below)
-        ("status", _STATUS_CONDITIONS.get(search.status or "", "c.status = :status")),
+        ("status", status_condition),
         ("stored_from", "c.stored_at >= :stored_from"),
         ("stored_to", "c.stored_at < :stored_to"),
         ("before", "c.id < :before"),
@@ -264,19 +271,13 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
     ]
     for name, condition in fields:
         value = getattr(search, name)
-        if value is not None and condition:
+        if value is not None and condition is not None:
             where.append(condition)
             params[name] = value
     order = "ASC" if search.after is not None and search.before is None else "DESC"
     clause = f"WHERE {' AND '.join(where)} " if where else ""
     # the page's rows first, then their state: a moved message's state probes the topic queue
     # once per row of the page (computed over the whole walk, the planner would hash all of it)
-    # a message not finished yet is in commit_log, never in the history
-    source = "delaysvc.message c"
-    if search.status == "ready":
-        source = "delaysvc.commit_log c JOIN delaysvc.topic_queue tq ON tq.message_id = c.id"
-    elif search.status in _UNFINISHED:
-        source = "delaysvc.commit_log c"
     page = f"SELECT c.* FROM {source} {clause}ORDER BY c.id {order} LIMIT :limit"
     statement = f"SELECT {_SEARCH_COLUMNS} FROM ({page}) c ORDER BY c.id {order}"
     return statement, params
