@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
+from typing import TypeVar
 
-from sqlalchemy import Engine
+from psycopg.errors import LockNotAvailable
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import OperationalError
 
 from delaysvc import store, store_history
+from delaysvc.errors import DelaysvcError
 from delaysvc.store_history import Partition
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MOVE_BATCH = 5_000
 SWEEP_SECONDS = 5.0
 """How often beat sweeps, and how long one sweep moves rows at most."""
@@ -110,6 +116,31 @@ def move_all(engine: Engine) -> int:
     while (batch := move_once(engine, wait=True).moved) > 0:
         moved += batch
     return moved
+
+
+def patiently(
+    engine: Engine, work: Callable[[Connection], T], what: str, patience: float, pause: float = 1.0
+) -> T:
+    """`work` in a transaction of its own, run again (after `pause` seconds) while its partition
+    DDL gives up behind a reader of the history (`store_history.DDL_LOCK_TIMEOUT`: a report
+    reading for minutes, say), for at most `patience` seconds; then a DelaysvcError saying so.
+    For the commands that must do the DDL now (the archive); beat's sweep just tries again at
+    its next run."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            with engine.begin() as conn:
+                return work(conn)
+        except OperationalError as exc:
+            if not isinstance(exc.orig, LockNotAvailable):
+                raise
+            if time.monotonic() + pause > deadline:
+                raise DelaysvcError(
+                    f"{what}: a reader of the history (a long query or report) kept it busy for "
+                    f"{patience:.0f} s; run the command again when it has finished"
+                ) from exc
+            log.info("history.waiting_for_readers", extra={"what": what})
+            time.sleep(pause)
 
 
 def _partitions(engine: Engine) -> list[Partition]:

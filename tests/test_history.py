@@ -6,16 +6,18 @@ each message exactly once."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from delaysvc import history, store, store_history
 from delaysvc.consumption import Consumer, handler
 from delaysvc.dead_letters import DeadLetters
-from delaysvc.errors import ConfigError, DeadLetter, NotCancellable, NotFound
+from delaysvc.errors import ConfigError, DeadLetter, DelaysvcError, NotCancellable, NotFound
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.sql import qualify
@@ -192,6 +194,51 @@ def test_sweeps_racing_consumers_move_every_message_exactly_once(
     assert [row.id for row in found] == sorted(ids)
     assert {row.status for row in found} == {"succeeded"}
     assert _count(engine, "commit_log") == 0
+
+
+@contextmanager
+def reading_the_history(engine: Engine, seconds: float | None = None) -> Iterator[None]:
+    """A reader of the history (a report, say) inside a transaction: its lock on every day's
+    partition keeps DDL on them waiting until it ends, after `seconds` or with the block."""
+    reader = engine.connect()
+    reader.begin()
+    reader.execute(text("SELECT count(*) FROM message"))
+    timer = threading.Timer(seconds, reader.close) if seconds is not None else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield
+    finally:
+        if timer is not None:
+            timer.join()
+        reader.close()
+
+
+def test_dropping_a_day_waits_for_a_long_reader_then_gives_up_saying_so(
+    engine: Engine, producer: Producer
+) -> None:
+    """A day's DDL gives up behind a reader after DDL_LOCK_TIMEOUT (2 s); a command that must
+    drop it now (the archive) tries again until the reader is gone, or says why it stopped."""
+    _age(engine, _finish(engine, producer, 3), 10)
+    history.sweep(engine, retention_ms=None)
+    old = _partitions(engine)[0]
+
+    def drop(conn: Connection) -> int:
+        store_history.lock_history(conn, wait=True)
+        return store_history.drop_partition(conn, old)
+
+    with reading_the_history(engine), pytest.raises(DelaysvcError) as refused:
+        history.patiently(engine, drop, old, patience=3)
+    assert str(refused.value) == (
+        f"{old}: a reader of the history (a long query or report) kept it busy for 3 s; run "
+        "the command again when it has finished"
+    )
+    assert old in _partitions(engine)
+
+    with reading_the_history(engine, seconds=3):  # longer than the DDL's own lock timeout
+        history.patiently(engine, drop, old, patience=30)
+    assert old not in _partitions(engine)
+    assert _count(engine, "message") == 0
 
 
 @pytest.mark.parametrize(

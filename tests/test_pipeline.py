@@ -30,6 +30,7 @@ from delaysvc.pipeline import archive, bulk, report
 from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from tests.test_history import reading_the_history
 
 DAY_MS = 86_400_000
 T0 = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)
@@ -341,6 +342,30 @@ def test_a_day_that_changed_after_its_copy_was_verified_is_not_dropped_and_the_n
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT id, status FROM pipeline_run ORDER BY id")).all()
     assert [tuple(r) for r in runs] == [(1, "failed"), (2, "succeeded")]
+
+
+def test_a_drop_waits_for_a_long_reader_of_the_history_or_stops_with_the_copy_verified(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A report reading the history holds its days: the drop waits for it past the DDL's own
+    2 s lock timeout; after DROP_PATIENCE the command stops saying why, its copy verified,
+    and the next run drops the day. (The drop failed at the first lock timeout.)"""
+    ids = _finished_messages(settings, engine, 10)
+    out = tmp_path / "archive"
+    with pytest.raises(archive.SimulatedCrash):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at="verified")
+    monkeypatch.setattr(archive, "DROP_PATIENCE", 3.0)
+    with reading_the_history(engine), pytest.raises(DelaysvcError, match="kept it busy for 3 s"):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert _count(engine) == 13  # nothing dropped
+
+    monkeypatch.setattr(archive, "DROP_PATIENCE", 60.0)
+    with reading_the_history(engine, seconds=4):
+        result = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+
+    assert (result.runs, result.written, result.deleted) == ([1], 0, 12)
+    assert _archived_ids(spark, engine) == sorted(ids)
+    assert _count(engine) == 1  # the unfinished message
 
 
 def test_an_archive_takes_what_finished_before_it_started_and_ends_while_more_finish(

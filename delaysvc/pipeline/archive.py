@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from delaysvc import history, store_history
@@ -48,10 +48,14 @@ from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
 from delaysvc.settings import Settings
+from delaysvc.store_history import Partition
 
 log = logging.getLogger(__name__)
 ROWS_PER_PARTITION = 100_000
 DELETE_BATCH = 5_000
+DROP_PATIENCE = 600.0
+"""How long dropping a day waits for readers of the history (a report running for minutes)
+before the command gives up; its copy stays verified and the next run drops it."""
 CRASH_POINTS = ("written", "verified", "deleting")
 
 
@@ -235,12 +239,11 @@ def _start(engine: Engine, cutoff: datetime, older_than_ms: int) -> Span | None:
         until = day.ends if whole else cutoff
         with engine.begin() as conn:
             low, high = store.archivable_range(conn, day.starts, until)
-            if low is None or high is None:
-                if whole:
-                    store_history.lock_history(conn, wait=True)
-                    store_history.drop_partition(conn, day.name)
-                    log.info("archive.empty_day_dropped", extra={"partition": day.name})
-                continue
+        if low is None or high is None:
+            if whole and _drop_empty_day(engine, day):
+                log.info("archive.empty_day_dropped", extra={"partition": day.name})
+            continue
+        with engine.begin() as conn:
             params = {
                 "cutoff": until.isoformat(),
                 "since": day.starts.isoformat(),
@@ -316,22 +319,13 @@ def _delete(job: Job, span: Span, folder: Path) -> None:
 
 
 def _drop(job: Job, span: Span, folder: Path) -> None:
-    """Drop the span's day of history, if it still holds exactly the verified rows."""
+    """Drop the span's day of history, if it still holds exactly the verified rows; waits
+    for long readers of the history (DROP_PATIENCE)."""
     assert span.partition is not None
-    with job.engine.begin() as conn:
-        verified = store.run_checksum(conn, span.run_id)
-        store_history.lock_history(conn, wait=True)
-        held = span.partition in {day.name for day in store_history.partitions(conn)}
-        changed = (
-            held and format_checksum(store.partition_checksum(conn, span.partition)) != verified
-        )
-        if not changed:
-            if held:
-                store_history.drop_partition(conn, span.partition)
-            dropped = int(verified.split(":")[0]) if held else 0
-            store.merge_run_params(conn, span.run_id, {"deleted": dropped})
-            store.update_run(conn, span.run_id, status="succeeded", finished=True)
-    if changed:
+    dropped = history.patiently(
+        job.engine, lambda conn: _drop_if_unchanged(conn, span), span.partition, DROP_PATIENCE
+    )
+    if dropped is None:
         shutil.rmtree(folder, ignore_errors=True)
         _fail(
             job.engine,
@@ -344,7 +338,39 @@ def _drop(job: Job, span: Span, folder: Path) -> None:
     log.info("archive.dropped", extra={"run_id": span.run_id, "partition": span.partition})
 
 
-def _fail(engine: Engine, run_id: int, why: str) -> None:
+def _drop_if_unchanged(conn: Connection, span: Span) -> int | None:
+    """Under the history lock: drop the span's day when it holds exactly the verified rows
+    (or is gone already) and mark the run succeeded. -> rows dropped; None: the day changed."""
+    assert span.partition is not None
+    verified = store.run_checksum(conn, span.run_id)
+    store_history.lock_history(conn, wait=True)
+    held = span.partition in {day.name for day in store_history.partitions(conn)}
+    if held and format_checksum(store.partition_checksum(conn, span.partition)) != verified:
+        return None
+    dropped = 0
+    if held:
+        store_history.drop_partition(conn, span.partition)
+        dropped = int(verified.split(":")[0])
+    store.merge_run_params(conn, span.run_id, {"deleted": dropped})
+    store.update_run(conn, span.run_id, status="succeeded", finished=True)
+    return dropped
+
+
+def _drop_empty_day(engine: Engine, day: Partition) -> bool:
+    """Drop a day of history that holds no row, if it still holds none under the history
+    lock (a late row may have moved in since it was looked at). -> dropped."""
+
+    def drop(conn: Connection) -> bool:
+        store_history.lock_history(conn, wait=True)
+        if store.archivable_range(conn, day.starts, day.ends)[0] is not None:
+            return False
+        store_history.drop_partition(conn, day.name)
+        return True
+
+    return history.patiently(engine, drop, day.name, DROP_PATIENCE)
+
+
+def _fail(engine: Engine, run_id: int, why: str) -> NoReturn:
     with engine.begin() as conn:
         store.update_run(conn, run_id, status="failed", error=why, finished=True)
     raise DelaysvcError(f"archive run {run_id}: {why}")
