@@ -236,28 +236,40 @@ _SEARCH_COLUMNS = (
     f"c.stored_at, c.deliver_ts, {store.DELIVERED_AT} AS delivered_at, "
     "c.started_at, c.finished_at, c.attempts, c.last_error"
 )
+_PAGE_COLUMNS = (  # what _SEARCH_COLUMNS reads, named (the two tables' column orders differ)
+    "c.id, c.topic, c.key, c.status, c.delay_level, c.lane, c.stored_at, c.deliver_ts, "
+    "c.delivered_at, c.started_at, c.finished_at, c.attempts, c.last_error"
+)
 
 
 # Where a search by status looks, and its condition. A message not finished yet is in
 # commit_log, never in the history; only a waiting status may be a moved message's
-# (store.MESSAGE_STATE); the topic queue holds exactly the ready messages. Any other status
-# (a finished one), or none, is read in delaysvc.message.
-_COMMIT_LOG = "delaysvc.commit_log c"
-_BY_STATUS: dict[str | None, tuple[str, str | None]] = {
+# (store.MESSAGE_STATE); the topic queue holds exactly the ready messages. A finished one, or
+# any when no status is given, is in commit_log or the history: each table's page is taken on
+# its own (commit_log's finished rows through their partial index, `finished_at IS NOT NULL`),
+# then the page of the two. (Through the view, one merged walk, commit_log's side walked its
+# whole backlog when none of it matched: the planner costs that walk as if matches were spread
+# evenly.)
+_COMMIT_LOG = ("delaysvc.commit_log c",)
+_READY = ("delaysvc.commit_log c JOIN delaysvc.topic_queue tq ON tq.message_id = c.id",)
+_BOTH = ("delaysvc.commit_log c", "delaysvc.message_history c")
+_FINISHED = (_BOTH, "c.status = :status AND c.finished_at IS NOT NULL")
+_BY_STATUS: dict[str | None, tuple[tuple[str, ...], str | None]] = {
     "scheduled": (_COMMIT_LOG, f"{store.STATUS} = :status"),
     "retrying": (_COMMIT_LOG, f"{store.STATUS} = :status"),
-    "ready": (f"{_COMMIT_LOG} JOIN delaysvc.topic_queue tq ON tq.message_id = c.id", None),
+    "ready": (_READY, None),
     "running": (_COMMIT_LOG, "c.status = :status"),
-    None: ("delaysvc.message c", None),
+    "succeeded": _FINISHED,
+    "dead": _FINISHED,
+    "cancelled": _FINISHED,
+    None: (_BOTH, None),
 }
 
 
 def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str, Any]]:
     """SQL for one keyset page. Only the filters given appear in the WHERE clause (no
     `:x IS NULL OR ...`), so the planner walks the primary key from the cursor."""
-    source, status_condition = _BY_STATUS.get(
-        search.status, ("delaysvc.message c", "c.status = :status")
-    )
+    sources, status_condition = _BY_STATUS[search.status]
     where, params = [], {"limit": limit}
     fields = [
         ("id", "c.id = :id"),
@@ -278,7 +290,15 @@ def _search_statement(search: MessageSearch, limit: int) -> tuple[str, dict[str,
     clause = f"WHERE {' AND '.join(where)} " if where else ""
     # the page's rows first, then their state: a moved message's state probes the topic queue
     # once per row of the page (computed over the whole walk, the planner would hash all of it)
-    page = f"SELECT c.* FROM {source} {clause}ORDER BY c.id {order} LIMIT :limit"
+    pages = [
+        f"(SELECT {_PAGE_COLUMNS} FROM {source} {clause}ORDER BY c.id {order} LIMIT :limit)"
+        for source in sources
+    ]
+    page = (
+        pages[0]
+        if len(pages) == 1
+        else f"SELECT c.* FROM ({' UNION ALL '.join(pages)}) c ORDER BY c.id {order} LIMIT :limit"
+    )
     statement = f"SELECT {_SEARCH_COLUMNS} FROM ({page}) c ORDER BY c.id {order}"
     return statement, params
 
