@@ -1,7 +1,8 @@
 """The dashboard in a real headless Chromium (Playwright, Debian's /usr/bin/chromium) against
 a real server (werkzeug, threaded) and a real database: refused without login, log in, watch
 the backlog grow without a reload, pause a topic, cancel a message, redrive a dead letter.
-Each test saves screenshots of the pages it visits under docs/screenshots/ (for the README).
+Each test saves screenshots of the pages it visits in a temporary folder;
+`DELAYSVC_TEST_SCREENSHOTS=docs/screenshots` saves them where the README shows them.
 Waits are on the DOM (Playwright's `expect`), never on sleeps."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import tempfile
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -27,7 +29,10 @@ from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.web import create_app
 
-SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+SCREENSHOTS = Path(
+    os.environ.get("DELAYSVC_TEST_SCREENSHOTS")
+    or Path(tempfile.gettempdir()) / "delaysvc-screenshots"
+)
 CHROMIUM = Path(os.environ.get("DELAYSVC_TEST_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--no-sandbox",
