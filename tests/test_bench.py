@@ -175,6 +175,16 @@ def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path
     assert (out / "peers_lateness.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_peers_table_growth_counts_delaysvc_tables_in_their_own_schema(
+    settings: Settings, engine: Engine
+) -> None:
+    """delaysvc's tables are in a schema of their own: the peers' memory column counted only
+    `public`'s, so delaysvc's pending jobs grew its tables by 0 MiB."""
+    before = peers._tables_bytes(engine)
+    Producer(settings, engine).send_batch([{"topic": "t", "body": "x" * 200, "delay": "1h"}] * 5000)
+    assert peers._tables_bytes(engine) - before > 5000 * 200
+
+
 def test_a_peer_whose_service_is_not_there_is_reported_unavailable(
     settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

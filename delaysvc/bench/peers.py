@@ -415,12 +415,16 @@ PEERS: dict[str, type[Peer]] = {
 
 
 def _tables_bytes(engine: Engine) -> int:
+    """Every table of the database, in any schema but the system's (delaysvc's are in its own
+    schema, Procrastinate's in public), with its indexes and TOAST."""
     with engine.connect() as conn:
         return int(
             conn.execute(
                 sql(
                     "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
-                    "WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"
+                    "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.relkind = 'r' "
+                    "AND n.nspname NOT IN ('pg_catalog', 'information_schema') "
+                    "AND n.nspname NOT LIKE 'pg_toast%'"
                 )
             ).scalar_one()
         )
