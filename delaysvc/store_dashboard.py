@@ -230,7 +230,7 @@ class MessagePage:
 
 
 # read through store.MESSAGE_STATE: a moved message's commit_log row is as it was; finished
-# ones may be in the history already, so the search reads delaysvc.message (both tables)
+# ones may be in the history already (where a search looks: _BY_STATUS below)
 _SEARCH_COLUMNS = (
     f"c.id, c.topic, c.key, {store.STATUS} AS status, c.delay_level, {store.LANE} AS lane, "
     f"c.stored_at, c.deliver_ts, {store.DELIVERED_AT} AS delivered_at, "

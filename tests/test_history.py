@@ -102,6 +102,33 @@ def test_the_sweep_moves_finished_messages_into_their_days_and_readers_still_fin
     assert history.sweep(engine, retention_ms=None).moved == 0
 
 
+def test_a_lookup_by_key_reads_no_waiting_message(engine: Engine, producer: Producer) -> None:
+    """By topic and key: the unfinished holder through commit_log's unique key index, else the
+    newest finished one, among commit_log's few finished rows or in the history's key indexes;
+    never a scan of the backlog waiting in commit_log. (Through the view, commit_log's side had
+    no index for a key that may have finished: a scan of commit_log, 200 ms at 1M waiting.)"""
+    ids = _finish(engine, producer, 3)
+    history.sweep(engine, retention_ms=None)
+    late = _finish(engine, producer, 1, topic="late")  # finished, not swept yet
+    waiting = producer.send("done", {}, delay="1h", key="w")
+    for _ in range(2):
+        producer.send_batch([{"topic": "bulk", "body": {}, "delay": "1h"}] * 10_000)
+    with engine.begin() as conn:
+        conn.execute(text("ANALYZE commit_log, message_history"))
+    seq_scans = text(
+        "SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relid = 'commit_log'::regclass"
+    )
+    for topic, key, expected in (
+        ("done", "k1", ids[1]),  # in the history
+        ("late", "k0", late[0]),  # finished, still in commit_log
+        ("done", "w", waiting.id),  # waiting
+    ):
+        with engine.begin() as conn:
+            before = conn.execute(seq_scans).scalar_one()
+            assert store.find_message_by_key(conn, topic, key).id == expected
+            assert conn.execute(seq_scans).scalar_one() == before, (topic, key)
+
+
 def test_retention_drops_whole_days_ended_before_it_and_their_dead_letters(
     engine: Engine, producer: Producer
 ) -> None:
