@@ -179,8 +179,12 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
     or out of order), then takes its new delay or goes. A longer delay keeps its messages: they
     are due before any sent from now on, so offset order stays due order.
 
-    A change of delay locks schedule_offset exclusively until the caller commits: sends to
-    levels and moves wait, and a send that waited sees the new delay (`_PLACED_LANE`)."""
+    A change locks schedule_offset and every level's queue exclusively until the caller
+    commits. Every writer of a level reads schedule_offset in the statement that writes the
+    level (`_PLACED_LANE`: sends, batches, retries; the mover locks its lane's row), so a
+    writer either committed before the change, which then relocates its row, or waits and
+    sees the new levels; the queue lock waits out anything else still writing a level (a
+    cancel, a replace) before a level is read or dropped."""
     changed = {
         lane: ms
         for lane, ms in stored_levels(conn).items()
@@ -189,11 +193,16 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
     if changed:
         conn.execute(sql(f"SET LOCAL lock_timeout = '{LEVEL_CHANGE_LOCK_TIMEOUT}'"))
         try:
-            conn.execute(sql("LOCK TABLE delaysvc.schedule_offset IN ACCESS EXCLUSIVE MODE"))
+            conn.execute(
+                sql(
+                    "LOCK TABLE delaysvc.schedule_offset, delaysvc.consume_queue "
+                    "IN ACCESS EXCLUSIVE MODE"
+                )
+            )
         except OperationalError as exc:
             raise SchemaNotReady(
                 "the delay levels could not be changed: another transaction kept "
-                f"schedule_offset for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
+                f"the levels' tables for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
                 "transaction, or a second migrate); try again"
             ) from exc
         conn.execute(sql("SET LOCAL lock_timeout = 0"))
@@ -231,6 +240,14 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
     if new_ms is None or new_ms < old_ms:
         relocated = relocate_to_timer(conn, level)
     if new_ms is None:
+        left = conn.execute(
+            sql(f"SELECT count(*) FROM delaysvc.{level_partition(level)}")
+        ).scalar_one()
+        if left:  # never expected: every writer of the level waited for the lock
+            raise SchemaNotReady(
+                f"level {level} still holds {left} messages after relocating its queue; "
+                "it was not removed (nothing changed); try again"
+            )
         conn.execute(sql(f"DROP TABLE delaysvc.{level_partition(level)}"))
         conn.execute(sql(f"DROP SEQUENCE IF EXISTS delaysvc.{level_sequence(level)}"))
         conn.execute(
@@ -331,10 +348,14 @@ WITH {placed}msg AS (
 ){enqueue}
 SELECT id, stored_at, deliver_ts, lane FROM msg
 """
-_INSERT_ONE_LEVEL = _INSERT_ONE.format(
-    placed="placed AS (SELECT CAST("
+# The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`).
+_PLACED_ONE = (
+    "placed AS (SELECT CAST("
     + _PLACED_LANE.format(lane="CAST(:lane AS int)", delay_ms="CAST(:delay_ms AS bigint)")
-    + " AS smallint) AS lane), ",
+    + " AS smallint) AS lane)"
+)
+_INSERT_ONE_LEVEL = _INSERT_ONE.format(
+    placed=_PLACED_ONE + ", ",
     lane="placed.lane",
     offset=_NEXT_OFFSET.format(lane="placed.lane"),
     status="'scheduled'",
@@ -1501,10 +1522,14 @@ _ERROR_ENTRY = """jsonb_build_object('attempt', c.attempts, 'at', clock_timestam
     'error', CAST(:error AS text), 'traceback', CAST(:traceback AS text))"""
 _KEEP_ERRORS = 20
 
+# The retry's lane is placed as a send's is (`_PLACED_LANE`): a worker whose levels differ from
+# the database's (a release before a level change) retries into the timer lane, due when it
+# meant; and reading schedule_offset serialises the retry with a change of its level.
 _SCHEDULE_RETRY = f"""
-WITH again AS (
-    UPDATE delaysvc.commit_log c SET status = 'retrying', lane = :lane, delay_level = :delay_level,
-        queue_offset = {_NEXT_OFFSET.format(lane="CAST(:lane AS int)")},
+WITH {_PLACED_ONE}, again AS (
+    UPDATE delaysvc.commit_log c SET status = 'retrying', lane = placed.lane,
+        delay_level = :delay_level,
+        queue_offset = {_NEXT_OFFSET.format(lane="placed.lane")},
         deliver_ts = COALESCE(CAST(:deliver_at AS timestamptz),
             clock_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
         lease_until = NULL, duration_ms = :duration_ms, last_error = :error,
@@ -1512,6 +1537,7 @@ WITH again AS (
             SELECT e FROM jsonb_array_elements(COALESCE(c.errors, '[]') || {_ERROR_ENTRY}) e
             OFFSET GREATEST(jsonb_array_length(COALESCE(c.errors, '[]')) + 1 - {_KEEP_ERRORS}, 0)
         ) kept)
+    FROM placed
     WHERE c.id = :id AND c.status = 'running' AND c.claim_id = :claim_id
     RETURNING c.id, c.topic, c.lane, c.queue_offset, c.deliver_ts, c.priority
 ){_ENQUEUE_FROM.format(src="again")}

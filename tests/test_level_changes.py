@@ -138,13 +138,23 @@ def test_processes_with_other_levels_are_refused_with_the_difference_named(engin
     assert "delaysvc migrate" in str(refused.value)
 
 
-def test_the_lane_delay_is_the_databases_not_the_runners(producer, settings, engine):
-    """A lane runner started with other levels moves by the database's delay."""
-    message = producer.send("t", 1, delay_level=5)  # 8 s in the database
+def test_the_lane_delay_is_the_databases_not_the_runners(settings, engine):
+    """A lane runner takes its lane's delay from the database, whatever the levels of the
+    process it runs in: after level 5 went from 8 s to 9 s, a runner moves a message sent at
+    the new level when it is due by the database's 9 s, not by the 8 s this process has."""
+    upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 9s"))
+    new_levels = Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 9s")
+    message = Producer(new_levels, engine).send("t", 1, delay_level=5)
+    assert message.deliver_at - message.stored_at == timedelta(seconds=9)
+    assert Settings(delay_levels=TEST_LEVELS).levels.delay_ms(5) == 8000  # this process's
     runner = delivery.LaneRunner(engine, 5, 1000, 0.05)
-    result = tick(engine, 5, message.stored_at + timedelta(seconds=1))
-    assert (result.moved, result.delay_ms) == (0, 8000)
-    assert runner.lane == 5
+    assert runner.run(budget_seconds=10.0) == 1
+    with engine.connect() as conn:
+        enqueued_at = conn.execute(
+            text("SELECT enqueued_at FROM topic_queue WHERE message_id = :id"), {"id": message.id}
+        ).scalar_one()
+    # moved when due by the database's delay: not at 8 s, and promptly at 9 s
+    assert message.deliver_at <= enqueued_at < message.deliver_at + timedelta(seconds=0.5)
 
 
 def test_a_level_change_waits_for_a_producer_transaction_and_then_relocates_its_message(
@@ -211,3 +221,67 @@ def test_a_celery_worker_started_directly_with_other_levels_exits_naming_the_dif
     assert done.returncode == 2, done.stderr[-2000:]
     assert "level 5: 1h configured, 8s in the database" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _a_session_waits_on_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock'"
+                )
+            ).scalar()
+        )
+
+
+def test_a_retry_written_into_a_level_while_it_is_removed_is_relocated_not_dropped(
+    producer, settings, engine
+):
+    """The issue's defect 1: a worker of the running release (levels up to 5) schedules a
+    retry at level 5 while `migrate` removes level 5. The retry's transaction commits after the
+    relocation has read the level; before the fix `DROP TABLE` then dropped its queue row and
+    the message said `retrying`, level 5, in no queue, forever."""
+    message = producer.send("t", "to retry")  # no delay: ready at once
+    with engine.begin() as conn:
+        (claimed,) = store.claim_ready(conn, "t", 1, lease_seconds=60)
+    failure = store.Failure(claimed.id, claimed.claim_id, "boom", "", 1)
+    with engine.connect() as worker:
+        worker.begin()
+        assert store.schedule_retry(worker, failure, lane=5, delay_level=5, delay_ms=8000)
+        changes: list = []
+        migrating = threading.Thread(
+            target=lambda: changes.extend(upgrade(engine, DelayLevels.parse("1s 2s 3s 5s")))
+        )
+        migrating.start()
+        # the change must wait for the retry's transaction (before the fix it waited only at
+        # the DROP, after relocating without the retry's row)
+        deadline = time.monotonic() + 30
+        while not _a_session_waits_on_a_lock(engine):
+            assert time.monotonic() < deadline, "the level change never waited for the retry"
+            time.sleep(0.05)
+        worker.commit()
+    migrating.join(timeout=30)
+    assert [(c.level, c.new_ms, c.relocated) for c in changes] == [(5, None, 1)]
+    row = where(engine, message.id)
+    assert (row.status, row.lane) == ("retrying", TIMER_LANE)
+    with engine.connect() as conn:
+        timer = conn.execute(text("SELECT message_id FROM timer_queue")).scalars().all()
+    assert timer == [message.id]
+    assert pending(engine)[TIMER_LANE] == 1
+
+
+def test_a_retry_by_a_worker_with_a_removed_level_goes_to_the_timer_lane(
+    producer, settings, engine
+):
+    """After level 5 is gone, a worker still configured with it retries there: the retry takes
+    the timer lane, due when the worker meant (as a send does, `_PLACED_LANE`)."""
+    message = producer.send("t", "to retry")
+    upgrade(engine, DelayLevels.parse("1s 2s 3s 5s"))
+    with engine.begin() as conn:
+        (claimed,) = store.claim_ready(conn, "t", 1, lease_seconds=60)
+        failure = store.Failure(claimed.id, claimed.claim_id, "boom", "", 1)
+        assert store.schedule_retry(conn, failure, lane=5, delay_level=5, delay_ms=8000)
+    row = where(engine, message.id)
+    assert (row.status, row.lane) == ("retrying", TIMER_LANE)
+    assert pending(engine)[TIMER_LANE] == 1
