@@ -32,11 +32,10 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from delaysvc import store
 from delaysvc.health import LANE_HEARTBEAT_SECONDS, lane_component
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
-from delaysvc.sql import sql
+from delaysvc.sql import LOCK_KEY, lock_name, sql
 
 log = logging.getLogger(__name__)
 
-LANE_LOCK_BASE = 0x64656C00  # advisory lock key of lane N is LANE_LOCK_BASE + N
 MIN_TICK_SECONDS = 0.002  # coalesce heads due within 2 ms into one move
 
 
@@ -224,11 +223,14 @@ class LaneRunner:
             store.record_heartbeat(conn, lane_component(self.lane), socket.gethostname())
         self._beaten = time.monotonic()
 
+    def _lock_name(self) -> str:
+        return lock_name(f"lane {self.lane}")
+
     def _try_lock(self, conn: Connection) -> bool:
         with conn.begin():
             return bool(
                 conn.execute(
-                    sql("SELECT pg_try_advisory_lock(:key)"), {"key": LANE_LOCK_BASE + self.lane}
+                    sql(f"SELECT pg_try_advisory_lock({LOCK_KEY})"), {"lock": self._lock_name()}
                 ).scalar()
             )
 
@@ -236,7 +238,7 @@ class LaneRunner:
         try:
             with conn.begin():
                 conn.execute(
-                    sql("SELECT pg_advisory_unlock(:key)"), {"key": LANE_LOCK_BASE + self.lane}
+                    sql(f"SELECT pg_advisory_unlock({LOCK_KEY})"), {"lock": self._lock_name()}
                 )
         except DBAPIError:
             log.warning("delivery.unlock_failed", extra={"lane": self.lane})

@@ -19,10 +19,9 @@ from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store
 from delaysvc.levels import DelayLevels
-from delaysvc.sql import sql
+from delaysvc.sql import LOCK_KEY, lock_name, sql
 
 log = logging.getLogger(__name__)
-MIGRATION_LOCK = 0x64656C61  # "dela": one migrator at a time across processes
 VERSION_TABLE = "delaysvc_version"
 LEGACY_VERSION_TABLE = "alembic_version"  # Alembic's default, in the schema of the tables
 
@@ -44,7 +43,7 @@ def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list
     changed or that went (`store.ensure_levels`: their waiting messages keep their due times)."""
     config = alembic_config()
     with engine.begin() as conn:
-        conn.execute(sql("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        lock_migrations(conn)
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
         changes = store.ensure_levels(conn, levels)
@@ -62,10 +61,16 @@ def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list
     return changes
 
 
+def lock_migrations(conn: Connection) -> None:
+    """Wait until no other process migrates this schema, then hold that until the transaction
+    ends."""
+    conn.execute(sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})"), {"lock": lock_name("migrate")})
+
+
 def downgrade(engine: Engine, revision: str) -> None:
     config = alembic_config()
     with engine.begin() as conn:
-        conn.execute(sql("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        lock_migrations(conn)
         config.attributes["connection"] = conn
         command.downgrade(config, revision)
 

@@ -84,3 +84,14 @@ def driver_sql(statement: str) -> str:
 def table(name: str) -> str:
     """A table's qualified name, for a statement's parameters (`'delaysvc.commit_log'`)."""
     return qualify(f"delaysvc.{name}")
+
+
+LOCK_KEY = "hashtextextended(:lock, 0)"
+"""The key of an advisory lock named by the parameter `:lock` (a `lock_name`)."""
+
+
+def lock_name(what: str) -> str:
+    """The name of one of this schema's advisory locks (`'jobs lane 3'`), for `LOCK_KEY`: every
+    lock names its schema, so two deployments in one database (two schemas) never hold, wait
+    for or starve each other's lanes, archive runs or migrations."""
+    return f"{schema()} {what}"

@@ -322,3 +322,43 @@ def test_an_install_from_before_the_schema_moves_in_place_and_loses_no_message(
         consumer.run_once(topic)
     assert sorted(ran) == sorted(level + timer + ready + [later.id])  # each once
     assert _status_counts(engine) == {"succeeded": 12}
+
+
+def _other_schema() -> str:
+    return "other_jobs" if TEST_SCHEMA != "other_jobs" else "more_jobs"
+
+
+def test_two_schemas_in_one_database_share_no_lock(engine: Engine) -> None:
+    """The issue's defect 3: lane, archive and migration locks were one key space for every
+    schema, so a second deployment in the same database (another DELAYSVC_SCHEMA) found its
+    lanes held by the first and did not deliver them. Every lock now names its schema."""
+    from delaysvc import delivery, migrate
+    from delaysvc.pipeline import store as pipeline_store
+
+    runner = delivery.LaneRunner(engine, 1, 1000, 0.05)
+    with engine.connect() as first, engine.connect() as second:
+        assert runner._try_lock(first)  # this deployment's lane 1 runner
+        with first.begin():
+            assert pipeline_store.try_lock_archive(first)
+        first.begin()  # this deployment migrating: its transaction lock held
+        migrate.lock_migrations(first)
+        try:
+            sql.use_schema(_other_schema())
+            assert runner._try_lock(second), "the other schema's lane 1 was held"
+            with second.begin():
+                assert pipeline_store.try_lock_archive(second), "its archive lock was held"
+                second.execute(sql.sql("SET LOCAL lock_timeout = '1s'"))
+                migrate.lock_migrations(second)  # would wait 1 s, then fail, if shared
+            runner._unlock(second)
+            with second.begin():
+                pipeline_store.unlock_archive(second)
+        finally:
+            sql.use_schema(TEST_SCHEMA)
+        # within one schema, each lock is still exclusive
+        assert not runner._try_lock(second)
+        with second.begin():
+            assert not pipeline_store.try_lock_archive(second)
+        first.rollback()
+        runner._unlock(first)
+        with first.begin():
+            pipeline_store.unlock_archive(first)

@@ -56,5 +56,5 @@ else:
 
     engine = make_engine(Settings.from_env())
     with engine.begin() as conn:
-        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": migrate.MIGRATION_LOCK})
+        migrate.lock_migrations(conn)
         run_migrations(conn)

@@ -14,7 +14,7 @@ from sqlalchemy import Connection, Engine
 
 from delaysvc import store as service_store
 from delaysvc.errors import DelaysvcError, ValidationError
-from delaysvc.sql import qualify, sql
+from delaysvc.sql import LOCK_KEY, lock_name, qualify, sql
 from delaysvc.validation import validate_topic
 
 _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
@@ -22,7 +22,6 @@ _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
 # the same (`archive.id_hash`), so a sum of it checks that exactly the same ids are on both
 # sides, which a sum of plain ids does not ({1, 4} and {2, 3} agree).
 ID_HASH_SQL = "('x' || left(md5(c.id::text), 15))::bit(60)::bigint"
-ARCHIVE_LOCK = 0x64656C6179  # pg advisory lock key: one archive run at a time
 _ARCHIVE_COLUMNS = (
     "c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties::text AS properties, "
     "c.delay_level, c.lane, c.status, c.stored_at, c.deliver_ts, c.delivered_at, "
@@ -52,12 +51,14 @@ def database_now(conn: Connection) -> datetime:
 def try_lock_archive(conn: Connection) -> bool:
     """Session-level: held until unlock or the connection closes (a killed run frees it)."""
     return bool(
-        conn.execute(sql("SELECT pg_try_advisory_lock(:k)"), {"k": ARCHIVE_LOCK}).scalar_one()
+        conn.execute(
+            sql(f"SELECT pg_try_advisory_lock({LOCK_KEY})"), {"lock": lock_name("archive")}
+        ).scalar_one()
     )
 
 
 def unlock_archive(conn: Connection) -> None:
-    conn.execute(sql("SELECT pg_advisory_unlock(:k)"), {"k": ARCHIVE_LOCK})
+    conn.execute(sql(f"SELECT pg_advisory_unlock({LOCK_KEY})"), {"lock": lock_name("archive")})
 
 
 def archivable_range(
