@@ -208,8 +208,9 @@ the claim itself counts the first chunk, as large as the last one of the topic),
 do not pay a round trip or a second write each. A process that dies mid-chunk has charged the jobs
 of the chunk that had not started (at most this long's worth); a job that was charged once runs
 in a chunk of its own from then on, so no job is charged twice for runs it never had. A topic
-with no retries (`max_retries=0`) starts every job alone: there, one attempt charged without a
-run would be the only one, and the job would reach the dead letters without ever running."""
+with no retries (`max_retries=0`) starts every job alone, each charged by `start_jobs` just
+before it runs (its claim charges none): there, one attempt charged without a run would be the
+only one, and the job would reach the dead letters without ever running."""
 
 
 class _Starts:
@@ -307,7 +308,9 @@ class Consumer:
         dispatched = task_name is not None and registered(topic) is None
         # a Celery task runs where delaysvc cannot renew its lease: it gets a fixed one
         lease = self.settings.task_lease_seconds if dispatched else self.settings.lease_seconds
-        start_first = self._quick_jobs.get(topic, 1) if self.max_retries(topic) > 0 else 1
+        # a topic with no retries has its one attempt counted just before its handler starts,
+        # never by the claim: a process dying after the claim must not spend it (`_Starts`)
+        start_first = self._quick_jobs.get(topic, 1) if self.max_retries(topic) > 0 else 0
         wanted = limit or self.settings.consume_batch
         with self.engine.begin() as conn:
             limits = store.lock_limits(conn, topic)

@@ -328,3 +328,32 @@ def test_a_topic_without_retries_never_dead_letters_a_job_that_never_ran(
     # the jobs that ran before the death used their one attempt; every other one runs now
     assert [m for m in ids if status[m] == "dead"] == ran[:4]
     assert [m for m in ids if status[m] == "succeeded"] == ids[4:] == ran[4:]
+
+
+def test_a_topic_without_retries_charges_no_attempt_for_a_claim_whose_process_died(
+    producer, settings, engine, monkeypatch
+):
+    """The issue's defect 7: the claim counted the first job's attempt before its handler
+    started; a worker killed right after the claim committed (kill -9, the OOM killer) left a
+    `max_retries=0` job charged its only attempt, and after the rescue it went dead, "out of
+    retries after 1 attempts", never having run. Such a topic's claim charges nothing: each
+    attempt is counted just before its handler starts (`start_jobs`)."""
+    consumer = Consumer(settings.model_copy(update={"lease_seconds": 1}), engine)
+    ran = []
+    handler("fragile", max_retries=0)(lambda message: ran.append(message.id))
+    message = producer.send("fragile", 1)
+
+    def dies_after_the_claim(claim_id, message_ids):
+        raise ProcessDied  # the claim has committed; no handler has started
+
+    monkeypatch.setattr(consumer.leases, "hold", dies_after_the_claim)
+    with pytest.raises(ProcessDied):
+        consumer.run_once("fragile")
+    monkeypatch.undo()
+    expire_leases(engine)
+    assert [r.id for r in consumer.rescue_once()] == [message.id]
+    assert producer.get(message.id).attempts == 0
+    assert consumer.run_once("fragile").succeeded == 1
+    assert ran == [message.id]
+    done = producer.get(message.id)
+    assert (done.status, done.attempts) == ("succeeded", 1)
