@@ -200,6 +200,54 @@ def stats(ctx: Context, as_json: bool) -> None:
         )
 
 
+@cli.command()
+@click.option(
+    "--lease-tolerance",
+    type=float,
+    help="Seconds a running job's lease may have expired unrescued [default: 2 leases].",
+)
+@click.option(
+    "--schedule-tolerance",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds a periodic schedule's next tick may be in the past.",
+)
+@click.option("--limit", default=100, show_default=True, help="Violations listed at most.")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds per statement.")
+@pass_ctx
+def check(
+    ctx: Context,
+    lease_tolerance: float | None,
+    schedule_tolerance: float,
+    limit: int,
+    timeout: float,
+) -> None:
+    """Check the database's invariants, read only and safe under load: exit 0 with a summary
+    line, or 1 with one line per violation (see README, "Checking a live database")."""
+    from sqlalchemy.exc import DBAPIError
+
+    from delaysvc.check import run_check
+
+    try:
+        result = run_check(
+            ctx.engine,
+            lease_tolerance_s=(
+                2.0 * ctx.settings.lease_seconds if lease_tolerance is None else lease_tolerance
+            ),
+            schedule_tolerance_s=schedule_tolerance,
+            limit=limit,
+            timeout_s=timeout,
+        )
+    except DBAPIError as exc:
+        reason = " ".join(str(exc.orig).split())
+        click.echo(f"error: delaysvc check could not finish: {reason}", err=True)
+        sys.exit(2)
+    for line in result.lines():
+        click.echo(line)
+    sys.exit(result.exit_code)
+
+
 # ---------------------------------------------------------------- producing
 
 
