@@ -23,10 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+from sqlalchemy import Engine
+
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.db import libpq_url
 from delaysvc.errors import MissingPart
+from delaysvc.sql import sql
 from delaysvc.up import die_with_parent, free_port
 
 if TYPE_CHECKING:
@@ -166,13 +169,14 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
         producers = {way: Producer(ways[way], engine) for way, engine in engines.items()}
         try:
             for clients in (1, 4, 16):
-                rates = {}
+                rates, stored = {}, {}
                 for way, producer in producers.items():
                     step(f"pgbouncer: Producer.send {way}, {clients} clients, {seconds:g}s")
                     reset_tables(ctx.engine)
                     rates[way] = _send_single(producer, clients, seconds)
-                figures.results[f"pgbouncer_send_c{clients}"] = _compared(rates)
-            batches = {}
+                    stored[way] = _stored(ctx.engine)
+                figures.results[f"pgbouncer_send_c{clients}"] = _compared(rates, stored)
+            batches, stored = {}, {}
             for way, producer in producers.items():
                 step(f"pgbouncer: send_batch of 1,000 {way}, 20 batches")
                 reset_tables(ctx.engine)
@@ -180,7 +184,8 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
                 for _ in range(20):
                     producer.send_batch([{"topic": NOOP_TOPIC, "body": {}, "delay": "1h"}] * 1000)
                 batches[way] = 20_000 / (time.perf_counter() - started)
-            figures.results["pgbouncer_send_batch_1000"] = _compared(batches)
+                stored[way] = _stored(ctx.engine)
+            figures.results["pgbouncer_send_batch_1000"] = _compared(batches, stored)
         finally:
             for engine in engines.values():
                 engine.dispose()
@@ -191,12 +196,23 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
 POOL_SIZE = 4
 
 
-def _compared(rates: dict[str, float]) -> dict[str, Any]:
-    """msgs/s of each way, and PgBouncer's share of the direct rate."""
-    return {f"{way}_msgs_per_s": round(rate) for way, rate in rates.items()} | {
-        "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
-        "server_connections": POOL_SIZE,
-    }
+def _stored(engine: Engine) -> int:
+    """Messages in the commit log: what a way's run stored (the tables are emptied before)."""
+    with engine.connect() as conn:
+        return int(conn.execute(sql("SELECT count(*) FROM delaysvc.commit_log")).scalar_one())
+
+
+def _compared(rates: dict[str, float], stored: dict[str, int]) -> dict[str, Any]:
+    """msgs/s of each way, the messages each stored, and PgBouncer's share of the direct
+    rate."""
+    return (
+        {f"{way}_msgs_per_s": round(rate) for way, rate in rates.items()}
+        | {f"{way}_stored": count for way, count in stored.items()}
+        | {
+            "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
+            "server_connections": POOL_SIZE,
+        }
+    )
 
 
 def _version() -> str:
