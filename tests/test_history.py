@@ -193,18 +193,19 @@ def test_sweeps_racing_consumers_move_every_message_exactly_once(
     ids = [m.id for m in producer.send_batch([{"topic": "race", "body": {}}] * total)]
     _deliver_now(engine, ids)
     stop = threading.Event()
-    moved: list[int] = []
+    moved: dict[str, list[tuple[int, bool]]] = {"0": [], "1": []}  # (moved, while consuming)
 
-    def sweeping() -> None:
+    def sweeping(name: str) -> None:
         while not stop.is_set():
-            moved.append(history.move_once(engine, limit=200).moved)
+            consuming = any(thread.is_alive() for thread in consumers)
+            moved[name].append((history.move_once(engine, limit=200).moved, consuming))
 
     def consuming() -> None:
         consumer = Consumer(settings, engine)
         while consumer.run_once("race").claimed:
             pass
 
-    sweepers = [threading.Thread(target=sweeping) for _ in range(2)]
+    sweepers = [threading.Thread(target=sweeping, args=(name,)) for name in moved]
     consumers = [threading.Thread(target=consuming) for _ in range(2)]
     for thread in [*sweepers, *consumers]:
         thread.start()
@@ -215,7 +216,10 @@ def test_sweeps_racing_consumers_move_every_message_exactly_once(
         thread.join()
     history.move_all(engine)
 
-    assert sum(moved) > 0  # the sweepers did move rows while jobs were finishing
+    # the race happened: each sweeper moved rows in a sweep it began while jobs were still
+    # finishing (a sweep begun after the consumers ended proves nothing)
+    for name, sweeps in moved.items():
+        assert sum(count for count, consuming in sweeps if consuming) > 0, (name, sweeps)
     with engine.connect() as conn:
         found = conn.execute(text("SELECT id, status FROM message ORDER BY id")).all()
     assert [row.id for row in found] == sorted(ids)

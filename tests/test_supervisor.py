@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,12 +36,35 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
 
 
+class ThenStop:
+    """An `on_started` that runs `steps`, then stops the supervisor as Ctrl-C would, whatever
+    happened: `on_started` runs in a daemon thread, where a failed assertion would only end
+    the thread and leave `run_processes` running until the test's timeout. The failure is
+    raised by `check()`, once `run_processes` has returned."""
+
+    def __init__(self, steps: Callable[[up.Supervisor], None]):
+        self.steps = steps
+        self.failure: BaseException | None = None
+
+    def __call__(self, supervisor: up.Supervisor) -> None:
+        try:
+            self.steps(supervisor)
+        except BaseException as exc:
+            self.failure = exc
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
 def test_a_child_that_dies_is_restarted_and_the_others_run_on(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     seen: dict[str, list[int]] = {}
 
-    def kill_one_then_stop(supervisor: up.Supervisor) -> None:
+    def kill_one(supervisor: up.Supervisor) -> None:
         first, second = supervisor.children
         assert first.process is not None and second.process is not None
         seen["second"] = [second.process.pid]
@@ -49,11 +73,12 @@ def test_a_child_that_dies_is_restarted_and_the_others_run_on(
         wait_for(lambda: first.process.pid != seen["first"][0], 10, "the restart")
         seen["first"].append(first.process.pid)
         seen["second"].append(second.process.pid)
-        os.kill(os.getpid(), signal.SIGTERM)  # as Ctrl-C would
 
+    kill_one_then_stop = ThenStop(kill_one)
     code = run_processes(
         [Command("first", SLEEPER), Command("second", SLEEPER)], on_started=kill_one_then_stop
     )
+    kill_one_then_stop.check()
     out = capsys.readouterr()
     assert code == 0
     assert "first exited with -9; restarting it in 0.1 s" in out.err
