@@ -23,7 +23,7 @@ cron does them: a time that does not exist that day runs at the next one that do
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, TypeVar
@@ -286,7 +286,9 @@ def _fire(conn: Connection, item: Schedule, tick: datetime) -> int:
 
 class Schedules:
     """Schedules at run time, for the API, the CLI and the dashboard: list them, create or
-    replace one, pause, resume, delete. Those declared in code may be paused and resumed only."""
+    replace one, pause, resume, delete. Those declared in code may be paused and resumed only.
+    `topics` (an API token's): a schedule of any other topic is NotFound, as if it were none,
+    checked in the transaction that writes."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -295,36 +297,43 @@ class Schedules:
         with self.engine.connect() as conn:
             return store_schedules.all_schedules(conn)
 
-    def get(self, name: str) -> Any:
+    def get(self, name: str, *, topics: Collection[str] | None = None) -> Any:
         with self.engine.connect() as conn:
-            return _found(store_schedules.get(conn, name), name)
+            return _found(store_schedules.get(conn, name), name, topics)
 
-    def put(self, item: Schedule) -> tuple[Any, bool]:
-        """Create `item`, or replace the schedule of its name. -> (row, created)."""
+    def put(self, item: Schedule, *, topics: Collection[str] | None = None) -> tuple[Any, bool]:
+        """Create `item`, or replace the schedule of its name. -> (row, created). A name taken
+        by a schedule outside `topics` is NotFound and nothing is written, even when another
+        transaction creates it between this one's read and its write (the write's own guard)."""
         with self.engine.begin() as conn:
             existing = store_schedules.get(conn, item.name, lock=True)
-            if existing is not None and existing.declared_in == "code":
-                raise DeclaredInCode(
-                    f"schedule {item.name!r} is declared in code (@periodic): change it there"
-                )
+            if existing is not None:
+                _found(existing, item.name, topics)
+                if existing.declared_in == "code":
+                    raise DeclaredInCode(
+                        f"schedule {item.name!r} is declared in code (@periodic): change it there"
+                    )
             now = store_schedules.database_now(conn)
-            store_schedules.put(conn, item, "api", item.next_tick(now))
-            return store_schedules.get(conn, item.name), existing is None
+            allowed = None if topics is None else sorted(topics)
+            store_schedules.put(conn, item, "api", item.next_tick(now), allowed)
+            row = _found(store_schedules.get(conn, item.name), item.name, topics)
+            return row, existing is None
 
-    def pause(self, name: str) -> Any:
+    def pause(self, name: str, *, topics: Collection[str] | None = None) -> Any:
         with self.engine.begin() as conn:
+            _found(store_schedules.get(conn, name, lock=True), name, topics)
             return _found(store_schedules.set_paused(conn, name, True, None), name)
 
-    def resume(self, name: str) -> Any:
+    def resume(self, name: str, *, topics: Collection[str] | None = None) -> Any:
         with self.engine.begin() as conn:
-            row = _found(store_schedules.get(conn, name, lock=True), name)
+            row = _found(store_schedules.get(conn, name, lock=True), name, topics)
             now = store_schedules.database_now(conn)
             next_tick = Schedule.from_row(row).next_tick(now) if row.paused else None
             return store_schedules.set_paused(conn, name, False, next_tick)
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, *, topics: Collection[str] | None = None) -> None:
         with self.engine.begin() as conn:
-            row = _found(store_schedules.get(conn, name, lock=True), name)
+            row = _found(store_schedules.get(conn, name, lock=True), name, topics)
             if row.declared_in == "code":
                 raise DeclaredInCode(
                     f"schedule {name!r} is declared in code (@periodic): remove it there, "
@@ -333,8 +342,9 @@ class Schedules:
             store_schedules.delete(conn, name)
 
 
-def _found(row: Any, name: str) -> Any:
-    if row is None:
+def _found(row: Any, name: str, topics: Collection[str] | None = None) -> Any:
+    """The row; None, or of a topic outside `topics`: NotFound, in the same words."""
+    if row is None or (topics is not None and row.topic not in topics):
         raise NotFound(f"no periodic schedule is named {name!r}")
     return row
 

@@ -23,9 +23,18 @@ def database_now(conn: Connection) -> datetime:
     return now
 
 
-def put(conn: Connection, item: Schedule, declared_in: str, next_tick: datetime) -> None:
+def put(
+    conn: Connection,
+    item: Schedule,
+    declared_in: str,
+    next_tick: datetime,
+    topics: Sequence[str] | None = None,
+) -> None:
     """Add or update a schedule (its paused flag and history kept); one that is the same is
-    not written. Its next tick is computed again only when its timing changed."""
+    not written. Its next tick is computed again only when its timing changed. `topics` (an
+    API token's): a schedule of the name whose topic is not among them is left as it is (in
+    the same statement, so a schedule created meanwhile by another transaction is too); the
+    caller reads the row back to tell."""
     conn.execute(
         sql(
             f"""
@@ -44,6 +53,7 @@ WHERE (s.topic, s.body, s.body_is_json, s.cron, s.every_ms, s.timezone, s.on_mis
     s.declared_in) IS DISTINCT FROM (EXCLUDED.topic, EXCLUDED.body, EXCLUDED.body_is_json,
     EXCLUDED.cron, EXCLUDED.every_ms, EXCLUDED.timezone, EXCLUDED.on_missed,
     EXCLUDED.declared_in)
+    AND (CAST(:topics AS text[]) IS NULL OR s.topic = ANY(CAST(:topics AS text[])))
 RETURNING {COLUMNS}"""
         ),
         {
@@ -57,6 +67,7 @@ RETURNING {COLUMNS}"""
             "on_missed": item.on_missed,
             "declared_in": declared_in,
             "next_tick": next_tick,
+            "topics": None if topics is None else list(topics),
         },
     )
 

@@ -146,9 +146,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
 _TOKENS = (
     "A token from `delaysvc create-token NAME [--scope send|admin] [--topic T ...]`. `send` "
     "sends, reads and cancels; `admin` also lists and redrives dead letters. A token made "
-    "with --topic does so only for those topics: sending to another is 403, and a message "
-    "or dead letter of another topic is 404, as if it did not exist; /topics lists only its "
-    "topics."
+    "with --topic does so only for those topics: sending to another is 403, and a message, "
+    "dead letter or periodic schedule of another topic is 404, as if it did not exist (a PUT "
+    "of a schedule name another topic holds too); /topics lists only its topics."
 )
 _ID = [{"name": "message_id", "in": "path", "required": True, "schema": {"type": "integer"}}]
 _LIMITS: dict[str, Any] = {
@@ -436,7 +436,7 @@ def document() -> dict[str, Any]:
                     "responses": {
                         "201": _json(_SCHEDULE, "created"),
                         "200": _json(_SCHEDULE, "replaced"),
-                        **_errors(400, 401, 403, 409, 413, 415),
+                        **_errors(400, 401, 403, 404, 409, 413, 415),
                     },
                 },
                 "delete": {
