@@ -20,26 +20,53 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from delaysvc import store
 from delaysvc.errors import BacklogFull
+from delaysvc.schema import WAITING
 from delaysvc.settings import BacklogCap
 
 log = logging.getLogger(__name__)
 
 
-def _incoming(cap: BacklogCap, messages: Sequence[store.NewMessage]) -> int:
+def _counts(cap: BacklogCap, topic: str, lane: int) -> bool:
+    """A message of `topic` waiting in `lane` is one of the cap's backlog."""
     if cap.scope == "level":
-        return sum(1 for m in messages if m.lane == int(cap.target))
-    return sum(1 for m in messages if m.topic == cap.target and m.lane >= 0)
+        return lane == int(cap.target)
+    return topic == cap.target and lane >= 0
 
 
-def _relevant(
-    caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
-) -> list[tuple[BacklogCap, int]]:
-    found = [(cap, _incoming(cap, messages)) for cap in caps]
+def _net(cap: BacklogCap, adding: Sequence[store.NewMessage], leaving: Sequence[Any]) -> int:
+    """What a write adds to the cap's backlog: the messages it stores, less the waiting ones it
+    takes out (a replaced message)."""
+    added = sum(1 for m in adding if _counts(cap, m.topic, m.lane))
+    return added - sum(1 for r in leaving if r.status in WAITING and _counts(cap, r.topic, r.lane))
+
+
+def _covering(caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]) -> list[BacklogCap]:
+    found = {cap for cap in caps for m in messages if _counts(cap, m.topic, m.lane)}
     # a fixed order, so two transactions never wait on each other's cap locks
-    return sorted(((c, n) for c, n in found if n), key=lambda cn: (cn[0].scope, cn[0].target))
+    return sorted(found, key=lambda cap: (cap.scope, cap.target))
+
+
+def _adding(
+    conn: store.Statements, messages: Sequence[store.NewMessage], leaving: Sequence[Any]
+) -> list[store.NewMessage]:
+    """The messages an insert will store: not those whose key an unfinished message holds
+    (locked until the transaction ends, so it keeps holding it) unless that message is leaving,
+    nor a key's repeats in the batch."""
+    held = store.lock_key_holders(conn, [(m.topic, m.key) for m in messages])
+    gone = {row.id for row in leaving}
+    taken = {pair for pair, row in held.items() if row.id not in gone}
+    adding = []
+    for m in messages:
+        if m.key is not None:
+            if (m.topic, m.key) in taken:
+                continue
+            taken.add((m.topic, m.key))
+        adding.append(m)
+    return adding
 
 
 def _pending(conn: store.Statements, cap: BacklogCap, up_to: int) -> int:
@@ -50,12 +77,25 @@ def _pending(conn: store.Statements, cap: BacklogCap, up_to: int) -> int:
 
 
 def before_insert(
-    conn: store.Statements, caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
+    conn: store.Statements,
+    caps: Sequence[BacklogCap],
+    messages: Sequence[store.NewMessage],
+    leaving: Sequence[Any] = (),
 ) -> None:
-    """Lock every cap these messages touch; refuse them if a `reject` cap would overflow."""
-    for cap, incoming in _relevant(caps, messages):
+    """Lock every cap these messages touch; refuse them if a `reject` cap would overflow.
+    Only what adds to a backlog counts: a message whose key is held already stores nothing,
+    and `leaving` (rows as `store.MESSAGE_STATE` reads them: a message about to be replaced)
+    takes its place."""
+    covering = _covering(caps, messages)
+    for cap in covering:
         store.lock_cap(conn, f"{cap.scope}:{cap.target}")
-        if cap.policy != "reject":
+    rejecting = [cap for cap in covering if cap.policy == "reject"]
+    if not rejecting:
+        return
+    adding = _adding(conn, messages, leaving)
+    for cap in rejecting:
+        incoming = _net(cap, adding, leaving)
+        if incoming <= 0:
             continue
         pending = _pending(conn, cap, cap.limit + 1)
         if pending + incoming > cap.limit:
@@ -66,12 +106,17 @@ def before_insert(
 
 
 def after_insert(
-    conn: store.Statements, caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]
+    conn: store.Statements,
+    caps: Sequence[BacklogCap],
+    created: Sequence[store.NewMessage],
+    leaving: Sequence[Any] = (),
 ) -> int:
-    """Deliver the oldest waiting messages beyond each `deliver-early` cap. -> how many."""
+    """Deliver the oldest waiting messages beyond each `deliver-early` cap the `created`
+    messages (those the insert stored) added to, net of `leaving`. -> how many."""
     early: Counter[str] = Counter()
-    for cap, incoming in _relevant(caps, messages):
-        if cap.policy != "deliver-early":
+    for cap in _covering(caps, created):
+        incoming = _net(cap, created, leaving)
+        if cap.policy != "deliver-early" or incoming <= 0:
             continue
         overflow = _pending(conn, cap, cap.limit + incoming + 1) - cap.limit
         if overflow <= 0:

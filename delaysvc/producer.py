@@ -376,10 +376,9 @@ class Producer:
                     if policy == "debounce":
                         placed = _not_earlier(conn, new, holder.deliver_ts)
                     try:
-                        self._cancel(conn, holder.id, None, None, None)
+                        ((row, created, _),) = self._store(conn, [placed], replacing=holder)
                     except NotCancellable:
                         continue  # it started meanwhile: the next insert finds it running
-                    ((row, created, _),) = self._store(conn, [placed])
                     if created:
                         store.note_replaced(conn, holder.id, row.id)
                         return row, True, holder.id
@@ -513,23 +512,34 @@ class Producer:
             raise
 
     def _store(
-        self, conn: joining.Joined, messages: Sequence[store.NewMessage]
+        self,
+        conn: joining.Joined,
+        messages: Sequence[store.NewMessage],
+        replacing: Any | None = None,
     ) -> list[tuple[Any, bool, int | None]]:
-        """Insert, within the backlog caps (see `delaysvc.caps`). A single send without caps
-        is one statement; anything more is one transaction (`Joined.transaction`)."""
+        """Insert, within the backlog caps (see `delaysvc.caps`), after cancelling `replacing`
+        (the holder of the message's key, as `_locate` reads it) if given. A single send
+        without caps is one statement; anything more is one transaction
+        (`Joined.transaction`). A cap counts what the write adds to its backlog: a held key
+        adds nothing, a replacement takes its holder's place; a refusal comes before anything
+        is written, the holder's cancel included."""
         capped = self.settings.caps
-        if len(messages) == 1 and not capped:
+        if len(messages) == 1 and not capped and replacing is None:
             return [self._insert_one(conn, messages[0])]
+        leaving = [] if replacing is None else [replacing]
         with conn.transaction():
             if capped:
-                caps.before_insert(conn, capped, messages)
+                caps.before_insert(conn, capped, messages, leaving)
+            if replacing is not None:
+                self._cancel(conn, replacing.id, None, None, None)
             if len(messages) == 1:
                 results = [self._insert_one(conn, messages[0])]
             else:
                 with conn.psycopg_cursor() as cursor:
                     results = store.insert_messages(conn, messages, cursor)
             if capped:
-                caps.after_insert(conn, capped, messages)
+                created = [m for m, (_, new, _) in zip(messages, results, strict=True) if new]
+                caps.after_insert(conn, capped, created, leaving)
         return results
 
     @staticmethod

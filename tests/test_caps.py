@@ -12,7 +12,10 @@ from delaysvc.settings import Settings
 
 
 def _producer(settings: Settings, engine: Engine, caps: str) -> Producer:
-    return Producer(settings.model_copy(update={"backlog_caps": caps}), engine)
+    # not model_copy: it would carry the `caps` the original settings cached
+    return Producer(
+        Settings.model_validate({**settings.model_dump(), "backlog_caps": caps}), engine
+    )
 
 
 def _statuses(engine: Engine) -> dict[int, str]:
@@ -116,3 +119,129 @@ def test_bad_cap_settings_name_the_problem(caps: str, named: str) -> None:
     with pytest.raises(ConfigError, match="DELAYSVC_BACKLOG_CAPS") as error:
         Settings.from_env({"DELAYSVC_BACKLOG_CAPS": caps, "DELAYSVC_DELAY_LEVELS": "1s 2s 3s"})
     assert named in str(error.value)
+
+
+# ---------------------------------------------------------------- sends that add nothing
+
+
+def _waiting(engine: Engine, topic: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            text(
+                "SELECT count(*) FROM commit_log c WHERE topic = :topic "
+                "AND status IN ('scheduled', 'retrying') "
+                "AND NOT EXISTS (SELECT 1 FROM topic_queue q WHERE q.message_id = c.id)"
+            ),
+            {"topic": topic},
+        ).scalar_one()
+
+
+@pytest.mark.parametrize("cap", ["topic:t.full=2:reject", "level:3=2:reject"])
+def test_a_resend_of_a_held_key_is_never_refused_by_a_full_cap(
+    settings: Settings, engine: Engine, cap: str
+) -> None:
+    """The README's recovery for `maybe_stored` (send again with the same key) must work where
+    the caps are: a send that returns the message holding its key adds nothing."""
+    producer = _producer(settings, engine, cap)
+    first = producer.send("t.full", {"n": 0}, delay_level=3, key="k")
+    producer.send("t.full", {"n": 1}, delay_level=3)
+    again = producer.send("t.full", {"n": 0}, delay_level=3, key="k")
+    assert (again.id, again.created) == (first.id, False)
+    due_now = producer.send("t.full", {"n": 2}, key="ready")  # due now: not in the backlog
+    assert producer.send("t.full", {"n": 2}, delay_level=3, key="ready").id == due_now.id
+    with pytest.raises(BacklogFull):
+        producer.send("t.full", {"n": 3}, delay_level=3, key="new")
+    assert _waiting(engine, "t.full") == 2
+
+
+def test_a_resend_of_a_held_key_delivers_nothing_early(settings: Settings, engine: Engine) -> None:
+    """A backlog over its cap (the cap was set lower than what waits) is trimmed by a send that
+    adds to it, never by one that adds nothing."""
+    plain = Producer(settings, engine)
+    held = plain.send("t.over", {"n": 0}, delay_level=3, key="k")
+    for n in range(1, 4):
+        plain.send("t.over", {"n": n}, delay_level=3)
+    producer = _producer(settings, engine, "level:3=2:deliver-early")
+    again = producer.send("t.over", {"n": 0}, delay_level=3, key="k")
+    assert (again.id, again.created) == (held.id, False)
+    (batched,) = producer.send_batch([{"topic": "t.over", "body": 0, "delay_level": 3, "key": "k"}])
+    assert (batched.id, batched.created) == (held.id, False)
+    assert _early(engine, 3) == 0
+    assert _waiting(engine, "t.over") == 4
+    producer.send("t.over", {"n": 4}, delay_level=3)  # adds one: trimmed to the cap
+    assert (_early(engine, 3), _waiting(engine, "t.over")) == (3, 2)
+
+
+@pytest.mark.parametrize("policy", ["replace", "debounce"])
+@pytest.mark.parametrize("cap", ["topic:t.full=2:reject", "level:3=2:reject"])
+def test_replace_and_debounce_on_a_full_cap_take_one_out_and_put_one_in(
+    settings: Settings, engine: Engine, cap: str, policy: str
+) -> None:
+    producer = _producer(settings, engine, cap)
+    first = producer.send("t.full", {"v": 1}, delay_level=3, key="k")
+    producer.send("t.full", {"v": 0}, delay_level=3)
+    placed = producer.send("t.full", {"v": 2}, delay_level=3, key="k", on_duplicate=policy)
+    assert (placed.created, placed.replaced_id) == (True, first.id)
+    assert producer.get(first.id).status == "cancelled"
+    assert (producer.get(placed.id).status, producer.get(placed.id).body) == ("scheduled", {"v": 2})
+    assert _waiting(engine, "t.full") == 2
+
+
+@pytest.mark.parametrize("policy", ["replace", "debounce"])
+def test_a_replace_that_grows_a_full_backlog_is_refused_before_anything_is_written(
+    settings: Settings, engine: Engine, policy: str
+) -> None:
+    """The holder is due now (in its topic's queue, not waiting): its replacement would wait,
+    one more in a full backlog. Refused in the caller's transaction, which stays clean: the
+    holder is not cancelled."""
+    producer = _producer(settings, engine, "topic:t.full=1:reject")
+    holder = producer.send("t.full", {"v": 1}, key="k")
+    producer.send("t.full", {"v": 0}, delay_level=3)
+    with (
+        engine.connect() as conn,
+        conn.begin(),
+        pytest.raises(BacklogFull, match=r"topic t\.full holds 1 waiting messages"),
+    ):
+        producer.send(
+            "t.full", {"v": 2}, delay_level=3, key="k", on_duplicate=policy, connection=conn
+        )
+    assert producer.get(holder.id).status == "ready"
+    assert _waiting(engine, "t.full") == 1
+
+
+@pytest.mark.parametrize("policy", ["replace", "debounce"])
+def test_replace_and_debounce_over_a_cap_deliver_nothing_early(
+    settings: Settings, engine: Engine, policy: str
+) -> None:
+    plain = Producer(settings, engine)
+    first = plain.send("t.over", {"v": 1}, delay_level=3, key="k")
+    for n in range(3):
+        plain.send("t.over", {"n": n}, delay_level=3)
+    producer = _producer(settings, engine, "topic:t.over=2:deliver-early")
+    placed = producer.send("t.over", {"v": 2}, delay_level=3, key="k", on_duplicate=policy)
+    assert placed.replaced_id == first.id
+    assert _early(engine, 3) == 0
+    assert _waiting(engine, "t.over") == 4
+
+
+def test_a_batch_counts_only_what_it_adds(settings: Settings, engine: Engine) -> None:
+    """Held keys and a key repeated in the batch add nothing: a batch of two held keys, a key
+    twice and one new message adds two."""
+    producer = _producer(settings, engine, "topic:t.batch=4:reject")
+    held = [producer.send("t.batch", {"n": n}, delay_level=3, key=f"k{n}") for n in range(2)]
+    item = {"topic": "t.batch", "body": 0, "delay_level": 3}
+    sent = producer.send_batch(
+        [
+            {**item, "key": "k0"},
+            {**item, "key": "k1"},
+            {**item, "key": "twice"},
+            {**item, "key": "twice"},
+            item,
+        ]
+    )
+    assert [m.created for m in sent] == [False, False, True, False, True]
+    assert [m.id for m in sent[:2]] == [m.id for m in held]
+    assert _waiting(engine, "t.batch") == 4
+    assert [m.created for m in producer.send_batch([{**item, "key": "k0"}] * 2)] == [False] * 2
+    with pytest.raises(BacklogFull, match="1 more refused"):
+        producer.send_batch([{**item, "key": "k0"}, {**item, "key": "new"}])

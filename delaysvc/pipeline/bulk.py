@@ -374,10 +374,11 @@ def _store_batch(
     from delaysvc import caps
 
     placed = []
-    if settings.caps:  # what the caps count: each message's topic and lane
+    if settings.caps:  # what the caps count: each message's topic, key and lane
         for line in lines:
-            topic, _, _, _, _, lane, _ = line.split("\t", 6)
-            placed.append(NewMessage(topic, b"", True, int(lane), None, None, None))
+            topic, key, _, _, _, lane, _ = line.split("\t", 6)
+            held = None if key == NULL else key.replace("\\\\", "\\")
+            placed.append(NewMessage(topic, b"", True, int(lane), None, None, None, key=held))
     try:
         with engine.begin() as conn:
             earlier = store.claim_bulk_batch(conn, run, ids[0], ids[-1], len(ids))
@@ -390,7 +391,7 @@ def _store_batch(
                 conn, "".join(lines), keys_may_be_held=keys_may_be_held
             )
             store.record_bulk_created(conn, run, ids[0], created)
-            if settings.caps:
+            if settings.caps and created:  # which rows a held key skipped is not told
                 caps.after_insert(conn, settings.caps, placed)
     except BacklogFull as exc:
         return 0, 0, [(REJECT, rid, None, f"backlog_full: {exc}") for rid in ids]
