@@ -79,8 +79,9 @@ def apply_configured(
     engine: Engine, configured: dict[str, tuple[int | None, float | None]]
 ) -> None:
     """Set the limits DELAYSVC_TOPIC_MAX_RUNNING and DELAYSVC_TOPIC_RATES name (a worker's
-    start): a topic named there gets them again at every start; others keep what the API,
-    the CLI or the dashboard set."""
+    start): a topic named there gets them again at every start, its token bucket as it was
+    (not refilled: see `store.set_limits`); others keep what the API, the CLI or the
+    dashboard set."""
     with engine.begin() as conn:
         for topic, (max_running, rate_per_s) in configured.items():
             store.set_limits(conn, topic, max_running, rate_per_s)

@@ -1751,13 +1751,16 @@ def set_paused(conn: Connection, topic: str, paused: bool) -> None:
 def set_limits(
     conn: Connection, topic: str, max_running: int | None, rate_per_s: float | None
 ) -> Any:
-    """Set (None: lift) a topic's limits; the token bucket starts full. -> its state row."""
+    """Set (None: lift) a topic's limits. -> its state row. A new bucket starts full; one
+    the topic has keeps its tokens (`lock_limits` caps them at the new rate's second): every
+    delivery worker sets the configured limits at its start, and a refill there would let a
+    rolling deploy start a bucket's worth more per worker."""
     return conn.execute(
         sql(
             "INSERT INTO delaysvc.topic_state (topic, max_running, rate_per_s) "
             "VALUES (:topic, :max_running, :rate) ON CONFLICT (topic) DO UPDATE SET "
             "max_running = EXCLUDED.max_running, rate_per_s = EXCLUDED.rate_per_s, "
-            "tokens = NULL, tokens_at = NULL, updated_at = now() "
+            "updated_at = now() "
             "RETURNING topic, paused, max_running, rate_per_s"
         ),
         {"topic": topic, "max_running": max_running, "rate": rate_per_s},

@@ -144,3 +144,22 @@ def test_configured_limits_are_applied_and_bad_ones_refused_naming_the_setting(
         Settings.from_env({"DELAYSVC_TOPIC_RATES": "sms.send=fast"})
     with pytest.raises(ConfigError, match=r"DELAYSVC_TOPIC_MAX_RUNNING \(a\): 0: a whole"):
         Settings.from_env({"DELAYSVC_TOPIC_MAX_RUNNING": "a=0"})
+
+
+def test_a_worker_start_does_not_refill_the_bucket(
+    engine: Engine, settings: Settings, producer: Producer
+) -> None:
+    """Every delivery worker applies the configured limits when it starts: a rolling deploy
+    of four workers must not let four buckets' worth through. A changed rate keeps what the
+    bucket holds too (never more than the new rate's one second). At 10/m the bucket holds
+    one token, the next in 6 s."""
+    for n in range(10):
+        producer.send("lim.deploy", {"n": n})
+    configured = Settings.from_env({"DELAYSVC_TOPIC_RATES": "lim.deploy=10/m"}).topic_limits
+    limits.apply_configured(engine, configured)
+    assert _claim(engine, settings, "lim.deploy", 100)[0] == 1  # a full bucket
+    for _ in range(4):  # four workers start
+        limits.apply_configured(engine, configured)
+        assert _claim(engine, settings, "lim.deploy", 100)[0] == 0
+    limits.set_limits(engine, "lim.deploy", rate="20/m")  # changed by hand: not refilled either
+    assert _claim(engine, settings, "lim.deploy", 100)[0] == 0
