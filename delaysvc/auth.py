@@ -124,13 +124,17 @@ def create_user(engine: Engine, name: str, password: str, role: str = "viewer") 
 
 def check_login(engine: Engine, name: str, password: str) -> Any:
     """-> the user row if the password is right and the account is not locked, else None.
-    Repeated failures lock the account for LOCKOUT_SECONDS. Every attempt costs exactly one
-    password hash, whether the name is unknown, the account locked or neither, so response
-    times do not tell which names exist or are locked."""
+    MAX_FAILED_LOGINS failures lock the account for LOCKOUT_SECONDS. The attempt is counted
+    as a failure (committed) before the password is checked, and cleared if it is right: of
+    any number of simultaneous attempts at most MAX_FAILED_LOGINS are checked, as if they had
+    come one by one (checked after the hash, every attempt in flight saw the account open).
+    Every attempt costs exactly one password hash, whether the name is unknown, the account
+    locked or neither, so response times do not tell which names exist or are locked."""
     with engine.begin() as conn:
-        user = store.find_user(conn, name)
-        ok = check_password_hash(_NO_USER_HASH if user is None else user.password_hash, password)
-        if user is None or user.locked:
-            return None
-        store.record_login(conn, name, ok, MAX_FAILED_LOGINS, LOCKOUT_SECONDS)
-    return user if ok else None
+        user = store.count_login_attempt(conn, name, MAX_FAILED_LOGINS, LOCKOUT_SECONDS)
+    ok = check_password_hash(_NO_USER_HASH if user is None else user.password_hash, password)
+    if user is None or not ok:
+        return None
+    with engine.begin() as conn:
+        store.clear_failed_logins(conn, name)
+    return user

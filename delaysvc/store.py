@@ -1923,20 +1923,36 @@ def find_user(conn: Connection, name: str) -> Any:
     ).first()
 
 
-def record_login(
-    conn: Connection, name: str, ok: bool, max_failures: int, lockout_seconds: int
-) -> None:
-    if ok:
-        statement = "UPDATE delaysvc.dashboard_user SET failed_logins = 0, locked_until = NULL"
-    else:
-        statement = (
-            "UPDATE delaysvc.dashboard_user SET failed_logins = failed_logins + 1, locked_until = "
-            "CASE WHEN failed_logins + 1 >= :max THEN now() + :lock * interval '1 second' "
-            "ELSE locked_until END"
-        )
-    conn.execute(
-        sql(statement + " WHERE name = :name"),
+def count_login_attempt(
+    conn: Connection, name: str, max_failures: int, lockout_seconds: int
+) -> Any:
+    """Count a login attempt as failed before its password is checked, and lock the account
+    for `lockout_seconds` once `max_failures` are counted (`clear_failed_logins` undoes both
+    when the password is right). -> the user row if the account was not locked, else None (as
+    for an unknown name). One statement: concurrent attempts queue on the row, and each sees
+    the counts of those before it, so at most `max_failures` of any number of simultaneous
+    attempts get their password checked. Commit before checking: the row stays locked only
+    for this statement, not for the ~100 ms of a password hash."""
+    return conn.execute(
+        sql(
+            "UPDATE delaysvc.dashboard_user SET failed_logins = failed_logins + 1, "
+            "locked_until = CASE WHEN failed_logins + 1 >= :max "
+            "THEN now() + :lock * interval '1 second' ELSE locked_until END "
+            "WHERE name = :name AND (locked_until IS NULL OR locked_until <= now()) "
+            "RETURNING id, name, password_hash, role"
+        ),
         {"name": name, "max": max_failures, "lock": lockout_seconds},
+    ).first()
+
+
+def clear_failed_logins(conn: Connection, name: str) -> None:
+    """A right password: forget the failures counted, and the lockout they set."""
+    conn.execute(
+        sql(
+            "UPDATE delaysvc.dashboard_user SET failed_logins = 0, locked_until = NULL "
+            "WHERE name = :name"
+        ),
+        {"name": name},
     )
 
 
