@@ -557,6 +557,8 @@ def schedules_resume(ctx: Context, name: str) -> None:
 @click.argument("name")
 @pass_ctx
 def schedules_delete(ctx: Context, name: str) -> None:
+    """Delete schedule NAME now. One declared in code only once no running worker declares it
+    (none has for 2 minutes); left alone, it goes 10 minutes after the last one did."""
     _schedules(ctx).delete(name)
     click.echo(f"deleted: {name}")
 

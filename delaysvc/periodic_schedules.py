@@ -3,7 +3,12 @@ interval, in a time zone.
 
 A schedule is a row of `periodic_schedule`, declared in code next to the handlers
 (`@periodic("*/5 * * * *", topic="report.build")`, stored when a worker starts) or created at
-run time through the API or the CLI. Beat fires `delaysvc.fire_schedules` every second;
+run time through the API or the CLI. Workers with different handler modules share a database,
+so no worker removes the schedules it does not declare: each delivery worker declares its own
+again every DECLARE_EVERY (the row notes when, and by whom), and after two rounds in a row that
+reached the database removes the code-declared ones no worker has declared for
+UNDECLARED_GRACE. `Schedules.delete` removes one at once when no worker has declared it for
+STILL_DECLARED. Beat fires `delaysvc.fire_schedules` every second;
 `fire_due` locks each due schedule (`FOR UPDATE SKIP LOCKED`), stores the tick's message and
 advances `next_tick` in the same transaction. A second beat, or a second worker running the
 same task, skips the locked row and then finds its next tick in the future: one message per
@@ -44,6 +49,15 @@ ON_MISSED: tuple[OnMissed, ...] = ("skip", "latest")
 FIRE_SECONDS = 1.0  # beat fires `delaysvc.fire_schedules` this often
 GRACE = timedelta(seconds=60)
 """A tick fired at most this late is on time; a later one was missed (see the module's text)."""
+DECLARE_EVERY = timedelta(minutes=1)
+"""A delivery worker declares its schedules again this often (`Declarer`)."""
+UNDECLARED_GRACE = timedelta(minutes=10)
+"""A code-declared schedule no worker has declared for longer is removed (`Declarer`): long
+enough for a rolling deploy or a worker's restart, short enough that a schedule taken out of
+the code stops soon after."""
+STILL_DECLARED = 2 * DECLARE_EVERY
+"""A code-declared schedule declared this recently is declared by a running worker: deleting it
+is refused (it would be back at the worker's next round)."""
 MIN_EVERY_MS = 1000
 MAX_TICKS_PER_RUN = 100
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
@@ -188,9 +202,10 @@ def periodic(
         @handler("report.nightly")
         def nightly(message): ...
 
-    Also a plain call at module level. The name defaults to the topic. Workers store the
-    declared schedules when they start: a changed one is updated (its next tick computed
-    again), one no longer declared is removed."""
+    Also a plain call at module level. The name defaults to the topic. Delivery workers store
+    the declared schedules when they start and declare them again every DECLARE_EVERY: a
+    changed one is updated (its next tick computed again); one no worker declares any more is
+    removed after UNDECLARED_GRACE (see the module's text)."""
     declared = schedule(
         name or topic, when, topic=topic, body=body, timezone=timezone, on_missed=on_missed
     )
@@ -211,16 +226,52 @@ def declared() -> list[Schedule]:
     return list(_declared.values())
 
 
-def store_declared(engine: Engine, now: datetime | None = None) -> int:
-    """Store the schedules this process's code declares (a worker's start): new ones are
-    added, changed ones updated, and code-declared ones no longer declared removed; the
-    ones created through the API or the CLI are left alone. -> schedules declared."""
+def store_declared(
+    engine: Engine, now: datetime | None = None, declared_by: str | None = None
+) -> int:
+    """Store the schedules this process's code declares, noting that `declared_by` (a worker)
+    declared them at `now`: new ones are added, changed ones updated. None is removed: other
+    workers, with other handler modules, declare theirs (`sweep_undeclared` removes the
+    ones no worker declares any more). -> schedules declared."""
     with engine.begin() as conn:
         now = now or store_schedules.database_now(conn)
         for item in _declared.values():
-            store_schedules.put(conn, item, "code", item.next_tick(now))
-        store_schedules.remove_undeclared(conn, list(_declared))
+            store_schedules.declare(conn, item, item.next_tick(now), now, declared_by)
     return len(_declared)
+
+
+def sweep_undeclared(engine: Engine, now: datetime | None = None) -> list[str]:
+    """Remove the code-declared schedules no worker has declared for UNDECLARED_GRACE; those
+    made through the API or the CLI stay. -> the names removed."""
+    with engine.begin() as conn:
+        now = now or store_schedules.database_now(conn)
+        return store_schedules.remove_declared_before(conn, now - UNDECLARED_GRACE)
+
+
+@dataclass(frozen=True)
+class Declared:
+    declared: int
+    removed: list[str]
+
+
+@dataclass
+class Declarer:
+    """A delivery worker's declarations: `run_once()` at its start and every DECLARE_EVERY
+    after. A round stores this process's schedules (`store_declared`), then sweeps
+    (`sweep_undeclared`) only if the round before also reached the database: right after the
+    worker starts, or the database comes back, the other workers may not have declared
+    theirs again yet."""
+
+    engine: Engine
+    name: str
+    connected: bool = False  # the last round reached the database
+
+    def run_once(self, now: datetime | None = None) -> Declared:
+        was_connected, self.connected = self.connected, False
+        declared = store_declared(self.engine, now, self.name)
+        removed = sweep_undeclared(self.engine, now) if was_connected else []
+        self.connected = True
+        return Declared(declared, removed)
 
 
 # ------------------------------------------------------------------ firing
@@ -335,11 +386,20 @@ class Schedules:
         with self.engine.begin() as conn:
             row = _found(store_schedules.get(conn, name, lock=True), name, topics)
             if row.declared_in == "code":
-                raise DeclaredInCode(
-                    f"schedule {name!r} is declared in code (@periodic): remove it there, "
-                    "or pause it"
-                )
+                _refuse_if_still_declared(row, store_schedules.database_now(conn))
             store_schedules.delete(conn, name)
+
+
+def _refuse_if_still_declared(row: Any, now: datetime) -> None:
+    """A code-declared schedule a running worker declares would be back at its next round."""
+    age = now - row.declared_at
+    if age < STILL_DECLARED:
+        raise DeclaredInCode(
+            f"schedule {row.name!r} is declared in code (@periodic) by a running worker "
+            f"({row.declared_by or 'unnamed'}, {max(age.total_seconds(), 0):.0f}s ago): remove "
+            f"it there, or pause it; once no worker has declared it for "
+            f"{format_ms(int(STILL_DECLARED.total_seconds() * 1000))} it can be deleted"
+        )
 
 
 def _found(row: Any, name: str, topics: Collection[str] | None = None) -> Any:

@@ -403,9 +403,16 @@ periodic_schedule = Table(
     Column("last_message_id", BigInteger),
     Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
     Column("updated_at", Timestamp, nullable=False, server_default=text("now()")),
+    # code-declared: when and by which worker last declared (removed when none has for a while)
+    Column("declared_at", Timestamp),
+    Column("declared_by", Text),
     CheckConstraint("(cron IS NULL) <> (every_ms IS NULL)", name="ck_periodic_schedule_spec"),
     CheckConstraint("on_missed IN ('skip', 'latest')", name="ck_periodic_schedule_on_missed"),
     CheckConstraint("declared_in IN ('code', 'api')", name="ck_periodic_schedule_declared_in"),
+    CheckConstraint(
+        "(declared_in = 'code') = (declared_at IS NOT NULL)",
+        name="ck_periodic_schedule_declared_at",
+    ),
     Index("ix_periodic_schedule_next_tick", "next_tick", postgresql_where=text("NOT paused")),
 )
 

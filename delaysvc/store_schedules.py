@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from delaysvc.periodic_schedules import Schedule
 
 COLUMNS = """name, topic, body, body_is_json, cron, every_ms, timezone, on_missed, declared_in,
-    paused, next_tick, last_tick, last_message_id, created_at, updated_at"""
+    paused, next_tick, last_tick, last_message_id, created_at, updated_at, declared_at,
+    declared_by"""
 
 
 def database_now(conn: Connection) -> datetime:
@@ -72,15 +73,59 @@ RETURNING {COLUMNS}"""
     )
 
 
-def remove_undeclared(conn: Connection, names: Sequence[str]) -> int:
-    """Remove the code-declared schedules not among `names`. -> how many."""
-    return conn.execute(
+def declare(
+    conn: Connection, item: Schedule, next_tick: datetime, now: datetime, by: str | None
+) -> None:
+    """A worker declares a schedule in code: add or update it (its paused flag and history
+    kept; its next tick computed again only when its timing changed), and note that `by`
+    declared it at `now`, even when nothing else changed (the declaration is a heartbeat)."""
+    conn.execute(
+        sql(
+            """
+INSERT INTO delaysvc.periodic_schedule AS s (name, topic, body, body_is_json, cron, every_ms,
+    timezone, on_missed, declared_in, declared_at, declared_by, next_tick)
+VALUES (:name, :topic, :body, :body_is_json, :cron, :every_ms, :timezone, :on_missed, 'code',
+    :now, :by, :next_tick)
+ON CONFLICT (name) DO UPDATE SET topic = EXCLUDED.topic, body = EXCLUDED.body,
+    body_is_json = EXCLUDED.body_is_json, cron = EXCLUDED.cron, every_ms = EXCLUDED.every_ms,
+    timezone = EXCLUDED.timezone, on_missed = EXCLUDED.on_missed, declared_in = 'code',
+    declared_at = EXCLUDED.declared_at, declared_by = EXCLUDED.declared_by,
+    updated_at = CASE WHEN (s.topic, s.body, s.body_is_json, s.cron, s.every_ms, s.timezone,
+        s.on_missed, s.declared_in) IS DISTINCT FROM (EXCLUDED.topic, EXCLUDED.body,
+        EXCLUDED.body_is_json, EXCLUDED.cron, EXCLUDED.every_ms, EXCLUDED.timezone,
+        EXCLUDED.on_missed, 'code')
+        THEN statement_timestamp() ELSE s.updated_at END,
+    next_tick = CASE WHEN (s.cron, s.every_ms, s.timezone)
+        IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.every_ms, EXCLUDED.timezone)
+        THEN EXCLUDED.next_tick ELSE s.next_tick END"""
+        ),
+        {
+            "name": item.name,
+            "topic": item.topic,
+            "body": item.body,
+            "body_is_json": item.body_is_json,
+            "cron": item.cron,
+            "every_ms": item.every_ms,
+            "timezone": item.timezone,
+            "on_missed": item.on_missed,
+            "next_tick": next_tick,
+            "now": now,
+            "by": by,
+        },
+    )
+
+
+def remove_declared_before(conn: Connection, cutoff: datetime) -> list[str]:
+    """Remove the code-declared schedules last declared before `cutoff` (those made through
+    the API or the CLI are never removed here). -> their names, in order."""
+    rows = conn.execute(
         sql(
             "DELETE FROM delaysvc.periodic_schedule WHERE declared_in = 'code' "
-            "AND name <> ALL(CAST(:names AS text[]))"
+            "AND declared_at < :cutoff RETURNING name"
         ),
-        {"names": list(names)},
-    ).rowcount
+        {"cutoff": cutoff},
+    )
+    return sorted(row.name for row in rows)
 
 
 def lock_due(conn: Connection, now: datetime, limit: int) -> list[Any]:

@@ -6,17 +6,24 @@ tests/e2e/test_periodic_e2e.py."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.pool import NullPool
 
 from delaysvc import periodic_schedules as periodic
 from delaysvc import store_schedules
+from delaysvc.db import make_engine
 from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
 from delaysvc.periodic_schedules import Schedules, fire_due, schedule
+from delaysvc.settings import Settings
+from tests.conftest import TEST_LEVELS, outside_env
 
 T0 = datetime(2026, 11, 25, 10, 0, 0, tzinfo=UTC)
 
@@ -123,9 +130,13 @@ def test_a_due_tick_becomes_one_ready_message_and_the_next_tick_is_set(engine: E
     assert _messages(engine, "every2") == [
         (f"periodic:every2:{tick}", "ready", {"periodic": "every2", "tick": tick})
     ]
+    with engine.connect() as conn:
+        fired_id = conn.execute(
+            text("SELECT id FROM commit_log WHERE key = :key"), {"key": f"periodic:every2:{tick}"}
+        ).scalar_one()
     row = Schedules(engine).get("every2")
     assert row.next_tick == T0 + timedelta(seconds=2)
-    assert row.last_tick == T0 and row.last_message_id is not None
+    assert (row.last_tick, row.last_message_id) == (T0, fired_id)
 
 
 def test_a_firer_that_ran_late_fires_every_tick_it_passed_each_once(engine: Engine) -> None:
@@ -208,7 +219,7 @@ def test_a_paused_schedule_does_not_fire_and_resumes_from_the_next_tick(engine: 
 # ------------------------------------------------------------------ declared in code
 
 
-def test_declared_schedules_are_stored_updated_and_removed_and_kept_from_run_time_changes(
+def test_declared_schedules_are_stored_updated_and_kept_from_run_time_changes(
     engine: Engine,
 ) -> None:
     periodic.periodic("0 3 * * *", topic="report.nightly", timezone="Europe/Berlin")
@@ -222,19 +233,143 @@ def test_declared_schedules_are_stored_updated_and_removed_and_kept_from_run_tim
     assert rows["report.nightly"].next_tick == datetime(2026, 11, 26, 2, 0, tzinfo=UTC)
     with pytest.raises(DeclaredInCode, match="declared in code"):
         schedules.put(schedule("warm", "1m", topic="cache.warm"))
-    with pytest.raises(DeclaredInCode):
-        schedules.delete("warm")
     assert schedules.pause("warm").paused  # pausing one is fine
 
-    periodic._declared.clear()  # the next release: one changed, one gone
+    periodic._declared.clear()  # the next release: one changed, one no longer declared
     periodic.periodic("every 5m", topic="cache.warm", name="warm")
     periodic.store_declared(engine, now=T0 + timedelta(minutes=1))
     rows = {row.name: row for row in schedules.list()}
-    assert set(rows) == {"warm", "from-api"}
+    # a worker's start removes nothing: another worker may declare it (the sweep removes it)
+    assert set(rows) == {"report.nightly", "warm", "from-api"}
     assert rows["warm"].every_ms == 300_000 and rows["warm"].paused  # kept paused
     assert rows["warm"].next_tick == T0 + timedelta(minutes=5)
+    assert rows["report.nightly"].next_tick == datetime(2026, 11, 26, 2, 0, tzinfo=UTC)
     schedules.delete("from-api")
-    assert [row.name for row in schedules.list()] == ["warm"]
+    assert [row.name for row in schedules.list()] == ["report.nightly", "warm"]
+
+
+# Two teams' workers on one database, each with its own handler modules.
+TEAM_A = (("0 3 * * *", "report.nightly"), ("every 10m", "cache.warm"))
+TEAM_B = (("*/5 * * * *", "billing.sync"),)
+
+
+def _declare(team: tuple[tuple[str, str], ...]) -> None:
+    """This process's declarations become `team`'s, as in a worker importing its modules."""
+    periodic._declared.clear()
+    for when, topic in team:
+        periodic.periodic(when, topic=topic)
+
+
+def _names(engine: Engine) -> list[str]:
+    return [row.name for row in Schedules(engine).list()]
+
+
+def test_workers_of_two_handler_sets_starting_in_turn_keep_both_sets(engine: Engine) -> None:
+    """Team A's worker, team B's, team A's again, B's again: every start stores its own
+    schedules and removes none of the other's, which keep their pause, next tick and history."""
+    _declare(TEAM_A)
+    periodic.store_declared(engine, now=T0)
+    assert Schedules(engine).pause("cache.warm").paused
+    assert fire_due(engine, now=datetime(2026, 11, 26, 3, 0, 1, tzinfo=UTC)).fired == 1
+    nightly = Schedules(engine).get("report.nightly")
+    both = ["billing.sync", "cache.warm", "report.nightly"]
+    for start, team in enumerate((TEAM_B, TEAM_A, TEAM_B, TEAM_A), start=1):
+        _declare(team)
+        assert periodic.store_declared(engine, now=T0 + timedelta(minutes=start)) == len(team)
+        assert _names(engine) == both, f"after start {start}"
+    assert Schedules(engine).get("cache.warm").paused
+    kept = Schedules(engine).get("report.nightly")
+    assert (kept.next_tick, kept.last_tick, kept.last_message_id, kept.created_at) == (
+        nightly.next_tick,
+        nightly.last_tick,
+        nightly.last_message_id,
+        nightly.created_at,
+    )
+
+
+def test_a_set_no_worker_declares_any_more_is_removed_after_the_grace_period(
+    engine: Engine,
+) -> None:
+    """Team B's last worker stops after declaring at T0; team A's worker goes on declaring
+    every DECLARE_EVERY. B's schedule stays while its last declaration is at most
+    UNDECLARED_GRACE old and goes at A's first round after that; A's own stay."""
+    Schedules(engine).put(schedule("from-api", "1h", topic="t.api"))
+    _declare(TEAM_B)
+    periodic.Declarer(engine, "b@host").run_once(now=T0)
+    _declare(TEAM_A)
+    worker_a = periodic.Declarer(engine, "a@host")
+    at = T0
+    while at + periodic.DECLARE_EVERY <= T0 + periodic.UNDECLARED_GRACE:
+        assert worker_a.run_once(now=at) == periodic.Declared(2, [])
+        at += periodic.DECLARE_EVERY
+    assert at == T0 + periodic.UNDECLARED_GRACE  # B declared exactly the grace ago: kept
+    assert worker_a.run_once(now=at) == periodic.Declared(2, [])
+    assert "billing.sync" in _names(engine)
+    at += periodic.DECLARE_EVERY
+    assert worker_a.run_once(now=at) == periodic.Declared(2, ["billing.sync"])
+    assert _names(engine) == ["cache.warm", "from-api", "report.nightly"]
+    row = Schedules(engine).get("cache.warm")
+    assert (row.declared_at, row.declared_by) == (at, "a@host")
+    # schedules made through the API or the CLI are never swept, however old
+    a_day_later = datetime.now(UTC) + timedelta(days=1)
+    assert periodic.sweep_undeclared(engine, now=a_day_later) == ["cache.warm", "report.nightly"]
+    assert _names(engine) == ["from-api"]
+
+
+def test_a_worker_sweeps_only_after_two_rounds_in_a_row_reached_the_database(
+    engine: Engine, settings: Settings
+) -> None:
+    """Right after a worker starts, or the database was away, the other workers may not have
+    declared again yet: the sweep waits for the worker's next round."""
+    _declare(TEAM_B)
+    periodic.store_declared(engine, now=T0)
+    _declare(TEAM_A)
+    worker_a = periodic.Declarer(engine, "a@host")
+    later = T0 + timedelta(hours=1)  # B's declaration is long stale
+    assert worker_a.run_once(now=later).removed == []  # its start
+    away = make_engine(settings, "postgresql://nobody@127.0.0.1:1/none", poolclass=NullPool)
+    worker_a.engine, engine_a = away, worker_a.engine
+    with pytest.raises(OperationalError):
+        worker_a.run_once(now=later + periodic.DECLARE_EVERY)
+    worker_a.engine = engine_a
+    assert worker_a.run_once(now=later + 2 * periodic.DECLARE_EVERY).removed == []  # back
+    assert "billing.sync" in _names(engine)
+    assert worker_a.run_once(now=later + 3 * periodic.DECLARE_EVERY).removed == ["billing.sync"]
+
+
+def test_a_code_declared_schedule_is_deleted_now_once_no_running_worker_declares_it(
+    engine: Engine, database_url: str
+) -> None:
+    """`delaysvc schedules delete NAME` (and the API's DELETE) removes a code-declared schedule
+    at once when no worker has declared it for STILL_DECLARED; one that a running worker
+    declares is refused, naming the worker: it would be back at the worker's next round."""
+    _declare(TEAM_B)
+    periodic.store_declared(engine, now=T0)  # a day ago by the database's clock
+    env = outside_env() | {
+        "DELAYSVC_DATABASE_URL": database_url,
+        "DELAYSVC_DELAY_LEVELS": TEST_LEVELS,
+    }
+    deleted = _delaysvc(env, "schedules", "delete", "billing.sync")
+    assert (deleted.returncode, deleted.stdout, deleted.stderr) == (
+        0,
+        "deleted: billing.sync\n",
+        "",
+    )
+    assert _names(engine) == []
+
+    periodic.store_declared(engine, declared_by="b@host")  # declared now
+    refused = _delaysvc(env, "schedules", "delete", "billing.sync")
+    assert refused.returncode == 1, refused.stderr
+    assert "declared in code (@periodic) by a running worker (b@host, " in refused.stderr
+    with pytest.raises(DeclaredInCode, match=r"by a running worker \(b@host, \d+s ago\)"):
+        Schedules(engine).delete("billing.sync")
+    assert _names(engine) == ["billing.sync"]
+
+
+def _delaysvc(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "delaysvc", *args], env=env, capture_output=True, text=True
+    )
 
 
 def test_two_declarations_of_one_name_are_refused() -> None:

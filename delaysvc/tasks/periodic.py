@@ -1,21 +1,25 @@
 """Periodic schedules (`delaysvc.periodic_schedules`) in the worker: beat fires
 `delaysvc.fire_schedules` every second on the delivery queue, and a delivery worker stores the
 schedules its handler modules declare (`@periodic`) and the configured topic limits
-(`delaysvc.limits`) when it starts."""
+(`delaysvc.limits`) when it starts. From then on a thread of the worker declares its schedules
+again every minute and removes those no worker declares any more (`periodic.Declarer`): the
+rounds run in every delivery worker, which a task fired by beat would not (it runs in one)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutting_down
 
 from delaysvc import limits
 from delaysvc import periodic_schedules as periodic
 from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
 
 log = logging.getLogger(__name__)
+_stop = threading.Event()
 
 
 @shared_task(name="delaysvc.fire_schedules", ignore_result=True)
@@ -31,9 +35,36 @@ def fire_schedules() -> int:
 def _store_declared(sender: Any, **_: object) -> None:
     if DELIVERY_QUEUE not in set(sender.app.amqp.queues.consume_from):
         return
-    declared = periodic.store_declared(runtime().engine)
-    log.info("periodic.declared", extra={"schedules": declared})
+    declarer = periodic.Declarer(runtime().engine, sender.hostname)
+    result = _declare(declarer)
+    if result is not None:
+        log.info("periodic.declared", extra={"schedules": result.declared})
+    threading.Thread(
+        target=_keep_declaring, args=(declarer,), name="delaysvc-declare", daemon=True
+    ).start()
     configured = runtime().settings.topic_limits
     if configured:
         limits.apply_configured(runtime().engine, configured)
         log.info("limits.configured", extra={"topics": ",".join(sorted(configured))})
+
+
+def _keep_declaring(declarer: periodic.Declarer) -> None:
+    while not _stop.wait(periodic.DECLARE_EVERY.total_seconds()):
+        _declare(declarer)
+
+
+def _declare(declarer: periodic.Declarer) -> periodic.Declared | None:
+    """One round; a failure is logged, and the next round tries again."""
+    try:
+        result = declarer.run_once()
+    except Exception:
+        log.warning("periodic.declare_failed", exc_info=True)
+        return None
+    if result.removed:
+        log.info("periodic.undeclared_removed", extra={"schedules": ",".join(result.removed)})
+    return result
+
+
+@worker_shutting_down.connect
+def _stop_declaring(**_: object) -> None:
+    _stop.set()

@@ -1,10 +1,13 @@
 """Periodic schedules in the real deployment: two delivery workers and two beats, one
 schedule declared in code (stored by the workers as they start) and one made through the API's
-code path; every tick is one message, run once, and no tick is left out."""
+code path; every tick is one message, run once, and no tick is left out. And two teams'
+delivery workers, each with its own handler modules, starting in turn: each keeps the other's
+schedules."""
 
 from __future__ import annotations
 
 import itertools
+import signal
 from datetime import datetime, timedelta
 
 import pytest
@@ -62,3 +65,46 @@ def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
         "AND (SELECT count(*) FROM e2e_run r WHERE r.message_id = c.id) <> 1"
     )
     assert not_once == 0  # each tick's message ran once
+
+
+def test_delivery_workers_of_two_handler_modules_keep_each_others_schedules(
+    service_factory,  # type: ignore[no-untyped-def]
+) -> None:
+    """Team A's worker starts, team B's, then team A's again (a deploy of A): each start
+    stores its own schedule and leaves the other's, and both go on firing."""
+    team_a = service_factory(handlers="tests.e2e.periodic_handlers")
+    team_b = service_factory(handlers="tests.e2e.periodic_handlers_b")
+
+    def declared() -> set[str]:
+        rows = team_a.rows("SELECT name FROM periodic_schedule WHERE declared_in = 'code'")
+        return {row.name for row in rows}
+
+    def declared_by(name: str) -> str:
+        sql = "SELECT declared_by FROM periodic_schedule WHERE name = :name"
+        return team_a.scalar(sql, name=name) or ""
+
+    first_a = team_a.delivery_worker("team-a")
+    wait_for(lambda: "e2e.tick" in declared(), 60, "team A's worker to declare e2e.tick")
+    team_b.delivery_worker("team-b")
+    wait_for(lambda: "e2e.tock" in declared(), 60, "team B's worker to declare e2e.tock")
+    assert declared() == {"e2e.tick", "e2e.tock"}
+
+    team_a.kill(first_a, signal.SIGTERM)  # a deploy of team A: its worker stops, a new one starts
+    team_a.delivery_worker("team-a")
+    wait_for(
+        lambda: declared_by("e2e.tick").startswith("team-a1@"),
+        60,
+        "team A's new worker to declare e2e.tick",
+    )
+    assert declared() == {"e2e.tick", "e2e.tock"}
+    restarted = team_a.scalar("SELECT statement_timestamp()")
+    team_a.beat()
+    for name in ("e2e.tick", "e2e.tock"):
+        wait_for(
+            lambda name=name: [tick for tick, _ in _ticks(team_a, name) if tick > restarted],
+            60,
+            f"a tick of {name} after team A's restart",
+        )
+    team_a.stop()
+    team_b.stop()
+    assert declared() == {"e2e.tick", "e2e.tock"}
