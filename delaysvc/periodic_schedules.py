@@ -337,7 +337,8 @@ def _fire(conn: Connection, item: Schedule, tick: datetime) -> int:
 
 class Schedules:
     """Schedules at run time, for the API, the CLI and the dashboard: list them, create or
-    replace one, pause, resume, delete. Those declared in code may be paused and resumed only.
+    replace one, pause, resume, delete. Those declared in code may be paused and resumed, and
+    deleted only once no running worker declares them (STILL_DECLARED).
     `topics` (an API token's): a schedule of any other topic is NotFound, as if it were none,
     checked in the transaction that writes."""
 
