@@ -165,6 +165,29 @@ def _named(command: list[str], name: str) -> list[str]:
     return command
 
 
+@pytest.fixture(autouse=True)
+def check_clean_at_the_end(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test on a database of its own ends with `delaysvc check` clean on it, once the
+    deployments it started are stopped (set up before them, this is torn down after them)."""
+    if "database_url" not in request.fixturenames:
+        yield  # a test that brings its own database (`delaysvc up`'s)
+        return
+    url = request.getfixturevalue("database_url")
+    yield
+    from sqlalchemy.pool import NullPool
+
+    from delaysvc.check import run_check
+    from delaysvc.db import make_engine
+
+    engine = make_engine(Settings(), url, poolclass=NullPool)
+    try:
+        result = run_check(engine)
+    finally:
+        engine.dispose()
+    if not result.ok:
+        pytest.fail("delaysvc check after the test:\n" + "\n".join(result.lines()))
+
+
 @pytest.fixture
 def service_factory(
     database_url: str, engine: Engine, tmp_path: Path
