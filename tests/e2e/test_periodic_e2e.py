@@ -11,7 +11,7 @@ import signal
 from datetime import datetime, timedelta
 
 import pytest
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from delaysvc.periodic_schedules import Schedules, schedule
 from tests.e2e.conftest import wait_for
@@ -69,9 +69,11 @@ def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
 
 def test_delivery_workers_of_two_handler_modules_keep_each_others_schedules(
     service_factory,  # type: ignore[no-untyped-def]
+    engine: Engine,
 ) -> None:
     """Team A's worker starts, team B's, then team A's again (a deploy of A): each start
-    stores its own schedule and leaves the other's, and both go on firing."""
+    stores its own schedule and leaves the other's, and both go on firing. The workers'
+    minute rounds declare theirs again and remove a third team's, whose workers are gone."""
     team_a = service_factory(handlers="tests.e2e.periodic_handlers")
     team_b = service_factory(handlers="tests.e2e.periodic_handlers_b")
 
@@ -105,6 +107,28 @@ def test_delivery_workers_of_two_handler_modules_keep_each_others_schedules(
             60,
             f"a tick of {name} after team A's restart",
         )
+
+    def declared_at(name: str) -> datetime:
+        sql = "SELECT declared_at FROM periodic_schedule WHERE name = :name"
+        return team_a.scalar(sql, name=name)  # type: ignore[no-any-return]
+
+    started_b = declared_at("e2e.tock")
+    with engine.begin() as conn:  # a third team's schedule, its last worker gone 11 minutes ago
+        conn.execute(
+            text(
+                "INSERT INTO periodic_schedule (name, topic, body, body_is_json, every_ms, "
+                "declared_in, declared_at, declared_by, next_tick) VALUES ('e2e.gone', "
+                "'e2e.gone', 'null', true, 3600000, 'code', now() - interval '11 minutes', "
+                "'team-c0@gone', now() + interval '1 hour')"
+            )
+        )
+    wait_for(
+        lambda: "e2e.gone" not in declared(),
+        150,
+        "a running worker's round to remove the schedule no worker declares",
+    )
+    assert declared() == {"e2e.tick", "e2e.tock"}
+    assert declared_at("e2e.tock") > started_b  # team B's worker declared it again
     team_a.stop()
     team_b.stop()
     assert declared() == {"e2e.tick", "e2e.tock"}
