@@ -101,16 +101,16 @@ def test_delivery_workers_of_two_handler_modules_keep_each_others_schedules(
     assert declared() == {"e2e.tick", "e2e.tock"}
     restarted = team_a.scalar("SELECT statement_timestamp()")
     team_a.beat()
-    for name in ("e2e.tick", "e2e.tock"):
-        wait_for(
-            lambda name=name: [tick for tick, _ in _ticks(team_a, name) if tick > restarted],
-            60,
-            f"a tick of {name} after team A's restart",
-        )
+
+    def ticked_since_restart(name: str) -> list[datetime]:
+        return [tick for tick, _ in _ticks(team_a, name) if tick > restarted]
+
+    wait_for(lambda: ticked_since_restart("e2e.tick"), 60, "a tick of e2e.tick after the restart")
+    wait_for(lambda: ticked_since_restart("e2e.tock"), 60, "a tick of e2e.tock after the restart")
 
     def declared_at(name: str) -> datetime:
         sql = "SELECT declared_at FROM periodic_schedule WHERE name = :name"
-        return team_a.scalar(sql, name=name)  # type: ignore[no-any-return]
+        return team_a.scalar(sql, name=name)
 
     started_b = declared_at("e2e.tock")
     with engine.begin() as conn:  # a third team's schedule, its last worker gone 11 minutes ago
