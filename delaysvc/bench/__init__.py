@@ -193,6 +193,19 @@ SUITES: dict[str, Suite] = {
         "rolling restart of the delivery, then the consumer worker under a steady flow: lost, "
         "re-runs, lateness",
     ),
+    "chaos": Suite(
+        _suite_in("chaos"),
+        (
+            Size("chaos_seconds", 1800.0, 90.0, "Length of the chaos run, seconds."),
+            Size("chaos_clients", 4, 4, "Client processes sending, cancelling, redriving."),
+            Size("chaos_rate", 30.0, 30.0, "Operations a second per client."),
+            Size("chaos_faults", 120, 6, "Faults injected (each kind at least once)."),
+            Size("chaos_seed", 1, 1, "Seed of the workload and the fault schedule."),
+            Size("chaos_pg_restart", 1, 1, "1: PostgreSQL restarts are among the faults."),
+        ),
+        "history-checked run: clients and seeded faults (kill -9, PostgreSQL restart, deploy, "
+        "level change), every property checked from the history",
+    ),
     "hosts": Suite(
         _suite_in("hosts"),
         (Size("hosts_jobs", 100_000, 20_000, "Ready no-op jobs per host count."), PROCESSES),
