@@ -319,8 +319,9 @@ def rerun_causes(ix: Index) -> dict[str, int]:
     return dict(causes)
 
 
-def _level_pairs(ix: Index) -> list[tuple[Final, Final, Pair]]:
-    """The pairs `level_order` compares: (earlier, later, the earlier's send)."""
+def _level_pairs(ix: Index) -> list[tuple[Final, float, Final, float, Pair]]:
+    """The pairs `level_order` compares: (earlier, when it was moved, later, when it was
+    moved, the earlier's send)."""
     changes = [(f.start, f.end) for f in ix.history.faults if f.kind.startswith("level_")]
     redriven = {p.invoke.args.get("id") for p in ix.of("redrive", "ok", "info")}
     lanes: dict[tuple[int, int, float], list[Pair]] = defaultdict(list)
@@ -342,7 +343,7 @@ def _level_pairs(ix: Index) -> list[tuple[Final, Final, Pair]]:
                 and fa.delivered_at is not None
                 and fb.delivered_at is not None
             ):
-                compared.append((fa, fb, a))
+                compared.append((fa, fa.delivered_at, fb, fb.delivered_at, a))
     return compared
 
 
@@ -351,11 +352,11 @@ def level_order(ix: Index) -> list[Violation]:
         Violation(
             "level_order",
             fb.id,
-            f"moved {fa.delivered_at - fb.delivered_at:.3f}s before message {fa.id}, sent "
-            f"before it by client {a.invoke.process} at level {a.invoke.args['delay_level']}",
+            f"moved {moved_a - moved_b:.3f}s before message {fa.id}, sent before it by "
+            f"client {a.invoke.process} at level {a.invoke.args['delay_level']}",
         )
-        for fa, fb, a in _level_pairs(ix)
-        if fb.delivered_at < fa.delivered_at  # type: ignore[operator]
+        for fa, moved_a, fb, moved_b, a in _level_pairs(ix)
+        if moved_b < moved_a
     ]
 
 
