@@ -188,7 +188,8 @@ def test_lanes_run_from_the_delivery_workers_start_and_a_dead_run_is_rearmed_at_
 
     cut = service.scalar(
         "SELECT count(pg_terminate_backend(pid)) FROM pg_locks "
-        "WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid()"
+        "WHERE locktype = 'advisory' AND granted AND pid <> pg_backend_pid() "
+        "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
     )
     assert cut == service.settings.levels.max_level + 1  # every lane's runner lost its session
     second = producer.send("e2e.unhandled", {"n": 2}, delay_level=1)
