@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from flask import Flask
@@ -147,3 +148,80 @@ def test_info_logs_carry_neither_tokens_nor_bodies(
     assert caplog.records  # the send was logged ...
     assert token not in logged and "wrong-token-value" not in logged  # ... without secrets
     assert "4111-1111" not in logged
+
+
+# Digits Python's int() and str.isdigit() take but a query string's number is not made of:
+# superscripts (isdigit, and int() raises), Arabic-Indic and full-width (int() reads them).
+UNICODE_DIGITS = ["²", "١٢", "\uff11\uff12", "7²"]
+
+
+@pytest.mark.parametrize("digits", UNICODE_DIGITS)
+@pytest.mark.parametrize(
+    ("query", "name", "allowed"),
+    [
+        ("limit", "limit", "a whole number from 1 to 1000"),
+        ("after", "after", "a whole number from 0"),
+    ],
+)
+def test_api_integer_parameters_take_ascii_digits_only(
+    app: Flask, headers: dict[str, str], digits: str, query: str, name: str, allowed: str
+) -> None:
+    response = app.test_client().get("/api/v1/dead", query_string={query: digits}, headers=headers)
+    assert response.status_code == 400, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "invalid"
+    assert error["message"].startswith(f"{name}: ") and allowed in error["message"]
+    assert "digits 0-9" in error["message"]
+    documented = app.test_client().get("/api/v1/openapi.json").get_json()
+    assert "400" in documented["paths"]["/dead"]["get"]["responses"]
+
+
+@pytest.fixture
+def dashboard(app: Flask, engine: Engine) -> Any:
+    from tests.test_dashboard import ADMIN, login
+
+    auth.create_user(engine, *ADMIN, role="admin")
+    client = app.test_client()
+    login(client, ADMIN)
+    return client
+
+
+@pytest.mark.parametrize("digits", UNICODE_DIGITS)
+@pytest.mark.parametrize(
+    ("path", "name", "allowed"),
+    [
+        ("/messages?id={}", "id", "digits 0-9"),
+        ("/messages?limit={}", "limit", "digits 0-9"),
+        ("/messages?before={}", "before", "digits 0-9"),
+        ("/messages?after={}", "after", "digits 0-9"),
+        ("/dead?before={}", "before", "digits 0-9"),
+        ("/history?days={}", "days", "1, 7, 30, 90"),
+        ("/ui/history.json?days={}", "days", "1, 7, 30, 90"),
+    ],
+)
+def test_dashboard_integer_parameters_take_ascii_digits_only(
+    dashboard: Any, digits: str, path: str, name: str, allowed: str
+) -> None:
+    response = dashboard.get(path.format(digits))
+    assert response.status_code == 400, response.text
+    assert f"{name}: " in response.text and allowed in response.text
+
+
+@pytest.mark.parametrize("digits", UNICODE_DIGITS)
+def test_dashboard_integer_form_fields_take_ascii_digits_only(
+    dashboard: Any, engine: Engine, digits: str
+) -> None:
+    from tests.test_dashboard import csrf, flashes
+
+    token = csrf(dashboard)
+    limits = dashboard.post(
+        "/topics/limits", data={"topic": "t.limits", "max_running": digits, "csrf_token": token}
+    )
+    notes = flashes(dashboard, limits)
+    assert any("max_running: " in note and "digits 0-9" in note for note in notes), notes
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM topic_state")).scalar_one() == 0
+    purge = dashboard.post(
+        "/dead/purge", data={"ids": digits, "csrf_token": token}, follow_redirects=True
+    )
+    assert purge.status_code == 400 and "ids: " in purge.text and "digits 0-9" in purge.text

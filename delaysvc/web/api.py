@@ -25,6 +25,7 @@ from delaysvc.serialize import (
     topic_json,
 )
 from delaysvc.validation import validate_topic
+from delaysvc.web import params
 from delaysvc.web.errors import error_response
 
 api = Blueprint("api", __name__)
@@ -97,17 +98,8 @@ def _raise_unsupported() -> dict[str, Any]:
 
 
 def int_arg(name: str, default: int | None, low: int, high: int | None) -> Any:
-    """A whole-number query parameter within [low, high], or a 400 naming it."""
-    raw = request.args.getlist(name)
-    if not raw:
-        return default
-    allowed = f"a whole number from {low}" + (f" to {high}" if high is not None else " up")
-    if len(raw) > 1 or not raw[0].isdigit():
-        raise ValidationError(name, f"must be {allowed}, got {raw!r}")
-    value = int(raw[0])
-    if value < low or (high is not None and value > high):
-        raise ValidationError(name, f"must be {allowed}, got {value}")
-    return value
+    """A whole-number query parameter within [low, high] (ASCII digits), or a 400 naming it."""
+    return params.int_arg(request.args, name, default, low, high)
 
 
 def message_options(item: dict[str, Any]) -> dict[str, Any]:

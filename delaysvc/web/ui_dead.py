@@ -9,7 +9,8 @@ from sqlalchemy import Engine
 
 from delaysvc import store_dashboard as dash
 from delaysvc.dead_letters import DeadLetters
-from delaysvc.errors import DelaysvcError, ValidationError
+from delaysvc.errors import DelaysvcError
+from delaysvc.web import params
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, safe_next, timeout_ms, ui
 from delaysvc.web.ui_format import when
@@ -20,17 +21,14 @@ BATCH = 500
 
 
 def _ids(values: list[str]) -> list[int]:
-    try:
-        return [int(v) for v in values if v.strip()]
-    except ValueError:
-        raise ValidationError("ids", "must be message ids") from None
+    return [params.whole_number("ids", v.strip(), 0) for v in values if v.strip()]
 
 
 @ui.get("/dead")
 def dead() -> Any:
     topic = request.args.get("topic") or None
     error = request.args.get("error")  # "" is a real (empty) error text; absent = any
-    before = request.args.get("before", type=int)
+    before = params.int_arg(request.args, "before", None, 0, blank=True)
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
         groups = dash.dead_groups(conn, topic)
         letters, older = dash.dead_letters_page(conn, topic, error, before)

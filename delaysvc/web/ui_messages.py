@@ -11,6 +11,7 @@ from werkzeug.datastructures import MultiDict
 from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.schema import STATUSES
+from delaysvc.web import params
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, timeout_ms, ui
 from delaysvc.web.ui_format import body_text, message_cells, message_view, when
@@ -20,12 +21,8 @@ PAGE_SIZES = (20, 50, 100, 200)
 
 
 def _int(args: MultiDict[str, str], name: str) -> int | None:
-    value = args.get(name, "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or len(value) > 18:
-        raise ValidationError(name, f"{value!r} is not a message id")
-    return int(value)
+    """A message id or a page size; an empty field is none."""
+    return params.int_arg(args, name, None, 0, blank=True)
 
 
 def _time(args: MultiDict[str, str], name: str) -> datetime | None:

@@ -14,6 +14,7 @@ from delaysvc.limits import all_limits, set_limits
 from delaysvc.periodic_schedules import Schedules
 from delaysvc.serialize import topic_json
 from delaysvc.validation import validate_topic
+from delaysvc.web import params
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, timeout_ms, ui
 from delaysvc.web.ui_format import (
@@ -84,13 +85,11 @@ def topics() -> Any:
 def set_topic_limits() -> Any:
     form = request.form
     try:
-        running = form.get("max_running", "").strip()
-        if running and not running.isdigit():
-            raise ValidationError("max_running", f"{running!r}: a whole number from 1 to 100000")
+        running = params.int_arg(form, "max_running", None, 1, 100_000, blank=True)
         found = set_limits(
             services()["engine"],
             form.get("topic", "").strip(),
-            max_running=int(running) if running else None,
+            max_running=running,
             rate=form.get("rate", "").strip() or None,
         )
     except ValidationError as exc:
@@ -160,14 +159,11 @@ def resume_schedule(name: str) -> Any:
 
 def history_args() -> tuple[int, str | None]:
     """?days= one of HISTORY_DAYS (default 7), ?topic= a topic name or empty."""
-    raw = request.args.get("days", "7").strip()
-    if not raw.isdigit() or int(raw) not in dash.HISTORY_DAYS:
-        allowed = ", ".join(map(str, dash.HISTORY_DAYS))
-        raise ValidationError("days", f"{raw!r} is not one of {allowed}")
+    days = params.choice_arg(request.args, "days", 7, dash.HISTORY_DAYS)
     topic = request.args.get("topic", "").strip() or None
     if topic is not None:
         validate_topic(topic)
-    return int(raw), topic
+    return days, topic
 
 
 def history_data(days: int, topic: str | None) -> dict[str, Any]:
