@@ -215,15 +215,16 @@ def finished_at_disagrees_with_status(conn: Connection, limit: int) -> list[Any]
 
 
 _DUPLICATE_KEYS = f"""
-SELECT id AS message_id, 'message ' || id AS subject,
-    'status ' || status || ', key ' || quote_literal(key) || ' of topic ' || quote_literal(topic)
-    || ' also held by unfinished message '
-    || array_to_string(array_remove(holders, id), ', ') AS problem
-FROM (
-    SELECT id, status, topic, key, array_agg(id) OVER (PARTITION BY topic, key) AS holders,
-        count(*) OVER (PARTITION BY topic, key) AS n
-    FROM delaysvc.commit_log WHERE key IS NOT NULL AND status IN {UNFINISHED}
-) k WHERE n > 1"""
+WITH held AS (
+    SELECT topic, key, array_agg(id ORDER BY id) AS ids FROM delaysvc.commit_log
+    WHERE key IS NOT NULL AND status IN {UNFINISHED}
+    GROUP BY topic, key HAVING count(*) > 1
+)
+SELECT c.id AS message_id, 'message ' || c.id AS subject,
+    'status ' || c.status || ', key ' || quote_literal(c.key) || ' of topic '
+    || quote_literal(c.topic) || ' also held by unfinished message '
+    || array_to_string(array_remove(h.ids, c.id), ', ') AS problem
+FROM held h JOIN delaysvc.commit_log c ON c.id = ANY(h.ids)"""
 
 
 def keys_held_twice(conn: Connection, limit: int) -> list[Any]:
