@@ -89,7 +89,11 @@ def test_a_seeded_history_of_sends_cancels_and_faults_keeps_every_property(
         lease_seconds=str(LEASE_SECONDS), handlers="delaysvc.bench.chaos_handlers"
     )
     config = ChaosConfig(
-        seed=SEED, faults=FAULTS, fault_count=len(FAULTS), lease_seconds=LEASE_SECONDS
+        seed=SEED,
+        seconds=60,
+        faults=FAULTS,
+        fault_count=len(FAULTS),
+        lease_seconds=LEASE_SECONDS,
     )
     print(f"\nchaos seed {SEED} (DELAYSVC_TEST_SEED), faults {', '.join(FAULTS)}")
     outcome = run_chaos(config, ServiceDeployment(service), engine, tmp_path / "history")
