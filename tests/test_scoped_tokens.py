@@ -169,6 +169,8 @@ def test_every_write_route_of_the_api_is_scoped_or_named_here(app: Flask) -> Non
         ("/api/v1/schedules/<name>", "DELETE"),
         ("/api/v1/schedules/<name>/pause", "POST"),
         ("/api/v1/schedules/<name>/resume", "POST"),
+        ("/api/v1/topics/<topic>/cap", "PUT"),  # 404 outside the token's topics: test_caps
+        ("/api/v1/levels/<int:level>/cap", "PUT"),  # 404 for any token limited to topics
     }
     writes = {
         (rule.rule, method)
