@@ -385,6 +385,8 @@ def chaos_suite(ctx: BenchContext) -> Figures:
     from delaysvc.bench.progress import step
     from delaysvc.bench.suites import Figures
     from delaysvc.db import make_engine
+    from delaysvc.levels import DelayLevels
+    from delaysvc.migrate import upgrade
 
     kinds = tuple(k for k in FAULT_KINDS if k != "pg_restart" or ctx.size("chaos_pg_restart"))
     config = ChaosConfig(
@@ -400,13 +402,14 @@ def chaos_suite(ctx: BenchContext) -> Figures:
         f"chaos: seed {config.seed}, {config.clients} clients for {config.seconds:g} s, "
         f"{config.fault_count} faults of {', '.join(kinds)}"
     )
-    settings = ctx.settings.model_copy(update={"delay_levels": BASE_LEVELS})
-    url = bench_database(settings, "delaysvc_bench_chaos")
+    settings = ctx.settings
+    url = bench_database(settings, "delaysvc_bench_chaos", migrate=False)
     engine = make_engine(settings, url)
+    upgrade(engine, DelayLevels.parse(BASE_LEVELS))  # the levels the workers start with
     folder = (ctx.out or Path(tempfile.mkdtemp(prefix="delaysvc-bench-chaos-"))) / "chaos"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        deployment = BenchDeployment(ctx, url, folder, config.lease_seconds)
+        deployment = BenchDeployment(engine, url, folder, config.lease_seconds)
         outcome = run_chaos(config, deployment, engine, folder)
     finally:
         engine.dispose()

