@@ -1,14 +1,27 @@
 """Bounded backlogs: RabbitMQ's x-max-length recipe, done without loss.
 
 A cap limits the waiting messages of one delay level (`level:16=100000:reject`) or of one topic
-(`topic:sms.send=5000:deliver-early`). Sends to a capped level or topic are serialised by an
-advisory lock held until their transaction ends; then
+(`topic:sms.send=5000:deliver-early`). Caps live in the database (`backlog_cap`), set by the
+CLI (`delaysvc cap`), the API and the dashboard, so every producer keeps to them whatever its
+own settings: a single send's statement stores nothing when a cap covers its topic or level
+(one probe of the caps' primary key, `store._UNCAPPED`), and the producer stores it again
+here, under the cap. `DELAYSVC_BACKLOG_CAPS` sets caps at start-up (`apply_configured`: by
+`delaysvc migrate` and each delivery worker's start); a producer that has it keeps to those
+at once too, where the database has no cap for the same level or topic.
+
+Sends to a capped level or topic are serialised by an advisory lock held until their
+transaction ends; then
 
 - `reject`: a send that would take the backlog over the cap fails with `BacklogFull` (HTTP 429)
   before anything is written, so the caller's transaction stays clean;
 - `deliver-early`: the send is stored, and the oldest waiting messages beyond the cap are
   delivered now (moved to their topic queues, counted in `schedule_offset.early_total`), as
   RabbitMQ dead-letters a full queue's head — but nothing is dropped.
+
+A cap counts only what a send adds to its backlog: a send whose key an unfinished message
+holds stores nothing (it returns that message), a key repeated in a batch is stored once, and
+a replace or debounce takes its holder out as it puts the new message in. Such a send is never
+refused and delivers nothing early.
 
 Counts are exact: a level cap reads the level's `lane_count` deltas (a few thousand rows at
 most between two folds), a topic cap scans at most the cap's worth of its index on every send
@@ -22,10 +35,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from sqlalchemy import Engine
+
 from delaysvc import store
-from delaysvc.errors import BacklogFull
+from delaysvc.errors import BacklogFull, ValidationError
 from delaysvc.schema import WAITING
-from delaysvc.settings import BacklogCap
+from delaysvc.settings import BacklogCap, CapPolicy
+from delaysvc.validation import validate_topic
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +60,30 @@ def _net(cap: BacklogCap, adding: Sequence[store.NewMessage], leaving: Sequence[
     return added - sum(1 for r in leaving if r.status in WAITING and _counts(cap, r.topic, r.lane))
 
 
-def _covering(caps: Sequence[BacklogCap], messages: Sequence[store.NewMessage]) -> list[BacklogCap]:
-    found = {cap for cap in caps for m in messages if _counts(cap, m.topic, m.lane)}
-    # a fixed order, so two transactions never wait on each other's cap locks
-    return sorted(found, key=lambda cap: (cap.scope, cap.target))
+def covering(
+    conn: store.Statements,
+    configured: Sequence[BacklogCap],
+    messages: Sequence[store.NewMessage],
+) -> list[BacklogCap]:
+    """The caps these messages' topics and levels have: the database's (one statement), and
+    those `configured` (a producer's DELAYSVC_BACKLOG_CAPS) for targets the database has no
+    cap of. In a fixed order, so two transactions never wait on each other's cap locks."""
+    waiting = [m for m in messages if m.lane >= 0]
+    if not waiting:
+        return []
+    rows = store.caps_covering(
+        conn, [m.topic for m in waiting], [m.lane for m in waiting if m.lane > 0]
+    )
+    found = {(row.scope, row.target): _cap(row) for row in rows}
+    for cap in configured:
+        target = str(int(cap.target)) if cap.scope == "level" else cap.target
+        found.setdefault((cap.scope, target), cap)
+    touched = (cap for cap in found.values() if any(_counts(cap, m.topic, m.lane) for m in waiting))
+    return sorted(touched, key=lambda cap: (cap.scope, cap.target))
+
+
+def _cap(row: Any) -> BacklogCap:
+    return BacklogCap(row.scope, row.target, row.max_waiting, row.policy)
 
 
 def _adding(
@@ -78,18 +114,17 @@ def _pending(conn: store.Statements, cap: BacklogCap, up_to: int) -> int:
 
 def before_insert(
     conn: store.Statements,
-    caps: Sequence[BacklogCap],
+    capped: Sequence[BacklogCap],
     messages: Sequence[store.NewMessage],
     leaving: Sequence[Any] = (),
 ) -> None:
-    """Lock every cap these messages touch; refuse them if a `reject` cap would overflow.
-    Only what adds to a backlog counts: a message whose key is held already stores nothing,
-    and `leaving` (rows as `store.MESSAGE_STATE` reads them: a message about to be replaced)
-    takes its place."""
-    covering = _covering(caps, messages)
-    for cap in covering:
+    """Lock the caps `covering` found for these messages; refuse them if a `reject` cap would
+    overflow. Only what adds to a backlog counts: a message whose key is held already stores
+    nothing, and `leaving` (rows as `store.MESSAGE_STATE` reads them: a message about to be
+    replaced) takes its place."""
+    for cap in capped:
         store.lock_cap(conn, f"{cap.scope}:{cap.target}")
-    rejecting = [cap for cap in covering if cap.policy == "reject"]
+    rejecting = [cap for cap in capped if cap.policy == "reject"]
     if not rejecting:
         return
     adding = _adding(conn, messages, leaving)
@@ -101,20 +136,20 @@ def before_insert(
         if pending + incoming > cap.limit:
             raise BacklogFull(
                 f"{cap.scope} {cap.target} holds {pending} waiting messages and its cap is "
-                f"{cap.limit} (DELAYSVC_BACKLOG_CAPS); {incoming} more refused, retry later"
+                f"{cap.limit}; {incoming} more refused, retry later"
             )
 
 
 def after_insert(
     conn: store.Statements,
-    caps: Sequence[BacklogCap],
+    capped: Sequence[BacklogCap],
     created: Sequence[store.NewMessage],
     leaving: Sequence[Any] = (),
 ) -> int:
     """Deliver the oldest waiting messages beyond each `deliver-early` cap the `created`
     messages (those the insert stored) added to, net of `leaving`. -> how many."""
     early: Counter[str] = Counter()
-    for cap in _covering(caps, created):
+    for cap in capped:
         incoming = _net(cap, created, leaving)
         if cap.policy != "deliver-early" or incoming <= 0:
             continue
@@ -129,3 +164,82 @@ def after_insert(
     for target, count in early.items():
         log.warning("backlog.delivered_early", extra={"cap": target, "count": count})
     return sum(early.values())
+
+
+# ---------------------------------------------------------------- setting caps
+
+MAX_WAITING = 1_000_000_000
+POLICIES: tuple[CapPolicy, ...] = ("reject", "deliver-early")
+
+
+def check_target(scope: object, target: object) -> tuple[str, str]:
+    """(`level`, its number as text) or (`topic`, the topic), validated."""
+    if scope == "topic":
+        return "topic", validate_topic(target)
+    if scope == "level":
+        if isinstance(target, int) and not isinstance(target, bool):
+            target = str(target)
+        if isinstance(target, str) and target.isdigit() and 1 <= int(target) <= 1000:
+            return "level", str(int(target))
+        raise ValidationError("level", f"{target!r}: a level number from 1")
+    raise ValidationError("scope", f"{scope!r}: use level or topic")
+
+
+def parse_target(text: str) -> tuple[str, str]:
+    """`level:16` or `topic:sms.send` -> (scope, target), validated."""
+    scope, sep, target = text.partition(":")
+    if not sep:
+        raise ValidationError("target", f"{text!r}: use level:N or topic:NAME")
+    return check_target(scope, target)
+
+
+def check_max_waiting(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WAITING:
+        raise ValidationError("max_waiting", f"{value!r}: a whole number from 1 to {MAX_WAITING}")
+    return value
+
+
+def check_policy(value: object) -> CapPolicy:
+    if value not in POLICIES:
+        raise ValidationError("policy", f"{value!r}: use reject or deliver-early")
+    return value
+
+
+def set_cap(
+    engine: Engine,
+    scope: str,
+    target: object,
+    max_waiting: object = None,
+    policy: object = None,
+) -> BacklogCap | None:
+    """Cap a level or a topic at `max_waiting` waiting messages (`policy` reject, the
+    default, or deliver-early); None lifts the cap. Every producer keeps to it from its next
+    send on. -> the cap, or None (lifted)."""
+    scope, target = check_target(scope, target)
+    if max_waiting is None:
+        if policy is not None:
+            raise ValidationError("max_waiting", "is required with a policy")
+        with engine.begin() as conn:
+            store.lift_backlog_cap(conn, scope, target)
+        return None
+    limit = check_max_waiting(max_waiting)
+    chosen = check_policy("reject" if policy is None else policy)
+    with engine.begin() as conn:
+        if scope == "level" and int(target) not in store.stored_levels(conn):
+            raise ValidationError("level", f"level {target} does not exist in the database")
+        return _cap(store.set_backlog_cap(conn, scope, target, limit, chosen))
+
+
+def all_caps(engine: Engine) -> list[BacklogCap]:
+    with engine.connect() as conn:
+        return [_cap(row) for row in store.backlog_caps(conn)]
+
+
+def apply_configured(engine: Engine, configured: Sequence[BacklogCap]) -> None:
+    """Store the caps DELAYSVC_BACKLOG_CAPS names (`delaysvc migrate`, a delivery worker's
+    start): a level or topic named there gets its cap again at every start; others keep what
+    the CLI, the API or the dashboard set."""
+    with engine.begin() as conn:
+        for cap in configured:
+            target = str(int(cap.target)) if cap.scope == "level" else cap.target
+            store.set_backlog_cap(conn, cap.scope, target, cap.limit, cap.policy)

@@ -92,6 +92,10 @@ def migrate(ctx: Context) -> None:
     engine = make_engine(ctx.settings, direct) if direct else ctx.engine
     for change in upgrade(engine, ctx.settings.levels):
         click.echo(change.describe())
+    if ctx.settings.caps:  # DELAYSVC_BACKLOG_CAPS, stored for every producer
+        from delaysvc.caps import apply_configured
+
+        apply_configured(engine, ctx.settings.caps)
     click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
 
 
@@ -465,6 +469,46 @@ def limits_list(ctx: Context, as_json: bool) -> None:
         return
     for item in found:
         click.echo(f"{item.topic:<30} {_limits_text(item)}")
+
+
+@cli.command("cap")
+@click.argument("target")
+@click.option("--max-waiting", type=int, help="At most this many messages wait in TARGET.")
+@click.option(
+    "--policy",
+    type=click.Choice(["reject", "deliver-early"]),
+    help="When full: refuse the send (reject, the default) or deliver the oldest now.",
+)
+@pass_ctx
+def cap(ctx: Context, target: str, max_waiting: int | None, policy: str | None) -> None:
+    """Cap the waiting messages of a level (level:16) or a topic (topic:sms.send) for every
+    producer; without --max-waiting, lift it."""
+    from delaysvc import caps
+
+    scope, name = caps.parse_target(target)
+    found = caps.set_cap(ctx.engine, scope, name, max_waiting, policy)
+    click.echo(f"{scope}:{found.target if found else name}: {_cap_text(found)}")
+
+
+@cli.command("caps")
+@JSON_OPTION
+@pass_ctx
+def caps_list(ctx: Context, as_json: bool) -> None:
+    """The levels and topics with backlog caps."""
+    from delaysvc.caps import all_caps
+
+    found = all_caps(ctx.engine)
+    if as_json:
+        from delaysvc.serialize import cap_json
+
+        echo_json({"caps": [cap_json(item) for item in found]})
+        return
+    for item in found:
+        click.echo(f"{item.scope + ':' + item.target:<30} {_cap_text(item)}")
+
+
+def _cap_text(item: Any) -> str:
+    return f"at most {item.limit} waiting, {item.policy}" if item else "no cap"
 
 
 def _limits_text(item: Any) -> str:

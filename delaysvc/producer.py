@@ -396,10 +396,16 @@ class Producer:
         return message
 
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
+        inserted = None
         if connection is None and not self.settings.caps and self._autocommitted_sends:
-            row, created, _ = self._retried(lambda: self._insert_autocommitted(new))
-        else:
-            ((row, created, _),) = self._write(connection, lambda conn: self._store(conn, [new]))
+            inserted = self._retried(lambda: self._insert_autocommitted(new))
+        if inserted is not None:
+            row, created, _ = inserted
+        else:  # in a transaction, or a cap covers it (nothing was stored)
+            capped = connection is None and not self.settings.caps and self._autocommitted_sends
+            ((row, created, _),) = self._write(
+                connection, lambda conn: self._store(conn, [new], capped=capped)
+            )
         message = Message.sent(new, row) if created else Message.from_row(row, created=False)
         if created and new.lane > 0 and row.lane == TIMER_LANE:
             log.warning(
@@ -499,14 +505,15 @@ class Producer:
             log.warning("producer.reconnecting", extra={"error": str(exc)})
         return attempt()
 
-    def _insert_autocommitted(self, new: store.NewMessage) -> tuple[Any, bool, int | None]:
-        """A single send without caps: one statement committing by itself, so one round trip
-        instead of three (BEGIN, statement, COMMIT), on a pooled connection's driver cursor."""
+    def _insert_autocommitted(self, new: store.NewMessage) -> tuple[Any, bool, int | None] | None:
+        """A single send: one statement committing by itself, so one round trip instead of
+        three (BEGIN, statement, COMMIT), on a pooled connection's driver cursor. None: a cap
+        covers it, nothing was stored (`store.insert_message`)."""
         sent = False
         try:
             with db.autocommit_cursor(self.engine) as cursor:
                 sent = True  # from here on, a statement sent may have committed
-                return store.insert_message(cursor, new)
+                return store.insert_message(cursor, new, caps_held=False)
         except DBAPIError as exc:
             _raise_domain_error(exc, connected=sent, maybe_stored=sent)
             raise
@@ -516,40 +523,53 @@ class Producer:
         conn: joining.Joined,
         messages: Sequence[store.NewMessage],
         replacing: Any | None = None,
+        capped: bool = False,
     ) -> list[tuple[Any, bool, int | None]]:
         """Insert, within the backlog caps (see `delaysvc.caps`), after cancelling `replacing`
-        (the holder of the message's key, as `_locate` reads it) if given. A single send
-        without caps is one statement; anything more is one transaction
-        (`Joined.transaction`). A cap counts what the write adds to its backlog: a held key
-        adds nothing, a replacement takes its holder's place; a refusal comes before anything
-        is written, the holder's cancel included."""
-        capped = self.settings.caps
-        if len(messages) == 1 and not capped and replacing is None:
-            return [self._insert_one(conn, messages[0])]
+        (the holder of the message's key, as `_locate` reads it) if given. A single send is
+        one statement, unless a cap covers it (`capped`: known already) or this producer has
+        caps of its own (DELAYSVC_BACKLOG_CAPS); anything more is one transaction
+        (`Joined.transaction`) that reads the caps first. A cap counts what the write adds to
+        its backlog: a held key adds nothing, a replacement takes its holder's place; a
+        refusal comes before anything is written, the holder's cancel included."""
+        if len(messages) == 1 and replacing is None and not capped and not self.settings.caps:
+            inserted = self._insert_one(conn, messages[0], caps_held=False)
+            if inserted is not None:
+                return [inserted]
         leaving = [] if replacing is None else [replacing]
         with conn.transaction():
-            if capped:
-                caps.before_insert(conn, capped, messages, leaving)
+            covering = caps.covering(conn, self.settings.caps, messages)
+            caps.before_insert(conn, covering, messages, leaving)
             if replacing is not None:
                 self._cancel(conn, replacing.id, None, None, None)
             if len(messages) == 1:
-                results = [self._insert_one(conn, messages[0])]
+                results = [self._insert_held(conn, messages[0])]
             else:
                 with conn.psycopg_cursor() as cursor:
                     results = store.insert_messages(conn, messages, cursor)
-            if capped:
+            if covering:
                 created = [m for m, (_, new, _) in zip(messages, results, strict=True) if new]
-                caps.after_insert(conn, capped, created, leaving)
+                caps.after_insert(conn, covering, created, leaving)
         return results
 
     @staticmethod
     def _insert_one(
-        conn: joining.Joined, message: store.NewMessage
-    ) -> tuple[Any, bool, int | None]:
+        conn: joining.Joined, message: store.NewMessage, caps_held: bool
+    ) -> tuple[Any, bool, int | None] | None:
+        """One statement; None if a cap covers the message and `caps_held` is false."""
         with conn.psycopg_cursor() as cursor:
             if cursor is not None:
-                return store.insert_message(cursor, message)
-        return store.insert_message_on(conn, message)
+                return store.insert_message(cursor, message, caps_held)
+        return store.insert_uncapped_on(conn, message, caps_held)
+
+    @classmethod
+    def _insert_held(
+        cls, conn: joining.Joined, message: store.NewMessage
+    ) -> tuple[Any, bool, int | None]:
+        """`_insert_one` under the caps' locks: never left to them."""
+        inserted = cls._insert_one(conn, message, caps_held=True)
+        assert inserted is not None
+        return inserted
 
     def _prepare_item(self, item: Mapping[str, Any], now: datetime | None) -> store.NewMessage:
         if not isinstance(item, Mapping):

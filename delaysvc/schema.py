@@ -229,6 +229,21 @@ topic_state = Table(
     CheckConstraint("rate_per_s > 0", name="ck_topic_state_rate_per_s"),
 )
 
+backlog_cap = Table(
+    "backlog_cap",
+    metadata,
+    # at most max_waiting waiting messages in a level (target: its number) or a topic, read by
+    # every producer's send (`delaysvc.caps`)
+    Column("scope", Text, primary_key=True),
+    Column("target", Text, primary_key=True),
+    Column("max_waiting", BigInteger, nullable=False),
+    Column("policy", Text, nullable=False),
+    Column("updated_at", Timestamp, nullable=False, server_default=text("now()")),
+    CheckConstraint("scope IN ('level', 'topic')", name="ck_backlog_cap_scope"),
+    CheckConstraint("max_waiting > 0", name="ck_backlog_cap_max_waiting"),
+    CheckConstraint("policy IN ('reject', 'deliver-early')", name="ck_backlog_cap_policy"),
+)
+
 api_token = Table(
     "api_token",
     metadata,

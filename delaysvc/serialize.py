@@ -124,6 +124,16 @@ def schedule_json(row: Any) -> dict[str, Any]:
     }
 
 
+def cap_json(cap: Any) -> dict[str, Any]:
+    """A level's or a topic's backlog cap (`delaysvc.settings.BacklogCap`)."""
+    return {
+        "scope": cap.scope,
+        "target": cap.target,
+        "max_waiting": cap.limit,
+        "policy": cap.policy,
+    }
+
+
 def limits_json(item: Any) -> dict[str, Any]:
     """A topic's limits (`delaysvc.limits.TopicLimits`)."""
     return {"topic": item.topic, "max_running": item.max_running, "rate_per_s": item.rate_per_s}

@@ -329,6 +329,14 @@ def _ms_or_none(ms: int | None) -> str:
 
 # ---------------------------------------------------------------- producing
 
+# A send to a level or the timer lane stores nothing if a backlog cap covers its topic or level,
+# unless the caller holds the caps' locks (:caps_held): a probe of backlog_cap's primary key per
+# target, so every producer keeps to the caps without a setting or a cache. It returns one row of
+# NULLs instead, and the producer stores the message under the caps (`delaysvc.caps`).
+_UNCAPPED = """uncapped AS (SELECT CAST(:caps_held AS boolean) OR NOT EXISTS (
+        SELECT 1 FROM delaysvc.backlog_cap bc WHERE {targets}) AS free), """
+_CAPPED_MARK = "\nUNION ALL SELECT NULL, NULL, NULL, NULL FROM uncapped WHERE NOT uncapped.free"
+
 # One statement per send, returning only what the database decides (id, stored_at,
 # deliver_ts, and the lane, which for a level is the level only if the database agrees on its
 # delay: `_PLACED_LANE`): the producer has the rest. One form per kind of lane.
@@ -346,7 +354,7 @@ WITH {placed}msg AS (
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
     RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts, priority
 ){enqueue}
-SELECT id, stored_at, deliver_ts, lane FROM msg
+SELECT id, stored_at, deliver_ts, lane FROM msg{capped}
 """
 # The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`).
 _PLACED_ONE = (
@@ -355,21 +363,28 @@ _PLACED_ONE = (
     + " AS smallint) AS lane)"
 )
 _INSERT_ONE_LEVEL = _INSERT_ONE.format(
-    placed=_PLACED_ONE + ", ",
+    placed=_PLACED_ONE
+    + ", "
+    + _UNCAPPED.format(
+        targets="(bc.scope = 'topic' AND bc.target = :topic) OR "
+        "(bc.scope = 'level' AND bc.target = CAST(CAST(:lane AS int) AS text))"
+    ),
     lane="placed.lane",
     offset=_NEXT_OFFSET.format(lane="placed.lane"),
     status="'scheduled'",
     delivered_at="NULL",
-    source=" FROM placed",
+    source=" FROM placed, uncapped WHERE uncapped.free",
     enqueue=_ENQUEUE_FROM.format(src="msg"),
+    capped=_CAPPED_MARK,
 )
 _INSERT_ONE_TIMER = _INSERT_ONE.format(
-    placed="",
+    placed=_UNCAPPED.format(targets="bc.scope = 'topic' AND bc.target = :topic"),
     lane="CAST(0 AS smallint)",
     offset="nextval('delaysvc.timer_queue_seq')",
     status="'scheduled'",
     delivered_at="NULL",
-    source="",
+    source=" FROM uncapped WHERE uncapped.free",
+    capped=_CAPPED_MARK,
     enqueue="""
 , timer_rows AS (
     INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
@@ -385,6 +400,7 @@ _INSERT_ONE_READY = _INSERT_ONE.format(
     status="'ready'",
     delivered_at="statement_timestamp()",
     source="",
+    capped="",
     enqueue="""
 , queued AS (
     INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
@@ -424,11 +440,14 @@ class Stored(NamedTuple):
     lane: int
 
 
-def insert_message(cursor: Cursor[Any], message: NewMessage) -> tuple[Any, bool, int | None]:
+def insert_message(
+    cursor: Cursor[Any], message: NewMessage, caps_held: bool
+) -> tuple[Any, bool, int | None] | None:
     """Store one message and put it in its lane, in one statement. -> (row, created, origin)
     as `insert_messages` gives them: a new message's row is `Stored` (the caller has the rest;
     origin 0); a key already held by an unfinished message of the topic gives that message's
-    whole row, created=False, origin None.
+    whole row, created=False, origin None. None: a backlog cap covers the message's topic or
+    level and the caller does not hold the caps' locks (`caps_held`): nothing was stored.
 
     `cursor` is a psycopg 3 driver cursor (an autocommitted single send:
     `db.autocommit_cursor`; in a transaction: `driver_errors`): the statement is prepared on
@@ -437,7 +456,7 @@ def insert_message(cursor: Cursor[Any], message: NewMessage) -> tuple[Any, bool,
     than the statement's own execution, are skipped (docs/benchmarks/README.md, "Send").
     `insert_message_on` is the same on any `Statements`."""
     statement = _driver_sql(_insert_one_statement(message.lane))
-    params = _message_params(message)
+    params = {**_message_params(message), "caps_held": caps_held}
     prepare = None if cursor.connection.prepare_threshold is None else True
 
     def find_holder() -> Any:
@@ -451,8 +470,18 @@ def insert_message(cursor: Cursor[Any], message: NewMessage) -> tuple[Any, bool,
 
 
 def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:
+    """`insert_message` through any `Statements` (any driver), by a caller holding the caps'
+    locks or sending due now (never capped)."""
+    inserted = insert_uncapped_on(conn, message, caps_held=True)
+    assert inserted is not None  # with the caps held, nothing is left to them
+    return inserted
+
+
+def insert_uncapped_on(
+    conn: Statements, message: NewMessage, caps_held: bool = False
+) -> tuple[Any, bool, int | None] | None:
     """`insert_message` through any `Statements` (any driver)."""
-    params = _message_params(message)
+    params = {**_message_params(message), "caps_held": caps_held}
     return _insert_or_find(
         message,
         lambda: conn.execute(sql(_insert_one_statement(message.lane)), params).first(),
@@ -462,10 +491,12 @@ def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool,
 
 def _insert_or_find(
     message: NewMessage, insert: Callable[[], Any], find_holder: Callable[[], Any]
-) -> tuple[Any, bool, int | None]:
+) -> tuple[Any, bool, int | None] | None:
     for _ in range(5):
         row = insert()
         if row is not None:
+            if row[0] is None:
+                return None  # a cap covers it (`_UNCAPPED`)
             return Stored(*row), True, 0
         if message.key is not None:
             existing = find_holder()
@@ -1218,6 +1249,57 @@ def lock_cap(conn: Statements, target: str) -> None:
     conn.execute(
         sql("SELECT pg_advisory_xact_lock(:class, hashtext(:target))"),
         {"class": CAP_LOCK_CLASS, "target": target},
+    )
+
+
+def set_backlog_cap(
+    conn: Connection, scope: str, target: str, max_waiting: int, policy: str
+) -> Any:
+    """Set a level's or a topic's cap; every send from the next one on keeps to it. -> its row."""
+    return conn.execute(
+        sql(
+            "INSERT INTO delaysvc.backlog_cap (scope, target, max_waiting, policy) "
+            "VALUES (:scope, :target, :max_waiting, :policy) ON CONFLICT (scope, target) "
+            "DO UPDATE SET max_waiting = EXCLUDED.max_waiting, policy = EXCLUDED.policy, "
+            "updated_at = now() RETURNING scope, target, max_waiting, policy"
+        ),
+        {"scope": scope, "target": target, "max_waiting": max_waiting, "policy": policy},
+    ).one()
+
+
+def lift_backlog_cap(conn: Connection, scope: str, target: str) -> bool:
+    """Lift a level's or a topic's cap. -> whether it had one."""
+    return bool(
+        conn.execute(
+            sql("DELETE FROM delaysvc.backlog_cap WHERE scope = :scope AND target = :target"),
+            {"scope": scope, "target": target},
+        ).rowcount
+    )
+
+
+def backlog_caps(conn: Connection) -> list[Any]:
+    return list(
+        conn.execute(
+            sql(
+                "SELECT scope, target, max_waiting, policy FROM delaysvc.backlog_cap "
+                "ORDER BY scope, CASE WHEN scope = 'level' THEN lpad(target, 5, '0') "
+                "ELSE target END"
+            )
+        )
+    )
+
+
+def caps_covering(conn: Statements, topics: Sequence[str], levels: Sequence[int]) -> list[Any]:
+    """The caps of these topics and levels: a probe of the caps' primary key per target."""
+    return list(
+        conn.execute(
+            sql(
+                "SELECT scope, target, max_waiting, policy FROM delaysvc.backlog_cap "
+                "WHERE (scope = 'topic' AND target = ANY(CAST(:topics AS text[]))) "
+                "OR (scope = 'level' AND target = ANY(CAST(:levels AS text[])))"
+            ),
+            {"topics": sorted(set(topics)), "levels": sorted({str(n) for n in levels})},
+        )
     )
 
 

@@ -460,6 +460,7 @@ def _spec_paths(app: Flask) -> set[tuple[str, str]]:
         if rule.rule.startswith("/api/v1/"):
             path = rule.rule[len("/api/v1") :].replace("<int:message_id>", "{message_id}")
             path = path.replace("<name>", "{name}").replace("<topic>", "{topic}")
+            path = path.replace("<level>", "{level}")
             served |= {(path, m.lower()) for m in rule.methods - {"HEAD", "OPTIONS"}}
     return served
 

@@ -3,19 +3,28 @@ stores it and delivers the oldest waiting messages now. Nothing is ever dropped.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 from sqlalchemy import Engine, text
 
+from delaysvc import auth, caps
 from delaysvc.errors import BacklogFull, ConfigError
 from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.settings import BacklogCap, Settings
+from delaysvc.web import create_app
+from tests.conftest import TEST_LEVELS, outside_env
 
 
-def _producer(settings: Settings, engine: Engine, caps: str) -> Producer:
+def _producer(settings: Settings, engine: Engine, configured: str) -> Producer:
+    """A producer with no caps of its own, on a database with these caps (stored as
+    `delaysvc migrate` stores DELAYSVC_BACKLOG_CAPS)."""
     # not model_copy: it would carry the `caps` the original settings cached
-    return Producer(
-        Settings.model_validate({**settings.model_dump(), "backlog_caps": caps}), engine
-    )
+    found = Settings.model_validate({**settings.model_dump(), "backlog_caps": configured}).caps
+    caps.apply_configured(engine, found)
+    return Producer(settings, engine)
 
 
 def _statuses(engine: Engine) -> dict[int, str]:
@@ -245,3 +254,171 @@ def test_a_batch_counts_only_what_it_adds(settings: Settings, engine: Engine) ->
     assert [m.created for m in producer.send_batch([{**item, "key": "k0"}] * 2)] == [False] * 2
     with pytest.raises(BacklogFull, match="1 more refused"):
         producer.send_batch([{**item, "key": "k0"}, {**item, "key": "new"}])
+
+
+# ---------------------------------------------------------------- caps in the database
+
+
+def _cli(database_url: str, *args: str, **variables: str) -> subprocess.CompletedProcess[str]:
+    env = outside_env()
+    env.update(DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS=TEST_LEVELS, **variables)
+    return subprocess.run(
+        [sys.executable, "-m", "delaysvc", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_cap_set_with_the_cli_binds_a_producer_without_caps_of_its_own(
+    settings: Settings, engine: Engine, database_url: str
+) -> None:
+    producer = Producer(settings, engine)  # no DELAYSVC_BACKLOG_CAPS
+    assert settings.caps == ()
+    set_ = _cli(database_url, "cap", "topic:t.cli", "--max-waiting", "1")
+    assert (set_.returncode, set_.stdout) == (0, "topic:t.cli: at most 1 waiting, reject\n")
+    early = _cli(database_url, "cap", "level:2", "--max-waiting", "2", "--policy", "deliver-early")
+    assert early.stdout == "level:2: at most 2 waiting, deliver-early\n"
+    assert _cli(database_url, "caps").stdout.splitlines() == [
+        "level:2                        at most 2 waiting, deliver-early",
+        "topic:t.cli                    at most 1 waiting, reject",
+    ]
+    assert json.loads(_cli(database_url, "caps", "--json").stdout) == {
+        "caps": [
+            {"scope": "level", "target": "2", "max_waiting": 2, "policy": "deliver-early"},
+            {"scope": "topic", "target": "t.cli", "max_waiting": 1, "policy": "reject"},
+        ]
+    }
+    producer.send("t.cli", {"n": 0}, delay="1h")
+    with pytest.raises(BacklogFull, match=r"topic t\.cli holds 1 waiting messages"):
+        producer.send("t.cli", {"n": 1}, delay_level=3)  # the single send's statement
+    with engine.connect() as conn, conn.begin(), pytest.raises(BacklogFull):
+        producer.send("t.cli", {"n": 1}, delay_level=3, connection=conn)  # in a transaction
+    ids = [producer.send("t.lvl", {"n": n}, delay_level=2).id for n in range(3)]
+    assert [producer.get(i).status for i in ids] == ["ready", "scheduled", "scheduled"]
+    assert _early(engine, 2) == 1
+
+    bad = _cli(database_url, "cap", "level:9", "--max-waiting", "5")
+    assert (bad.returncode, "level 9 does not exist" in bad.stderr) == (2, True)
+    assert _cli(database_url, "cap", "queue:x").returncode == 2
+    lifted = _cli(database_url, "cap", "topic:t.cli")
+    assert lifted.stdout == "topic:t.cli: no cap\n"
+    producer.send("t.cli", {"n": 2}, delay_level=3)  # lifted: stored at once
+    assert _waiting(engine, "t.cli") == 2
+
+
+def test_delaysvc_backlog_caps_is_stored_by_migrate_for_every_producer(
+    settings: Settings, engine: Engine, database_url: str
+) -> None:
+    _cli(database_url, "cap", "topic:kept", "--max-waiting", "9")  # set at run time: kept
+    migrated = _cli(
+        database_url, "migrate", DELAYSVC_BACKLOG_CAPS="topic:t.env=1:reject,level:03=5:reject"
+    )
+    assert migrated.returncode == 0, migrated.stderr
+    assert caps.all_caps(engine) == [
+        BacklogCap("level", "3", 5, "reject"),
+        BacklogCap("topic", "kept", 9, "reject"),
+        BacklogCap("topic", "t.env", 1, "reject"),
+    ]
+    producer = Producer(settings, engine)
+    producer.send("t.env", {"n": 0}, delay_level=1)
+    with pytest.raises(BacklogFull):
+        producer.send("t.env", {"n": 1}, delay_level=1)
+
+
+def test_a_producers_own_caps_hold_where_the_database_has_none(
+    settings: Settings, engine: Engine
+) -> None:
+    """DELAYSVC_BACKLOG_CAPS in a producer's settings binds its sends at once, before any
+    migrate or worker stored it; where the database caps the same target, the database's
+    cap holds."""
+    own = Producer(
+        Settings.model_validate(
+            {**settings.model_dump(), "backlog_caps": "topic:t.own=1:reject,topic:t.both=1:reject"}
+        ),
+        engine,
+    )
+    caps.set_cap(engine, "topic", "t.both", 3)
+    own.send("t.own", {"n": 0}, delay_level=1)
+    with pytest.raises(BacklogFull):
+        own.send("t.own", {"n": 1}, delay_level=1)
+    for n in range(3):
+        own.send("t.both", {"n": n}, delay_level=1)
+    with pytest.raises(BacklogFull, match="its cap is 3"):
+        own.send("t.both", {"n": 3}, delay_level=1)
+
+
+def test_caps_through_the_api(settings: Settings, engine: Engine) -> None:
+    app = create_app(settings)
+    client = app.test_client()
+    admin = {"Authorization": f"Bearer {auth.create_token(engine, 'ops', 'admin')}"}
+    scoped = {
+        "Authorization": f"Bearer {auth.create_token(engine, 'shop', 'admin', topics=['t.api'])}"
+    }
+    sender = {"Authorization": f"Bearer {auth.create_token(engine, 'app', 'send')}"}
+    try:
+        put = client.put("/api/v1/topics/t.api/cap", json={"max_waiting": 1}, headers=scoped)
+        assert put.status_code == 200, put.get_json()
+        assert put.get_json() == {
+            "scope": "topic",
+            "target": "t.api",
+            "max_waiting": 1,
+            "policy": "reject",
+        }
+        level = client.put(
+            "/api/v1/levels/2/cap",
+            json={"max_waiting": 5, "policy": "deliver-early"},
+            headers=admin,
+        )
+        assert level.get_json() == {
+            "scope": "level",
+            "target": "2",
+            "max_waiting": 5,
+            "policy": "deliver-early",
+        }
+        every = [
+            {"scope": "level", "target": "2", "max_waiting": 5, "policy": "deliver-early"},
+            {"scope": "topic", "target": "t.api", "max_waiting": 1, "policy": "reject"},
+        ]
+        assert client.get("/api/v1/caps", headers=admin).get_json() == {"caps": every}
+        assert client.get("/api/v1/caps", headers=scoped).get_json() == {"caps": every[1:]}
+        # a token limited to topics touches only their caps: others are not there for it
+        other = client.put("/api/v1/topics/t.other/cap", json={"max_waiting": 1}, headers=scoped)
+        assert other.status_code == 404
+        assert client.put("/api/v1/levels/2/cap", json={}, headers=scoped).status_code == 404
+        assert client.put("/api/v1/topics/t.api/cap", json={}, headers=sender).status_code == 403
+        bad = client.put("/api/v1/topics/t.api/cap", json={"max_waiting": 0}, headers=admin)
+        assert bad.status_code == 400
+        assert "a whole number from 1" in bad.get_json()["error"]["message"]
+        bad = client.put(
+            "/api/v1/levels/2/cap", json={"max_waiting": 1, "policy": "drop"}, headers=admin
+        )
+        assert "reject or deliver-early" in bad.get_json()["error"]["message"]
+        assert (
+            client.put("/api/v1/levels/9/cap", json={"max_waiting": 1}, headers=admin).status_code
+            == 400
+        )
+
+        # the cap binds every producer: this one has none of its own, the HTTP send too
+        first = client.post(
+            "/api/v1/messages", json={"topic": "t.api", "body": 1, "delay": "1h"}, headers=sender
+        )
+        assert first.status_code == 201
+        full = client.post(
+            "/api/v1/messages", json={"topic": "t.api", "body": 2, "delay": "1h"}, headers=sender
+        )
+        assert full.status_code == 429
+        with pytest.raises(BacklogFull):
+            Producer(settings, engine).send("t.api", 3, delay_level=1)
+
+        lifted = client.put("/api/v1/topics/t.api/cap", json={}, headers=scoped)
+        assert lifted.get_json() == {
+            "scope": "topic",
+            "target": "t.api",
+            "max_waiting": None,
+            "policy": None,
+        }
+        assert Producer(settings, engine).send("t.api", 3, delay_level=1).created
+    finally:
+        app.extensions["delaysvc"]["engine"].dispose()

@@ -231,6 +231,8 @@ def test_0013_an_install_with_finished_history_upgrades_in_place_and_loses_no_me
     from delaysvc.producer import Producer
 
     upgrade(empty_engine, _levels(TEST_LEVELS), revision="0012")
+    with empty_engine.begin() as conn:  # what this version's sends read of the caps (0015)
+        conn.execute(text("CREATE TABLE backlog_cap (scope text, target text)"))
     settings = Settings(delay_levels=TEST_LEVELS)
     producer, consumer = Producer(settings, empty_engine), Consumer(settings, empty_engine)
     fate = {"doomed": True}
@@ -269,6 +271,8 @@ def test_0013_an_install_with_finished_history_upgrades_in_place_and_loses_no_me
         *["succeeded"] * 5,
     ]
 
+    with empty_engine.begin() as conn:
+        conn.execute(text("DROP TABLE backlog_cap"))
     upgrade(empty_engine, _levels(TEST_LEVELS))
     with empty_engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM message_history")).scalar_one() == 0

@@ -373,26 +373,25 @@ def _store_batch(
     (`store.insert_copy_text`)."""
     from delaysvc import caps
 
-    placed = []
-    if settings.caps:  # what the caps count: each message's topic, key and lane
-        for line in lines:
-            topic, key, _, _, _, lane, _ = line.split("\t", 6)
-            held = None if key == NULL else key.replace("\\\\", "\\")
-            placed.append(NewMessage(topic, b"", True, int(lane), None, None, None, key=held))
+    placed = []  # what the caps count: each message's topic, key and lane
+    for line in lines:
+        topic, key, _, _, _, lane, _ = line.split("\t", 6)
+        held = None if key == NULL else key.replace("\\\\", "\\")
+        placed.append(NewMessage(topic, b"", True, int(lane), None, None, None, key=held))
     try:
         with engine.begin() as conn:
             earlier = store.claim_bulk_batch(conn, run, ids[0], ids[-1], len(ids))
             if earlier is not None:
                 log.info("bulk.batch_stored_before", extra={"run": run, "first_rid": ids[0]})
                 return earlier, len(lines) - earlier, []
-            if settings.caps:
-                caps.before_insert(conn, settings.caps, placed)
+            capped = caps.covering(conn, settings.caps, placed)
+            caps.before_insert(conn, capped, placed)
             created = store.insert_copy_text(
                 conn, "".join(lines), keys_may_be_held=keys_may_be_held
             )
             store.record_bulk_created(conn, run, ids[0], created)
-            if settings.caps and created:  # which rows a held key skipped is not told
-                caps.after_insert(conn, settings.caps, placed)
+            if capped and created:  # which rows a held key skipped is not told
+                caps.after_insert(conn, capped, placed)
     except BacklogFull as exc:
         return 0, 0, [(REJECT, rid, None, f"backlog_full: {exc}") for rid in ids]
     return created, len(lines) - created, []

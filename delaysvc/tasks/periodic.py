@@ -1,9 +1,10 @@
 """Periodic schedules (`delaysvc.periodic_schedules`) in the worker: beat fires
 `delaysvc.fire_schedules` every second on the delivery queue, and a delivery worker stores the
-schedules its handler modules declare (`@periodic`) and the configured topic limits
-(`delaysvc.limits`) when it starts. From then on a thread of the worker declares its schedules
-again every minute and removes those no worker declares any more (`periodic.Declarer`): the
-rounds run in every delivery worker, which a task fired by beat would not (it runs in one)."""
+schedules its handler modules declare (`@periodic`), the configured topic limits
+(`delaysvc.limits`) and backlog caps (`delaysvc.caps`) when it starts. From then on a thread of
+the worker declares its schedules again every minute and removes those no worker declares any
+more (`periodic.Declarer`): the rounds run in every delivery worker, which a task fired by beat
+would not (it runs in one)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 
-from delaysvc import limits
+from delaysvc import caps, limits
 from delaysvc import periodic_schedules as periodic
 from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
 
@@ -46,6 +47,11 @@ def _store_declared(sender: Any, **_: object) -> None:
     if configured:
         limits.apply_configured(runtime().engine, configured)
         log.info("limits.configured", extra={"topics": ",".join(sorted(configured))})
+    configured_caps = runtime().settings.caps
+    if configured_caps:
+        caps.apply_configured(runtime().engine, configured_caps)
+        names = ",".join(f"{cap.scope}:{cap.target}" for cap in configured_caps)
+        log.info("caps.configured", extra={"caps": names})
 
 
 def _keep_declaring(declarer: periodic.Declarer) -> None:

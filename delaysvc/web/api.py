@@ -12,11 +12,13 @@ from werkzeug.exceptions import Forbidden
 
 from delaysvc import store
 from delaysvc.auth import ApiToken, authenticate_token
+from delaysvc.caps import all_caps, check_target, set_cap
 from delaysvc.dead_letters import DeadLetters
-from delaysvc.errors import ValidationError
+from delaysvc.errors import NotFound, ValidationError
 from delaysvc.limits import all_limits, set_limits
 from delaysvc.periodic_schedules import Schedules, schedule
 from delaysvc.serialize import (
+    cap_json,
     dead_letter_json,
     lane_json,
     limits_json,
@@ -228,6 +230,47 @@ def put_limits(topic: str):
         rate=options.get("rate"),
     )
     return jsonify(limits_json(found))
+
+
+@api.get("/caps")
+@requires("admin")
+def list_caps():
+    """A token limited to topics sees the caps of those only (no level's: levels are shared)."""
+    found = [
+        cap
+        for cap in all_caps(services()["engine"])
+        if (cap.scope == "topic" and token().allows(cap.target)) or token().topics is None
+    ]
+    return jsonify({"caps": [cap_json(cap) for cap in found]})
+
+
+@api.put("/topics/<topic>/cap")
+@requires("admin")
+def put_topic_cap(topic: str):
+    if not token().allows(topic):
+        raise NotFound(f"no topic {topic!r} among this token's topics")
+    return _put_cap("topic", topic)
+
+
+@api.put("/levels/<level>/cap")
+@requires("admin")
+def put_level_cap(level: str):
+    if token().topics is not None:  # a level holds every topic's messages
+        raise NotFound(f"no level {level} for a token limited to topics")
+    return _put_cap("level", level)
+
+
+def _put_cap(scope: str, target: object) -> Any:
+    options = json_body()
+    unknown = sorted(set(options) - {"max_waiting", "policy"})
+    if unknown:
+        raise ValidationError(unknown[0], "unknown field; allowed: max_waiting, policy")
+    engine = services()["engine"]
+    found = set_cap(engine, scope, target, options.get("max_waiting"), options.get("policy"))
+    if found is None:  # lifted
+        _, name = check_target(scope, target)
+        return jsonify({"scope": scope, "target": name, "max_waiting": None, "policy": None})
+    return jsonify(cap_json(found))
 
 
 def _schedules() -> Schedules:

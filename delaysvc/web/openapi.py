@@ -161,6 +161,48 @@ _LIMITS: dict[str, Any] = {
     },
 }
 _NAME = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}]
+_CAP: dict[str, Any] = {
+    "type": "object",
+    "required": ["scope", "target", "max_waiting", "policy"],
+    "properties": {
+        "scope": {"enum": ["level", "topic"]},
+        "target": {"type": "string", "description": "the topic, or the level's number"},
+        "max_waiting": {"type": ["integer", "null"]},
+        "policy": {"enum": ["reject", "deliver-early", None]},
+    },
+}
+_CAP_BODY: dict[str, Any] = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "additionalProperties": False,
+                "properties": {
+                    "max_waiting": {"type": ["integer", "null"], "minimum": 1},
+                    "policy": {"enum": ["reject", "deliver-early", None]},
+                },
+            }
+        }
+    },
+}
+
+
+def _cap_path(what: str, parameter: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "parameters": [parameter],
+        "put": {
+            "summary": f"Cap the waiting messages of {what} for every producer; max_waiting "
+            "left out or null lifts it, policy reject by default (admin)",
+            "requestBody": _CAP_BODY,
+            "responses": {
+                "200": _json(_CAP, "the cap (max_waiting null: lifted)"),
+                **_errors(400, 401, 403, 404, 415),
+            },
+        },
+    }
+
+
 _SCHEDULE: dict[str, Any] = {
     "type": "object",
     "required": [
@@ -402,6 +444,30 @@ def document() -> dict[str, Any]:
                     },
                 },
             },
+            "/caps": {
+                "get": {
+                    "summary": "Levels and topics with backlog caps (admin)",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["caps"],
+                                "properties": {"caps": {"type": "array", "items": _CAP}},
+                            },
+                            "the caps of the token's topics (every cap for a token of all)",
+                        ),
+                        **_errors(401, 403),
+                    },
+                }
+            },
+            "/topics/{topic}/cap": _cap_path(
+                "a topic",
+                {"name": "topic", "in": "path", "required": True, "schema": {"type": "string"}},
+            ),
+            "/levels/{level}/cap": _cap_path(
+                "a level (not for a token limited to topics)",
+                {"name": "level", "in": "path", "required": True, "schema": {"type": "integer"}},
+            ),
             "/schedules": {
                 "get": {
                     "summary": "Periodic schedules (admin)",

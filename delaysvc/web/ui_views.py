@@ -9,6 +9,7 @@ from flask import jsonify, redirect, render_template, request, url_for
 
 from delaysvc import store
 from delaysvc import store_dashboard as dash
+from delaysvc.caps import MAX_WAITING, all_caps, parse_target, set_cap
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.limits import all_limits, set_limits
 from delaysvc.periodic_schedules import Schedules
@@ -76,8 +77,26 @@ def topics_data() -> dict[str, Any]:
 
 @ui.get("/topics")
 def topics() -> Any:
-    found = all_limits(services()["engine"])
-    return render_template("topics.html", data=topics_data(), limits=found)
+    engine = services()["engine"]
+    found = all_limits(engine)
+    return render_template("topics.html", data=topics_data(), limits=found, caps=all_caps(engine))
+
+
+@ui.post("/topics/caps")
+@admin_required
+def set_backlog_cap() -> Any:
+    form = request.form
+    try:
+        scope, target = parse_target(form.get("target", "").strip())
+        limit = params.int_arg(form, "max_waiting", None, 1, MAX_WAITING, blank=True)
+        policy = form.get("policy", "").strip() or None
+        found = set_cap(services()["engine"], scope, target, limit, policy if limit else None)
+    except ValidationError as exc:
+        done(f"not changed: {exc}")
+    else:
+        what = f"at most {found.limit} waiting, {found.policy}" if found else "no cap"
+        done(f"{scope}:{target}: {what}")
+    return redirect(url_for("dashboard.ui.topics"))
 
 
 @ui.post("/topics/limits")
