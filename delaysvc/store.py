@@ -41,8 +41,8 @@ from delaysvc.db import sqlalchemy_error
 from delaysvc.errors import DuplicateKey, NotStuck, SchemaNotReady
 from delaysvc.levels import DelayLevels, format_ms
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE, level_partition, level_sequence
+from delaysvc.sql import LOCK_KEY, lock_name, sql
 from delaysvc.sql import driver_sql as _driver_sql
-from delaysvc.sql import sql
 
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
 
@@ -1241,14 +1241,11 @@ def topic_totals(conn: Connection) -> list[Any]:
 
 # ---------------------------------------------------------------- backlog caps
 
-CAP_LOCK_CLASS = 0x64656C43  # advisory locks (class, hashtext(target)) serialise capped sends
-
-
 def lock_cap(conn: Statements, target: str) -> None:
-    """Serialise sends to one capped level or topic until the transaction ends."""
+    """Serialise sends to one capped level or topic (of this schema) until the transaction
+    ends."""
     conn.execute(
-        sql("SELECT pg_advisory_xact_lock(:class, hashtext(:target))"),
-        {"class": CAP_LOCK_CLASS, "target": target},
+        sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})"), {"lock": lock_name(f"cap {target}")}
     )
 
 

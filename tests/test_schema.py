@@ -329,7 +329,7 @@ def _other_schema() -> str:
 
 
 def test_two_schemas_in_one_database_share_no_lock(engine: Engine) -> None:
-    """The issue's defect 3: lane, archive and migration locks were one key space for every
+    """The issue's defect 3: lane, archive, migration and cap locks were one key space for every
     schema, so a second deployment in the same database (another DELAYSVC_SCHEMA) found its
     lanes held by the first and did not deliver them. Every lock now names its schema."""
     from delaysvc import delivery, migrate
@@ -340,8 +340,9 @@ def test_two_schemas_in_one_database_share_no_lock(engine: Engine) -> None:
         assert runner._try_lock(first)  # this deployment's lane 1 runner
         with first.begin():
             assert pipeline_store.try_lock_archive(first)
-        first.begin()  # this deployment migrating: its transaction lock held
+        first.begin()  # this deployment migrating, and sending to a capped topic
         migrate.lock_migrations(first)
+        store.lock_cap(first, "topic:t")
         try:
             sql.use_schema(_other_schema())
             assert runner._try_lock(second), "the other schema's lane 1 was held"
@@ -349,6 +350,7 @@ def test_two_schemas_in_one_database_share_no_lock(engine: Engine) -> None:
                 assert pipeline_store.try_lock_archive(second), "its archive lock was held"
                 second.execute(sql.sql("SET LOCAL lock_timeout = '1s'"))
                 migrate.lock_migrations(second)  # would wait 1 s, then fail, if shared
+                store.lock_cap(second, "topic:t")
             runner._unlock(second)
             with second.begin():
                 pipeline_store.unlock_archive(second)

@@ -56,6 +56,7 @@ from delaysvc.bench.chaos_history import (
     write_all,
 )
 from delaysvc.bench.chaos_workload import client_main
+from delaysvc.check import run_check
 from delaysvc.limits import set_limits
 from delaysvc.producer import Producer
 from delaysvc.sql import sql
@@ -298,13 +299,8 @@ def _drain(engine: Engine, seconds: float) -> bool:
 
 
 def _delaysvc_check(engine: Engine) -> list[str]:
-    """`delaysvc check`'s lines: its violations, then its summary line (or why it did not
-    run: `delaysvc.check` is being written as this lands)."""
-    try:
-        from delaysvc.check import run_check  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        return ["not run: delaysvc.check is not there"]
-    return [str(line) for line in run_check(engine).lines()]
+    """`delaysvc check`'s lines: its violations, then its summary line."""
+    return run_check(engine).lines()
 
 
 def _read_runs(engine: Engine) -> list[Run]:

@@ -27,9 +27,19 @@ if TYPE_CHECKING:
 BASE_LEVELS = "1s 2s 3s 5s 8s"
 LEVEL_STEPS = ("1s 2s 4s 5s 8s 10s", "1s 2s 3s 5s 8s 10s")
 """What successive level changes migrate to, in turn: a delay made longer and a level added,
-then that delay made shorter again (its waiting messages go to the timer lane). Never a
-removal: `level_removal` (not in the default faults) drops the last level."""
-FAULT_KINDS = ("kill_delivery", "kill_consume", "kill_beat", "pg_restart", "deploy", "level_change")
+then that delay made shorter again (its waiting messages go to the timer lane). A
+`level_removal` drops the last level instead (its waiting messages, and retries being written
+into it, go to the timer lane), down to three levels; with three left it adds one back."""
+MIN_LEVELS = 3
+FAULT_KINDS = (
+    "kill_delivery",
+    "kill_consume",
+    "kill_beat",
+    "pg_restart",
+    "deploy",
+    "level_change",
+    "level_removal",
+)
 ROLES = ("delivery", "consume", "beat")
 START_SECONDS = 4.0
 """A new worker's time to boot before the old one is stopped (a deploy)."""
@@ -110,9 +120,7 @@ class Nemesis:
             detail = self._change_levels(removal=kind == "level_removal")
             stopped, killed = self._replace(*ROLES)
         else:
-            raise ValueError(
-                f"unknown fault {kind!r}; choose from {(*FAULT_KINDS, 'level_removal')}"
-            )
+            raise ValueError(f"unknown fault {kind!r}; choose from {', '.join(FAULT_KINDS)}")
         fault = Fault(kind, start, time.time(), killed, stopped, detail)
         self.faults.append(fault)
         return fault
@@ -159,8 +167,10 @@ class Nemesis:
 
     def _change_levels(self, removal: bool) -> str:
         before = self.levels
-        if removal:
+        if removal and len(self.levels.split()) > MIN_LEVELS:
             self.levels = " ".join(self.levels.split()[:-1])
+        elif removal:
+            self.levels = f"{self.levels} 20s"
         else:
             self.levels = LEVEL_STEPS[self.level_step % len(LEVEL_STEPS)]
             self.level_step += 1

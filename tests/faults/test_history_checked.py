@@ -7,7 +7,7 @@ recorded, and `delaysvc.bench.chaos_check` proves its properties from that histo
 read (the module says how each is defined). `delaysvc bench chaos` is the long form.
 
 DELAYSVC_TEST_SEED picks the seed (printed always); DELAYSVC_TEST_CHAOS_FAULTS the fault kinds
-(comma-separated, of `chaos.FAULT_KINDS` and `level_removal`). A failing run prints its seed,
+(comma-separated, of `chaos.FAULT_KINDS`). A failing run prints its seed,
 the property it broke and the message ids; `python -m delaysvc.bench.chaos recheck FOLDER`
 checks its history again."""
 
