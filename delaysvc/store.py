@@ -1241,6 +1241,7 @@ def topic_totals(conn: Connection) -> list[Any]:
 
 # ---------------------------------------------------------------- backlog caps
 
+
 def lock_cap(conn: Statements, target: str) -> None:
     """Serialise sends to one capped level or topic (of this schema) until the transaction
     ends."""
