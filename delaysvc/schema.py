@@ -244,6 +244,20 @@ backlog_cap = Table(
     CheckConstraint("policy IN ('reject', 'deliver-early')", name="ck_backlog_cap_policy"),
 )
 
+stored_count = Table(
+    "stored_count",
+    metadata,
+    # one row: messages stored with an id up to `watermark` (settled: no transaction that drew
+    # such an id can still commit); `candidate` the next watermark once the transactions in
+    # `candidate_waits_for` (virtual xids) have ended (`store.settle_stored`)
+    Column("id", SmallInteger, primary_key=True),
+    Column("counted", BigInteger, nullable=False),
+    Column("watermark", BigInteger, nullable=False),
+    Column("candidate", BigInteger),
+    Column("candidate_waits_for", ARRAY(Text)),
+    CheckConstraint("id = 1", name="ck_stored_count_one_row"),
+)
+
 api_token = Table(
     "api_token",
     metadata,

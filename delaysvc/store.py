@@ -2036,14 +2036,80 @@ def clear_failed_logins(conn: Connection, name: str) -> None:
     )
 
 
+# Messages stored are counted exactly, off the send path. Ids are drawn outside transactions
+# (a duplicate key or a rollback burns some), so the id sequence over-counts; and a message with
+# a lower id may still commit after one with a higher id. `settle_stored` (beat's fold, every
+# second) moves a watermark up the ids in two steps: it takes the last id drawn as the
+# candidate, then the virtual xids of every transaction running in this database, which include
+# any that drew an id up to the candidate and may still commit (the sequence caches no ids:
+# CACHE 1, its default); once all of those have ended, the rows up to the candidate are final
+# and counted. `messages_stored` is that settled count plus the committed rows beyond the
+# watermark, each table by its id index: exact at any moment, and never less than before (a
+# row moving into the history is in one of the two tables at a time).
+_STORED_BEYOND = """SELECT s.counted
+    + (SELECT count(*) FROM delaysvc.commit_log WHERE id > s.watermark)
+    + (SELECT count(*) FROM delaysvc.message_history WHERE id > s.watermark)
+FROM delaysvc.stored_count s"""
+
+
 def messages_stored(conn: Connection) -> int:
-    """Messages ever stored, in O(1): the commit log's id sequence."""
-    return (
+    """Messages ever stored and committed (a resend of a held key, a rolled-back send: none)."""
+    return int(conn.execute(sql(_STORED_BEYOND)).scalar_one())
+
+
+def settle_stored(conn: Connection) -> bool:
+    """One step of the stored count's watermark (see `_STORED_BEYOND`): settle the candidate
+    if every transaction it waits for has ended, else (none yet) take one. -> True when the
+    count moved to a new watermark."""
+    row = conn.execute(
+        sql(
+            "SELECT watermark, candidate, candidate_waits_for FROM delaysvc.stored_count FOR UPDATE"
+        )
+    ).one()
+    if row.candidate is None:
+        # the last id drawn first, then who is running: whoever drew up to it is among them
+        candidate = conn.execute(
+            sql(
+                "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END "
+                "FROM delaysvc.commit_log_id_seq"
+            )
+        ).scalar_one()
+        waits_for = conn.execute(
+            sql(
+                "SELECT COALESCE(array_agg(virtualxid), '{}') FROM pg_locks "
+                "WHERE locktype = 'virtualxid' AND pid <> pg_backend_pid() AND pid IN "
+                "(SELECT pid FROM pg_stat_activity WHERE datname = current_database())"
+            )
+        ).scalar_one()
         conn.execute(
-            sql("SELECT COALESCE(pg_sequence_last_value('delaysvc.commit_log_id_seq'), 0)")
-        ).scalar()
-        or 0
+            sql(
+                "UPDATE delaysvc.stored_count SET candidate = :candidate, "
+                "candidate_waits_for = CAST(:waits_for AS text[])"
+            ),
+            {"candidate": candidate, "waits_for": waits_for},
+        )
+        return False
+    if conn.execute(
+        sql(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'virtualxid' "
+            "AND virtualxid = ANY(CAST(:waits_for AS text[])))"
+        ),
+        {"waits_for": row.candidate_waits_for},
+    ).scalar_one():
+        return False
+    conn.execute(
+        sql(
+            """
+UPDATE delaysvc.stored_count SET watermark = GREATEST(watermark, candidate), candidate = NULL,
+    candidate_waits_for = NULL,
+    counted = counted
+        + (SELECT count(*) FROM delaysvc.commit_log WHERE id > :watermark AND id <= :candidate)
+        + (SELECT count(*) FROM delaysvc.message_history
+           WHERE id > :watermark AND id <= :candidate)"""
+        ),
+        {"watermark": row.watermark, "candidate": row.candidate},
     )
+    return True
 
 
 def topic_stats(conn: Connection, limit_count: int = 100_000) -> list[Any]:

@@ -16,7 +16,7 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
-from delaysvc import consumption
+from delaysvc import consumption, store
 from delaysvc.consumption import Consumer, Job, handler
 from delaysvc.delivery import LaneRunner
 from delaysvc.errors import DeadLetter
@@ -286,14 +286,26 @@ def test_the_history_sweeps_backlog_and_days_are_gauges(
     assert swept.types["delaysvc_history_unswept"] == "gauge"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="defect 8a of issue 32, not fixed yet: the counter reads commit_log's id sequence, "
-    "which duplicate-key sends and rolled-back transactions advance too",
-)
+def _stored_total(settings: Settings) -> str:
+    app = create_app(settings)
+    try:
+        scraped = app.test_client().get("/metrics").get_data(as_text=True).splitlines()
+    finally:
+        app.extensions["delaysvc"]["engine"].dispose()
+    (line,) = [line for line in scraped if line.startswith("delaysvc_messages_stored_total ")]
+    return line.split()[1]
+
+
+def _settle(engine: Engine) -> bool:
+    with engine.begin() as conn:
+        return store.settle_stored(conn)
+
+
 def test_messages_stored_counts_only_messages_committed(
     settings: Settings, engine: Engine, producer: Producer
 ) -> None:
+    """The issue's defect 8a: the counter read the id sequence, which duplicate-key sends and
+    rolled-back transactions advance too (1 message stored, counter 11)."""
     producer.send("t.stored", 1, key="k1")
     for _ in range(5):  # the key is held: the first message is returned, nothing stored
         producer.send("t.stored", 2, key="k1")
@@ -302,9 +314,37 @@ def test_messages_stored_counts_only_messages_committed(
         for n in range(5):
             producer.send("t.stored", n, connection=conn)
         rolled_back.rollback()
-    app = create_app(settings)
-    try:
-        scraped = app.test_client().get("/metrics").get_data(as_text=True).splitlines()
-    finally:
-        app.extensions["delaysvc"]["engine"].dispose()
-    assert "delaysvc_messages_stored_total 1.0" in scraped
+    assert _stored_total(settings) == "1.0"
+    # settled (beat's fold) the count stays what it is, and goes on from there
+    assert (_settle(engine), _settle(engine)) == (False, True)
+    assert _stored_total(settings) == "1.0"
+    producer.send("t.stored", 3)
+    assert _stored_total(settings) == "2.0"
+
+
+def test_the_stored_count_waits_for_a_transaction_that_drew_a_lower_id(
+    settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """A send in a long transaction draws its id, a later send commits a higher one, the count
+    settles past both: the long one, committed afterwards, is still counted (the watermark
+    waited for it), and a rolled-back one never is."""
+    with engine.connect() as slow, engine.connect() as aborted:
+        slow.begin()
+        aborted.begin()
+        producer.send("t.stored", "slow", connection=slow)
+        producer.send("t.stored", "aborted", connection=aborted)
+        producer.send("t.stored", "quick")
+        assert _settle(engine) is False  # the candidate: the last id drawn
+        assert _settle(engine) is False  # two transactions that drew ids below it still run
+        assert _stored_total(settings) == "1.0"
+        slow.commit()
+        assert _stored_total(settings) == "2.0"
+        assert _settle(engine) is False
+        aborted.rollback()
+    assert _settle(engine) is True
+    assert _stored_total(settings) == "2.0"
+    with engine.connect() as conn:
+        watermark = conn.execute(text("SELECT watermark FROM stored_count")).scalar_one()
+    assert watermark == 3  # past all three ids: 'slow' counted in the settled part
+    producer.send("t.stored", "later")
+    assert _stored_total(settings) == "3.0"

@@ -19,10 +19,13 @@ def sample_stats() -> int:
 @shared_task(name="delaysvc.fold_lane_counts", ignore_result=True)
 def fold_lane_counts() -> int:
     """Fold the lanes' count deltas into one row per lane (every second from beat), so reading
-    a lane's exact backlog sums a few thousand rows at most. Beat fires it every second, so it
-    is also beat's heartbeat."""
+    a lane's exact backlog sums a few thousand rows at most, and move the stored count's
+    watermark a step (`store.settle_stored`). Beat fires it every second, so it is also beat's
+    heartbeat."""
     from delaysvc import store
 
     record_heartbeat(runtime().engine, "beat")
+    with runtime().engine.begin() as conn:
+        store.settle_stored(conn)
     with runtime().engine.begin() as conn:
         return store.fold_lane_counts(conn)
