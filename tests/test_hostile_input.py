@@ -225,3 +225,19 @@ def test_dashboard_integer_form_fields_take_ascii_digits_only(
         "/dead/purge", data={"ids": digits, "csrf_token": token}, follow_redirects=True
     )
     assert purge.status_code == 400 and "ids: " in purge.text and "digits 0-9" in purge.text
+
+
+@pytest.mark.parametrize("digits", ["\u0661", "\uff11", "\u0661\u0662"])
+def test_an_id_in_a_path_takes_ascii_digits_only(
+    app: Flask, headers: dict[str, str], producer: Any, digits: str
+) -> None:
+    """Flask's `int` converter matched any script's digits (`\\d+`) and int() read them: `/\\u0661`
+    (Arabic-Indic one) answered message 1. A path of such digits names no message: 404."""
+    assert producer.send("t.path", 1, delay="1h").id == 1
+    client = app.test_client()
+    assert client.get("/api/v1/messages/1", headers=headers).status_code == 200
+    for method in ("get", "delete"):
+        response = getattr(client, method)(f"/api/v1/messages/{digits}", headers=headers)
+        assert response.status_code == 404, (method, response.get_json())
+    assert client.post(f"/api/v1/dead/{digits}/redrive", headers=headers).status_code == 404
+    assert producer.get(1).status == "scheduled"  # not cancelled by the DELETE

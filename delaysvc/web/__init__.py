@@ -6,6 +6,7 @@ import secrets
 from datetime import timedelta
 
 from flask import Flask
+from werkzeug.routing import IntegerConverter
 
 from delaysvc import logs
 from delaysvc.db import make_engine
@@ -13,6 +14,14 @@ from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 
 SESSION_HOURS = 12
+
+
+class AsciiIntegerConverter(IntegerConverter):
+    r"""`<int:...>` in a path: the digits 0-9 only. Werkzeug's matches `\d+`, every script's
+    digits, and int() reads them (`/messages/\u0661`, an Arabic-Indic one, was message 1);
+    here they match no route: 404."""
+
+    regex = r"[0-9]+"
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -32,6 +41,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
         JSON_SORT_KEYS=False,
     )
+    app.url_map.converters["int"] = AsciiIntegerConverter
     engine = make_engine(settings)
     app.extensions["delaysvc"] = {
         "settings": settings,

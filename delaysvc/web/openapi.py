@@ -506,7 +506,10 @@ def document() -> dict[str, Any]:
                     },
                 },
                 "delete": {
-                    "summary": "Delete a periodic schedule made at run time (admin)",
+                    "summary": (
+                        "Delete a periodic schedule (admin; one declared in code only once "
+                        "no running worker declares it)"
+                    ),
                     "responses": {
                         "200": _json(
                             {"type": "object", "required": ["deleted"]}, "deleted (its name)"
