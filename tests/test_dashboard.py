@@ -1091,3 +1091,35 @@ def test_a_replaced_message_links_the_message_that_replaced_it(
     page = admin.get(f"/messages/{first.id}").text
     assert f'<a href="/messages/{second.id}">message {second.id}</a>' in page
     assert 'id="replaced-by"' not in admin.get(f"/messages/{second.id}").text
+
+
+def test_topics_page_sets_shows_and_lifts_backlog_caps(
+    admin: FlaskClient, viewer: FlaskClient, engine: Engine, producer: Producer
+) -> None:
+    """The caps form: a cap set here binds every producer's next send (from the database),
+    bad input changes nothing and says why, an empty limit lifts it, a viewer has no form."""
+    from delaysvc import caps
+    from delaysvc.errors import BacklogFull
+
+    assert 'id="no-caps"' in admin.get("/topics").text
+    form = {"target": "topic:dash.capped", "max_waiting": "2", "policy": "reject"}
+    notes = flashes(admin, admin.post("/topics/caps", data=form | {"csrf_token": csrf(admin)}))
+    assert notes == ["topic:dash.capped: at most 2 waiting, reject"]
+    assert [(c.scope, c.target, c.limit, c.policy) for c in caps.all_caps(engine)] == [
+        ("topic", "dash.capped", 2, "reject")
+    ]
+    row = re.search(r'<tr data-target="topic:dash.capped">.*?</tr>', admin.get("/topics").text)
+    assert row is not None and ">2<" in row.group(0) and "reject" in row.group(0)
+    for n in range(2):
+        producer.send("dash.capped", n, delay="1h")
+    with pytest.raises(BacklogFull):
+        producer.send("dash.capped", 3, delay="1h")
+    for bad in ({"target": "nowhere:x", "max_waiting": "2"}, {**form, "max_waiting": "\u00b2"}):
+        note = flashes(admin, admin.post("/topics/caps", data=bad | {"csrf_token": csrf(admin)}))
+        assert note[0].startswith("not changed: "), note
+    assert len(caps.all_caps(engine)) == 1
+    lifted = {"target": "topic:dash.capped", "max_waiting": "", "csrf_token": csrf(admin)}
+    assert flashes(admin, admin.post("/topics/caps", data=lifted)) == ["topic:dash.capped: no cap"]
+    assert caps.all_caps(engine) == []
+    assert producer.send("dash.capped", 4, delay="1h").status == "scheduled"
+    assert 'id="caps-form"' not in viewer.get("/topics").text
