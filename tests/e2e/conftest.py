@@ -174,6 +174,12 @@ def check_clean_at_the_end(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     url = request.getfixturevalue("database_url")
     yield
+    assert_check_clean(url)
+
+
+def assert_check_clean(url: str) -> None:
+    """`delaysvc check` on the database at `url` finds nothing, or the test fails with its
+    lines."""
     from sqlalchemy.pool import NullPool
 
     from delaysvc.check import run_check

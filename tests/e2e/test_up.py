@@ -28,7 +28,7 @@ from delaysvc.db import make_engine, start_embedded
 from delaysvc.settings import Settings
 from delaysvc.up import free_port, wait_until_answering
 from tests.conftest import ROOT, outside_env
-from tests.e2e.conftest import Service, wait_for
+from tests.e2e.conftest import Service, assert_check_clean, wait_for
 
 pytestmark = pytest.mark.e2e
 FIRST_PASS_ONLY = pytest.mark.skipif(
@@ -127,8 +127,9 @@ def delaysvc_in(folder: Path, env: dict[str, str]) -> Callable[..., str]:
 @contextmanager
 def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callable[..., str]]]:
     """`delaysvc up` started in `folder` until it prints `ready`; -> (port, a function running
-    other `delaysvc` commands in the same folder). Stopped with SIGTERM at the end, which must
-    end every child cleanly."""
+    other `delaysvc` commands in the same folder). At the end, `delaysvc check` is clean on its
+    database (while it runs: the check is safe under load), then SIGTERM, which must end every
+    child cleanly."""
     port = free_port()
     up = start_up(folder, env, port)
     output = Output(up)
@@ -136,6 +137,7 @@ def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callabl
         line = output.wait_for("delaysvc ready:")
         assert f"http://127.0.0.1:{port}/" in line
         yield port, delaysvc_in(folder, env)
+        assert_check_clean(start_embedded(folder / "var"))
     finally:
         up.send_signal(signal.SIGTERM)
         code = up.wait(timeout=90)
@@ -386,6 +388,7 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         late_ms = _level_1_handler_started_late_ms(url)
         assert late_ms < 20_000, f"the restarted consumer started it {late_ms:.0f} ms late"
 
+        assert_check_clean(url)
         children = list(_children_of(up.pid))
         assert len(children) == 4, _children_of(up.pid)  # web, delivery, consume, beat
         os.kill(up.pid, signal.SIGKILL)
