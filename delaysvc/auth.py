@@ -13,8 +13,9 @@ from cachetools import TTLCache
 from sqlalchemy import Engine
 from werkzeug.security import check_password_hash, generate_password_hash
 
-from delaysvc import store, store_tokens
+from delaysvc import store
 from delaysvc.errors import ValidationError
+from delaysvc.store import tokens as store_tokens
 from delaysvc.validation import validate_topic
 
 SCOPES = ("send", "admin")

@@ -1,7 +1,7 @@
 """`delaysvc check`: a read-only check of a live database's invariants (what `pg_amcheck` is to
 PostgreSQL), safe under load.
 
-Every check is one set-based statement of `delaysvc.store_check`; all of them run in one READ
+Every check is one set-based statement of `delaysvc.store.check`; all of them run in one READ
 ONLY transaction at REPEATABLE READ, so they see one snapshot (a message moving between tables
 meanwhile is seen in one place), under a statement and a lock timeout. They take ACCESS SHARE
 locks only, which no writer's lock conflicts with (DDL alone does: a partition drop or a level
@@ -34,7 +34,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
-from delaysvc import store_check
+from delaysvc.store import check as store_check
 
 DEFAULT_LIMIT = 100
 DEFAULT_LEASE_TOLERANCE_S = 60.0

@@ -24,9 +24,10 @@ from psycopg.errors import LockNotAvailable
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import OperationalError
 
-from delaysvc import store, store_history
+from delaysvc import store
 from delaysvc.errors import DelaysvcError
-from delaysvc.store_history import Partition
+from delaysvc.store import history as store_history
+from delaysvc.store.history import Partition
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -37,11 +37,11 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from sqlalchemy import Connection, Engine
 
-from delaysvc import store_schedules
 from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
 from delaysvc.levels import format_ms, parse_duration_ms
 from delaysvc.schema import NO_LANE
 from delaysvc.store import NewMessage, insert_message_on
+from delaysvc.store import schedules as store_schedules
 from delaysvc.validation import encode_body, validate_topic
 
 OnMissed = Literal["skip", "latest"]

@@ -12,11 +12,12 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
-from delaysvc import auth, store_tokens
+from delaysvc import auth
 from delaysvc.consumption import Consumer, handler
 from delaysvc.errors import ConfigError, ValidationError
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from delaysvc.store import tokens as store_tokens
 from delaysvc.web import create_app
 
 

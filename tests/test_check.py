@@ -23,8 +23,8 @@ from delaysvc.periodic_schedules import Schedules, schedule
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.sql import qualify
-from delaysvc.store_check import unfinished_out_of_place
-from delaysvc.store_history import COLUMNS
+from delaysvc.store.check import unfinished_out_of_place
+from delaysvc.store.history import COLUMNS
 from tests.conftest import ROOT, TEST_LEVELS, outside_env
 
 

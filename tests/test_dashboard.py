@@ -1,6 +1,6 @@
 """The dashboard through Flask's test client against a real database: login and logout, CSRF
 on every POST, roles, every page and every action, and the dashboard's own queries
-(`delaysvc.store_dashboard`: samples, charts, keyset search, dead-letter groups, timeouts)."""
+(`delaysvc.store.dashboard`: samples, charts, keyset search, dead-letter groups, timeouts)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
-from delaysvc import auth, delivery, history, store, store_history
-from delaysvc import store_dashboard as dash
+from delaysvc import auth, delivery, history, store
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.sql import qualify
+from delaysvc.store import dashboard as dash
+from delaysvc.store import history as store_history
 from delaysvc.tasks.app import STATS_SECONDS
 from delaysvc.web import create_app
 

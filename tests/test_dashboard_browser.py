@@ -23,10 +23,10 @@ from sqlalchemy import Engine, text
 from werkzeug.serving import make_server
 
 from delaysvc import auth, store
-from delaysvc import store_dashboard as dash
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from delaysvc.store import dashboard as dash
 from delaysvc.web import create_app
 
 SCREENSHOTS = Path(

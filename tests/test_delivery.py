@@ -51,7 +51,7 @@ def test_a_move_writes_the_topic_queue_not_the_commit_log_and_the_claim_writes_i
 ):
     """The commit log is written once per delivery, by the claim: between the move and the
     claim, readers see the message as ready, delivered when it entered the topic queue."""
-    from delaysvc import store_dashboard
+    from delaysvc.store import dashboard as store_dashboard
 
     first, second = (producer.send("t.moved", i, delay_level=2) for i in range(2))
 

@@ -14,13 +14,14 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from delaysvc import history, store, store_history
+from delaysvc import history, store
 from delaysvc.consumption import Consumer, handler
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import ConfigError, DeadLetter, DelaysvcError, NotCancellable, NotFound
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.sql import qualify
+from delaysvc.store import history as store_history
 
 pytestmark = pytest.mark.usefixtures("own_handlers")
 DAY = timedelta(days=1)

@@ -259,7 +259,8 @@ def test_the_history_sweeps_backlog_and_days_are_gauges(
 ) -> None:
     """Finished messages waiting for the sweep show as a count and the oldest one's wait (what
     to alert on: beat stopped, the sweep failing); swept, both are 0 and the days are there."""
-    from delaysvc import history, store_history
+    from delaysvc import history
+    from delaysvc.store import history as store_history
 
     register_handlers()
     work(producer, engine, settings, {"metrics.ok": 3, "metrics.doomed": 2})

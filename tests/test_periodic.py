@@ -18,11 +18,11 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 
 from delaysvc import periodic_schedules as periodic
-from delaysvc import store_schedules
 from delaysvc.db import make_engine
 from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
 from delaysvc.periodic_schedules import Schedules, fire_due, schedule
 from delaysvc.settings import Settings
+from delaysvc.store import schedules as store_schedules
 from tests.conftest import TEST_LEVELS, outside_env
 
 T0 = datetime(2026, 11, 25, 10, 0, 0, tzinfo=UTC)

@@ -22,7 +22,7 @@ from hypothesis import settings as settings_
 from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
-from delaysvc import history, store_history
+from delaysvc import history
 from delaysvc.consumption import Consumer, handler
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DeadLetter, DelaysvcError
@@ -30,6 +30,7 @@ from delaysvc.pipeline import archive, bulk, report
 from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
+from delaysvc.store import history as store_history
 from tests.test_history import reading_the_history
 
 DAY_MS = 86_400_000

@@ -14,9 +14,10 @@ from flask import Flask
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
-from delaysvc import auth, store_schedules
+from delaysvc import auth
 from delaysvc.periodic_schedules import schedule
 from delaysvc.settings import Settings
+from delaysvc.store import schedules as store_schedules
 from delaysvc.web import create_app
 
 BILLING = {"schedule": "0 2 * * *", "topic": "billing.jobs", "body": {"run": "nightly"}}

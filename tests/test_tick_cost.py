@@ -18,6 +18,7 @@ from delaysvc import store
 from delaysvc.bench.scale import fill_lane
 from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
 from delaysvc.sql import qualify
+from delaysvc.store import delivery as store_delivery
 
 BATCH = 100
 
@@ -53,7 +54,9 @@ def _prepared_plan(
 
 def _buffers(conn: Connection, lane: int, plan_cache_mode: str) -> int:
     """Shared buffers (hit + read) one move of BATCH due rows touches; rolled back."""
-    statement = store._MOVE_DUE_TIMER if lane == TIMER_LANE else store._MOVE_DUE_LEVEL
+    statement = (
+        store_delivery._MOVE_DUE_TIMER if lane == TIMER_LANE else store_delivery._MOVE_DUE_LEVEL
+    )
     bounds = "{" + ",".join(str(b) for b in LATENESS_BUCKETS_MS) + "}"
     args = {
         "lane": ("int", str(lane)),

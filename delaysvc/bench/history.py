@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from delaysvc import history, store, store_history
+from delaysvc import history, store
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.scale import fill_lane, send_rate, timed_moves
 from delaysvc.bench.suites import Figures, reset_tables
 from delaysvc.consumption import Consumer, handler
 from delaysvc.producer import Producer
 from delaysvc.sql import sql, table
+from delaysvc.store import history as store_history
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext

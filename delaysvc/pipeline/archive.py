@@ -42,13 +42,14 @@ from typing import Any, NoReturn
 from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from delaysvc import history, store_history
+from delaysvc import history
 from delaysvc.db import make_engine, session_url
 from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
 from delaysvc.settings import Settings
-from delaysvc.store_history import Partition
+from delaysvc.store import history as store_history
+from delaysvc.store.history import Partition
 
 log = logging.getLogger(__name__)
 ROWS_PER_PARTITION = 100_000

@@ -12,9 +12,9 @@ from typing import Any
 from psycopg.errors import UniqueViolation
 from sqlalchemy import Connection, Engine
 
-from delaysvc import store as service_store
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.sql import LOCK_KEY, lock_name, qualify, sql
+from delaysvc.store.shared import _ENQUEUE_FROM, _NEXT_OFFSET, _PLACED_LANE
 from delaysvc.validation import validate_topic
 
 _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
@@ -265,19 +265,19 @@ WITH msg AS (
     INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
         lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
     SELECT topic, key, tags, body, body_is_json, properties, delay_level, placed.lane,
-        {service_store._NEXT_OFFSET.format(lane="placed.lane")},
+        {_NEXT_OFFSET.format(lane="placed.lane")},
         CASE WHEN placed.lane < 0 THEN 'ready' ELSE 'scheduled' END,
         statement_timestamp(),
         COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
         CASE WHEN placed.lane < 0 THEN statement_timestamp() END
     FROM pipeline_bulk_stage b
     CROSS JOIN LATERAL (SELECT CAST({
-    service_store._PLACED_LANE.format(lane="b.lane", delay_ms="b.delay_ms")
+    _PLACED_LANE.format(lane="b.lane", delay_ms="b.delay_ms")
 } AS smallint) AS lane) placed
     ORDER BY topic, key
     {{on_conflict}}
     RETURNING id, topic, lane, queue_offset, deliver_ts, priority
-){service_store._ENQUEUE_FROM.format(src="msg")}
+){_ENQUEUE_FROM.format(src="msg")}
 SELECT count(*) FROM msg
 """
 # A batch with no key held yet is stored by a plain insert: ON CONFLICT's speculative

@@ -1,12 +1,12 @@
 """Stats sampling for the dashboard's charts: a thin wrapper around
-`delaysvc.store_dashboard.sample_stats` (run it every 10 s from beat)."""
+`delaysvc.store.dashboard.sample_stats` (run it every 10 s from beat)."""
 
 from __future__ import annotations
 
 from celery import shared_task
 
 from delaysvc.health import record_heartbeat
-from delaysvc.store_dashboard import sample_stats as sample
+from delaysvc.store.dashboard import sample_stats as sample
 from delaysvc.tasks.app import runtime
 
 

@@ -22,10 +22,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
-from delaysvc import store, store_history
+from delaysvc import store
 from delaysvc.levels import format_ms
 from delaysvc.schema import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
 from delaysvc.sql import sql
+from delaysvc.store import history as store_history
 
 UNSWEPT_CAP = 1_000_000
 

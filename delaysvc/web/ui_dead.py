@@ -7,9 +7,9 @@ from typing import Any
 from flask import redirect, render_template, request, url_for
 from sqlalchemy import Engine
 
-from delaysvc import store_dashboard as dash
 from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DelaysvcError
+from delaysvc.store import dashboard as dash
 from delaysvc.web import params
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, safe_next, timeout_ms, ui

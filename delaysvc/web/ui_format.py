@@ -16,7 +16,7 @@ from typing import Any
 from delaysvc.levels import format_ms
 from delaysvc.producer import Message
 from delaysvc.schema import LATENESS_BUCKETS_MS, WAITING
-from delaysvc.store_dashboard import LatenessDistribution
+from delaysvc.store.dashboard import LatenessDistribution
 
 BODY_PREVIEW_BYTES = 64 * 1024
 CANCELLABLE = (*WAITING, "ready")

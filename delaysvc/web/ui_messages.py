@@ -8,9 +8,9 @@ from typing import Any
 from flask import jsonify, redirect, render_template, request, url_for
 from werkzeug.datastructures import MultiDict
 
-from delaysvc import store_dashboard as dash
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.schema import STATUSES
+from delaysvc.store import dashboard as dash
 from delaysvc.web import params
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, timeout_ms, ui

@@ -8,12 +8,12 @@ from typing import Any
 from flask import jsonify, redirect, render_template, request, url_for
 
 from delaysvc import store
-from delaysvc import store_dashboard as dash
 from delaysvc.caps import MAX_WAITING, all_caps, parse_target, set_cap
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.limits import all_limits, set_limits
 from delaysvc.periodic_schedules import Schedules
 from delaysvc.serialize import topic_json
+from delaysvc.store import dashboard as dash
 from delaysvc.validation import validate_topic
 from delaysvc.web import params
 from delaysvc.web.api import services

@@ -1,0 +1,196 @@
+"""Backlog caps: the caps, their lock, the waiting counts they compare, early delivery."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection
+
+from delaysvc.sql import LOCK_KEY, lock_name, sql
+from delaysvc.store.shared import LANE, NOT_MOVED, STATUS, WAITING, Statements
+
+
+def lock_cap(conn: Statements, target: str) -> None:
+    """Serialise sends to one capped level or topic (of this schema) until the transaction
+    ends."""
+    conn.execute(
+        sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})"), {"lock": lock_name(f"cap {target}")}
+    )
+
+
+def set_backlog_cap(
+    conn: Connection, scope: str, target: str, max_waiting: int, policy: str
+) -> Any:
+    """Set a level's or a topic's cap; every send from the next one on keeps to it. -> its row."""
+    return conn.execute(
+        sql(
+            "INSERT INTO delaysvc.backlog_cap (scope, target, max_waiting, policy) "
+            "VALUES (:scope, :target, :max_waiting, :policy) ON CONFLICT (scope, target) "
+            "DO UPDATE SET max_waiting = EXCLUDED.max_waiting, policy = EXCLUDED.policy, "
+            "updated_at = now() RETURNING scope, target, max_waiting, policy"
+        ),
+        {"scope": scope, "target": target, "max_waiting": max_waiting, "policy": policy},
+    ).one()
+
+
+def lift_backlog_cap(conn: Connection, scope: str, target: str) -> bool:
+    """Lift a level's or a topic's cap. -> whether it had one."""
+    return bool(
+        conn.execute(
+            sql("DELETE FROM delaysvc.backlog_cap WHERE scope = :scope AND target = :target"),
+            {"scope": scope, "target": target},
+        ).rowcount
+    )
+
+
+def backlog_caps(conn: Connection) -> list[Any]:
+    return list(
+        conn.execute(
+            sql(
+                "SELECT scope, target, max_waiting, policy FROM delaysvc.backlog_cap "
+                "ORDER BY scope, CASE WHEN scope = 'level' THEN lpad(target, 5, '0') "
+                "ELSE target END"
+            )
+        )
+    )
+
+
+def caps_covering(conn: Statements, topics: Sequence[str], levels: Sequence[int]) -> list[Any]:
+    """The caps of these topics and levels: a probe of the caps' primary key per target."""
+    return list(
+        conn.execute(
+            sql(
+                "SELECT scope, target, max_waiting, policy FROM delaysvc.backlog_cap "
+                "WHERE (scope = 'topic' AND target = ANY(CAST(:topics AS text[]))) "
+                "OR (scope = 'level' AND target = ANY(CAST(:levels AS text[])))"
+            ),
+            {"topics": sorted(set(topics)), "levels": sorted({str(n) for n in levels})},
+        )
+    )
+
+
+def lane_pending(conn: Statements, lane: int) -> int:
+    """Waiting messages of a lane, exactly: the sum of its `lane_count` deltas (a few thousand
+    rows at most between two folds)."""
+    return conn.execute(
+        sql(
+            "SELECT CAST(COALESCE(sum(delta), 0) AS bigint) FROM delaysvc.lane_count WHERE lane "
+            "= :lane"
+        ),
+        {"lane": lane},
+    ).scalar_one()
+
+
+def fold_lane_counts(conn: Connection) -> int:
+    """Fold every committed delta into one row per lane (exact: a delta committed meanwhile
+    is not seen, so not deleted, and is folded next time). -> rows folded."""
+    return conn.execute(
+        sql(
+            """
+WITH gone AS (
+    DELETE FROM delaysvc.lane_count RETURNING lane, delta
+), folded AS (
+    INSERT INTO delaysvc.lane_count (lane, delta)
+    SELECT lane, sum(delta) FROM gone GROUP BY lane HAVING sum(delta) <> 0
+)
+SELECT count(*) FROM gone"""
+        )
+    ).scalar_one()
+
+
+def topic_pending(conn: Statements, topic: str, up_to: int) -> int:
+    """Waiting (scheduled or retrying) messages of a topic, never counted beyond `up_to`."""
+    return conn.execute(
+        sql(
+            "SELECT count(*) FROM (SELECT 1 FROM delaysvc.commit_log c WHERE c.topic = :topic "
+            f"AND {WAITING} AND {NOT_MOVED} LIMIT :up_to) w"
+        ),
+        {"topic": topic, "up_to": up_to},
+    ).scalar_one()
+
+
+def lock_key_holders(
+    conn: Statements, pairs: Sequence[tuple[str, str | None]]
+) -> dict[tuple[str, str], Any]:
+    """The unfinished messages holding these (topic, key) pairs (`id, topic, key, lane,
+    status`, as `MESSAGE_STATE` reads them), each locked FOR SHARE until the transaction ends:
+    a holder cannot finish meanwhile and leave its key to a send a cap counted as adding
+    nothing."""
+    wanted = {(topic, key) for topic, key in pairs if key is not None}
+    if not wanted:
+        return {}
+    topics, keys = zip(*wanted, strict=True)
+    rows = conn.execute(
+        sql(
+            f"SELECT c.id, c.topic, c.key, {LANE} AS lane, {STATUS} AS status "
+            "FROM delaysvc.commit_log c WHERE c.key IS NOT NULL AND c.finished_at IS NULL AND "
+            "(c.topic, c.key) IN (SELECT * FROM unnest(CAST(:topics AS text[]), "
+            "CAST(:keys AS text[]))) FOR SHARE OF c"
+        ),
+        {"topics": list(topics), "keys": list(keys)},
+    )
+    return {(row.topic, row.key): row for row in rows}
+
+
+def oldest_waiting_in_level(conn: Statements, level: int, count: int) -> list[int]:
+    rows = conn.execute(
+        sql(
+            "SELECT message_id FROM delaysvc.consume_queue WHERE level = :lane "
+            "ORDER BY queue_offset LIMIT :count"
+        ),
+        {"lane": level, "count": count},
+    )
+    return [row.message_id for row in rows]
+
+
+def oldest_waiting_of_topic(conn: Statements, topic: str, count: int) -> list[int]:
+    rows = conn.execute(
+        sql(
+            "SELECT c.id FROM delaysvc.commit_log c WHERE c.topic = :topic "
+            f"AND {WAITING} AND {NOT_MOVED} "
+            "ORDER BY c.deliver_ts LIMIT :count"
+        ),
+        {"topic": topic, "count": count},
+    )
+    return [row.id for row in rows]
+
+
+_DELIVER_NOW = """
+WITH pick AS (
+    -- a moved message's row still names its old lane and offset (see MESSAGE_STATE): its lane row
+    -- is gone, so nothing below matches it
+    SELECT id, lane, queue_offset, deliver_ts FROM delaysvc.commit_log
+    WHERE id = ANY(CAST(:ids AS bigint[])) AND status IN ('scheduled', 'retrying')
+), from_levels AS (
+    DELETE FROM delaysvc.consume_queue q USING pick
+    WHERE pick.lane > 0 AND q.level = pick.lane AND q.queue_offset = pick.queue_offset
+    RETURNING q.message_id, q.topic, q.deliver_ts, CAST(q.level AS int) AS lane, q.priority
+), from_timer AS (
+    DELETE FROM delaysvc.timer_queue t USING pick
+    WHERE pick.lane = 0 AND t.deliver_ts = pick.deliver_ts AND t.queue_offset = pick.queue_offset
+    RETURNING t.message_id, t.topic, t.deliver_ts, 0 AS lane, t.priority
+), moved AS (
+    SELECT * FROM from_levels UNION ALL SELECT * FROM from_timer
+), ready AS (
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT message_id, topic, deliver_ts, priority FROM moved ORDER BY deliver_ts, message_id
+), marked AS (
+    UPDATE delaysvc.commit_log c SET status = 'ready', delivered_at = clock_timestamp(),
+        lane = -1, queue_offset = NULL
+    FROM moved WHERE c.id = moved.message_id
+), counted AS (
+    UPDATE delaysvc.schedule_offset s SET early_total = early_total + m.n
+    FROM (SELECT lane, count(*) AS n FROM moved GROUP BY lane) m WHERE s.lane = m.lane
+), lane_counted AS (
+    INSERT INTO delaysvc.lane_count (lane, delta)
+    SELECT CAST(lane AS smallint), -count(*) FROM moved GROUP BY lane
+)
+SELECT count(*) FROM moved"""
+
+
+def deliver_now(conn: Statements, message_ids: Sequence[int]) -> int:
+    """Move waiting messages into their topics' queues before their time (a backlog cap's
+    overflow), counted per lane in `early_total`. -> how many moved (a message being moved
+    by its lane at the same moment is left to it)."""
+    return conn.execute(sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()

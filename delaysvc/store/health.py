@@ -1,0 +1,58 @@
+"""Heartbeats of the running parts and the recent handler durations the health check reads."""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection
+
+from delaysvc.sql import sql
+
+
+def record_heartbeat(conn: Connection, component: str, host: str) -> None:
+    conn.execute(
+        sql(
+            "INSERT INTO delaysvc.heartbeat (component, seen_at, host) VALUES (:c, "
+            "clock_timestamp(), :h) "
+            "ON CONFLICT (component) DO UPDATE SET seen_at = EXCLUDED.seen_at, host = EXCLUDED.host"
+        ),
+        {"c": component, "h": host},
+    )
+
+
+def heartbeats(conn: Connection) -> dict[str, float]:
+    """Seconds since each component was last seen (database clock)."""
+    rows = conn.execute(
+        sql(
+            "SELECT component, extract(epoch FROM clock_timestamp() - seen_at) AS age "
+            "FROM delaysvc.heartbeat"
+        )
+    )
+    return {row.component: float(row.age) for row in rows}
+
+
+def slowest_lane_heartbeat(conn: Connection) -> float | None:
+    """Seconds since the least recently seen lane's runner wrote its heartbeat (`lane N`, one
+    per lane the database has); None while a lane has never been seen."""
+    row = conn.execute(
+        sql(
+            "SELECT bool_or(h.seen_at IS NULL) AS unseen, "
+            "max(extract(epoch FROM clock_timestamp() - h.seen_at)) AS age "
+            "FROM delaysvc.schedule_offset s LEFT JOIN delaysvc.heartbeat h ON h.component = "
+            "'lane ' || s.lane"
+        )
+    ).one()
+    return None if row.unseen or row.age is None else float(row.age)
+
+
+def recent_durations(conn: Connection, minutes: int = 60) -> dict[str, tuple[list[int], float]]:
+    """Per topic: handler-duration bucket counts of the last `minutes`, and the longest run."""
+    rows = conn.execute(
+        sql(
+            "SELECT topic, array_agg(total ORDER BY i) AS counts, max(top) AS max_ms FROM ("
+            "  SELECT topic, i, sum(c) AS total, max(max_ms) AS top "
+            "  FROM delaysvc.handler_duration_histogram, unnest(counts) WITH ORDINALITY AS u(c, i) "
+            "  WHERE minute > clock_timestamp() - :minutes * interval '1 minute' "
+            "  GROUP BY topic, i) t GROUP BY topic"
+        ),
+        {"minutes": minutes},
+    )
+    return {row.topic: ([int(c) for c in row.counts], float(row.max_ms)) for row in rows}

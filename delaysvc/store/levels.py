@@ -1,0 +1,200 @@
+"""Delay levels and their lanes: the database's levels (the one truth for a level's delay), a
+change of them, relocation to the timer lane."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection
+from sqlalchemy.exc import OperationalError, ProgrammingError
+
+from delaysvc.errors import SchemaNotReady
+from delaysvc.levels import DelayLevels, format_ms
+from delaysvc.schema import TIMER_LANE, level_partition, level_sequence
+from delaysvc.sql import sql
+
+LEVEL_CHANGE_LOCK_TIMEOUT = "10s"
+
+
+def stored_levels(conn: Connection) -> dict[int, int]:
+    """{level: delay_ms} as the database has them: the one truth for a level's delay."""
+    rows = conn.execute(sql("SELECT lane, delay_ms FROM delaysvc.schedule_offset WHERE lane > 0"))
+    return {row.lane: row.delay_ms for row in rows}
+
+
+@dataclass(frozen=True)
+class LevelChange:
+    level: int
+    old_ms: int
+    new_ms: int | None  # None: the level is no longer configured
+    relocated: int  # waiting messages moved to the timer lane, due times unchanged
+
+    def describe(self) -> str:
+        old = format_ms(self.old_ms)
+        what = (
+            f"level {self.level} removed (was {old})"
+            if self.new_ms is None
+            else f"level {self.level}: {old} -> {format_ms(self.new_ms)}"
+        )
+        if self.relocated:
+            what += (
+                f"; its {self.relocated} waiting messages moved to the timer lane, "
+                "due when they were due"
+            )
+        return what
+
+
+def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
+    """Make the database's levels the configured ones, keeping every waiting message's due
+    time: create the queue, offset sequence and schedule_offset row of each new level; a level
+    whose delay gets shorter, or that is no longer configured, first hands its waiting messages
+    to the timer lane (same due times; in its FIFO queue they would now be due before their time
+    or out of order), then takes its new delay or goes. A longer delay keeps its messages: they
+    are due before any sent from now on, so offset order stays due order.
+
+    A change locks schedule_offset and every level's queue exclusively until the caller
+    commits. Every writer of a level reads schedule_offset in the statement that writes the
+    level (`_PLACED_LANE`: sends, batches, retries; the mover locks its lane's row), so a
+    writer either committed before the change, which then relocates its row, or waits and
+    sees the new levels; the queue lock waits out anything else still writing a level (a
+    cancel, a replace) before a level is read or dropped."""
+    changed = {
+        lane: ms
+        for lane, ms in stored_levels(conn).items()
+        if lane > levels.max_level or levels.delay_ms(lane) != ms
+    }
+    if changed:
+        conn.execute(sql(f"SET LOCAL lock_timeout = '{LEVEL_CHANGE_LOCK_TIMEOUT}'"))
+        try:
+            conn.execute(
+                sql(
+                    "LOCK TABLE delaysvc.schedule_offset, delaysvc.consume_queue "
+                    "IN ACCESS EXCLUSIVE MODE"
+                )
+            )
+        except OperationalError as exc:
+            raise SchemaNotReady(
+                "the delay levels could not be changed: another transaction kept "
+                f"the levels' tables for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
+                "transaction, or a second migrate); try again"
+            ) from exc
+        conn.execute(sql("SET LOCAL lock_timeout = 0"))
+    conn.execute(
+        sql(
+            "INSERT INTO delaysvc.schedule_offset (lane, delay_ms) VALUES (:lane, 0) "
+            "ON CONFLICT (lane) DO NOTHING"
+        ),
+        {"lane": TIMER_LANE},
+    )
+    for level in range(1, levels.max_level + 1):
+        partition, sequence = level_partition(level), level_sequence(level)
+        conn.execute(sql(f"CREATE SEQUENCE IF NOT EXISTS delaysvc.{sequence}"))
+        conn.execute(
+            sql(
+                f"CREATE TABLE IF NOT EXISTS delaysvc.{partition} PARTITION OF "
+                "delaysvc.consume_queue "
+                f"FOR VALUES IN ({level}) WITH (autovacuum_vacuum_scale_factor = 0.01, "
+                "autovacuum_vacuum_insert_scale_factor = 0.01, autovacuum_vacuum_cost_delay = 0)"
+            )
+        )
+        conn.execute(
+            sql(
+                "INSERT INTO delaysvc.schedule_offset (lane, delay_ms) VALUES (:lane, :delay_ms) "
+                "ON CONFLICT (lane) DO NOTHING"
+            ),
+            {"lane": level, "delay_ms": levels.delay_ms(level)},
+        )
+    return [_change_level(conn, lane, old_ms, levels) for lane, old_ms in sorted(changed.items())]
+
+
+def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels) -> LevelChange:
+    new_ms = levels.delay_ms(level) if level <= levels.max_level else None
+    relocated = 0
+    if new_ms is None or new_ms < old_ms:
+        relocated = relocate_to_timer(conn, level)
+    if new_ms is None:
+        left = conn.execute(
+            sql(f"SELECT count(*) FROM delaysvc.{level_partition(level)}")
+        ).scalar_one()
+        if left:  # never expected: every writer of the level waited for the lock
+            raise SchemaNotReady(
+                f"level {level} still holds {left} messages after relocating its queue; "
+                "it was not removed (nothing changed); try again"
+            )
+        conn.execute(sql(f"DROP TABLE delaysvc.{level_partition(level)}"))
+        conn.execute(sql(f"DROP SEQUENCE IF EXISTS delaysvc.{level_sequence(level)}"))
+        conn.execute(
+            sql("DELETE FROM delaysvc.schedule_offset WHERE lane = :lane"), {"lane": level}
+        )
+        conn.execute(sql("DELETE FROM delaysvc.lane_count WHERE lane = :lane"), {"lane": level})
+    else:
+        conn.execute(
+            sql("UPDATE delaysvc.schedule_offset SET delay_ms = :ms WHERE lane = :lane"),
+            {"lane": level, "ms": new_ms},
+        )
+    return LevelChange(level, old_ms, new_ms, relocated)
+
+
+# Rows taken out of level :lane (`{taken}`: message_id, topic, deliver_ts; `{where}` picks those
+# that go) enter the timer lane with their due times unchanged; their commit_log rows follow
+# (lane 0, a timer offset), and `{taken}` is counted out of the level, `placed` into the timer
+# lane. Shared by a level change (`relocate_to_timer`) and the mover (`relocate_misplaced`).
+_INTO_TIMER_LANE = """
+, placed AS (
+    SELECT message_id, topic, deliver_ts, priority,
+        nextval('delaysvc.timer_queue_seq') AS queue_offset
+    FROM {taken} WHERE {where}
+), timed AS (
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
+    SELECT deliver_ts, queue_offset, message_id, topic, priority FROM placed
+), relaned AS (
+    UPDATE delaysvc.commit_log c SET lane = 0, queue_offset = p.queue_offset
+    FROM placed p WHERE c.id = p.message_id
+), counted AS (
+    INSERT INTO delaysvc.lane_count (lane, delta)
+    SELECT lane, n FROM (VALUES (CAST(:lane AS smallint), -(SELECT count(*) FROM {taken})),
+                                (CAST(0 AS smallint), (SELECT count(*) FROM placed))) v(lane, n)
+    WHERE n <> 0
+)"""
+
+_RELOCATE_TO_TIMER = f"""
+WITH taken AS (
+    DELETE FROM delaysvc.consume_queue q WHERE q.level = :lane
+    RETURNING q.message_id, q.topic, q.deliver_ts, q.priority
+){_INTO_TIMER_LANE.format(taken="taken", where="true")}
+SELECT count(*) FROM placed
+"""
+
+
+def relocate_to_timer(conn: Connection, level: int) -> int:
+    """Move all of a level's waiting messages to the timer lane, due times unchanged.
+    -> how many moved."""
+    return conn.execute(sql(_RELOCATE_TO_TIMER), {"lane": level}).scalar_one()
+
+
+def check_levels(conn: Connection, levels: DelayLevels) -> None:
+    """SchemaNotReady unless the database has every configured level with the same delays:
+    every long-lived process (worker, beat, web) calls this at start."""
+    try:
+        stored = stored_levels(conn)
+    except ProgrammingError as exc:  # the table itself is missing: never migrated
+        raise SchemaNotReady("the database is not migrated; run `delaysvc migrate`") from exc
+    wanted = {level: levels.delay_ms(level) for level in range(1, levels.max_level + 1)}
+    if stored != wanted:
+        differences = [
+            f"level {lane}: {_ms_or_none(wanted.get(lane))} configured, "
+            f"{_ms_or_none(stored.get(lane))} in the database"
+            for lane in sorted(set(stored) | set(wanted))
+            if stored.get(lane) != wanted.get(lane)
+        ]
+        raise SchemaNotReady(
+            f"DELAYSVC_DELAY_LEVELS ({levels}) differs from the database's levels ("
+            + "; ".join(differences[:5])
+            + (f"; {len(differences) - 5} more" if len(differences) > 5 else "")
+            + "); run `delaysvc migrate` with these levels to apply them (waiting messages "
+            "keep their due times), or start with the database's levels"
+        )
+
+
+def _ms_or_none(ms: int | None) -> str:
+    return "none" if ms is None else format_ms(ms)

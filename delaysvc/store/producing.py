@@ -1,0 +1,427 @@
+"""Storing messages: one send in one statement, a batch through a staging table, lookups by id and
+by key."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from psycopg import Cursor
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Connection
+
+from delaysvc.db import sqlalchemy_error
+from delaysvc.errors import DuplicateKey
+from delaysvc.schema import TIMER_LANE
+from delaysvc.sql import driver_sql as _driver_sql
+from delaysvc.sql import sql
+from delaysvc.store import history as store_history
+from delaysvc.store.shared import (
+    _ENQUEUE_FROM,
+    _NEXT_OFFSET,
+    _PLACED_LANE,
+    MESSAGE_STATE,
+    NewMessage,
+    Statements,
+)
+
+# A send to a level or the timer lane stores nothing if a backlog cap covers its topic or level,
+# unless the caller holds the caps' locks (:caps_held): a probe of backlog_cap's primary key per
+# target, so every producer keeps to the caps without a setting or a cache. It returns one row of
+# NULLs instead, and the producer stores the message under the caps (`delaysvc.caps`).
+_UNCAPPED = """uncapped AS (SELECT CAST(:caps_held AS boolean) OR NOT EXISTS (
+        SELECT 1 FROM delaysvc.backlog_cap bc WHERE {targets}) AS free), """
+_CAPPED_MARK = "\nUNION ALL SELECT NULL, NULL, NULL, NULL FROM uncapped WHERE NOT uncapped.free"
+
+# One statement per send, returning only what the database decides (id, stored_at,
+# deliver_ts, and the lane, which for a level is the level only if the database agrees on its
+# delay: `_PLACED_LANE`): the producer has the rest. One form per kind of lane.
+_INSERT_ONE = """
+WITH {placed}msg AS (
+    INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
+        priority, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    SELECT :topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
+        CAST(:properties AS jsonb), CAST(:delay_level AS smallint),
+        CAST(:priority AS smallint), {lane},
+        {offset}, {status}, statement_timestamp(),
+        COALESCE(CAST(:deliver_at AS timestamptz),
+                 statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
+        {delivered_at}{source}
+    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
+    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts, priority
+){enqueue}
+SELECT id, stored_at, deliver_ts, lane FROM msg{capped}
+"""
+# The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`).
+_PLACED_ONE = (
+    "placed AS (SELECT CAST("
+    + _PLACED_LANE.format(lane="CAST(:lane AS int)", delay_ms="CAST(:delay_ms AS bigint)")
+    + " AS smallint) AS lane)"
+)
+_INSERT_ONE_LEVEL = _INSERT_ONE.format(
+    placed=_PLACED_ONE
+    + ", "
+    + _UNCAPPED.format(
+        targets="(bc.scope = 'topic' AND bc.target = :topic) OR "
+        "(bc.scope = 'level' AND bc.target = CAST(CAST(:lane AS int) AS text))"
+    ),
+    lane="placed.lane",
+    offset=_NEXT_OFFSET.format(lane="placed.lane"),
+    status="'scheduled'",
+    delivered_at="NULL",
+    source=" FROM placed, uncapped WHERE uncapped.free",
+    enqueue=_ENQUEUE_FROM.format(src="msg"),
+    capped=_CAPPED_MARK,
+)
+_INSERT_ONE_TIMER = _INSERT_ONE.format(
+    placed=_UNCAPPED.format(targets="bc.scope = 'topic' AND bc.target = :topic"),
+    lane="CAST(0 AS smallint)",
+    offset="nextval('delaysvc.timer_queue_seq')",
+    status="'scheduled'",
+    delivered_at="NULL",
+    source=" FROM uncapped WHERE uncapped.free",
+    capped=_CAPPED_MARK,
+    enqueue="""
+, timer_rows AS (
+    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
+    SELECT deliver_ts, queue_offset, id, topic, priority FROM msg
+), lane_counted AS (
+    INSERT INTO delaysvc.lane_count (lane, delta) SELECT 0, 1 FROM msg
+)""",
+)
+_INSERT_ONE_READY = _INSERT_ONE.format(
+    placed="",
+    lane="CAST(-1 AS smallint)",
+    offset="NULL",
+    status="'ready'",
+    delivered_at="statement_timestamp()",
+    source="",
+    capped="",
+    enqueue="""
+, queued AS (
+    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
+    SELECT id, topic, deliver_ts, priority FROM msg
+)""",
+)
+
+
+def _insert_one_statement(lane: int) -> str:
+    if lane > 0:
+        return _INSERT_ONE_LEVEL
+    return _INSERT_ONE_TIMER if lane == TIMER_LANE else _INSERT_ONE_READY
+
+
+def _message_params(message: NewMessage) -> dict[str, Any]:
+    return {
+        "topic": message.topic,
+        "key": message.key,
+        "tags": message.tags,
+        "body": message.body,
+        "body_is_json": message.body_is_json,
+        "properties": json.dumps(message.properties) if message.properties is not None else None,
+        "delay_level": message.delay_level,
+        "priority": message.priority,
+        "lane": message.lane,
+        "delay_ms": message.delay_ms,
+        "deliver_at": message.deliver_at,
+    }
+
+
+class Stored(NamedTuple):
+    """What the database decided for a message just stored."""
+
+    id: int
+    stored_at: datetime
+    deliver_ts: datetime
+    lane: int
+
+
+def insert_message(
+    cursor: Cursor[Any], message: NewMessage, caps_held: bool
+) -> tuple[Any, bool, int | None] | None:
+    """Store one message and put it in its lane, in one statement. -> (row, created, origin)
+    as `insert_messages` gives them: a new message's row is `Stored` (the caller has the rest;
+    origin 0); a key already held by an unfinished message of the topic gives that message's
+    whole row, created=False, origin None. None: a backlog cap covers the message's topic or
+    level and the caller does not hold the caps' locks (`caps_held`): nothing was stored.
+
+    `cursor` is a psycopg 3 driver cursor (an autocommitted single send:
+    `db.autocommit_cursor`; in a transaction: `driver_errors`): the statement is prepared on
+    the server once per connection (unless the connection has prepared statements turned off,
+    as for PgBouncer), and SQLAlchemy's execution and result objects, which cost more Python
+    than the statement's own execution, are skipped (docs/benchmarks/README.md, "Send").
+    `insert_message_on` is the same on any `Statements`."""
+    statement = _driver_sql(_insert_one_statement(message.lane))
+    params = {**_message_params(message), "caps_held": caps_held}
+    prepare = None if cursor.connection.prepare_threshold is None else True
+
+    def find_holder() -> Any:
+        with cursor.connection.cursor(row_factory=namedtuple_row) as named:
+            lookup = {"topic": message.topic, "key": message.key}
+            return named.execute(_driver_sql(_FIND_UNFINISHED_BY_KEY), lookup).fetchone()
+
+    return _insert_or_find(
+        message, lambda: cursor.execute(statement, params, prepare=prepare).fetchone(), find_holder
+    )
+
+
+def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:
+    """`insert_message` through any `Statements` (any driver), by a caller holding the caps'
+    locks or sending due now (never capped)."""
+    inserted = insert_uncapped_on(conn, message, caps_held=True)
+    assert inserted is not None  # with the caps held, nothing is left to them
+    return inserted
+
+
+def insert_uncapped_on(
+    conn: Statements, message: NewMessage, caps_held: bool = False
+) -> tuple[Any, bool, int | None] | None:
+    """`insert_message` through any `Statements` (any driver)."""
+    params = {**_message_params(message), "caps_held": caps_held}
+    return _insert_or_find(
+        message,
+        lambda: conn.execute(sql(_insert_one_statement(message.lane)), params).first(),
+        lambda: find_unfinished_by_key(conn, message.topic, message.key),
+    )
+
+
+def _insert_or_find(
+    message: NewMessage, insert: Callable[[], Any], find_holder: Callable[[], Any]
+) -> tuple[Any, bool, int | None] | None:
+    for _ in range(5):
+        row = insert()
+        if row is not None:
+            if row[0] is None:
+                return None  # a cap covers it (`_UNCAPPED`)
+            return Stored(*row), True, 0
+        if message.key is not None:
+            existing = find_holder()
+            if existing is not None:
+                return existing, False, None
+        # The holder of the key finished between the two statements: try again.
+    raise DuplicateKey(f"key {message.key!r} of topic {message.topic!r} is changing hands; retry")
+
+
+# A batch is COPYed into a temporary staging table (one per session, emptied by the insert
+# that reads it, and at commit), then stored by one statement: ids are drawn in batch order
+# first, so each created row maps back to its item; lanes, offsets, the key rule and
+# database-clock deliver_ts are the single send's. A key held already, or earlier in the batch,
+# creates nothing (ON CONFLICT DO NOTHING sees rows this statement inserted).
+_STAGE_TABLE = "delaysvc_send_stage"
+_STAGE_COLUMNS = (
+    "ord, topic, key, tags, body, body_is_json, properties, delay_level, lane, delay_ms, "
+    "deliver_at, priority"
+)
+_CREATE_STAGE = f"""CREATE TEMP TABLE IF NOT EXISTS {_STAGE_TABLE} (
+    ord int, topic text, key text, tags text[], body bytea, body_is_json boolean,
+    properties jsonb, delay_level smallint, lane smallint, delay_ms bigint,
+    deliver_at timestamptz, priority smallint
+) ON COMMIT DELETE ROWS"""
+_COPY_STAGE = f"COPY {_STAGE_TABLE} ({_STAGE_COLUMNS}) FROM STDIN"
+INSERT_STAGED = f"""
+WITH staged AS (
+    DELETE FROM {_STAGE_TABLE} RETURNING *
+), numbered AS (
+    SELECT nextval('delaysvc.commit_log_id_seq') AS id, s.ord, s.topic, s.key, s.tags, s.body,
+        s.body_is_json, s.properties, s.delay_level, s.priority,
+        CAST({_PLACED_LANE.format(lane="s.lane", delay_ms="s.delay_ms")} AS smallint) AS lane,
+        s.delay_ms, s.deliver_at
+    FROM (SELECT * FROM staged ORDER BY ord) s
+), msg AS (
+    INSERT INTO delaysvc.commit_log (id, topic, key, tags, body, body_is_json, properties,
+        delay_level, priority, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
+    SELECT id, topic, key, tags, body, body_is_json, properties, delay_level, priority, lane,
+        {_NEXT_OFFSET.format(lane="lane")},
+        CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
+        statement_timestamp(),
+        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
+        CASE WHEN lane < 0 THEN statement_timestamp() END
+    FROM numbered ORDER BY ord
+    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
+    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts, priority
+){_ENQUEUE_FROM.format(src="msg")}
+SELECT n.ord, m.id, m.stored_at, m.deliver_ts FROM msg m JOIN numbered n ON n.id = m.id
+"""
+
+
+# Without a psycopg 3 cursor to COPY with (psycopg2, Django's cursor, asyncio connections), a
+# batch is staged by one statement from a JSON document of its rows (`_stage_document`).
+_STAGE_FROM_JSON = f"""INSERT INTO {_STAGE_TABLE} ({_STAGE_COLUMNS})
+SELECT ord, topic, key, tags, decode(body, 'base64'), body_is_json, properties, delay_level,
+    lane, delay_ms, deliver_at, priority
+FROM jsonb_to_recordset(CAST(:rows AS jsonb)) AS s(ord int, topic text, key text, tags text[],
+    body text, body_is_json boolean, properties jsonb, delay_level smallint, lane smallint,
+    delay_ms bigint, deliver_at timestamptz, priority smallint)"""
+
+
+def stage_rows(cursor: Cursor[Any], rows: Iterable[tuple[Any, ...]]) -> None:
+    """COPY `stage_row`s into the session's staging table (made if it is missing), for
+    INSERT_STAGED to store, in the cursor's transaction."""
+    cursor.execute(_CREATE_STAGE)
+    with cursor.copy(_COPY_STAGE) as copy:
+        for row in rows:
+            copy.write_row(row)
+
+
+def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
+    properties = message.properties
+    return (
+        ord_,
+        message.topic,
+        message.key,
+        message.tags,
+        message.body,
+        message.body_is_json,
+        json.dumps(properties) if properties is not None else None,
+        message.delay_level,
+        message.lane,
+        message.delay_ms,
+        message.deliver_at,
+        message.priority,
+    )
+
+
+def _stage_document(messages: Sequence[NewMessage]) -> str:
+    return json.dumps(
+        [
+            {
+                "ord": ord_,
+                "topic": m.topic,
+                "key": m.key,
+                "tags": m.tags,
+                "body": base64.b64encode(m.body).decode("ascii"),
+                "body_is_json": m.body_is_json,
+                "properties": m.properties,
+                "delay_level": m.delay_level,
+                "lane": m.lane,
+                "delay_ms": m.delay_ms,
+                "deliver_at": m.deliver_at.isoformat() if m.deliver_at is not None else None,
+                "priority": m.priority,
+            }
+            for ord_, m in enumerate(messages)
+        ]
+    )
+
+
+def insert_messages(
+    conn: Statements, messages: Sequence[NewMessage], cursor: Cursor[Any] | None = None
+) -> list[tuple[Any, bool, int | None]]:
+    """Store many messages in the caller's transaction: into the staging table (COPY on
+    `cursor`, a psycopg 3 cursor of `conn`'s connection; without one, one statement from a
+    JSON document), then one insert. -> [(row, created, origin)] in input order. A created row
+    holds `id, stored_at, deliver_ts` and `origin` is the item's index; a key taken earlier in
+    the batch gives that item's row and index with created=False; a key held by an unfinished
+    message already gives that message's whole row, created=False and origin None."""
+    if cursor is not None:
+        stage_rows(cursor, (stage_row(ord_, message) for ord_, message in enumerate(messages)))
+    else:
+        conn.execute(sql(_CREATE_STAGE))
+        conn.execute(sql(_STAGE_FROM_JSON), {"rows": _stage_document(messages)})
+    created: list[Any] = [None] * len(messages)
+    for row in conn.execute(sql(INSERT_STAGED)):
+        created[row.ord] = row
+    results: list[tuple[Any, bool, int | None]] = []
+    missing = [m for m, row in zip(messages, created, strict=True) if row is None]
+    holders = find_unfinished_by_keys(conn, [(m.topic, m.key) for m in missing if m.key])
+    first_in_batch: dict[tuple[str, str], int] = {}
+    for index, (message, row) in enumerate(zip(messages, created, strict=True)):
+        pair = (message.topic, message.key) if message.key is not None else None
+        if row is not None:
+            if pair is not None:
+                first_in_batch.setdefault(pair, index)
+            results.append((row, True, index))
+        elif pair is not None and pair in first_in_batch:
+            origin = first_in_batch[pair]
+            results.append((created[origin], False, origin))
+        elif pair is not None and pair in holders:
+            results.append((holders[pair], False, None))
+        else:
+            raise DuplicateKey(
+                f"key {message.key!r} of topic {message.topic!r} is changing hands; retry"
+            )
+    return results
+
+
+@contextmanager
+def driver_errors(conn: Connection, statement: str | None = None) -> Iterator[Any]:
+    """A cursor of the connection's driver (for COPY, which SQLAlchemy has no API for, and a
+    single send's statement) in the connection's transaction (begun here if it has none yet,
+    as `conn.execute` would), whose errors become SQLAlchemy's like those of `conn.execute`:
+    a lost connection is invalidated and reported as `connection_invalidated`."""
+    if not conn.in_transaction():
+        conn.begin()
+    dbapi_connection = conn.connection.dbapi_connection
+    assert dbapi_connection is not None
+    cursor = dbapi_connection.cursor()
+    try:
+        yield cursor
+    except conn.dialect.loaded_dbapi.Error as exc:
+        lost = conn.dialect.is_disconnect(exc, dbapi_connection, cursor)
+        if lost:
+            conn.invalidate(exc)
+        raise sqlalchemy_error(exc, conn.dialect, statement, lost=lost) from exc
+    finally:
+        if not cursor.closed:
+            cursor.close()
+
+
+def find_unfinished_by_keys(
+    conn: Statements, pairs: Sequence[tuple[str, str | None]]
+) -> dict[tuple[str, str], Any]:
+    """The unfinished messages holding these (topic, key) pairs, in one statement."""
+    wanted = {(topic, key) for topic, key in pairs if key is not None}
+    if not wanted:
+        return {}
+    topics, keys = zip(*wanted, strict=True)
+    rows = conn.execute(
+        sql(
+            f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.key IS NOT NULL AND "
+            "c.finished_at IS NULL AND "
+            "(c.topic, c.key) IN (SELECT * FROM unnest(CAST(:topics AS text[]), "
+            "CAST(:keys AS text[])))"
+        ),
+        {"topics": list(topics), "keys": list(keys)},
+    )
+    return {(row.topic, row.key): row for row in rows}
+
+
+_FIND_UNFINISHED_BY_KEY = f"""SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c
+    WHERE c.topic = :topic AND c.key = :key AND c.finished_at IS NULL"""
+
+
+def find_unfinished_by_key(conn: Statements, topic: str, key: str | None) -> Any:
+    if key is None:
+        return None
+    return conn.execute(sql(_FIND_UNFINISHED_BY_KEY), {"topic": topic, "key": key}).first()
+
+
+def get_message(conn: Statements, message_id: int) -> Any:
+    return conn.execute(
+        sql(f"SELECT {MESSAGE_STATE} FROM delaysvc.message c WHERE c.id = :id"),
+        {"id": message_id},
+    ).first()
+
+
+# The newest finished message of a key: among commit_log's few finished rows (their partial
+# index) or in the history (its days' key indexes), each table's newest on its own. Through
+# the view, commit_log's side had no index for a key that may have finished: a scan of the
+# whole backlog.
+_FIND_FINISHED_BY_KEY = f"""SELECT {MESSAGE_STATE} FROM (
+    (SELECT {store_history.COLUMNS} FROM delaysvc.commit_log
+        WHERE topic = :topic AND key = :key AND finished_at IS NOT NULL ORDER BY id DESC LIMIT 1)
+    UNION ALL
+    (SELECT {store_history.COLUMNS} FROM delaysvc.message_history
+        WHERE topic = :topic AND key = :key ORDER BY id DESC LIMIT 1)
+) c ORDER BY c.id DESC LIMIT 1"""
+
+
+def find_message_by_key(conn: Statements, topic: str, key: str) -> Any:
+    """The unfinished message holding the key, else the newest finished one."""
+    unfinished = find_unfinished_by_key(conn, topic, key)
+    if unfinished is not None:
+        return unfinished
+    return conn.execute(sql(_FIND_FINISHED_BY_KEY), {"topic": topic, "key": key}).first()

@@ -1,0 +1,64 @@
+"""Dashboard users and their logins (tokens: `delaysvc.store.tokens`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection
+
+from delaysvc.sql import sql
+
+
+def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
+    conn.execute(
+        sql(
+            "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, "
+            ":hash, :role) "
+            "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
+            "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL"
+        ),
+        {"name": name, "hash": password_hash, "role": role},
+    )
+
+
+def find_user(conn: Connection, name: str) -> Any:
+    return conn.execute(
+        sql(
+            "SELECT id, name, password_hash, role, failed_logins, locked_until, "
+            "locked_until > now() AS locked FROM delaysvc.dashboard_user WHERE name = :name"
+        ),
+        {"name": name},
+    ).first()
+
+
+def count_login_attempt(
+    conn: Connection, name: str, max_failures: int, lockout_seconds: int
+) -> Any:
+    """Count a login attempt as failed before its password is checked, and lock the account
+    for `lockout_seconds` once `max_failures` are counted (`clear_failed_logins` undoes both
+    when the password is right). -> the user row if the account was not locked, else None (as
+    for an unknown name). One statement: concurrent attempts queue on the row, and each sees
+    the counts of those before it, so at most `max_failures` of any number of simultaneous
+    attempts get their password checked. Commit before checking: the row stays locked only
+    for this statement, not for the ~100 ms of a password hash."""
+    return conn.execute(
+        sql(
+            "UPDATE delaysvc.dashboard_user SET failed_logins = failed_logins + 1, "
+            "locked_until = CASE WHEN failed_logins + 1 >= :max "
+            "THEN now() + :lock * interval '1 second' ELSE locked_until END "
+            "WHERE name = :name AND (locked_until IS NULL OR locked_until <= now()) "
+            "RETURNING id, name, password_hash, role"
+        ),
+        {"name": name, "max": max_failures, "lock": lockout_seconds},
+    ).first()
+
+
+def clear_failed_logins(conn: Connection, name: str) -> None:
+    """A right password: forget the failures counted, and the lockout they set."""
+    conn.execute(
+        sql(
+            "UPDATE delaysvc.dashboard_user SET failed_logins = 0, locked_until = NULL "
+            "WHERE name = :name"
+        ),
+        {"name": name},
+    )
