@@ -1,0 +1,54 @@
+"""Commands on access: API tokens (create-token, revoke-token) and dashboard users (create-user)."""
+
+from __future__ import annotations
+
+import click
+
+from delaysvc.cli.app import Context, cli, pass_ctx
+from delaysvc.errors import NotFound
+
+
+@cli.command("create-token")
+@click.argument("name")
+@click.option("--scope", type=click.Choice(["send", "admin"]), default="send", show_default=True)
+@click.option(
+    "--topic",
+    "topics",
+    multiple=True,
+    metavar="TOPIC",
+    help="Limit the token to this topic (repeat for more); without it, every topic.",
+)
+@pass_ctx
+def create_token(ctx: Context, name: str, scope: str, topics: tuple[str, ...]) -> None:
+    """Create an API token; it is printed once, alone on the last line."""
+    from delaysvc.auth import create_token as make
+
+    token = make(ctx.engine, name, scope, topics or None)
+    only = f" for topics {', '.join(sorted(set(topics)))}" if topics else ""
+    click.echo(f"token {name!r} created with scope {scope}{only}; it is shown only now:")
+    click.echo(token)
+
+
+@cli.command("revoke-token")
+@click.argument("name")
+@pass_ctx
+def revoke_token(ctx: Context, name: str) -> None:
+    """Revoke the API tokens named NAME."""
+    from delaysvc.auth import revoke_token
+
+    if not revoke_token(ctx.engine, name):
+        raise NotFound(f"no live token named {name!r}")
+    click.echo(f"revoked: {name}")
+
+
+@cli.command("create-user")
+@click.argument("name")
+@click.option("--role", type=click.Choice(["admin", "viewer"]), default="admin", show_default=True)
+@click.password_option(envvar="DELAYSVC_NEW_USER_PASSWORD")
+@pass_ctx
+def create_user(ctx: Context, name: str, role: str, password: str) -> None:
+    """Create (or reset) a dashboard user."""
+    from delaysvc.auth import create_user as make
+
+    make(ctx.engine, name, password, role)
+    click.echo(f"user {name!r} ready with role {role}")

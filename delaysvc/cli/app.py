@@ -1,0 +1,86 @@
+"""The `delaysvc` command group: the context every command shares (settings, engine, producer,
+built lazily so `--help` needs no database), its errors as one line and an exit code, and the
+helpers the commands share."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from functools import cached_property
+from typing import Any
+
+import click
+from sqlalchemy import Engine
+
+from delaysvc import store
+from delaysvc.errors import DelaysvcError
+from delaysvc.settings import Settings
+
+
+class Context:
+    """Built lazily so `--help` and `levels` need no database."""
+
+    @cached_property
+    def settings(self) -> Settings:
+        return Settings.from_env()
+
+    @cached_property
+    def engine(self) -> Engine:
+        from delaysvc.db import make_engine
+
+        return make_engine(self.settings)
+
+    @cached_property
+    def producer(self):
+        from delaysvc.producer import Producer
+
+        return Producer(self.settings, self.engine)
+
+
+pass_ctx = click.make_pass_decorator(Context, ensure=True)
+
+
+class Group(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DelaysvcError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2 if exc.code in ("config_error", "invalid", "too_large") else 1)
+        except Exception as exc:
+            from sqlalchemy.exc import OperationalError
+
+            if isinstance(exc, OperationalError):
+                reason = " ".join(str(exc.orig).split())
+                click.echo(f"error: database unreachable: {reason}", err=True)
+                sys.exit(1)
+            raise
+
+
+@click.group(cls=Group)
+@click.option("-v", "--verbose", is_flag=True, help="Log at INFO.")
+@click.version_option(package_name="delaysvc", prog_name="delaysvc")
+def cli(verbose: bool) -> None:
+    """delaysvc: durable delayed jobs on PostgreSQL."""
+    from delaysvc import logs
+
+    settings = click.get_current_context().ensure_object(Context).settings
+    logs.configure(settings, logging.INFO if verbose else logging.WARNING)
+
+
+def main() -> None:
+    cli(prog_name="delaysvc")
+
+
+def require_levels(ctx: Context) -> None:
+    """A process that delivers, consumes or serves runs only with the database's levels."""
+    with ctx.engine.connect() as conn:
+        store.check_levels(conn, ctx.settings.levels)
+
+
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead.")
+
+
+def echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2))

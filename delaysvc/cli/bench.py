@@ -1,0 +1,97 @@
+"""Commands that measure: bench, load."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+
+from delaysvc.cli.app import Context, cli, pass_ctx
+from delaysvc.errors import ValidationError
+
+
+def _bench_options(command: Any) -> Any:
+    """One flag per size in the suite registry (`delaysvc.bench.SUITES`), so a new suite's
+    sizes become flags by being registered."""
+    from delaysvc.bench import all_sizes
+
+    for size in reversed(all_sizes().values()):
+        flag = "--" + size.name.replace("_", "-")
+        kind = int if isinstance(size.default, int) else float
+        command = click.option(
+            flag,
+            size.name,
+            type=kind,
+            default=None,
+            help=f"{size.help} [default: {size.default:g}; --quick: {size.quick:g}]",
+        )(command)
+    return command
+
+
+@cli.command()
+@click.argument("suites", nargs=-1)
+@click.option("--out", type=click.Path(path_type=Path), help="Folder for results.json/.md/png.")
+@click.option("--quick", is_flag=True, help="Small sizes: every suite in minutes.")
+@_bench_options
+@pass_ctx
+def bench(
+    ctx: Context, suites: tuple[str, ...], out: Path | None, quick: bool, **sizes: float | None
+) -> None:
+    """Measure the service against this machine's raw PostgreSQL limits and its peers, in
+    databases of its own; write results.json, results.md and plots. SUITES: any of the
+    registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default)."""
+    from delaysvc import extras
+    from delaysvc.bench import SUITES, chosen_suites, failed_suites, require_parts, run
+
+    try:
+        chosen = chosen_suites(list(suites))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="SUITES") from None
+    if suites and "all" not in suites:  # asked for by name: `all` reports them as not run
+        extras.require("delaysvc bench", "bench")
+        require_parts(chosen)
+    label = "all" if len(chosen) == len(SUITES) else "-".join(chosen)
+    folder = out or Path("docs/benchmarks") / (
+        datetime.now().strftime("%Y-%m-%d-") + label + ("-quick" if quick else "")
+    )
+    written = run(ctx.settings, chosen, folder, quick=quick, **sizes)
+    click.echo((written / "results.md").read_text())
+    click.echo(f"written to {written}/")
+    failed = failed_suites(written)
+    if failed:
+        click.echo(f"error: suite(s) failed: {', '.join(failed)} (see the report)", err=True)
+        sys.exit(1)
+
+
+@cli.command()
+@click.option("--rate", default=200, show_default=True, help="Messages per second.")
+@click.option("--seconds", default=60.0, show_default=True)
+@click.option("--topic", default="load.demo", show_default=True)
+@click.option("--levels", default="1,2,3", show_default=True, help="Delay levels to spread over.")
+@pass_ctx
+def load(ctx: Context, rate: int, seconds: float, topic: str, levels: str) -> None:
+    """Send a steady stream into the service's own database (watch the dashboard meanwhile).
+    Messages for TOPIC need a handler, or they wait in its queue."""
+    from delaysvc.bench.load import send_at_rate
+
+    try:
+        chosen = [int(level) for level in levels.split(",")]
+    except ValueError:
+        raise ValidationError("--levels", f"{levels!r} is not comma-separated numbers") from None
+    producer = ctx.producer
+    producer.prepare(topic, {})  # a bad topic fails here, before anything is sent
+
+    numbers = itertools.count()
+
+    def batch(n: int) -> list[dict[str, Any]]:
+        return [
+            {"topic": topic, "body": {"n": i}, "delay_level": chosen[i % len(chosen)]}
+            for i in itertools.islice(numbers, n)
+        ]
+
+    sent = send_at_rate(producer, rate, seconds, batch)
+    click.echo(f"sent {sent} messages to {topic} at {rate}/s over levels {chosen}")

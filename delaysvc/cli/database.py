@@ -1,0 +1,179 @@
+"""Commands on the database and its lanes: migrate, levels, stats, check, skip-head."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from delaysvc import store
+from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
+from delaysvc.levels import format_ms
+
+
+@cli.command()
+@pass_ctx
+def migrate(ctx: Context) -> None:
+    """Upgrade the schema and create one consume queue per configured level."""
+    from delaysvc.db import make_engine
+    from delaysvc.migrate import upgrade
+
+    direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
+    engine = make_engine(ctx.settings, direct) if direct else ctx.engine
+    for change in upgrade(engine, ctx.settings.levels):
+        click.echo(change.describe())
+    if ctx.settings.caps:  # DELAYSVC_BACKLOG_CAPS, stored for every producer
+        from delaysvc.caps import apply_configured
+
+        apply_configured(engine, ctx.settings.caps)
+    click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
+
+
+@cli.command()
+@click.option("--no-db", is_flag=True, help="Only the configured levels, no pending counts.")
+@JSON_OPTION
+@pass_ctx
+def levels(ctx: Context, no_db: bool, as_json: bool) -> None:
+    """Table of delay levels: level, delay, pending."""
+    configured = ctx.settings.levels
+    pending: dict[int, int] = {}
+    if not no_db:
+        with ctx.engine.connect() as conn:
+            pending = {row.lane: row.pending for row in store.lane_stats(conn)}
+    if as_json:
+        echo_json(
+            {
+                "levels": [
+                    {
+                        "level": level,
+                        "delay": format_ms(configured.delay_ms(level)),
+                        "delay_ms": configured.delay_ms(level),
+                        "pending": pending.get(level),
+                    }
+                    for level in range(1, configured.max_level + 1)
+                ],
+                "timer_pending": None if no_db else pending.get(0, 0),
+            }
+        )
+        return
+    click.echo(f"{'level':>5}  {'delay':>6}  {'pending':>9}")
+    for level in range(1, configured.max_level + 1):
+        count = pending.get(level)
+        shown = "-" if count is None else str(count)
+        click.echo(f"{level:>5}  {format_ms(configured.delay_ms(level)):>6}  {shown:>9}")
+    if not no_db:
+        click.echo(f"{'timer':>5}  {'any':>6}  {pending.get(0, 0):>9}")
+
+
+@cli.command()
+@JSON_OPTION
+@pass_ctx
+def stats(ctx: Context, as_json: bool) -> None:
+    """Per lane: pending, next due, lateness, offsets, stuck heads; per topic: ready, running,
+    dead (`--json`: the shapes of GET /api/v1/levels and /api/v1/topics)."""
+    with ctx.engine.connect() as conn:
+        lanes = store.lane_stats(conn)
+        topics = store.topic_stats(conn)
+        durations = store.recent_durations(conn) if as_json else {}
+    if as_json:
+        from delaysvc.serialize import lane_json, topic_json
+
+        echo_json(
+            {
+                "lanes": [lane_json(lane) for lane in lanes],
+                "topics": [topic_json(topic, durations.get(topic.topic)) for topic in topics],
+            }
+        )
+        return
+    click.echo(
+        f"{'lane':>5} {'delay':>6} {'pending':>9} {'offset':>9} {'max':>9} {'moved':>10} "
+        f"{'moved/s':>9} {'next due in':>12}  state"
+    )
+    for lane in lanes:
+        name = "timer" if lane.lane == 0 else str(lane.lane)
+        due = "-"
+        if lane.next_due is not None:
+            due = f"{(lane.next_due - lane.now).total_seconds():.3f}s"
+        state = f"STUCK at {lane.stuck_offset}: {lane.stuck_error}" if lane.stuck_error else "ok"
+        rate = "-" if lane.moved_per_s is None else f"{lane.moved_per_s:,.1f}"
+        click.echo(
+            f"{name:>5} {format_ms(lane.delay_ms) if lane.lane else 'any':>6} {lane.pending:>9} "
+            f"{lane.schedule_offset:>9} {lane.max_offset if lane.lane else '-':>9} "
+            f"{lane.moved_total:>10} {rate:>9} {due:>12}  {state}"
+        )
+    click.echo("")
+    click.echo(f"{'topic':<40} {'ready':>8} {'running':>8} {'dead':>8}  handler")
+    from delaysvc.consumption import load_handler_modules, registered
+
+    load_handler_modules(ctx.settings.handler_modules)
+    for topic in topics:
+        bound = (
+            "yes"
+            if registered(topic.topic)
+            else f"task {ctx.settings.task_topics[topic.topic]}"
+            if topic.topic in ctx.settings.task_topics
+            else "NONE (waiting)"
+        )
+        paused = " (paused)" if topic.paused else ""
+        click.echo(
+            f"{topic.topic:<40} {topic.ready:>8} {topic.running:>8} {topic.dead:>8}  "
+            f"{bound}{paused}"
+        )
+
+
+@cli.command()
+@click.option(
+    "--lease-tolerance",
+    type=float,
+    help="Seconds a running job's lease may have expired unrescued [default: 2 leases].",
+)
+@click.option(
+    "--schedule-tolerance",
+    type=float,
+    default=60.0,
+    show_default=True,
+    help="Seconds a periodic schedule's next tick may be in the past.",
+)
+@click.option("--limit", default=100, show_default=True, help="Violations listed at most.")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds per statement.")
+@pass_ctx
+def check(
+    ctx: Context,
+    lease_tolerance: float | None,
+    schedule_tolerance: float,
+    limit: int,
+    timeout: float,
+) -> None:
+    """Check the database's invariants, read only and safe under load: exit 0 with a summary
+    line, or 1 with one line per violation (see README, "Checking a live database")."""
+    from sqlalchemy.exc import DBAPIError
+
+    from delaysvc.check import run_check
+
+    try:
+        result = run_check(
+            ctx.engine,
+            lease_tolerance_s=(
+                2.0 * ctx.settings.lease_seconds if lease_tolerance is None else lease_tolerance
+            ),
+            schedule_tolerance_s=schedule_tolerance,
+            limit=limit,
+            timeout_s=timeout,
+        )
+    except DBAPIError as exc:
+        reason = " ".join(str(exc.orig).split())
+        click.echo(f"error: delaysvc check could not finish: {reason}", err=True)
+        sys.exit(2)
+    for line in result.lines():
+        click.echo(line)
+    sys.exit(result.exit_code)
+
+
+@cli.command("skip-head")
+@click.argument("lane", type=int)
+@pass_ctx
+def skip_head(ctx: Context, lane: int) -> None:
+    """Move the head of a stuck LANE to the dead letters so the lane moves on."""
+    with ctx.engine.begin() as conn:
+        skipped = store.skip_stuck_head(conn, lane)
+    click.echo(f"skipped message {skipped}")

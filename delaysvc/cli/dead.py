@@ -1,0 +1,95 @@
+"""The `dead` group: list, redrive and purge dead letters."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
+from delaysvc.errors import ValidationError
+
+
+@cli.group()
+def dead() -> None:
+    """List, inspect, redrive and purge dead letters."""
+
+
+@dead.command("list")
+@click.option("--topic")
+@click.option("--limit", default=50, show_default=True)
+@JSON_OPTION
+@pass_ctx
+def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> None:
+    from delaysvc.dead_letters import DeadLetters
+
+    rows = DeadLetters(ctx.engine).list(topic=topic, limit=limit)
+    if as_json:
+        from delaysvc.serialize import dead_letter_json
+
+        echo_json({"dead": [dead_letter_json(row) for row in rows]})
+        return
+    for row in rows:
+        click.echo(
+            f"{row.message_id:>10} {row.topic:<30} {row.died_at:%Y-%m-%d %H:%M:%S} "
+            f"attempts={row.attempts} {row.reason} | {row.last_error or ''}"
+        )
+
+
+@dead.command("redrive")
+@click.argument("message_ids", type=int, nargs=-1)
+@click.option("--topic", help="All dead letters of a topic ...")
+@click.option("--error-contains", help="... whose error contains this text.")
+@pass_ctx
+def dead_redrive(
+    ctx: Context, message_ids: tuple[int, ...], topic: str | None, error_contains: str | None
+) -> None:
+    """Run dead messages again now, by id or by filter."""
+    from delaysvc.dead_letters import DeadLetters
+
+    letters = DeadLetters(ctx.engine)
+    if message_ids:
+        count = len([letters.redrive(i) for i in message_ids])
+    elif topic or error_contains:
+        count = letters.redrive_matching(topic=topic, error_contains=error_contains)
+    else:
+        raise ValidationError("ids", "give message ids, --topic or --error-contains")
+    click.echo(f"redriven: {count}")
+
+
+@dead.command("purge")
+@click.argument("message_ids", type=int, nargs=-1)
+@click.option("--topic")
+@click.option("--error-contains")
+@click.option("--yes", is_flag=True, help="Do not ask first.")
+@pass_ctx
+def dead_purge(
+    ctx: Context,
+    message_ids: tuple[int, ...],
+    topic: str | None,
+    error_contains: str | None,
+    yes: bool,
+) -> None:
+    """Forget dead letters, by id or by filter (the messages' history stays). Asks first,
+    unless --yes; without a terminal to ask on, it needs --yes."""
+    from delaysvc.dead_letters import DeadLetters
+
+    letters = DeadLetters(ctx.engine)
+    if not (message_ids or topic or error_contains):
+        raise ValidationError("ids", "give message ids, --topic or --error-contains")
+    if not yes:
+        which = (
+            f"dead letters {', '.join(map(str, message_ids))}"
+            if message_ids
+            else "the dead letters"
+            + (f" of topic {topic}" if topic else "")
+            + (f" whose error contains {error_contains!r}" if error_contains else "")
+        )
+        if not sys.stdin.isatty():
+            raise ValidationError("yes", f"purging {which} needs --yes off a terminal")
+        click.confirm(f"forget {which}?", abort=True)
+    if message_ids:
+        count = letters.purge(list(message_ids))
+    elif topic or error_contains:
+        count = letters.purge_matching(topic=topic, error_contains=error_contains)
+    click.echo(f"purged: {count}")

@@ -1,0 +1,108 @@
+"""Commands on messages: send, cancel, show."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import click
+
+from delaysvc.cli.app import Context, cli, pass_ctx
+from delaysvc.errors import ValidationError
+from delaysvc.producer import OnDuplicate
+
+
+def _parse_body(text: str) -> Any:
+    """BODY is JSON when it parses as JSON, else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@cli.command()
+@click.argument("topic")
+@click.argument("body")
+@click.option("--delay", help="Duration such as 30m, 1h30m, 250ms.")
+@click.option("--level", "delay_level", type=int, help="Delay level (1..max; <=0 = now).")
+@click.option("--at", "deliver_at", help="ISO 8601 time with a timezone.")
+@click.option("--key", help="Unique among unfinished messages of the topic.")
+@click.option("--tag", "tags", multiple=True, help="Repeatable.")
+@click.option("--property", "properties", multiple=True, help="NAME=VALUE, repeatable.")
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
+@click.option(
+    "--on-duplicate",
+    type=click.Choice(["keep", "replace", "debounce"]),
+    default="keep",
+    show_default=True,
+    help="When an unfinished message holds the key: keep it, replace it, or replace it "
+    "without making it due earlier.",
+)
+@pass_ctx
+def send(
+    ctx: Context,
+    topic: str,
+    body: str,
+    delay: str | None,
+    delay_level: int | None,
+    deliver_at: str | None,
+    key: str | None,
+    tags: tuple[str, ...],
+    properties: tuple[str, ...],
+    priority: int,
+    on_duplicate: OnDuplicate,
+) -> None:
+    """Schedule BODY (JSON, or plain text) for TOPIC."""
+    at = None
+    if deliver_at is not None:
+        try:
+            at = datetime.fromisoformat(deliver_at)
+        except ValueError:
+            raise ValidationError("--at", f"{deliver_at!r} is not an ISO 8601 time") from None
+    props = {}
+    for item in properties:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValidationError("--property", f"{item!r} is not NAME=VALUE")
+        props[name] = value
+    message = ctx.producer.send(
+        topic,
+        _parse_body(body),
+        delay=delay,
+        delay_level=delay_level,
+        deliver_at=at,
+        key=key,
+        tags=list(tags) or None,
+        properties=props or None,
+        priority=priority,
+        on_duplicate=on_duplicate,
+    )
+    verb = "sent" if message.created else "exists (same topic and key)"
+    if message.replaced_id is not None:
+        verb = f"sent, replacing {message.replaced_id}"
+    click.echo(
+        f"{verb}: id={message.id} status={message.status} level={message.delay_level} "
+        f"deliver_at={message.deliver_at.isoformat()}"
+    )
+
+
+@cli.command()
+@click.argument("message_id", type=int, required=False)
+@click.option("--topic")
+@click.option("--key")
+@pass_ctx
+def cancel(ctx: Context, message_id: int | None, topic: str | None, key: str | None) -> None:
+    """Cancel a message by ID, or by --topic and --key, while it is not yet running."""
+    message = ctx.producer.cancel(message_id, topic=topic, key=key)
+    click.echo(f"cancelled: id={message.id}")
+
+
+@cli.command()
+@click.argument("message_id", type=int)
+@pass_ctx
+def show(ctx: Context, message_id: int) -> None:
+    """Print a message as JSON."""
+    from delaysvc.serialize import message_json
+
+    click.echo(json.dumps(message_json(ctx.producer.get(message_id), body=True), indent=2))

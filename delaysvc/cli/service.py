@@ -1,0 +1,75 @@
+"""Commands that run the service: up, worker, beat, web."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@pass_ctx
+def up(ctx: Context, host: str, port: int) -> None:
+    """All in one: (embedded) PostgreSQL, migrations, web app, workers and beat."""
+    from delaysvc import extras
+    from delaysvc.up import run_all
+
+    embedded = ("embedded",) if ctx.settings.embedded_database else ()
+    extras.require("delaysvc up", "worker", "server", *embedded)
+
+    sys.exit(run_all(ctx.settings, host, port))
+
+
+@cli.command()
+@click.option("--delivery/--no-delivery", default=True, help="Serve the delivery queue.")
+@click.option("--consume/--no-consume", default=True, help="Serve the consume queue.")
+@click.option("--concurrency", "-c", type=int, help="Consumer processes (default: cores).")
+@pass_ctx
+def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None) -> None:
+    """Run Celery workers (delivery: threads, one per lane; consume: processes); prints a
+    line containing `ready` once its lanes and consumers run."""
+    from delaysvc import extras
+    from delaysvc.up import run_worker, worker_commands
+
+    extras.require("delaysvc worker", "worker")
+    if delivery:
+        from delaysvc.db import require_session
+        from delaysvc.tasks.app import DELIVERY_NEEDS
+
+        require_session(ctx.settings, DELIVERY_NEEDS)
+    require_levels(ctx)
+    commands = worker_commands(ctx.settings, delivery, consume, concurrency)
+    if not commands:
+        raise click.UsageError("nothing to run: give --delivery, --consume or both")
+    sys.exit(run_worker(ctx.settings, commands))
+
+
+@cli.command()
+@pass_ctx
+def beat(ctx: Context) -> None:
+    """Run Celery beat (fires every lane's delivery task, the consume sweep, lease rescue)."""
+    from delaysvc import extras
+    from delaysvc.up import beat_command, run_processes
+
+    extras.require("delaysvc beat", "worker")
+    require_levels(ctx)
+    sys.exit(run_processes([beat_command(ctx.settings)]))
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True)
+@click.option("--workers", default=2, show_default=True)
+@pass_ctx
+def web(ctx: Context, host: str, port: int, workers: int) -> None:
+    """Serve the HTTP API and dashboard with gunicorn."""
+    from delaysvc import extras
+    from delaysvc.up import run_processes, web_command
+
+    extras.require("delaysvc web", "server")
+    require_levels(ctx)
+    sys.exit(run_processes([web_command(host, port, workers, log_format=ctx.settings.log_format)]))
