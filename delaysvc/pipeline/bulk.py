@@ -1,10 +1,10 @@
-"""bulk-schedule: CSV, JSON Lines or Parquet rows (topic, body, delay | delay_ms |
-delay_level | deliver_at, key, tags, properties) -> validated by the producer's rules ->
-stored in parallel partitions; bad rows go to a rejects file of the same format family with
-a `reason` column, and do not hold back the good ones.
+"""bulk-schedule: CSV, JSON Lines or Parquet rows (topic, body, delay | delay_ms | delay_level |
+deliver_at, key, tags, properties) -> validated by the producer's rules -> stored in parallel
+partitions; bad rows go to a rejects file of the same format family with a `reason` column, and
+do not hold back the good ones.
 
-Validation has two paths with one outcome (tests/test_pipeline.py runs generated rows through
-both and `Producer.prepare` and compares decisions and stored values):
+Validation has two paths with one outcome (tests/pipeline/test_pipeline.py runs generated rows
+through both and `Producer.prepare` and compares decisions and stored values):
 
 - the fast path (`rules.prepare`): Spark column expressions, evaluated in the JVM, check every
   rule and build each row's COPY text line, body included; for a body the JVM cannot encode

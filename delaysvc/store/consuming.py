@@ -83,7 +83,7 @@ def claim_ready(
     Never prepared (`_unprepared`): a plan kept from a nearly empty topic queue re-ran the
     locking subquery for every queued row, O(queue^2) per claim, and consumers stopped
     claiming for minutes (docs/benchmarks/README.md, "Soak: 10M messages";
-    tests/test_tick_cost.py reproduces it)."""
+    tests/integration/test_tick_cost.py reproduces it)."""
     params = {"topic": topic, "lease_seconds": lease_seconds, "start_first": start_first}
     rows = _unprepared(conn, claim_statement(limit), params)
     return sorted(rows, key=lambda row: (-row.priority, row.seq))

@@ -1,5 +1,5 @@
-"""Buffers one delivery move of 100 due rows touches at 10k, 100k and 1M pending, for a level
-lane and the timer lane (the same measure as tests/test_tick_cost.py, at a larger scale).
+"""Buffers one delivery move of 100 due rows touches at 10k, 100k and 1M pending, for a level lane
+and the timer lane (the same measure as tests/integration/test_tick_cost.py, at a larger scale).
 
 Run from the repository root: python docs/benchmarks/tick_cost_1m.py [SERVER_URL]
 (default postgresql://root@127.0.0.1:5432/postgres); it works in a database of its own.
@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scratch import scratch_database
 
-from tests.test_tick_cost import _buffers, _fill
+from tests.integration.test_tick_cost import _buffers, _fill
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 DATABASE = "delaysvc_tick_cost"

@@ -1,5 +1,5 @@
 """Django settings of the test project. `DATABASES["default"]` is pointed at each test's own
-database (cloned from delaysvc's migrated template) by tests/test_django.py."""
+database (cloned from delaysvc's migrated template) by tests/integration/test_django.py."""
 
 SECRET_KEY = "delaysvc-tests"
 INSTALLED_APPS = ["tests.django_project.shop"]

@@ -263,7 +263,7 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
     load runs through the real worker and beat, without a reload."""
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.test_dashboard_browser import SCREENSHOTS, launch_chromium
+    from tests.browser.test_dashboard_browser import SCREENSHOTS, launch_chromium
 
     with running_up(tmp_path, _clean_env()) as (port, delaysvc):
         delaysvc("create-user", "ada", "--role", "admin", "--password", "admin-password-1")

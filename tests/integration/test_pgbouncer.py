@@ -31,7 +31,7 @@ from delaysvc.schema import TIMER_LANE
 from delaysvc.settings import Settings
 from delaysvc.web import create_app
 from tests.conftest import ROOT, Server, outside_env
-from tests.joined_checks import (  # clean_registry: a fixture
+from tests.support.joined_checks import (  # clean_registry: a fixture
     BODY,
     NOTHING,
     Rollback,

@@ -105,7 +105,7 @@ def test_bench_http_without_wrk_names_the_package(tmp_path: Path) -> None:
 def test_browser_tests_without_chromium_fail_with_one_line(tmp_path: Path) -> None:
     """CI installs Chromium, so a browser test without it fails (not skips), saying how."""
     chromium = tmp_path / "chromium"
-    test = "tests/test_dashboard_browser.py::" + (
+    test = "tests/browser/test_dashboard_browser.py::" + (
         "test_refused_without_login_then_log_in_lands_on_the_page_asked_for"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}

@@ -1,5 +1,5 @@
 """The pipeline on a real Spark standalone cluster (a master and two one-core workers on
-127.0.0.1, started from PySpark's own `spark-class`; tests/spark_cluster.py): `delaysvc
+127.0.0.1, started from PySpark's own `spark-class`; tests/support/spark_cluster.py): `delaysvc
 pipeline --master spark://...` and `spark-submit ... delaysvc/pipeline/cli.py` give what
 `local[2]` gives, and executors killed in the middle of a bulk-schedule or an archive make
 Spark run their tasks again on new ones, which store nothing twice and archive nothing twice.
@@ -27,7 +27,7 @@ from delaysvc.db import sqlalchemy_url
 from delaysvc.settings import DEBIAN_JDBC_JAR
 from delaysvc.up import die_with_parent
 from tests.conftest import ROOT, TEST_LEVELS, TEST_SCHEMA, Server, outside_env
-from tests.spark_cluster import Cluster, spark_home, standalone_cluster
+from tests.support.spark_cluster import Cluster, spark_home, standalone_cluster
 
 pytestmark = [
     pytest.mark.timeout(900),  # JVMs on two cores

@@ -66,7 +66,7 @@ from delaysvc.settings import Settings  # noqa: E402
 from delaysvc.sql import table  # noqa: E402
 from tests.conftest import TEST_LEVELS  # noqa: E402
 from tests.django_project.shop.models import Order  # noqa: E402
-from tests.joined_checks import (  # noqa: E402
+from tests.support.joined_checks import (  # noqa: E402
     BODY,
     NOTHING,
     Rollback,

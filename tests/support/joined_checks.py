@@ -1,6 +1,7 @@
-"""What every way of joining the caller's transaction must show (tests/test_foreign_connections.py,
-tests/test_async_producer.py, tests/test_django.py): where a message is stored, and that it then
-runs like any other."""
+"""What every way of joining the caller's transaction must show
+(tests/integration/test_foreign_connections.py, tests/integration/test_async_producer.py,
+tests/integration/test_django.py): where a message is stored, and that it then runs like any
+other."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from delaysvc.db import libpq_url
 from delaysvc.errors import BacklogFull, DatabaseUnavailable, NotFound, ValidationError
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
-from tests.joined_checks import (
+from tests.support.joined_checks import (
     BODY,
     NOTHING,
     Rollback,

@@ -31,7 +31,7 @@ from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer import Producer
 from delaysvc.settings import Settings
 from delaysvc.store import history as store_history
-from tests.test_history import reading_the_history
+from tests.integration.test_history import reading_the_history
 
 DAY_MS = 86_400_000
 T0 = datetime(2026, 1, 5, 10, 0, tzinfo=UTC)

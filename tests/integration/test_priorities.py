@@ -1,6 +1,7 @@
 """Priorities within a topic: a higher priority is claimed first, FIFO within a priority, and a
 message keeps its priority through every lane it passes (a level, the timer lane, a retry, a
-lost lease, a redrive). The claim's plan at 1M ready jobs is in tests/test_tick_cost.py."""
+lost lease, a redrive). The claim's plan at 1M ready jobs is in
+tests/integration/test_tick_cost.py."""
 
 from __future__ import annotations
 
