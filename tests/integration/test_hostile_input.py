@@ -113,7 +113,7 @@ def test_sql_injection_strings_are_stored_verbatim_and_found_never_run(
 def test_sql_injection_strings_in_the_dashboard_search_are_plain_filters(
     app: Flask, engine: Engine, evil: str
 ) -> None:
-    from tests.integration.test_dashboard import ADMIN, login
+    from tests.support.dashboard import ADMIN, login
 
     auth.create_user(engine, *ADMIN, role="admin")
     client = app.test_client()
@@ -178,7 +178,7 @@ def test_api_integer_parameters_take_ascii_digits_only(
 
 @pytest.fixture
 def dashboard(app: Flask, engine: Engine) -> Any:
-    from tests.integration.test_dashboard import ADMIN, login
+    from tests.support.dashboard import ADMIN, login
 
     auth.create_user(engine, *ADMIN, role="admin")
     client = app.test_client()
@@ -211,7 +211,7 @@ def test_dashboard_integer_parameters_take_ascii_digits_only(
 def test_dashboard_integer_form_fields_take_ascii_digits_only(
     dashboard: Any, engine: Engine, digits: str
 ) -> None:
-    from tests.integration.test_dashboard import csrf, flashes
+    from tests.support.dashboard import csrf, flashes
 
     token = csrf(dashboard)
     limits = dashboard.post(

@@ -1,0 +1,229 @@
+"""The dashboard's doors, through Flask's test client against a real database: login and logout,
+the session cookie, lockout, CSRF on every POST, roles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from flask import Flask
+from flask.testing import FlaskClient
+from sqlalchemy import Engine, text
+
+from delaysvc import auth, store
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+from delaysvc.web import create_app
+from tests.support.dashboard import ADMIN, VIEWER, csrf, login, make_dead
+
+PAGES = ["/", "/topics", "/messages", "/messages/1", "/dead", "/schedules", "/history"]
+JSON_ENDPOINTS = [
+    "/ui/overview.json",
+    "/ui/topics.json",
+    "/ui/messages/1.json",
+    "/ui/history.json",
+]
+
+
+def test_every_page_redirects_to_login_and_json_answers_401_without_a_session(app: Flask) -> None:
+    client = app.test_client()
+    for path in PAGES:
+        response = client.get(path)
+        assert (response.status_code, response.location) == (302, f"/login?next={path}"), path
+    for path in JSON_ENDPOINTS:
+        response = client.get(path)
+        assert response.status_code == 401, path
+        assert response.get_json()["error"]["code"] == "unauthorized"
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/metrics").status_code == 200
+
+
+def test_login_goes_to_next_and_sets_a_hardened_session_cookie(app: Flask) -> None:
+    client = app.test_client()
+    response = login(client, ADMIN, "/topics")
+    assert (response.status_code, response.location) == (302, "/topics")
+    cookie = response.headers["Set-Cookie"]
+    assert cookie.startswith("delaysvc_session=")
+    assert "; HttpOnly" in cookie and "; SameSite=Lax" in cookie and "Secure" not in cookie
+    page = client.get("/topics")
+    assert page.status_code == 200
+    assert '<span id="user">ada (admin)</span>' in page.text
+    assert page.headers["Cache-Control"] == "no-store"
+    assert "script-src 'self'" in page.headers["Content-Security-Policy"]
+
+
+def test_secure_cookies_setting_marks_the_cookie_secure(settings: Settings, engine: Engine) -> None:
+    auth.create_user(engine, *ADMIN, role="admin")
+    app = create_app(settings.model_copy(update={"secure_cookies": True}))
+    response = login(app.test_client(), ADMIN)
+    assert "; Secure" in response.headers["Set-Cookie"]
+    app.extensions["delaysvc"]["engine"].dispose()
+
+
+def test_every_web_worker_of_a_folder_signs_sessions_with_one_key(
+    app: Flask, settings: Settings
+) -> None:
+    """gunicorn runs several workers, each with its own create_app(): a login served by one
+    must be accepted by the others."""
+    other = create_app(settings)
+    key_file = settings.var_dir / "secret_key"
+    assert app.config["SECRET_KEY"] == other.config["SECRET_KEY"] == key_file.read_text()
+    assert len(key_file.read_text()) == 64 and key_file.stat().st_mode & 0o777 == 0o600
+    client = app.test_client()
+    login(client, ADMIN)
+    cookie = client.get_cookie("delaysvc_session")
+    assert cookie is not None
+    elsewhere = other.test_client()
+    elsewhere.set_cookie("delaysvc_session", cookie.value)
+    assert elsewhere.get("/").status_code == 200
+    given = create_app(settings.model_copy(update={"secret_key": "from-the-environment"}))
+    assert given.config["SECRET_KEY"] == "from-the-environment"
+    for each in (other, given):
+        each.extensions["delaysvc"]["engine"].dispose()
+
+
+def test_login_never_redirects_off_site(app: Flask) -> None:
+    for target in ("https://evil.example/", "//evil.example/x", "javascript:alert(1)"):
+        response = login(app.test_client(), ADMIN, target)
+        assert (response.status_code, response.location) == (302, "/"), target
+
+
+def test_wrong_password_is_refused_and_repeated_failures_lock_the_account(app: Flask) -> None:
+    client = app.test_client()
+    response = login(client, (ADMIN[0], "wrong-password"))
+    assert response.status_code == 401
+    assert "wrong name or password" in response.text
+    assert client.get("/").status_code == 302
+    assert login(client, ("nobody", "whatever-pass")).status_code == 401
+    for _ in range(4):
+        assert login(client, (ADMIN[0], "wrong-password")).status_code == 401
+    # five failures in a row: locked, even with the right password
+    assert login(client, ADMIN).status_code == 401
+
+
+def test_every_login_attempt_costs_one_scrypt_whether_the_name_exists_or_is_locked(
+    app: Flask, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No timing oracle: an unknown name, a wrong password and a locked account cost the same
+    password hash (one scrypt, same parameters) as a successful login, so the time a login
+    takes does not tell which names exist or are locked."""
+    import hashlib
+
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE dashboard_user SET locked_until = now() + interval '5 minutes' "
+                "WHERE name = :name"
+            ),
+            {"name": VIEWER[0]},
+        )
+    real_scrypt = hashlib.scrypt
+    calls: list[tuple[int, int, int]] = []
+
+    def counted_scrypt(*args: Any, **kwargs: Any) -> bytes:
+        calls.append((kwargs["n"], kwargs["r"], kwargs["p"]))
+        return real_scrypt(*args, **kwargs)
+
+    monkeypatch.setattr(hashlib, "scrypt", counted_scrypt)
+    attempts = {
+        "right password": (ADMIN, 302),
+        "wrong password": ((ADMIN[0], "wrong-password"), 401),
+        "unknown name": (("nobody", "whatever-pass"), 401),
+        "locked account, right password": (VIEWER, 401),
+    }
+    costs = {}
+    for case, (user, status) in attempts.items():
+        calls.clear()
+        assert login(app.test_client(), user).status_code == status, case
+        costs[case] = list(calls)
+    assert len(costs["right password"]) == 1
+    assert costs == {case: costs["right password"] for case in attempts}
+
+
+def test_login_without_the_csrf_token_is_refused(app: Flask) -> None:
+    client = app.test_client()
+    client.get("/login")
+    response = client.post("/login", data={"name": ADMIN[0], "password": ADMIN[1]})
+    assert response.status_code == 400
+    assert "the form has expired" in response.text
+    assert client.get("/").status_code == 302
+
+
+def test_logout_needs_the_token_and_ends_the_session(admin: FlaskClient) -> None:
+    assert admin.post("/logout").status_code == 400
+    assert admin.get("/").status_code == 200
+    response = admin.post("/logout", data={"csrf_token": csrf(admin)})
+    assert (response.status_code, response.location) == (302, "/login")
+    assert admin.get("/").status_code == 302
+    assert admin.get("/ui/overview.json").status_code == 401
+
+
+def test_csrf_token_changes_at_login(app: Flask) -> None:
+    client = app.test_client()
+    client.get("/login")
+    before = csrf(client)
+    login(client, ADMIN)
+    assert csrf(client) != before
+
+
+def _actions(message_id: int) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"/messages/{message_id}/cancel", {}),
+        ("/topics/dash.t/pause", {}),
+        ("/topics/dash.t/resume", {}),
+        ("/lanes/1/skip-head", {}),
+        ("/dead/redrive", {"ids": str(message_id)}),
+        ("/dead/purge", {"ids": str(message_id)}),
+        ("/dead/redrive", {"scope": "group", "topic": "dash.t"}),
+        ("/dead/purge", {"scope": "group", "topic": "dash.t"}),
+        ("/schedules/dash.nightly/pause", {}),
+        ("/schedules/dash.nightly/resume", {}),
+        ("/topics/limits", {"topic": "dash.t", "max_running": "2"}),
+    ]
+
+
+def test_every_post_without_a_valid_csrf_token_is_refused(
+    admin: FlaskClient, producer: Producer, engine: Engine
+) -> None:
+    sent = producer.send("dash.t", {"n": 1}, delay_level=1)
+    for path, form in _actions(sent.id):
+        assert admin.post(path, data=form).status_code == 400, path
+        bad = admin.post(path, data={**form, "csrf_token": "forged"})
+        assert bad.status_code == 400, path
+        assert "the form has expired" in bad.text
+    assert producer.get(sent.id).status == "scheduled"
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM topic_state")).scalar_one() == 0
+
+
+def test_viewer_sees_no_action_buttons_and_every_action_is_403(
+    viewer: FlaskClient, producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    sent = producer.send("dash.t", {"n": 1}, delay_level=1)
+    [dead_id] = make_dead(settings, engine, producer, [{"topic": "dash.fails", "error": "x"}])
+    with engine.begin() as conn:
+        store.mark_stuck(conn, 1, 1, "boom")
+    pages = "".join(
+        viewer.get(p).text
+        for p in ("/", "/topics", f"/messages/{sent.id}", f"/messages/{dead_id}", "/dead")
+    )
+    for button in ("Skip head", "Pause", "Resume", "Cancel this message", "Redrive", "Purge"):
+        assert button not in pages
+    assert "STUCK" in pages
+    token = csrf(viewer)
+    for path, form in _actions(sent.id):
+        response = viewer.post(path, data={**form, "csrf_token": token})
+        assert response.status_code == 403, path
+        assert "this action needs the admin role" in response.text
+    assert producer.get(sent.id).status == "scheduled"
+    assert producer.get(dead_id).status == "dead"
+
+
+def test_a_role_change_takes_effect_on_the_next_request(
+    admin: FlaskClient, engine: Engine, producer: Producer
+) -> None:
+    sent = producer.send("dash.t", {"n": 1}, delay_level=3)
+    auth.create_user(engine, ADMIN[0], ADMIN[1], role="viewer")
+    response = admin.post(f"/messages/{sent.id}/cancel", data={"csrf_token": csrf(admin)})
+    assert response.status_code == 403
+    assert producer.get(sent.id).status == "scheduled"
