@@ -3,7 +3,7 @@ deliver_at, key, tags, properties) -> validated by the producer's rules -> store
 partitions; bad rows go to a rejects file of the same format family with a `reason` column, and
 do not hold back the good ones.
 
-Validation has two paths with one outcome (tests/pipeline/test_pipeline.py runs generated rows
+Validation has two paths with one outcome (tests/pipeline/ runs generated rows
 through both and `Producer.prepare` and compares decisions and stored values):
 
 - the fast path (`rules.prepare`): Spark column expressions, evaluated in the JVM, check every

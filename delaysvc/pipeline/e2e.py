@@ -1,4 +1,4 @@
-"""The pipeline's end-to-end run (docs/pipeline.md, tests/pipeline/test_pipeline.py): generated jobs
+"""The pipeline's end-to-end run (docs/pipeline.md, tests/pipeline/): generated jobs
 -> `bulk-schedule` -> delivered and run by real workers -> `archive` -> `report`.
 
 A handler module for the workers (`DELAYSVC_HANDLERS=delaysvc.pipeline.e2e`): the topic

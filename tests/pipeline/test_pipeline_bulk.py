@@ -1,0 +1,536 @@
+"""The Spark pipeline's bulk scheduling: bad rows of every kind, every format, parallel partitions
+written once, the CLI, and one rule set on two paths (Spark's transform and the producer decide
+every cell alike)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given
+from hypothesis import settings as settings_
+from hypothesis import strategies as st
+from sqlalchemy import Engine, text
+
+from delaysvc.errors import DelaysvcError
+from delaysvc.pipeline import bulk
+from delaysvc.pipeline import store as pipeline_store
+from delaysvc.producer import Producer
+from delaysvc.settings import Settings
+from tests.support.pipeline import _count
+
+BAD_ROWS = [
+    ({"topic": "bad topic", "body": "{}"}, "topic"),
+    ({"topic": "bulk.ok", "body": "{}", "delay": "5 minutes"}, "delay"),
+    ({"topic": "bulk.ok", "body": "{}", "deliver_at": "2027-03-01T00:00:00"}, "deliver_at"),
+    ({"topic": "bulk.ok", "body": "{}", "deliver_at": "2099-03-01T00:00:00+00:00"}, "deliver_at"),
+    ({"topic": "bulk.ok", "body": "{}", "deliver_at": "tomorrow"}, "deliver_at"),
+    ({"topic": "bulk.ok", "body": "{}", "delay": "5m", "delay_level": "2"}, "delay"),
+    ({"topic": "bulk.ok", "body": "{}", "delay_level": "two"}, "delay_level"),
+    ({"topic": "bulk.ok", "body": "{}", "delay_ms": "-5"}, "delay_ms"),
+    ({"topic": "", "body": "{}"}, "topic"),
+    ({"topic": "bulk.ok", "body": ""}, "body"),
+    ({"topic": "bulk.ok", "body": "x" * 5_000_000}, "body"),  # over 4 MiB
+    ({"topic": "bulk.ok", "body": "{}", "key": "k" * 1000}, "key"),
+    ({"topic": "bulk.ok", "body": "{}", "properties": "{not json"}, "properties"),
+    ({"topic": "bulk.ok", "body": "{}", "tags": "[1, 2]"}, "tags"),
+    ({"topic": "bulk.ok", "body": "{}", "colour": "red"}, "colour"),
+]
+COLUMNS = ["topic", "body", "delay", "delay_ms", "delay_level", "deliver_at", "key", "tags"]
+COLUMNS += ["properties", "colour"]
+
+
+def test_bulk_schedule_a_csv_stores_the_good_rows_and_rejects_every_kind_of_bad_row(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    good = [
+        {"topic": "bulk.ok", "body": '{"n": 1}', "delay": "5m", "key": "k1"},
+        {"topic": "bulk.ok", "body": '{"n": 2}', "delay_level": "2", "key": "k2"},
+        {
+            "topic": "bulk.ok",
+            "body": "plain text",
+            "deliver_at": "2027-03-01T00:00:00+00:00",
+            "key": "k3",
+        },
+        {
+            "topic": "bulk.ok",
+            "body": '{"n": 4}',
+            "delay_ms": "2000",
+            "key": "k4",
+            "tags": '["a", "b"]',
+        },
+        {"topic": "bulk.ok", "body": '{"n": 5}', "key": "k5", "properties": '{"tenant": "7"}'},
+        {"topic": "bulk.ok", "body": '{"n": 6}', "delay": "45m"},  # keyless
+    ]
+    rows = [*good[:3], *(r for r, _ in BAD_ROWS), *good[3:]]
+    path = tmp_path / "jobs.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    first = bulk.run(spark, settings, path, partitions=3)
+    assert (first.read, first.written, first.duplicates, first.rejected) == (21, 6, 0, 15)
+    assert first.rejects == tmp_path / "jobs.rejects.csv"
+    csv.field_size_limit(10_000_000)
+    with (tmp_path / "jobs.rejects.csv").open() as f:
+        rejects = list(csv.DictReader(f))
+    assert list(rejects[0]) == [*COLUMNS, "reason"]
+    reasons = sorted((r["reason"].split(":")[0], r["topic"], r["body"][:10]) for r in rejects)
+    expected = sorted((field, r["topic"], r["body"][:10]) for r, field in BAD_ROWS)
+    assert reasons == expected
+    with engine.connect() as conn:
+        stored = {
+            r.key: (r.delay_level, r.lane, bytes(r.body), r.tags, r.properties)
+            for r in conn.execute(text("SELECT * FROM commit_log"))
+        }
+        waiting = conn.execute(text("SELECT count(*) FROM consume_queue")).scalar_one()
+        timers = conn.execute(text("SELECT count(*) FROM timer_queue")).scalar_one()
+        skew = conn.execute(
+            text(
+                "SELECT max(abs(extract(epoch FROM deliver_ts - stored_at) - 2700)) "
+                "FROM commit_log WHERE key IS NULL"
+            )
+        ).scalar_one()
+    assert stored == {
+        "k1": (None, 0, b'{"n":1}', None, None),
+        "k2": (2, 2, b'{"n":2}', None, None),
+        "k3": (None, 0, b'"plain text"', None, None),
+        "k4": (2, 2, b'{"n":4}', ["a", "b"], None),  # 2000 ms is level 2's delay
+        "k5": (0, -1, b'{"n":5}', None, {"tenant": "7"}),  # no delay: due now
+        None: (None, 0, b'{"n":6}', None, None),
+    }
+    assert (waiting, timers) == (2, 3)
+    assert float(skew) < 0.001  # deliver_ts = the database's store time + 45m
+
+    again = bulk.run(spark, settings, path)
+    assert (again.written, again.duplicates, again.rejected) == (1, 5, 15)  # keyless: again
+    assert _count(engine) == 7
+
+
+def test_bulk_schedule_json_lines_with_keys_from_rows_and_parquet_with_parquet_rejects(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    lines = tmp_path / "jobs.jsonl"
+    lines.write_text(
+        '{"topic": "bulk.j", "body": {"deep": [1, 2]}, "delay_level": 1}\n'
+        "not json\n"
+        "[1, 2]\n"
+        '{"topic": "bulk.j", "body": "x", "delay_ms": 1500}\n'
+        '{"topic": "bulk.j", "body": "x", "delay": "soon"}\n'
+    )
+    result = bulk.run(spark, settings, lines, key_from_row=True)
+    assert (result.written, result.rejected) == (2, 3)
+    rejects = [json.loads(line) for line in (tmp_path / "jobs.rejects.jsonl").open()]
+    found = [(r.get("line", ""), r.get("delay", ""), r["reason"].split(":")[0]) for r in rejects]
+    assert sorted(found) == [
+        ("", "soon", "delay"),
+        ("[1, 2]", "", "line"),
+        ("not json", "", "line"),
+    ]
+    rerun = bulk.run(spark, settings, lines, key_from_row=True)
+    assert (rerun.written, rerun.duplicates) == (0, 2)  # derived keys: no duplicates
+    with engine.connect() as conn:
+        body = conn.execute(text("SELECT body FROM commit_log WHERE delay_level = 1")).scalar_one()
+    assert json.loads(bytes(body)) == {"deep": [1, 2]}
+
+    table = tmp_path / "jobs.parquet"
+    spark.createDataFrame(
+        [
+            ("bulk.p", '{"n": 1}', "1h", None, None),
+            ("bulk.p", '{"n": 2}', None, 9, None),
+            ("bulk.p", '{"n": 3}', None, None, datetime(2026, 12, 1, tzinfo=UTC)),
+            ("bad topic", '{"n": 4}', None, None, None),
+        ],
+        "topic string, body string, delay string, delay_level int, deliver_at timestamp",
+    ).write.parquet(str(table))
+    parquet = bulk.run(spark, settings, table)
+    assert (parquet.written, parquet.rejected) == (3, 1)
+    refused = spark.read.parquet(str(tmp_path / "jobs.rejects.parquet")).collect()
+    assert [(r["topic"], r["reason"].split(":")[0]) for r in refused] == [("bad topic", "topic")]
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text(
+                "SELECT delay_level, deliver_ts FROM commit_log "
+                "WHERE topic = 'bulk.p' ORDER BY body"
+            )
+        ).all()
+    assert stored[1][0] == 5  # level 9 is clamped to the top level (5)
+    assert stored[2][1] == datetime(2026, 12, 1, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_bulk_schedule_writes_many_rows_in_parallel_partitions_once(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, fmt: str
+) -> None:
+    from delaysvc.pipeline.bench import bench_bulk
+
+    result = bench_bulk(spark, settings, 30_000, tmp_path, fmt=fmt)
+    assert (result["first"]["written"], result["rerun"]["duplicates"]) == (30_000, 30_000)
+    # the ceiling's own inserts were rolled back: only the pipeline's rows are there
+    assert _count(engine, "topic = 'bulk.bench'") == 30_000
+    assert _count(engine, "key LIKE 'ceiling-%'") == 0
+    assert result["ceiling_rows_per_s"] > 0
+    assert result["first_of_ceiling"] == pytest.approx(
+        result["first_rows_per_s"] / result["ceiling_rows_per_s"], abs=0.001
+    )
+    with engine.connect() as conn:
+        lanes = dict(
+            conn.execute(text("SELECT lane, count(*) FROM commit_log GROUP BY lane")).all()
+        )
+    assert lanes == {0: 30_000}  # 5m, 30m, 1h are no test level: the timer lane
+    saved = json.loads((tmp_path / "bench-bulk.json").read_text())
+    assert (saved["rows"], saved["format"]) == (30_000, fmt)
+    # a second bench in the same database measures new rows too (keys of its own)
+    again = bench_bulk(spark, settings, 3_000, tmp_path, fmt=fmt)
+    assert (again["first"]["written"], again["rerun"]["duplicates"]) == (3_000, 3_000)
+
+
+def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_transaction(
+    producer: Producer, engine: Engine
+) -> None:
+    """The plain insert a task tries first fails on a held key (or a key twice in the batch);
+    the batch is then stored by the skipping insert, from the same staging rows, and the
+    caller's transaction goes on."""
+
+    def lines(*keys: str | None) -> str:
+        return "".join(
+            bulk.message_line(producer.prepare(topic="bulk.k", body={"k": k}, delay="1s", key=k))
+            for k in keys
+        )
+
+    with engine.begin() as conn:
+        assert pipeline_store.insert_copy_text(conn, lines("a", "b"), keys_may_be_held=False) == 2
+    with engine.begin() as conn:
+        held = lines("b", "c", None, "d", "d")
+        assert pipeline_store.insert_copy_text(conn, held, keys_may_be_held=False) == 3
+        conn.execute(text("INSERT INTO topic_state (topic) VALUES ('bulk.k')"))  # still usable
+    with engine.connect() as conn:
+        keys = conn.execute(text("SELECT key FROM commit_log ORDER BY id")).scalars().all()
+        lane_rows = conn.execute(text("SELECT count(*) FROM consume_queue")).scalar_one()
+        paused = conn.execute(text("SELECT count(*) FROM topic_state")).scalar_one()
+    assert sorted(k or "" for k in keys) == ["", "a", "b", "c", "d"]
+    assert (lane_rows, paused) == (5, 1)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["archive", "--older-than", "30 days"],
+            "error: --older-than: '30 days' is not a duration",
+        ),
+        (
+            ["bulk-schedule", "/nonexistent/jobs.csv"],
+            "error: path: /nonexistent/jobs.csv does not exist",
+        ),
+        (
+            ["bulk-schedule", "{tmp}/jobs.txt"],
+            "error: format: 'txt' is not one of csv, jsonl, parquet",
+        ),
+        (
+            ["bulk-schedule", "{tmp}/jobs.txt", "--format", "xml"],
+            "error: format: 'xml' is not one of csv, jsonl, parquet",
+        ),
+    ],
+)
+def test_cli_user_errors_are_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    from delaysvc.cli import cli
+
+    (tmp_path / "jobs.txt").write_text("topic,body\n")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    result = CliRunner().invoke(cli, ["pipeline", *args])
+    assert result.exit_code == 2
+    assert len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith(message)
+
+
+def test_cli_bulk_schedule_ends_with_one_summary_line(
+    spark: Any, database_url: str, engine: Engine, tmp_path: Path
+) -> None:
+    from delaysvc.cli import cli
+
+    path = tmp_path / "jobs.csv"
+    path.write_text('topic,body,delay,key\nbulk.cli,"{""a"": 1}",5m,a\nbad topic,{},5m,b\n')
+    env = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 8s"}
+    result = CliRunner().invoke(cli, ["pipeline", "bulk-schedule", str(path)], env=env)
+    assert result.exit_code == 0, result.output
+    summary = result.stdout.strip().splitlines()
+    assert len(summary) == 1
+    assert "spark: master local[2]" in result.stderr  # which master ran it
+    assert summary[0].startswith("bulk-schedule: read 2, written 1, rejected 1, ")
+    assert summary[0].endswith(f"; duplicates 0; rejects -> {tmp_path / 'jobs.rejects.csv'}")
+    assert _count(engine, "topic = 'bulk.cli'") == 1
+
+
+# Every kind of cell the producer's rules tell apart, per column ("" and None are both empty).
+CELLS: dict[str, list[Any]] = {
+    "topic": ["t.a", "t.slow", "a" * 127, "a" * 128, "bad topic", "-x", "x-", "ä", "t.a\n", ""],
+    "body": [
+        '{"n": 1}',
+        "plain text",
+        "[1, 2.50, 1e5, -0.0]",
+        '  {"b": null, "a": "é\\u00e9"}  ',
+        '"quoted"',
+        "true",
+        "NaN",
+        "1e400",
+        '"\\ud800"',
+        "x" * 70,  # over the test's 64-byte limit as text...
+        '"' + "y" * 40 + '"',  # ...and under it as JSON
+        "[" * 5000,  # deeper than JSON can be read
+        "a\tb\\c\nd",
+        None,
+        # bodies the JVM encodes itself, and near misses it must leave to the producer
+        '{ "k" : "v w" ,"n": -12, "t": false, "z": null }',
+        '[ "x" , 1 , true , null ]',
+        ' "spaced string" ',
+        "123456789012345678",
+        "12345678901234567890",
+        "{}",
+        "[]",
+        "-0",
+        "01",
+        "[1, -0]",
+        '{"a": 1, "a": 2}',
+        '{"a": [1]}',
+        '{"é": "ü\x7f"}',
+        '{"a": "b"}x',
+        '{"a": "b\u0000"}',
+        '{"x": "' + "y" * 58 + '"}',  # 65 bytes: over the test's limit
+        '{"x": "' + "y" * 57 + '"}',  # 64 bytes: at it
+    ],
+    "delay": [
+        "5m",
+        "2s",
+        "0s",
+        "1h30m",
+        "500ms",
+        "1s1s",
+        "3s",
+        "401d",
+        "5 minutes",
+        "5",
+        "9" * 20 + "d",
+    ],
+    "delay_ms": ["2000", "0", "3000", "7", " 7 ", "-5", "1.5", "9" * 20, "٣"],
+    "delay_level": ["1", "0", "-3", "5", "99", " 3", "two", "²", "--5", "٣", "9" * 20],
+    "deliver_at": [
+        "2027-03-01T00:00:00+00:00",
+        "2027-03-01 00:00Z",
+        "2027-03-01T00:00:00.5+05:30",
+        "2027-03-01T00:00:00.1234567-03:00",
+        "2026-01-01T00:00:00-03:00",
+        "1969-12-31T23:59:59Z",
+        "2027-03-01T00:00:00",
+        "2027-02-30T00:00:00Z",
+        "2027-03-01T24:00:00Z",
+        "2027-03-01T00:00:60Z",
+        "2027-03-01T00:00:00+24:00",
+        "20270301T000000Z",
+        "2099-01-01T00:00:00Z",
+        "tomorrow",
+    ],
+    "key": ["k1", "k\\2", "\\N", "NULL", "ключ", "k" * 256, "k" * 257, "a\tb", "k\x7f", " "],
+    "tags": [
+        '["a", "b"]',
+        "[]",
+        '["NULL"]',
+        '[ "x:1" ,"y.z" ]',
+        '["\\u0041"]',
+        '["a b"]',
+        "[1, 2]",
+        '"a"',
+        '{"a": "b"}',
+        "[" + ",".join(f'"t{n}"' for n in range(17)) + "]",
+        "not json",
+    ],
+    "properties": [
+        '{"x": "1"}',
+        "{}",
+        '{"a": "1", "b": "ü\\u00fc"}',
+        '{"x": "1", "x": "2"}',
+        '{"": "v"}',
+        '{"x": 1}',
+        '{"a\\u0000": "v"}',
+        '{"n": "' + "v" * 5000 + '"}',
+        "[1]",
+        "{not json",
+    ],
+    "colour": ["red"],
+}
+EQUIVALENCE_COLUMNS = [*bulk.FIELDS, "colour"]
+
+
+def _one_change_rows() -> list[dict[str, Any]]:
+    """A good row, then the good row with each cell above in turn (a wide hand-made table)."""
+    base = {"topic": "t.a", "body": '{"n": 1}', "key": "base"}
+    rows = [base]
+    for column, values in CELLS.items():
+        rows.extend({**base, column: value} for value in values)
+        rows.append({**base, column: ""})
+    return rows
+
+
+def _decisions(
+    spark: Any,
+    settings: Settings,
+    engine: Engine,
+    records: list[dict[str, Any]],
+    key_from_row: bool,
+) -> tuple[dict[int, tuple[str | None, str | None]], dict[int, tuple[str | None, str | None]], int]:
+    """-> ({row: (COPY line, reason)} by the Spark transform, the same by the producer's own
+    `to_options` + `Producer.prepare`, how many rows the JVM accepted and encoded itself)."""
+    from delaysvc.pipeline import rules
+
+    schema = "_rid long, " + ", ".join(f"`{c}` string" for c in EQUIVALENCE_COLUMNS)
+    frame = spark.createDataFrame(
+        [(n, *(r.get(c) for c in EQUIVALENCE_COLUMNS)) for n, r in enumerate(records)], schema
+    )
+    producer = Producer(settings, engine)
+    prepared = rules.prepare(frame, settings, key_from_row).collect()
+    by_spark = {
+        rid: (line, reason)
+        for rid, line, reason in bulk.validate(prepared, producer, "csv", key_from_row)
+    }
+    by_producer: dict[int, tuple[str | None, str | None]] = {}
+    now = datetime.now().astimezone()
+    for n, record in enumerate(records):
+        cells = {c: record.get(c) for c in EQUIVALENCE_COLUMNS}
+        try:
+            options = bulk.to_options(cells, key_from_row)
+            by_producer[n] = (bulk.message_line(producer.prepare(**options, now=now)), None)
+        except DelaysvcError as exc:
+            by_producer[n] = (None, str(exc))
+    return by_spark, by_producer, sum(1 for row in prepared if row["_line"])
+
+
+def _stored_values(line: str) -> tuple[Any, ...]:
+    """A COPY line as the values it stores (times as instants, JSON as values)."""
+    fields = [
+        None if f == "\\N" else f.replace("\\\\", "\\") for f in line.rstrip("\n").split("\t")
+    ]
+    topic, key, tags, props, level, lane, delay_ms, at, is_json, body = fields
+    return (
+        topic,
+        key,
+        tags,
+        json.loads(props) if props is not None else None,
+        level,
+        lane,
+        delay_ms,
+        datetime.fromisoformat(at) if at is not None else None,
+        is_json,
+        body,
+    )
+
+
+def _assert_same(
+    records: list[dict[str, Any]],
+    by_spark: dict[int, tuple[str | None, str | None]],
+    by_producer: dict[int, tuple[str | None, str | None]],
+) -> None:
+    assert set(by_spark) == set(by_producer) == set(range(len(records)))
+    for n, record in enumerate(records):
+        (spark_line, spark_reason), (producer_line, producer_reason) = by_spark[n], by_producer[n]
+        assert spark_reason == producer_reason, record
+        if producer_line is not None:
+            assert spark_line is not None, record
+            assert _stored_values(spark_line) == _stored_values(producer_line), record
+
+
+def _equivalence_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"max_body_bytes": 64, "topic_delays": "t.slow=3s"})
+
+
+def test_the_spark_transform_decides_every_kind_of_cell_as_the_producer_does(
+    spark: Any, settings: Settings, engine: Engine
+) -> None:
+    settings = _equivalence_settings(settings)
+    records = _one_change_rows()
+    for key_from_row in (False, True):
+        by_spark, by_producer, encoded = _decisions(spark, settings, engine, records, key_from_row)
+        _assert_same(records, by_spark, by_producer)
+        assert encoded > len(records) // 3  # the JVM decided and encoded most good rows
+    accepted = sum(1 for line, _ in by_producer.values() if line)
+    assert 0 < accepted < len(records)
+
+
+_cell_strategy = {
+    column: st.one_of(st.sampled_from(values), st.just(""), st.none())
+    for column, values in CELLS.items()
+}
+_cell_strategy["key"] = st.one_of(_cell_strategy["key"], st.text(max_size=8))
+_cell_strategy["body"] = st.one_of(_cell_strategy["body"], st.text(max_size=12))
+_sparse = {
+    c: (s if c in ("topic", "body") else st.one_of(st.none(), st.none(), s))
+    for c, s in _cell_strategy.items()
+}
+
+
+@settings_(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(records=st.lists(st.fixed_dictionaries(_sparse), min_size=40, max_size=80))
+def test_generated_rows_get_the_same_decision_and_values_from_spark_and_the_producer(
+    spark: Any, settings: Settings, engine: Engine, records: list[dict[str, Any]]
+) -> None:
+    by_spark, by_producer, _ = _decisions(
+        spark, _equivalence_settings(settings), engine, records, key_from_row=False
+    )
+    _assert_same(records, by_spark, by_producer)
+
+
+def test_spark_and_producer_lines_store_the_same_rows(
+    spark: Any, settings: Settings, engine: Engine
+) -> None:
+    """The accepted rows of the wide table stored from the Spark transform's COPY lines and
+    by the producer's own insert (`store.insert_messages`) are the same rows."""
+    from delaysvc import store as service_store
+
+    settings = _equivalence_settings(settings)
+    records = [
+        {**r, "key": f"{n}-{r.get('key')}"} if r.get("key") else r
+        for n, r in enumerate(_one_change_rows())
+    ]
+    by_spark, _, _ = _decisions(spark, settings, engine, records, key_from_row=False)
+    producer = Producer(settings, engine)
+    messages = []
+    for record in records:
+        try:
+            messages.append(producer.prepare(**bulk.to_options(dict(record), False)))
+        except DelaysvcError:
+            continue
+    absolute = {r["key"] for r in records if r.get("deliver_at") and r.get("key")}
+    query = text(
+        "SELECT topic, key, tags, body, body_is_json, properties, delay_level, lane, status, "
+        "deliver_ts, round(extract(epoch FROM deliver_ts - stored_at) * 1000) AS wait_ms "
+        "FROM commit_log"
+    )
+
+    def stored() -> list[tuple[str, ...]]:
+        """Each row's values; its due time as an instant when it was given one, else as
+        the wait from storing (the two inserts run at different times)."""
+        with engine.begin() as conn:
+            rows = [
+                (*r[:9], r.deliver_ts if r.key in absolute else r.wait_ms)
+                for r in conn.execute(query)
+            ]
+            conn.execute(
+                text("TRUNCATE commit_log, consume_queue, timer_queue, topic_queue CASCADE")
+            )
+        return sorted(tuple(str(v) for v in r) for r in rows)
+
+    with engine.begin() as conn:
+        created = pipeline_store.insert_copy_text(
+            conn, "".join(line for line, _ in by_spark.values() if line)
+        )
+    from_spark = stored()
+    with engine.begin() as conn:
+        service_store.insert_messages(conn, messages)
+    assert created == len(messages) > 20
+    assert from_spark == stored()
