@@ -8,7 +8,8 @@ from typing import Any
 from sqlalchemy import Connection
 
 from delaysvc.sql import LOCK_KEY, lock_name, sql
-from delaysvc.store.shared import LANE, NOT_MOVED, STATUS, WAITING, Statements
+from delaysvc.store.producing import find_unfinished_by_keys
+from delaysvc.store.shared import NOT_MOVED, WAITING, Statements
 
 
 def lock_cap(conn: Statements, target: str) -> None:
@@ -113,24 +114,10 @@ def topic_pending(conn: Statements, topic: str, up_to: int) -> int:
 def lock_key_holders(
     conn: Statements, pairs: Sequence[tuple[str, str | None]]
 ) -> dict[tuple[str, str], Any]:
-    """The unfinished messages holding these (topic, key) pairs (`id, topic, key, lane,
-    status`, as `MESSAGE_STATE` reads them), each locked FOR SHARE until the transaction ends:
-    a holder cannot finish meanwhile and leave its key to a send a cap counted as adding
-    nothing."""
-    wanted = {(topic, key) for topic, key in pairs if key is not None}
-    if not wanted:
-        return {}
-    topics, keys = zip(*wanted, strict=True)
-    rows = conn.execute(
-        sql(
-            f"SELECT c.id, c.topic, c.key, {LANE} AS lane, {STATUS} AS status "
-            "FROM delaysvc.commit_log c WHERE c.key IS NOT NULL AND c.finished_at IS NULL AND "
-            "(c.topic, c.key) IN (SELECT * FROM unnest(CAST(:topics AS text[]), "
-            "CAST(:keys AS text[]))) FOR SHARE OF c"
-        ),
-        {"topics": list(topics), "keys": list(keys)},
-    )
-    return {(row.topic, row.key): row for row in rows}
+    """The unfinished messages holding these (topic, key) pairs, each locked FOR SHARE until
+    the transaction ends: a holder cannot finish meanwhile and leave its key to a send a cap
+    counted as adding nothing."""
+    return find_unfinished_by_keys(conn, pairs, lock=True)
 
 
 def oldest_waiting_in_level(conn: Statements, level: int, count: int) -> list[int]:

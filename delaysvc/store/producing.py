@@ -370,9 +370,10 @@ def driver_errors(conn: Connection, statement: str | None = None) -> Iterator[An
 
 
 def find_unfinished_by_keys(
-    conn: Statements, pairs: Sequence[tuple[str, str | None]]
+    conn: Statements, pairs: Sequence[tuple[str, str | None]], lock: bool = False
 ) -> dict[tuple[str, str], Any]:
-    """The unfinished messages holding these (topic, key) pairs, in one statement."""
+    """The unfinished messages holding these (topic, key) pairs, in one statement (`lock`:
+    each locked FOR SHARE until the transaction ends)."""
     wanted = {(topic, key) for topic, key in pairs if key is not None}
     if not wanted:
         return {}
@@ -382,7 +383,7 @@ def find_unfinished_by_keys(
             f"SELECT {MESSAGE_STATE} FROM delaysvc.commit_log c WHERE c.key IS NOT NULL AND "
             "c.finished_at IS NULL AND "
             "(c.topic, c.key) IN (SELECT * FROM unnest(CAST(:topics AS text[]), "
-            "CAST(:keys AS text[])))"
+            "CAST(:keys AS text[])))" + (" FOR SHARE OF c" if lock else "")
         ),
         {"topics": list(topics), "keys": list(keys)},
     )

@@ -57,19 +57,8 @@ WHERE (s.topic, s.body, s.body_is_json, s.cron, s.every_ms, s.timezone, s.on_mis
     AND (CAST(:topics AS text[]) IS NULL OR s.topic = ANY(CAST(:topics AS text[])))
 RETURNING {COLUMNS}"""
         ),
-        {
-            "name": item.name,
-            "topic": item.topic,
-            "body": item.body,
-            "body_is_json": item.body_is_json,
-            "cron": item.cron,
-            "every_ms": item.every_ms,
-            "timezone": item.timezone,
-            "on_missed": item.on_missed,
-            "declared_in": declared_in,
-            "next_tick": next_tick,
-            "topics": None if topics is None else list(topics),
-        },
+        _params(item, next_tick)
+        | {"declared_in": declared_in, "topics": None if topics is None else list(topics)},
     )
 
 
@@ -99,19 +88,7 @@ ON CONFLICT (name) DO UPDATE SET topic = EXCLUDED.topic, body = EXCLUDED.body,
         IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.every_ms, EXCLUDED.timezone)
         THEN EXCLUDED.next_tick ELSE s.next_tick END"""
         ),
-        {
-            "name": item.name,
-            "topic": item.topic,
-            "body": item.body,
-            "body_is_json": item.body_is_json,
-            "cron": item.cron,
-            "every_ms": item.every_ms,
-            "timezone": item.timezone,
-            "on_missed": item.on_missed,
-            "next_tick": next_tick,
-            "now": now,
-            "by": by,
-        },
+        _params(item, next_tick) | {"now": now, "by": by},
     )
 
 
@@ -194,3 +171,18 @@ def delete(conn: Connection, name: str) -> bool:
         ).rowcount
         > 0
     )
+
+
+def _params(item: Schedule, next_tick: datetime) -> dict[str, Any]:
+    """A schedule's columns as a statement's parameters."""
+    return {
+        "name": item.name,
+        "topic": item.topic,
+        "body": item.body,
+        "body_is_json": item.body_is_json,
+        "cron": item.cron,
+        "every_ms": item.every_ms,
+        "timezone": item.timezone,
+        "on_missed": item.on_missed,
+        "next_tick": next_tick,
+    }

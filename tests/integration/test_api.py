@@ -29,11 +29,6 @@ def app(settings: Settings) -> Iterator[Flask]:
 
 
 @pytest.fixture
-def client(app: Flask) -> FlaskClient:
-    return app.test_client()
-
-
-@pytest.fixture
 def send_token(engine: Engine) -> dict[str, str]:
     return {"Authorization": f"Bearer {auth.create_token(engine, 'shop', 'send')}"}
 

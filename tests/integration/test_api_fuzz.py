@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import schemathesis
 from flask import Flask
@@ -12,15 +10,6 @@ from hypothesis import HealthCheck, settings
 from sqlalchemy import Engine
 
 from delaysvc import auth
-from delaysvc.settings import Settings
-from delaysvc.web import create_app
-
-
-@pytest.fixture
-def app(settings: Settings) -> Iterator[Flask]:
-    app = create_app(settings)
-    yield app
-    app.extensions["delaysvc"]["engine"].dispose()
 
 
 @pytest.fixture

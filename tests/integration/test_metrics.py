@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from flask import Flask
 from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
@@ -39,18 +38,6 @@ def clean_registry() -> Iterator[None]:
     yield
     consumption._registry.clear()
     consumption._registry.update(saved)
-
-
-@pytest.fixture
-def app(settings: Settings) -> Iterator[Flask]:
-    app = create_app(settings)
-    yield app
-    app.extensions["delaysvc"]["engine"].dispose()
-
-
-@pytest.fixture
-def client(app: Flask) -> FlaskClient:
-    return app.test_client()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,23 +15,9 @@ from sqlalchemy import Engine, text
 
 from delaysvc import auth
 from delaysvc.periodic_schedules import schedule
-from delaysvc.settings import Settings
 from delaysvc.store import schedules as store_schedules
-from delaysvc.web import create_app
 
 BILLING = {"schedule": "0 2 * * *", "topic": "billing.jobs", "body": {"run": "nightly"}}
-
-
-@pytest.fixture
-def app(settings: Settings) -> Iterator[Flask]:
-    app = create_app(settings)
-    yield app
-    app.extensions["delaysvc"]["engine"].dispose()
-
-
-@pytest.fixture
-def client(app: Flask) -> FlaskClient:
-    return app.test_client()
 
 
 @pytest.fixture
@@ -171,7 +156,7 @@ def test_every_write_route_of_the_api_is_scoped_or_named_here(app: Flask) -> Non
         ("/api/v1/schedules/<name>/pause", "POST"),
         ("/api/v1/schedules/<name>/resume", "POST"),
         ("/api/v1/topics/<topic>/cap", "PUT"),  # 404 outside the token's topics: test_caps
-        ("/api/v1/levels/<int:level>/cap", "PUT"),  # 404 for any token limited to topics
+        ("/api/v1/levels/<level>/cap", "PUT"),  # 404 for any token limited to topics
     }
     writes = {
         (rule.rule, method)
