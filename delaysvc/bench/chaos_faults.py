@@ -192,6 +192,23 @@ class Nemesis:
                     process.wait()
 
 
+def migrate(env: dict[str, str], cwd: Path | None = None) -> None:
+    """`delaysvc migrate` with `env`'s levels, tried three times (a level change waits 10 s at
+    most for the levels' lock, behind a long transaction)."""
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-m", "delaysvc", "migrate"],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode == 0:
+            return
+    raise RuntimeError(f"delaysvc migrate failed: {done.stdout}{done.stderr}")
+
+
 REDIS_DB = 12
 """The bench's Redis database for the chaos suite's broker (the peers use 13)."""
 
@@ -246,17 +263,7 @@ class BenchDeployment:
         self._env["DELAYSVC_DELAY_LEVELS"] = levels
 
     def migrate(self) -> None:
-        for _ in range(3):  # a level change waits 10 s at most for the levels' lock
-            done = subprocess.run(
-                [sys.executable, "-m", "delaysvc", "migrate"],
-                env=self._env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if done.returncode == 0:
-                return
-        raise RuntimeError(f"delaysvc migrate failed: {done.stdout}{done.stderr}")
+        migrate(self._env)
 
     def restart_postgres(self) -> None:
         restart_server(self.engine)

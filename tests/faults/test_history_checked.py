@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from sqlalchemy import Engine
 
 from delaysvc.bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos
+from delaysvc.bench.chaos_faults import migrate
 from delaysvc.settings import Settings
 from tests.conftest import ROOT
 from tests.e2e.conftest import Service, restart_postgres
@@ -58,18 +58,7 @@ class ServiceDeployment:
         self.service.settings = Settings.from_env(self.service.env)
 
     def migrate(self) -> None:
-        for _ in range(3):  # a level change waits 10 s at most for the levels' lock
-            done = subprocess.run(
-                [sys.executable, "-m", "delaysvc", "migrate"],
-                env=self.service.env,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            if done.returncode == 0:
-                return
-        raise AssertionError(f"delaysvc migrate failed: {done.stdout}{done.stderr}")
+        migrate(self.service.env, cwd=ROOT)
 
     def restart_postgres(self) -> None:
         restart_postgres()
