@@ -340,6 +340,8 @@ def _level_pairs(ix: Index) -> list[tuple[Final, float, Final, float, Pair]]:
                 fa is not None
                 and fb is not None
                 and not {fa.id, fb.id} & redriven
+                and fa.attempts <= 1  # a retry's move overwrote delivered_at
+                and fb.attempts <= 1
                 and fa.delivered_at is not None
                 and fb.delivered_at is not None
             ):

@@ -97,6 +97,10 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
             "delaysvc.fold_lane_counts": {"queue": DELIVERY_QUEUE},
             "delaysvc.fire_schedules": {"queue": DELIVERY_QUEUE},
             "delaysvc.move_history": {"queue": DELIVERY_QUEUE},
+            # beside the other maintenance, never behind a backlog of consume tasks: there it
+            # expired unrun, and jobs of a killed consumer stayed `running` until the backlog
+            # drained (13 minutes in a 30-minute chaos run), holding their topics' max_running
+            "delaysvc.rescue_leases": {"queue": DELIVERY_QUEUE},
             "delaysvc.*": {"queue": CONSUME_QUEUE},
         },
         task_default_queue=CONSUME_QUEUE,

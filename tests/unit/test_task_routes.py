@@ -1,0 +1,23 @@
+"""Where the Celery app sends its tasks: maintenance beside the lanes on the delivery queue,
+handlers' work on the consume queue."""
+
+from __future__ import annotations
+
+from delaysvc.tasks import app
+from delaysvc.tasks.app import CONSUME_QUEUE, DELIVERY_QUEUE
+
+
+def _queue(task: str) -> str:
+    """The queue the app (`celery -A delaysvc.tasks`) routes `task` to."""
+    return str(app.amqp.router.route({}, task)["queue"].name)
+
+
+def test_the_lease_rescue_is_never_queued_behind_consume_work() -> None:
+    """Found by the 30-minute chaos run: the rescue of expired leases was a consume-queue task
+    with a short expiry, so behind a backlog of consume tasks it expired unrun, and the jobs of
+    a killed consumer stayed `running` for 13 minutes, holding their topic's max_running. It
+    runs on the delivery queue, with the other maintenance."""
+    assert _queue("delaysvc.rescue_leases") == DELIVERY_QUEUE
+    for maintenance in ("delaysvc.fold_lane_counts", "delaysvc.move_history"):
+        assert _queue(maintenance) == DELIVERY_QUEUE
+    assert _queue("delaysvc.consume") == CONSUME_QUEUE
