@@ -7,6 +7,7 @@ schedules."""
 from __future__ import annotations
 
 import itertools
+import os
 import signal
 from datetime import datetime, timedelta
 
@@ -67,6 +68,10 @@ def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
     assert not_once == 0  # each tick's message ran once
 
 
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
+    reason="about 70 s (it waits for a real minute's round): CI's second pass runs it",
+)
 def test_delivery_workers_of_two_handler_modules_keep_each_others_schedules(
     service_factory,  # type: ignore[no-untyped-def]
     engine: Engine,
