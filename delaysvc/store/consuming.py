@@ -209,6 +209,16 @@ class Failure:
     traceback: str
     duration_ms: int
 
+    def params(self) -> dict[str, Any]:
+        """The failure as a statement's parameters (error and traceback cut to 4,000 chars)."""
+        return {
+            "id": self.message_id,
+            "claim_id": self.claim_id,
+            "error": self.error[:4000],
+            "traceback": self.traceback[-4000:],
+            "duration_ms": self.duration_ms,
+        }
+
 
 def schedule_retry(
     conn: Connection,
@@ -222,12 +232,8 @@ def schedule_retry(
     """Put a failed job back in a lane as `retrying`; it is an ordinary delayed message."""
     count = conn.execute(
         sql(_SCHEDULE_RETRY),
-        {
-            "id": failure.message_id,
-            "claim_id": failure.claim_id,
-            "error": failure.error[:4000],
-            "traceback": failure.traceback[-4000:],
-            "duration_ms": failure.duration_ms,
+        failure.params()
+        | {
             "lane": lane,
             "delay_level": delay_level,
             "delay_ms": delay_ms,
@@ -241,14 +247,7 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
     """Move a running job to the dead letters, keeping its last error."""
     result = conn.execute(
         sql(_BURY),
-        {
-            "id": failure.message_id,
-            "claim_id": failure.claim_id,
-            "error": failure.error[:4000],
-            "traceback": failure.traceback[-4000:],
-            "duration_ms": failure.duration_ms,
-            "reason": reason[:4000],
-        },
+        failure.params() | {"reason": reason[:4000]},
     )
     return result.rowcount == 1
 
