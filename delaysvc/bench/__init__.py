@@ -202,6 +202,8 @@ SUITES: dict[str, Suite] = {
             Size("chaos_faults", 120, 6, "Faults injected (each kind at least once)."),
             Size("chaos_seed", 1, 1, "Seed of the workload and the fault schedule."),
             Size("chaos_pg_restart", 1, 1, "1: PostgreSQL restarts are among the faults."),
+            Size("chaos_drain", 1800.0, 300.0, "At most this long to finish every message, s."),
+            Size("chaos_concurrency", 4, 4, "Each of the two consumer workers' processes."),
         ),
         "history-checked run: clients and seeded faults (kill -9, PostgreSQL restart, deploy, "
         "level change), every property checked from the history",

@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class Outcome:
     checked: dict[str, int] = field(default_factory=dict)  # what each property looked at
     check_summary: str = ""  # `delaysvc check`'s summary line
     drained: bool = False
+    backlog: list[Backlog] = field(default_factory=list)  # sampled over the run and drain
 
     @property
     def ok(self) -> bool:
@@ -115,6 +117,7 @@ class Outcome:
             "faults: " + ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items())),
             f"messages {self.messages}, runs {self.runs}, reruns by cause {self.reruns}, "
             f"drained {self.drained}",
+            self.backlog_line(),
             self.check_summary,
         ]
         for name, found in self.violations.items():
@@ -128,6 +131,17 @@ class Outcome:
             )
         return out
 
+    def backlog_line(self) -> str:
+        if not self.backlog:
+            return "backlog: not sampled"
+        top = max(self.backlog, key=lambda b: b.overdue)
+        end = self.backlog[-1]
+        return (
+            f"backlog: {len(self.backlog)} samples; most overdue {top.overdue:,} "
+            f"(of {top.unfinished:,} unfinished) at {top.at:.0f} s; at the end {end.unfinished:,} "
+            f"unfinished at {end.at:.0f} s"
+        )
+
     def figures(self) -> dict[str, Any]:
         return {
             "seed": self.config.seed,
@@ -140,6 +154,7 @@ class Outcome:
             "runs": self.runs,
             "reruns_by_cause": self.reruns,
             "drained": self.drained,
+            "backlog": self.backlog_line(),
             "properties": {
                 name: {
                     "violations": len(found),
@@ -151,6 +166,63 @@ class Outcome:
             "delaysvc_check": self.check_summary,
             "history": str(self.folder),
         }
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """One sample: seconds since the clients began, messages not finished, and of those the
+    ones due more than `OVERDUE` ago (what the workers are behind by)."""
+
+    at: float
+    unfinished: int
+    overdue: int
+
+
+OVERDUE = "5 seconds"
+BACKLOG_EVERY = 5.0
+BACKLOG = "backlog.jsonl"
+
+
+class BacklogSampler(threading.Thread):
+    """Samples the backlog every BACKLOG_EVERY seconds into the run's folder until stopped (a
+    sample the database does not answer, as in a restart, is skipped)."""
+
+    def __init__(self, engine: Engine, folder: Path):
+        super().__init__(name="chaos-backlog", daemon=True)
+        self.engine = engine
+        self.path = folder / BACKLOG
+        self.began = time.time()
+        self.samples: list[Backlog] = []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        with self.path.open("w") as out:
+            while not self._stop_event.wait(BACKLOG_EVERY):
+                sample = self.sample()
+                if sample is not None:
+                    self.samples.append(sample)
+                    out.write(json.dumps(sample.__dict__) + "\n")
+                    out.flush()
+
+    def sample(self) -> Backlog | None:
+        try:
+            with self.engine.connect() as conn:
+                row = conn.execute(
+                    sql(
+                        "SELECT count(*) AS unfinished, count(*) FILTER (WHERE deliver_ts < "
+                        f"now() - interval '{OVERDUE}') AS overdue FROM delaysvc.commit_log "
+                        "WHERE finished_at IS NULL"
+                    )
+                ).one()
+        except DBAPIError:
+            return None
+        return Backlog(round(time.time() - self.began, 1), row.unfinished, row.overdue)
+
+    def stop(self) -> list[Backlog]:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout=30)
+        return self.samples
 
 
 RUN_TABLE = """CREATE TABLE IF NOT EXISTS public.chaos_run (
@@ -176,11 +248,13 @@ def run_chaos(config: ChaosConfig, deployment: Deployment, engine: Engine, folde
     nemesis = Nemesis(deployment, random.Random(config.seed))
     clients: list[subprocess.Popen[bytes]] = []
     faults = Recorder(folder / FAULTS)
+    backlog = BacklogSampler(engine, folder)
     try:
         nemesis.up()
         _wait_until_serving(engine, deployment, folder)
         clients = [_start_client(deployment, config, n, folder) for n in range(config.clients)]
         began = time.time()
+        backlog.start()
         for offset, kind in fault_schedule(
             config.seed, config.seconds, config.faults, config.fault_count
         ):
@@ -191,16 +265,20 @@ def run_chaos(config: ChaosConfig, deployment: Deployment, engine: Engine, folde
         _lift_limits(engine)
         drained = _drain(engine, config.drain_seconds)
         (folder / CHECK).write_text("".join(f"{line}\n" for line in _delaysvc_check(engine)))
-        write_all(folder / RUNS, _read_runs(engine))
+        nemesis.stop_all()  # nothing runs while the ends are read
         write_all(folder / FINAL, _read_finals(engine))
+        write_all(folder / RUNS, _read_runs(engine))  # after: a run's record precedes its end
     finally:
         faults.close()
+        backlog.stop()
         for process in clients:
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
         nemesis.stop_all()
-    return evaluate(config, folder, drained)
+    outcome = evaluate(config, folder, drained)
+    outcome.backlog = backlog.samples
+    return outcome
 
 
 def evaluate(config: ChaosConfig, folder: Path, drained: bool = True) -> Outcome:
@@ -281,10 +359,14 @@ def _lift_limits(engine: Engine) -> None:
             time.sleep(1)
 
 
-def _drain(engine: Engine, seconds: float) -> bool:
-    """Until every message is finished (retries and redriven ones run) or `seconds` pass."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+def _drain(engine: Engine, seconds: float, every: float = 30.0) -> bool:
+    """Until every message is finished (retries and redriven ones run) or `seconds` pass;
+    says how many are left every `every` seconds."""
+    from delaysvc.bench.progress import step
+
+    began = time.monotonic()
+    said = began
+    while time.monotonic() < began + seconds:
         try:
             with engine.connect() as conn:
                 left = conn.execute(
@@ -292,6 +374,9 @@ def _drain(engine: Engine, seconds: float) -> bool:
                 ).scalar_one()
             if left == 0:
                 return True
+            if time.monotonic() - said >= every:
+                said = time.monotonic()
+                step(f"chaos: draining, {left:,} messages left after {said - began:.0f} s")
         except DBAPIError:
             pass
         time.sleep(0.5)
@@ -392,7 +477,7 @@ def chaos_suite(ctx: BenchContext) -> Figures:
         rate=ctx.seconds("chaos_rate"),
         faults=kinds,
         fault_count=max(ctx.size("chaos_faults"), len(kinds)),
-        drain_seconds=300.0,
+        drain_seconds=ctx.seconds("chaos_drain"),
     )
     step(
         f"chaos: seed {config.seed}, {config.clients} clients for {config.seconds:g} s, "
@@ -405,14 +490,22 @@ def chaos_suite(ctx: BenchContext) -> Figures:
     folder = (ctx.out or Path(tempfile.mkdtemp(prefix="delaysvc-bench-chaos-"))) / "chaos"
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        deployment = BenchDeployment(engine, url, folder, config.lease_seconds)
+        deployment = BenchDeployment(
+            engine, url, folder, config.lease_seconds, ctx.size("chaos_concurrency")
+        )
         outcome = run_chaos(config, deployment, engine, folder)
     finally:
         engine.dispose()
         drop_database(settings, "delaysvc_bench_chaos")
     for line in outcome.lines():
         step(line)
-    return Figures(results={"chaos": outcome.figures()})
+    return Figures(
+        results={"chaos": outcome.figures()},
+        series={
+            "chaos_backlog:unfinished": [(b.at, b.unfinished) for b in outcome.backlog],
+            f"chaos_backlog:due over {OVERDUE} ago": [(b.at, b.overdue) for b in outcome.backlog],
+        },
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -218,7 +218,9 @@ class BenchDeployment:
     database of the suite's own, each process with its own node name and beat schedule, logs
     in the run's folder."""
 
-    def __init__(self, engine: Engine, url: str, folder: Path, lease_seconds: float):
+    def __init__(
+        self, engine: Engine, url: str, folder: Path, lease_seconds: float, concurrency: int = 1
+    ):
         from delaysvc.bench.peers import REDIS_URL, _redis, _redis_missing
 
         self.folder = folder
@@ -238,6 +240,7 @@ class BenchDeployment:
         if self.broker:
             self._env["DELAYSVC_BROKER_URL"] = self.broker
         self.started = 0
+        self.concurrency = concurrency  # each consumer worker's processes
 
     def spawn(self, role: str) -> subprocess.Popen[bytes]:
         from delaysvc.settings import Settings
@@ -250,7 +253,10 @@ class BenchDeployment:
             command[command.index("-s") + 1] = str(self.folder / f"beat-{self.started}")
         else:
             (command,) = worker_commands(
-                settings, delivery=role == "delivery", consume=role == "consume", concurrency=1
+                settings,
+                delivery=role == "delivery",
+                consume=role == "consume",
+                concurrency=self.concurrency if role == "consume" else 1,
             )
             command = list(command)
             command[command.index("-n") + 1] = f"{role}{self.started}@%h"

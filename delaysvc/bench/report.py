@@ -400,6 +400,32 @@ def _soak_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
     return made
 
 
+def _chaos_plots(out: Path, figures: Figures, plt: Any) -> list[str]:
+    """The chaos run's backlog: what is unfinished, and what is behind its due time."""
+    series = {
+        k.split(":", 1)[1]: v for k, v in figures.series.items() if k.startswith("chaos_backlog:")
+    }
+    if not any(series.values()):
+        return []
+
+    def draw(ax: Any) -> None:
+        for label, points in series.items():
+            ax.plot([t for t, _ in points], [v for _, v in points], label=label)
+
+    return [
+        _chart(
+            out,
+            plt,
+            "chaos_backlog.png",
+            draw,
+            "chaos: messages not finished, through the faults and the drain",
+            "seconds since the clients began",
+            "messages",
+            legend=True,
+        )
+    ]
+
+
 def peers_table(peers: dict[str, dict[str, Any]]) -> list[str]:
     """One row per peer: the same workload (N jobs at one fixed delay), then memory at a
     pending peak, then what is not durable about it."""
@@ -481,6 +507,7 @@ def _plots(out: Path, figures: Figures) -> list[str]:
         )
     made += _soak_plots(out, figures, plt)
     made += _rolling_plots(out, figures, plt)
+    made += _chaos_plots(out, figures, plt)
     peer_samples = {
         k.split(":", 1)[1]: v for k, v in figures.samples.items() if k.startswith(PEER_SAMPLES)
     }
