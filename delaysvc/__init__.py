@@ -7,34 +7,84 @@ await asend("order.cancel", {"order_id": 42}, delay="30m", connection=async_conn
 
 @handler("order.cancel", max_retries=16)
 def cancel_order(message): ...
+
+The package root only re-exports, and loads each name on first use: `from delaysvc import
+send` loads the producer, not the worker or Celery. docs/architecture.md maps the packages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from datetime import datetime, timedelta
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from delaysvc.consumption import Job, handler
-from delaysvc.errors import (
-    BacklogFull,
-    ConfigError,
-    DeadLetter,
-    DelaysvcError,
-    DuplicateKey,
-    NotCancellable,
-    NotFound,
-    RetryLater,
-    ValidationError,
-)
-from delaysvc.periodic_schedules import periodic
-from delaysvc.producer import Message
+from delaysvc import _moved
+
+_moved.install()  # old module paths (delaysvc.tasks, delaysvc.consumption, ...) keep working
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
+    from delaysvc.errors import (
+        BacklogFull,
+        ConfigError,
+        DeadLetter,
+        DelaysvcError,
+        DuplicateKey,
+        NotCancellable,
+        NotFound,
+        RetryLater,
+        ValidationError,
+    )
+    from delaysvc.maintenance.periodic import periodic
+    from delaysvc.producer.default import (
+        acancel,
+        aget,
+        asend,
+        asend_batch,
+        cancel,
+        configure,
+        default_producer,
+        get,
+        send,
+        send_batch,
+    )
+    from delaysvc.producer.sending import Message
+    from delaysvc.worker.consumer import Job, handler
 
-    from delaysvc.producer import OnDuplicate, Producer
-    from delaysvc.settings import Settings
+_WHERE = {
+    **dict.fromkeys(
+        (
+            "BacklogFull",
+            "ConfigError",
+            "DeadLetter",
+            "DelaysvcError",
+            "DuplicateKey",
+            "NotCancellable",
+            "NotFound",
+            "RetryLater",
+            "ValidationError",
+        ),
+        "delaysvc.errors",
+    ),
+    **dict.fromkeys(
+        (
+            "acancel",
+            "aget",
+            "asend",
+            "asend_batch",
+            "cancel",
+            "configure",
+            "default_producer",
+            "get",
+            "send",
+            "send_batch",
+        ),
+        "delaysvc.producer.default",
+    ),
+    "Message": "delaysvc.producer.sending",
+    "Job": "delaysvc.worker.consumer",
+    "handler": "delaysvc.worker.consumer",
+    "periodic": "delaysvc.maintenance.periodic",
+}
+"""Each public name -> the module it lives in."""
 
 __all__ = [
     "BacklogFull",
@@ -61,89 +111,17 @@ __all__ = [
     "send",
     "send_batch",
 ]
-
-_producer: Producer | None = None
-
-
-def configure(settings: Settings | None = None, engine: Engine | None = None) -> Producer:
-    """Set up the module-level producer. Optional: the first call to `send` does it from the
-    `DELAYSVC_*` environment. Pass `engine` to share your application's engine."""
-    global _producer
-    from delaysvc.db import make_engine
-    from delaysvc.producer import Producer
-    from delaysvc.settings import Settings
-
-    settings = settings or Settings.from_env()
-    _producer = Producer(settings, engine or make_engine(settings))
-    return _producer
+assert sorted(__all__) == sorted(_WHERE)
 
 
-def default_producer() -> Producer:
-    """The module-level producer `send` and friends use (configured on first use); its
-    `.engine` is the engine it writes with."""
-    return _producer or configure()
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:  # `from delaysvc import store` then imports the subpackage
+        raise AttributeError(f"module 'delaysvc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
-def send(
-    topic: str,
-    body: Any,
-    *,
-    delay_level: int | None = None,
-    delay: str | timedelta | None = None,
-    delay_ms: int | None = None,
-    deliver_at: datetime | None = None,
-    key: str | None = None,
-    tags: Sequence[str] | None = None,
-    properties: Mapping[str, str] | None = None,
-    priority: int = 0,
-    on_duplicate: OnDuplicate = "keep",
-    connection: Any = None,
-) -> Message:
-    """Schedule `body` for `topic`: at most one of delay_level, delay (`"45m"` or a
-    timedelta), delay_ms, deliver_at. `connection` joins the caller's transaction: a
-    SQLAlchemy Connection or Session, a psycopg or psycopg2 connection, Django's connection."""
-    return default_producer().send(
-        topic,
-        body,
-        delay_level=delay_level,
-        delay=delay,
-        delay_ms=delay_ms,
-        deliver_at=deliver_at,
-        key=key,
-        tags=tags,
-        properties=properties,
-        priority=priority,
-        on_duplicate=on_duplicate,
-        connection=connection,
-    )
-
-
-def send_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
-    return default_producer().send_batch(messages, **options)
-
-
-def cancel(message_id: int | None = None, **options: Any) -> Message:
-    return default_producer().cancel(message_id, **options)
-
-
-def get(message_id: int, **options: Any) -> Message:
-    return default_producer().get(message_id, **options)
-
-
-async def asend(topic: str, body: Any, **options: Any) -> Message:
-    """`send` from asyncio. `connection=`: a SQLAlchemy AsyncConnection or AsyncSession, or a
-    psycopg AsyncConnection, whose transaction it joins; without one the send runs on the
-    producer's own engine in a worker thread."""
-    return await default_producer().asend(topic, body, **options)
-
-
-async def asend_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
-    return await default_producer().asend_batch(messages, **options)
-
-
-async def acancel(message_id: int | None = None, **options: Any) -> Message:
-    return await default_producer().acancel(message_id, **options)
-
-
-async def aget(message_id: int, **options: Any) -> Message:
-    return await default_producer().aget(message_id, **options)
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -14,9 +14,9 @@ from sqlalchemy import Engine
 from werkzeug.security import check_password_hash, generate_password_hash
 
 from delaysvc import store
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import ValidationError
 from delaysvc.store import tokens as store_tokens
-from delaysvc.validation import validate_topic
 
 SCOPES = ("send", "admin")
 ROLES = ("admin", "viewer")

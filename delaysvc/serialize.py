@@ -8,10 +8,10 @@ import json
 from datetime import datetime
 from typing import Any
 
-from delaysvc.histogram import percentile_bound
-from delaysvc.levels import format_ms
-from delaysvc.producer import Message
-from delaysvc.schema import DURATION_BUCKETS_MS
+from delaysvc.config.levels import format_ms
+from delaysvc.maintenance.histogram import percentile_bound
+from delaysvc.producer.sending import Message
+from delaysvc.schema.tables import DURATION_BUCKETS_MS
 
 
 def iso(value: datetime | None) -> str | None:

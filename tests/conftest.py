@@ -24,10 +24,10 @@ import pytest
 from pytest_postgresql.janitor import DatabaseJanitor
 from sqlalchemy import Engine
 
-from delaysvc.db import make_engine, start_embedded
-from delaysvc.migrate import upgrade
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine, start_embedded
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.migrate import upgrade
 
 TEST_LEVELS = "1s 2s 3s 5s 8s"
 TEST_SCHEMA = os.environ.get("DELAYSVC_TEST_SCHEMA") or "delaysvc"
@@ -162,7 +162,7 @@ def _null_pool():  # type: ignore[no-untyped-def]
 @pytest.fixture
 def own_handlers() -> Iterator[None]:
     """Handlers a test registers are gone after it (the registry as it was before)."""
-    from delaysvc import consumption
+    from delaysvc.worker import consumer as consumption
 
     saved = dict(consumption._registry)
     yield

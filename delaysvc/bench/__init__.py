@@ -26,11 +26,11 @@ from sqlalchemy.engine import make_url
 
 from delaysvc.bench import report, suites
 from delaysvc.bench.progress import step
-from delaysvc.db import database_url, make_engine, sqlalchemy_url
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import database_url, make_engine, sqlalchemy_url
+from delaysvc.db.names import sql
 from delaysvc.errors import MissingPart
-from delaysvc.migrate import upgrade
-from delaysvc.settings import Settings
-from delaysvc.sql import sql
+from delaysvc.schema.migrate import upgrade
 
 BENCH_DATABASE = "delaysvc_bench"
 

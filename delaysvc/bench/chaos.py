@@ -57,10 +57,10 @@ from delaysvc.bench.chaos_history import (
     write_all,
 )
 from delaysvc.bench.chaos_workload import client_main
-from delaysvc.check import run_check
-from delaysvc.limits import set_limits
-from delaysvc.producer import Producer
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.maintenance.check import run_check
+from delaysvc.producer.sending import Producer
+from delaysvc.worker.limits import set_limits
 
 __all__ = ["FAULT_KINDS", "ChaosConfig", "Deployment", "Outcome", "evaluate", "run_chaos"]
 
@@ -327,7 +327,7 @@ def _wait_until_serving(
     engine: Engine, deployment: Deployment, folder: Path, timeout: float = 90.0
 ) -> None:
     """Until a message sent now has run: the workers and beat are up."""
-    from delaysvc.settings import Settings
+    from delaysvc.config.settings import Settings
 
     producer = Producer(Settings.from_env(deployment.env()), engine)
     sent = producer.send("chaos.ok", {"probe": True})
@@ -465,9 +465,9 @@ def chaos_suite(ctx: BenchContext) -> Figures:
     from delaysvc.bench import bench_database, drop_database
     from delaysvc.bench.progress import step
     from delaysvc.bench.suites import Figures
-    from delaysvc.db import make_engine
-    from delaysvc.levels import DelayLevels
-    from delaysvc.migrate import upgrade
+    from delaysvc.config.levels import DelayLevels
+    from delaysvc.db.engines import make_engine
+    from delaysvc.schema.migrate import upgrade
 
     kinds = tuple(k for k in FAULT_KINDS if k != "pg_restart" or ctx.size("chaos_pg_restart"))
     config = ChaosConfig(

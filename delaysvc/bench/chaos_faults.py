@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 from sqlalchemy import Engine
 
 from delaysvc.bench.chaos_history import Fault
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
 if TYPE_CHECKING:
     pass
@@ -243,8 +243,8 @@ class BenchDeployment:
         self.concurrency = concurrency  # each consumer worker's processes
 
     def spawn(self, role: str) -> subprocess.Popen[bytes]:
-        from delaysvc.settings import Settings
-        from delaysvc.up import beat_command, worker_commands
+        from delaysvc.config.settings import Settings
+        from delaysvc.runtime.supervisor import beat_command, worker_commands
 
         settings = Settings.from_env(self._env)
         self.started += 1

@@ -12,8 +12,8 @@ import time
 import psycopg
 
 from delaysvc import DeadLetter, handler
-from delaysvc.consumption import Job
-from delaysvc.db import libpq_url
+from delaysvc.db.engines import libpq_url
+from delaysvc.worker.consumer import Job
 
 TOPICS = ("chaos.ok", "chaos.flaky", "chaos.dead", "chaos.limited")
 FLAKY_RETRIES = 3

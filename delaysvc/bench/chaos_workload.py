@@ -15,10 +15,10 @@ from sqlalchemy.exc import DBAPIError
 
 from delaysvc.bench.chaos_handlers import TOPICS
 from delaysvc.bench.chaos_history import Op, Recorder, epoch
-from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DatabaseUnavailable, DelaysvcError
-from delaysvc.limits import set_limits
-from delaysvc.producer import Producer
+from delaysvc.producer.dead_letters import DeadLetters
+from delaysvc.producer.sending import Producer
+from delaysvc.worker.limits import set_limits
 
 KEYS = 30
 """Keys shared by every client: they race on them."""
@@ -156,8 +156,8 @@ class Client:
 def client_main(number: int, seed: int, seconds: float, rate: float, out: Path) -> None:
     """One client process (`python -m delaysvc.bench.chaos client`): settings from its
     environment, as a producer's would be."""
-    from delaysvc.db import make_engine
-    from delaysvc.settings import Settings
+    from delaysvc.config.settings import Settings
+    from delaysvc.db.engines import make_engine
 
     settings = Settings.from_env()
     engine = make_engine(settings)

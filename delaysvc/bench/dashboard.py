@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
-from delaysvc import auth, history
+from delaysvc import auth
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.scale import FILL_CHUNK, LONG_LEVEL_MS, _fill_backlog
 from delaysvc.bench.suites import Figures
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.maintenance import history
 from delaysvc.store import dashboard as dash
 
 if TYPE_CHECKING:

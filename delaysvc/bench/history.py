@@ -24,14 +24,15 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
-from delaysvc import history, store
+from delaysvc import store
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.scale import fill_lane, send_rate, timed_moves
 from delaysvc.bench.suites import Figures, reset_tables
-from delaysvc.consumption import Consumer, handler
-from delaysvc.producer import Producer
-from delaysvc.sql import sql, table
+from delaysvc.db.names import sql, table
+from delaysvc.maintenance import history
+from delaysvc.producer.sending import Producer
 from delaysvc.store import history as store_history
+from delaysvc.worker.consumer import Consumer, handler
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -130,7 +131,7 @@ def _sweep_rate(engine: Engine, rows: int) -> int:
 def _fill_history(engine: Engine, finished: int, days: int) -> float:
     """`finished` succeeded messages, evenly over the `days` days before yesterday."""
     with engine.begin() as conn:
-        today = store.database_now(conn).astimezone(UTC).date()
+        today = store.clock_now(conn).astimezone(UTC).date()
         first = today - timedelta(days=days + 1)
         store_history.make_partitions(conn, [first + timedelta(days=d) for d in range(days)])
     progress = Progress("fill", finished)

@@ -28,8 +28,8 @@ from delaysvc.bench.peers import DelaysvcPeer
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.rolling import Deployment, _succeeded, _wait_until_running
 from delaysvc.bench.suites import Figures, _send_backlog
-from delaysvc.producer import Producer
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.producer.sending import Producer
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine

@@ -19,9 +19,9 @@ from delaysvc import auth
 from delaysvc.bench import raw
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
-from delaysvc.db import libpq_url
-from delaysvc.sql import sql
-from delaysvc.up import free_port, wait_until_answering, web_command
+from delaysvc.db.engines import libpq_url
+from delaysvc.db.names import sql
+from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext

@@ -9,7 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from delaysvc.bench.progress import Progress
-from delaysvc.producer import Producer
+from delaysvc.producer.sending import Producer
 
 TICK_SECONDS = 0.05
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from delaysvc import handler
 from delaysvc.bench.record import record
-from delaysvc.consumption import Job
+from delaysvc.worker.consumer import Job
 
 TOPIC = "bench.peer"
 

@@ -40,9 +40,9 @@ from sqlalchemy import Engine, create_engine
 from delaysvc.bench import raw, record
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.suites import Figures, percentiles, reset_tables
-from delaysvc.db import libpq_url
-from delaysvc.producer import Producer
-from delaysvc.sql import sql
+from delaysvc.db.engines import libpq_url
+from delaysvc.db.names import sql
+from delaysvc.producer.sending import Producer
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -373,7 +373,7 @@ class DelaysvcPeer(Peer):
         return env
 
     def worker_commands(self, workers: int) -> list[list[str]]:
-        from delaysvc.up import beat_command, worker_commands
+        from delaysvc.runtime.supervisor import beat_command, worker_commands
 
         settings = self.ctx.settings.model_copy(
             update={"broker_url": self.broker, "var_dir": self.var}

@@ -27,10 +27,10 @@ from sqlalchemy import Engine
 
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
-from delaysvc.db import libpq_url
+from delaysvc.db.engines import libpq_url
+from delaysvc.db.names import sql
 from delaysvc.errors import MissingPart
-from delaysvc.sql import sql
-from delaysvc.up import die_with_parent, free_port
+from delaysvc.runtime.supervisor import die_with_parent, free_port
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -148,8 +148,8 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
     through a transaction-pooling PgBouncer (four server connections), same run, for 1, 4
     and 16 clients; and batches of 1,000."""
     from delaysvc.bench.suites import NOOP_TOPIC, _send_single, reset_tables
-    from delaysvc.db import make_engine
-    from delaysvc.producer import Producer
+    from delaysvc.db.engines import make_engine
+    from delaysvc.producer.sending import Producer
 
     figures = Figures()
     seconds = ctx.seconds("seconds")

@@ -1,4 +1,4 @@
-"""The `pipeline` suite: the Spark bulk-schedule bench (`delaysvc.pipeline.bench.bench_bulk`)
+"""The `pipeline` suite: the Spark bulk-schedule bench (`delaysvc.pipeline.bulk_bench.bench_bulk`)
 into the bench database. It needs pyspark and a Java runtime; without them the suite reports
 itself as not run, with the reason and the fix, in the results and on stderr."""
 
@@ -29,7 +29,7 @@ def pipeline_suite(ctx: BenchContext) -> Figures:
     if reason:
         step(f"pipeline: NOT RUN: {reason}")
         return Figures(results={"pipeline_bulk": {"skipped": reason}})
-    from delaysvc.pipeline.bench import FORMATS, bench_bulk
+    from delaysvc.pipeline.bulk_bench import FORMATS, bench_bulk
     from delaysvc.pipeline.spark import session
 
     rows, partitions = ctx.size("pipeline_rows"), ctx.size("pipeline_partitions")

@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from delaysvc.bench.suites import Figures
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
 PEER_SAMPLES = "peer_lateness_ms:"  # + peer label: samples plotted together as CDFs
 PG_SETTINGS = (

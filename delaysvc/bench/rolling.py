@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
-from delaysvc import health
 from delaysvc.bench.load import send_at_rate
 from delaysvc.bench.peer_handlers import SOAK_TOPIC
 from delaysvc.bench.peers import DelaysvcPeer
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import BODY, Figures, percentiles
-from delaysvc.producer import Producer
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.maintenance import heartbeats as health
+from delaysvc.producer.sending import Producer
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext

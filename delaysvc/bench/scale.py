@@ -27,10 +27,10 @@ from sqlalchemy.exc import DBAPIError
 from delaysvc.bench.peers import _rss, _start, _stop
 from delaysvc.bench.progress import Progress, step
 from delaysvc.bench.suites import BODY, Figures, reset_tables
-from delaysvc.delivery import run_once
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.maintenance.delivery import run_once
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import TIMER_LANE
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext

@@ -26,8 +26,8 @@ from delaysvc.bench.peer_handlers import SOAK_TOPIC
 from delaysvc.bench.peers import DelaysvcPeer, _rss, _start, _stop
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import BODY, Figures
-from delaysvc.producer import Producer
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.producer.sending import Producer
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext

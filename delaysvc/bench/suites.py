@@ -29,12 +29,12 @@ from delaysvc import store
 from delaysvc.bench import raw
 from delaysvc.bench.load import send_at_rate
 from delaysvc.bench.progress import Progress, step
-from delaysvc.db import libpq_url, make_engine
-from delaysvc.delivery import LaneRunner, run_once
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
-from delaysvc.sql import qualify, sql
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url, make_engine
+from delaysvc.db.names import qualify, sql
+from delaysvc.maintenance.delivery import LaneRunner, run_once
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import TIMER_LANE
 
 NOOP_TOPIC = "bench.noop"
 FLOW_TOPIC = "bench.flow"
@@ -372,7 +372,7 @@ def consume_suite(
 def _consumer_process(settings: Settings, stop_after: int | None, stop: Any) -> None:
     """One consumer: claim -> run -> finish in batches until the queue is drained (or told
     to stop); polls every 5 ms when idle (Celery wakes consumers instead)."""
-    from delaysvc.consumption import Consumer, handler
+    from delaysvc.worker.consumer import Consumer, handler
 
     @handler(NOOP_TOPIC)
     @handler(FLOW_TOPIC)

@@ -14,8 +14,8 @@ import click
 from sqlalchemy import Engine
 
 from delaysvc import store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DelaysvcError
-from delaysvc.settings import Settings
 
 
 class Context:
@@ -27,13 +27,13 @@ class Context:
 
     @cached_property
     def engine(self) -> Engine:
-        from delaysvc.db import make_engine
+        from delaysvc.db.engines import make_engine
 
         return make_engine(self.settings)
 
     @cached_property
     def producer(self):
-        from delaysvc.producer import Producer
+        from delaysvc.producer.sending import Producer
 
         return Producer(self.settings, self.engine)
 
@@ -63,7 +63,7 @@ class Group(click.Group):
 @click.version_option(package_name="delaysvc", prog_name="delaysvc")
 def cli(verbose: bool) -> None:
     """delaysvc: durable delayed jobs on PostgreSQL."""
-    from delaysvc import logs
+    from delaysvc.config import logs
 
     settings = click.get_current_context().ensure_object(Context).settings
     logs.configure(settings, logging.INFO if verbose else logging.WARNING)

@@ -44,8 +44,8 @@ def bench(
     """Measure the service against this machine's raw PostgreSQL limits and its peers, in
     databases of its own; write results.json, results.md and plots. SUITES: any of the
     registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default)."""
-    from delaysvc import extras
     from delaysvc.bench import SUITES, chosen_suites, failed_suites, require_parts, run
+    from delaysvc.config import extras
 
     try:
         chosen = chosen_suites(list(suites))

@@ -8,22 +8,22 @@ import click
 
 from delaysvc import store
 from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
-from delaysvc.levels import format_ms
+from delaysvc.config.levels import format_ms
 
 
 @cli.command()
 @pass_ctx
 def migrate(ctx: Context) -> None:
     """Upgrade the schema and create one consume queue per configured level."""
-    from delaysvc.db import make_engine
-    from delaysvc.migrate import upgrade
+    from delaysvc.db.engines import make_engine
+    from delaysvc.schema.migrate import upgrade
 
     direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
     engine = make_engine(ctx.settings, direct) if direct else ctx.engine
     for change in upgrade(engine, ctx.settings.levels):
         click.echo(change.describe())
     if ctx.settings.caps:  # DELAYSVC_BACKLOG_CAPS, stored for every producer
-        from delaysvc.caps import apply_configured
+        from delaysvc.producer.caps import apply_configured
 
         apply_configured(engine, ctx.settings.caps)
     click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
@@ -103,7 +103,7 @@ def stats(ctx: Context, as_json: bool) -> None:
         )
     click.echo("")
     click.echo(f"{'topic':<40} {'ready':>8} {'running':>8} {'dead':>8}  handler")
-    from delaysvc.consumption import load_handler_modules, registered
+    from delaysvc.worker.consumer import load_handler_modules, registered
 
     load_handler_modules(ctx.settings.handler_modules)
     for topic in topics:
@@ -148,7 +148,7 @@ def check(
     line, or 1 with one line per violation (see README, "Checking a live database")."""
     from sqlalchemy.exc import DBAPIError
 
-    from delaysvc.check import run_check
+    from delaysvc.maintenance.check import run_check
 
     try:
         result = run_check(

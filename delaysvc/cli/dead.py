@@ -21,7 +21,7 @@ def dead() -> None:
 @JSON_OPTION
 @pass_ctx
 def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> None:
-    from delaysvc.dead_letters import DeadLetters
+    from delaysvc.producer.dead_letters import DeadLetters
 
     rows = DeadLetters(ctx.engine).list(topic=topic, limit=limit)
     if as_json:
@@ -45,7 +45,7 @@ def dead_redrive(
     ctx: Context, message_ids: tuple[int, ...], topic: str | None, error_contains: str | None
 ) -> None:
     """Run dead messages again now, by id or by filter."""
-    from delaysvc.dead_letters import DeadLetters
+    from delaysvc.producer.dead_letters import DeadLetters
 
     letters = DeadLetters(ctx.engine)
     if message_ids:
@@ -72,7 +72,7 @@ def dead_purge(
 ) -> None:
     """Forget dead letters, by id or by filter (the messages' history stays). Asks first,
     unless --yes; without a terminal to ask on, it needs --yes."""
-    from delaysvc.dead_letters import DeadLetters
+    from delaysvc.producer.dead_letters import DeadLetters
 
     letters = DeadLetters(ctx.engine)
     if not (message_ids or topic or error_contains):

@@ -10,7 +10,7 @@ import click
 
 from delaysvc.cli.app import Context, cli, pass_ctx
 from delaysvc.errors import ValidationError
-from delaysvc.producer import OnDuplicate
+from delaysvc.producer.sending import OnDuplicate
 
 
 def _parse_body(text: str) -> Any:

@@ -8,7 +8,7 @@ import click
 
 from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
 from delaysvc.cli.messages import _parse_body
-from delaysvc.periodic_schedules import Schedules
+from delaysvc.maintenance.periodic import Schedules
 
 
 @cli.group()
@@ -65,7 +65,7 @@ def schedules_add(
 ) -> None:
     """Add (or replace) schedule NAME: WHEN is a cron expression ('*/5 * * * *') or an
     interval ('30s', 'every 1h')."""
-    from delaysvc.periodic_schedules import schedule
+    from delaysvc.maintenance.periodic import schedule
 
     item = schedule(
         name, when, topic=topic, body=_parse_body(body), timezone=timezone, on_missed=on_missed

@@ -15,8 +15,8 @@ from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
 @pass_ctx
 def up(ctx: Context, host: str, port: int) -> None:
     """All in one: (embedded) PostgreSQL, migrations, web app, workers and beat."""
-    from delaysvc import extras
-    from delaysvc.up import run_all
+    from delaysvc.config import extras
+    from delaysvc.runtime.supervisor import run_all
 
     embedded = ("embedded",) if ctx.settings.embedded_database else ()
     extras.require("delaysvc up", "worker", "server", *embedded)
@@ -32,12 +32,12 @@ def up(ctx: Context, host: str, port: int) -> None:
 def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None) -> None:
     """Run Celery workers (delivery: threads, one per lane; consume: processes); prints a
     line containing `ready` once its lanes and consumers run."""
-    from delaysvc import extras
-    from delaysvc.up import run_worker, worker_commands
+    from delaysvc.config import extras
+    from delaysvc.runtime.supervisor import run_worker, worker_commands
 
     extras.require("delaysvc worker", "worker")
     if delivery:
-        from delaysvc.db import require_session
+        from delaysvc.db.engines import require_session
         from delaysvc.tasks.app import DELIVERY_NEEDS
 
         require_session(ctx.settings, DELIVERY_NEEDS)
@@ -52,8 +52,8 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
 @pass_ctx
 def beat(ctx: Context) -> None:
     """Run Celery beat (fires every lane's delivery task, the consume sweep, lease rescue)."""
-    from delaysvc import extras
-    from delaysvc.up import beat_command, run_processes
+    from delaysvc.config import extras
+    from delaysvc.runtime.supervisor import beat_command, run_processes
 
     extras.require("delaysvc beat", "worker")
     require_levels(ctx)
@@ -67,8 +67,8 @@ def beat(ctx: Context) -> None:
 @pass_ctx
 def web(ctx: Context, host: str, port: int, workers: int) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
-    from delaysvc import extras
-    from delaysvc.up import run_processes, web_command
+    from delaysvc.config import extras
+    from delaysvc.runtime.supervisor import run_processes, web_command
 
     extras.require("delaysvc web", "server")
     require_levels(ctx)

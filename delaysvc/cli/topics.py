@@ -17,7 +17,7 @@ from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
 @pass_ctx
 def limit(ctx: Context, topic: str, max_running: int | None, rate: str | None) -> None:
     """Limit TOPIC across every consumer; an option left out lifts that limit."""
-    from delaysvc.limits import set_limits
+    from delaysvc.worker.limits import set_limits
 
     found = set_limits(ctx.engine, topic, max_running=max_running, rate=rate)
     click.echo(f"{found.topic}: {_limits_text(found)}")
@@ -28,7 +28,7 @@ def limit(ctx: Context, topic: str, max_running: int | None, rate: str | None) -
 @pass_ctx
 def limits_list(ctx: Context, as_json: bool) -> None:
     """The topics with limits."""
-    from delaysvc.limits import all_limits
+    from delaysvc.worker.limits import all_limits
 
     found = all_limits(ctx.engine)
     if as_json:
@@ -52,7 +52,7 @@ def limits_list(ctx: Context, as_json: bool) -> None:
 def cap(ctx: Context, target: str, max_waiting: int | None, policy: str | None) -> None:
     """Cap the waiting messages of a level (level:16) or a topic (topic:sms.send) for every
     producer; without --max-waiting, lift it."""
-    from delaysvc import caps
+    from delaysvc.producer import caps
 
     scope, name = caps.parse_target(target)
     found = caps.set_cap(ctx.engine, scope, name, max_waiting, policy)
@@ -64,7 +64,7 @@ def cap(ctx: Context, target: str, max_waiting: int | None, policy: str | None) 
 @pass_ctx
 def caps_list(ctx: Context, as_json: bool) -> None:
     """The levels and topics with backlog caps."""
-    from delaysvc.caps import all_caps
+    from delaysvc.producer.caps import all_caps
 
     found = all_caps(ctx.engine)
     if as_json:
@@ -92,7 +92,7 @@ def _limits_text(item: Any) -> str:
 @pass_ctx
 def pause(ctx: Context, topic: str, resume: bool) -> None:
     """Pause (or --resume) consumption of TOPIC; delivery into its queue goes on."""
-    from delaysvc.validation import validate_topic
+    from delaysvc.config.validation import validate_topic
 
     with ctx.engine.begin() as conn:
         store.set_paused(conn, validate_topic(topic), not resume)

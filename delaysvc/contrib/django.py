@@ -36,9 +36,9 @@ from typing import Any
 from django.db import DEFAULT_DB_ALIAS, connections
 from sqlalchemy.engine import URL
 
-from delaysvc.db import make_engine
-from delaysvc.producer import Message, Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
+from delaysvc.producer.sending import Message, Producer
 
 __all__ = ["cancel", "configure", "get", "producer", "send", "send_batch"]
 

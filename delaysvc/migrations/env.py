@@ -12,8 +12,9 @@ from typing import Any
 from alembic import context
 from sqlalchemy import Connection, text
 
-from delaysvc import migrate, sql
-from delaysvc.schema import is_history_partition, is_level_partition, metadata
+from delaysvc.db import names as sql
+from delaysvc.schema import migrate
+from delaysvc.schema.tables import is_history_partition, is_level_partition, metadata
 
 config = context.config
 
@@ -51,8 +52,8 @@ connection = config.attributes.get("connection")
 if connection is not None:
     run_migrations(connection)
 else:
-    from delaysvc.db import make_engine
-    from delaysvc.settings import Settings
+    from delaysvc.config.settings import Settings
+    from delaysvc.db.engines import make_engine
 
     engine = make_engine(Settings.from_env())
     with engine.begin() as conn:

@@ -42,12 +42,12 @@ from typing import Any, NoReturn
 from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from delaysvc import history
-from delaysvc.db import make_engine, session_url
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine, session_url
 from delaysvc.errors import DelaysvcError
+from delaysvc.maintenance import history
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
-from delaysvc.settings import Settings
 from delaysvc.store import history as store_history
 from delaysvc.store.history import Partition
 
@@ -183,7 +183,7 @@ def run(
             log.info("archive.resume", extra={"run_id": left.run_id})
             _finish(job, left, recorded)
         with engine.connect() as conn:  # once: rows finishing meanwhile wait for the next run
-            cutoff = store.database_now(conn) - timedelta(milliseconds=older_than_ms)
+            cutoff = store.transaction_now(conn) - timedelta(milliseconds=older_than_ms)
         while (fresh := _start(engine, cutoff, older_than_ms)) is not None:
             _finish(job, fresh, None)
     result.seconds = time.monotonic() - started

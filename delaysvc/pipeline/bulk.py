@@ -50,14 +50,14 @@ from typing import Any
 
 from sqlalchemy.pool import NullPool
 
-from delaysvc.db import make_engine
+from delaysvc.config.settings import Settings
+from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
+from delaysvc.config.validation import encode_body
+from delaysvc.db.engines import make_engine
 from delaysvc.errors import BacklogFull, ValidationError
 from delaysvc.pipeline import store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from delaysvc.store import NewMessage
-from delaysvc.validation import MESSAGE_FIELDS as FIELDS
-from delaysvc.validation import encode_body
 
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
@@ -371,7 +371,7 @@ def _store_batch(
     created, how many were duplicates of a held key, a REJECT report per row refused by a
     cap). A task whose batches have met no held key yet tries the plain insert first
     (`store.insert_copy_text`)."""
-    from delaysvc import caps
+    from delaysvc.producer import caps
 
     placed = []  # what the caps count: each message's topic, key and lane
     for line in lines:

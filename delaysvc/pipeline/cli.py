@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
+from delaysvc.config.levels import parse_duration_ms
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DelaysvcError, ValidationError
-from delaysvc.levels import parse_duration_ms
-from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Services:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            from delaysvc.db import database_url
+            from delaysvc.db.engines import database_url
 
             settings = self.configured
             # the embedded server is started here, once: Spark's tasks get its URL and
@@ -68,7 +68,7 @@ class Services:
     @property
     def engine(self) -> Any:
         if self._engine is None:
-            from delaysvc.db import make_engine
+            from delaysvc.db.engines import make_engine
 
             self._engine = make_engine(self.settings)
         return self._engine
@@ -91,7 +91,7 @@ def pipeline(ctx: click.Context, master: str | None, jars: str | None) -> None:
     logging.getLogger("delaysvc.pipeline").setLevel(logging.INFO)  # progress lines
     ctx.obj = Services(master, jars)
     if not logging.getLogger().handlers:  # on its own, under spark-submit
-        from delaysvc import logs
+        from delaysvc.config import logs
 
         logs.configure(ctx.obj.configured)
 
@@ -109,7 +109,7 @@ def archive(services: Services, older_than: str, out: Path) -> None:
     days of history) or deleted (the part of the day the cutoff falls in)."""
     retention_ms = parse_duration_ms(older_than, field="--older-than")
     services.require(jdbc=True)
-    from delaysvc.db import require_session
+    from delaysvc.db.engines import require_session
     from delaysvc.pipeline import archive as job
 
     require_session(services.configured, job.ARCHIVE)  # before Spark starts: it has a session
@@ -180,7 +180,7 @@ def bench(services: Services, rows: int, partitions: int | None, workdir: Path, 
     """Measure the database's own rate for N generated keyed rows, schedule them, then the
     same file again; writes bench-bulk.json. Use a scratch database."""
     services.require(jdbc=False)
-    from delaysvc.pipeline.bench import bench_bulk
+    from delaysvc.pipeline.bulk_bench import bench_bulk
 
     result = bench_bulk(services.spark(), services.settings, rows, workdir, partitions, fmt=fmt)
     click.echo(

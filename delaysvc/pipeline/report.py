@@ -18,10 +18,10 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from delaysvc.db import database_url
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import database_url
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
-from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
 COLUMNS = (

@@ -50,16 +50,16 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from delaysvc.levels import format_ms
-from delaysvc.schema import NO_LANE, TIMER_LANE
-from delaysvc.settings import Settings
-from delaysvc.validation import (
+from delaysvc.config.levels import format_ms
+from delaysvc.config.settings import Settings
+from delaysvc.config.validation import (
     MAX_KEY_CHARS,
     MAX_PROPERTIES,
     MAX_PROPERTY_NAME,
     MAX_TAGS,
 )
-from delaysvc.validation import MESSAGE_FIELDS as FIELDS
+from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
+from delaysvc.schema.tables import NO_LANE, TIMER_LANE
 
 _WS = r"[ \t\n\r]*"  # JSON's whitespace, as Python's json reads it
 _TOPIC = r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,126}\z"  # validation.TOPIC_PATTERN, whole string

@@ -26,7 +26,7 @@ from urllib.parse import quote
 
 from sqlalchemy.engine import make_url
 
-from delaysvc.settings import DEBIAN_JDBC_JAR
+from delaysvc.config.settings import DEBIAN_JDBC_JAR
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession

@@ -12,10 +12,10 @@ from typing import Any
 from psycopg.errors import UniqueViolation
 from sqlalchemy import Connection, Engine
 
+from delaysvc.config.validation import validate_topic
+from delaysvc.db.names import LOCK_KEY, lock_name, qualify, sql
 from delaysvc.errors import DelaysvcError, ValidationError
-from delaysvc.sql import LOCK_KEY, lock_name, qualify, sql
 from delaysvc.store.shared import _ENQUEUE_FROM, _NEXT_OFFSET, _PLACED_LANE
-from delaysvc.validation import validate_topic
 
 _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
 # A 60-bit hash of the id: the first 15 hex digits of md5(id as decimal text). Spark computes
@@ -44,7 +44,8 @@ def _archivable(since: datetime | None, cutoff: datetime) -> str:
     return condition
 
 
-def database_now(conn: Connection) -> datetime:
+def transaction_now(conn: Connection) -> datetime:
+    """The transaction's start time (`now()`): the same for every statement in it."""
     return conn.execute(sql("SELECT now()")).scalar_one()
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from delaysvc.schema import TIMER_LANE
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.schema.tables import TIMER_LANE
 from delaysvc.store.shared import _COUNTED_OUT, MESSAGE_COLUMNS, NOW, NewMessage, Statements
 
 

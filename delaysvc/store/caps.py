@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import LOCK_KEY, lock_name, sql
+from delaysvc.db.names import LOCK_KEY, lock_name, sql
 from delaysvc.store.producing import find_unfinished_by_keys
 from delaysvc.store.shared import NOT_MOVED, WAITING, Statements
 

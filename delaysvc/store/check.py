@@ -18,8 +18,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from delaysvc.schema import level_sequence
-from delaysvc.sql import sql, table
+from delaysvc.db.names import sql, table
+from delaysvc.schema.tables import level_sequence
 
 UNFINISHED = "('scheduled', 'retrying', 'ready', 'running')"
 FINISHED = "('succeeded', 'dead', 'cancelled')"

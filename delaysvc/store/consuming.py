@@ -12,9 +12,10 @@ from psycopg import Cursor
 from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection
 
-from delaysvc.sql import driver_sql as _driver_sql
-from delaysvc.sql import sql
-from delaysvc.store.producing import _PLACED_ONE, driver_errors
+from delaysvc.db.engines import driver_errors
+from delaysvc.db.names import driver_sql as _driver_sql
+from delaysvc.db.names import sql
+from delaysvc.store.producing import _PLACED_ONE
 from delaysvc.store.shared import _ENQUEUE_FROM, _NEXT_OFFSET, MESSAGE_COLUMNS
 
 _CLAIM_READY = """

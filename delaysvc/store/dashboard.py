@@ -21,8 +21,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 
 from delaysvc import store
-from delaysvc.schema import LATENESS_BUCKETS_MS, STATUSES
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS, STATUSES
 
 SAMPLE_RETENTION = timedelta(days=2)
 PRUNE_BATCH = 10_000
@@ -68,7 +68,7 @@ def sample_stats(
     time (tests); by default it is the database clock."""
     with bounded(engine, timeout_ms) as conn:
         lanes = store.lane_stats(conn)
-        sampled_at = at or (lanes[0].now if lanes else store.database_now(conn))
+        sampled_at = at or (lanes[0].now if lanes else store.clock_now(conn))
         rows = [
             {
                 "at": sampled_at,

@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 from delaysvc.store import history as store_history
 from delaysvc.store.shared import MESSAGE_COLUMNS
 

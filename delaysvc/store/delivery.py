@@ -9,9 +9,9 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 
+from delaysvc.db.names import sql
 from delaysvc.errors import NotStuck
-from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
-from delaysvc.sql import sql
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
 from delaysvc.store.cancelling import take_out_of_lane
 from delaysvc.store.consuming import _unprepared
 from delaysvc.store.levels import _INTO_TIMER_LANE
@@ -216,7 +216,9 @@ def lane_head(conn: Connection, lane: int) -> Any:
     return conn.execute(sql(statement), {"lane": lane}).first()
 
 
-def database_now(conn: Connection) -> datetime:
+def clock_now(conn: Connection) -> datetime:
+    """The database server's wall clock at this moment (`clock_timestamp()`), moving within a
+    transaction."""
     return conn.execute(sql("SELECT clock_timestamp()")).scalar_one()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
 
 def record_heartbeat(conn: Connection, component: str, host: str) -> None:

@@ -15,8 +15,8 @@ from datetime import UTC, date, datetime, timedelta
 
 from sqlalchemy import Connection
 
-from delaysvc.schema import history_partition, is_history_partition, message_history
-from delaysvc.sql import sql, table
+from delaysvc.db.names import sql, table
+from delaysvc.schema.tables import history_partition, is_history_partition, message_history
 
 COLUMNS = ", ".join(column.name for column in message_history.columns)
 DDL_LOCK_TIMEOUT = "2s"

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from sqlalchemy import Connection
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
+from delaysvc.config.levels import DelayLevels, format_ms
+from delaysvc.db.names import sql
 from delaysvc.errors import SchemaNotReady
-from delaysvc.levels import DelayLevels, format_ms
-from delaysvc.schema import TIMER_LANE, level_partition, level_sequence
-from delaysvc.sql import sql
+from delaysvc.schema.tables import TIMER_LANE, level_partition, level_sequence
 
 LEVEL_CHANGE_LOCK_TIMEOUT = "10s"
 

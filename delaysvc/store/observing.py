@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import IntegrityError
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 from delaysvc.store.consuming import distinct_topics, topics_with_ready
 from delaysvc.store.shared import NOT_MOVED
 

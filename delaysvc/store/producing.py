@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
 from psycopg import Cursor
 from psycopg.rows import namedtuple_row
-from sqlalchemy import Connection
 
-from delaysvc.db import sqlalchemy_error
+from delaysvc.db.names import driver_sql as _driver_sql
+from delaysvc.db.names import sql
 from delaysvc.errors import DuplicateKey
-from delaysvc.schema import TIMER_LANE
-from delaysvc.sql import driver_sql as _driver_sql
-from delaysvc.sql import sql
+from delaysvc.schema.tables import TIMER_LANE
 from delaysvc.store import history as store_history
 from delaysvc.store.shared import (
     _ENQUEUE_FROM,
@@ -344,29 +341,6 @@ def insert_messages(
                 f"key {message.key!r} of topic {message.topic!r} is changing hands; retry"
             )
     return results
-
-
-@contextmanager
-def driver_errors(conn: Connection, statement: str | None = None) -> Iterator[Any]:
-    """A cursor of the connection's driver (for COPY, which SQLAlchemy has no API for, and a
-    single send's statement) in the connection's transaction (begun here if it has none yet,
-    as `conn.execute` would), whose errors become SQLAlchemy's like those of `conn.execute`:
-    a lost connection is invalidated and reported as `connection_invalidated`."""
-    if not conn.in_transaction():
-        conn.begin()
-    dbapi_connection = conn.connection.dbapi_connection
-    assert dbapi_connection is not None
-    cursor = dbapi_connection.cursor()
-    try:
-        yield cursor
-    except conn.dialect.loaded_dbapi.Error as exc:
-        lost = conn.dialect.is_disconnect(exc, dbapi_connection, cursor)
-        if lost:
-            conn.invalidate(exc)
-        raise sqlalchemy_error(exc, conn.dialect, statement, lost=lost) from exc
-    finally:
-        if not cursor.closed:
-            cursor.close()
 
 
 def find_unfinished_by_keys(

@@ -5,21 +5,41 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
-if TYPE_CHECKING:
-    from delaysvc.periodic_schedules import Schedule
+
+class Schedule(Protocol):
+    """What the statements read of a validated schedule (`maintenance.periodic.Schedule`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def topic(self) -> str: ...
+    @property
+    def body(self) -> bytes: ...
+    @property
+    def body_is_json(self) -> bool: ...
+    @property
+    def cron(self) -> str | None: ...
+    @property
+    def every_ms(self) -> int | None: ...
+    @property
+    def timezone(self) -> str: ...
+    @property
+    def on_missed(self) -> str: ...
+
 
 COLUMNS = """name, topic, body, body_is_json, cron, every_ms, timezone, on_missed, declared_in,
     paused, next_tick, last_tick, last_message_id, created_at, updated_at, declared_at,
     declared_by"""
 
 
-def database_now(conn: Connection) -> datetime:
+def statement_now(conn: Connection) -> datetime:
+    """This statement's start time (`statement_timestamp()`)."""
     now: datetime = conn.execute(sql("SELECT statement_timestamp()")).scalar_one()
     return now
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import TextClause
 
-from delaysvc.sql import driver_sql as _driver_sql
+from delaysvc.db.names import driver_sql as _driver_sql
 
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
 

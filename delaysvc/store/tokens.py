@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
 
 def insert_token(

@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
 #
 # Each flush (a lane's lateness every few seconds, a consumer's outcomes every FLUSH_SECONDS)

@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from delaysvc.sql import sql
+from delaysvc.db.names import sql
 
 
 def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:

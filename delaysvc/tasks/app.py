@@ -20,13 +20,12 @@ from celery.schedules import schedule
 from celery.signals import setup_logging, worker_init
 from sqlalchemy import Engine
 
-from delaysvc import history
-from delaysvc import periodic_schedules as periodic
-from delaysvc.consumption import Consumer, load_handler_modules
-from delaysvc.db import make_engine, require_session
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine, require_session
 from delaysvc.errors import ConfigError, SchemaNotReady
-from delaysvc.settings import Settings
+from delaysvc.maintenance import history, periodic
 from delaysvc.tasks import broker
+from delaysvc.worker.consumer import Consumer, Job, load_handler_modules
 
 DELIVERY_QUEUE = "delaysvc.delivery"
 CONSUME_QUEUE = "delaysvc.consume"
@@ -190,7 +189,7 @@ def _configure_logging(
     too: with a receiver of this signal connected, Celery installs no handler of its own."""
     from celery import current_app
 
-    from delaysvc import logs
+    from delaysvc.config import logs
 
     settings = getattr(current_app.conf, "delaysvc_settings", None) or Settings.from_env()
     logs.configure(settings, loglevel or "WARNING", logfile)
@@ -219,10 +218,25 @@ class Runtime:
 
     @cached_property
     def consumer(self) -> Consumer:
-        from delaysvc.tasks.consume import dispatch_to_celery
-
         load_handler_modules(self.settings.handler_modules)
         return Consumer(self.settings, self.engine, dispatch_to_celery)
+
+
+def dispatch_to_celery(task_name: str, job: Job, claim_id: int) -> None:
+    """Send a due job to its Celery task now (no ETA, no countdown); the outcome comes back
+    through the link callbacks (`tasks.consume.task_succeeded`, `task_failed`, named here by
+    their task names) into the same retry / dead-letter path as handlers."""
+    from celery import current_app
+
+    sent_at = time.time()
+    current_app.send_task(
+        task_name,
+        args=[job.body],
+        kwargs={},
+        headers={"delaysvc_message_id": job.id, "delaysvc_attempt": job.attempts},
+        link=current_app.signature("delaysvc.task_succeeded", args=(job.id, claim_id, sent_at)),
+        link_error=current_app.signature("delaysvc.task_failed", args=(job.id, claim_id, sent_at)),
+    )
 
 
 _runtime: Runtime | None = None

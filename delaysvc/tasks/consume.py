@@ -6,13 +6,13 @@ import logging
 import time
 from typing import Any
 
-from celery import current_app, shared_task
+from celery import shared_task
 from celery.signals import worker_process_init, worker_ready
 
-from delaysvc.consumption import Job
-from delaysvc.db import make_engine
-from delaysvc.health import record_heartbeat
+from delaysvc.db.engines import make_engine
+from delaysvc.maintenance.heartbeats import record_heartbeat
 from delaysvc.tasks.app import CONSUME_QUEUE, runtime
+from delaysvc.worker.consumer import Job
 
 log = logging.getLogger(__name__)
 LIMITED_BUDGET_SECONDS = 2.0  # a limited topic's task claims again this long before requeueing
@@ -87,19 +87,6 @@ def rescue_leases() -> int:
 
 
 # -- topics bound to existing Celery tasks ---------------------------------------------------
-
-
-def dispatch_to_celery(task_name: str, job: Job, claim_id: int) -> None:
-    """Send a due job to its Celery task now (no ETA, no countdown); the outcome comes back
-    through the link callbacks into the same retry / dead-letter path as handlers."""
-    current_app.send_task(
-        task_name,
-        args=[job.body],
-        kwargs={},
-        headers={"delaysvc_message_id": job.id, "delaysvc_attempt": job.attempts},
-        link=task_succeeded.s(job.id, claim_id, time.time()),
-        link_error=task_failed.s(job.id, claim_id, time.time()),
-    )
 
 
 @shared_task(name="delaysvc.task_succeeded", ignore_result=True)

@@ -20,7 +20,7 @@ from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
-from delaysvc.delivery import LaneRunner
+from delaysvc.maintenance.delivery import LaneRunner
 from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from delaysvc import history
+from delaysvc.maintenance import history
 from delaysvc.tasks.app import runtime
 
 

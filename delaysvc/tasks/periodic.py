@@ -15,9 +15,10 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 
-from delaysvc import caps, limits
-from delaysvc import periodic_schedules as periodic
+from delaysvc.maintenance import periodic
+from delaysvc.producer import caps
 from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
+from delaysvc.worker import limits
 
 log = logging.getLogger(__name__)
 _stop = threading.Event()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from delaysvc.health import record_heartbeat
+from delaysvc.maintenance.heartbeats import record_heartbeat
 from delaysvc.store.dashboard import sample_stats as sample
 from delaysvc.tasks.app import runtime
 

@@ -8,10 +8,10 @@ from datetime import timedelta
 from flask import Flask
 from werkzeug.routing import IntegerConverter
 
-from delaysvc import logs
-from delaysvc.db import make_engine
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config import logs
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
+from delaysvc.producer.sending import Producer
 
 SESSION_HOURS = 12
 

@@ -12,11 +12,11 @@ from werkzeug.exceptions import Forbidden
 
 from delaysvc import store
 from delaysvc.auth import ApiToken, authenticate_token
-from delaysvc.caps import all_caps, check_target, set_cap
-from delaysvc.dead_letters import DeadLetters
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import NotFound, ValidationError
-from delaysvc.limits import all_limits, set_limits
-from delaysvc.periodic_schedules import Schedules, schedule
+from delaysvc.maintenance.periodic import Schedules, schedule
+from delaysvc.producer.caps import all_caps, check_target, set_cap
+from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.serialize import (
     cap_json,
     dead_letter_json,
@@ -26,9 +26,9 @@ from delaysvc.serialize import (
     schedule_json,
     topic_json,
 )
-from delaysvc.validation import validate_topic
 from delaysvc.web import params
 from delaysvc.web.errors import error_response
+from delaysvc.worker.limits import all_limits, set_limits
 
 api = Blueprint("api", __name__)
 

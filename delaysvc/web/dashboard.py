@@ -28,7 +28,7 @@ dashboard.register_blueprint(ui)
 def healthz() -> Any:
     """200 while the database answers (this process can serve); the body also says whether
     beat and the consumers are alive (`status` "degraded" when one is not)."""
-    from delaysvc.health import check
+    from delaysvc.maintenance.heartbeats import check
 
     health = check(services()["engine"])
     body = {

@@ -8,7 +8,7 @@ from typing import Any
 
 from gunicorn import glogging
 
-from delaysvc.logs import formatter
+from delaysvc.config.logs import formatter
 
 
 class JsonLogger(glogging.Logger):

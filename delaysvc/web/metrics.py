@@ -23,9 +23,9 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine
 
 from delaysvc import store
-from delaysvc.levels import format_ms
-from delaysvc.schema import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
-from delaysvc.sql import sql
+from delaysvc.config.levels import format_ms
+from delaysvc.db.names import sql
+from delaysvc.schema.tables import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
 from delaysvc.store import history as store_history
 
 UNSWEPT_CAP = 1_000_000

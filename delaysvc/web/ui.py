@@ -34,8 +34,8 @@ from sqlalchemy.exc import OperationalError
 from werkzeug.exceptions import HTTPException
 
 from delaysvc import auth, store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DelaysvcError
-from delaysvc.settings import Settings
 from delaysvc.web.api import services
 from delaysvc.web.errors import STATUS
 

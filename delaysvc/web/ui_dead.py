@@ -7,8 +7,8 @@ from typing import Any
 from flask import redirect, render_template, request, url_for
 from sqlalchemy import Engine
 
-from delaysvc.dead_letters import DeadLetters
 from delaysvc.errors import DelaysvcError
+from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.store import dashboard as dash
 from delaysvc.web import params
 from delaysvc.web.api import services

@@ -13,9 +13,9 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from delaysvc.levels import format_ms
-from delaysvc.producer import Message
-from delaysvc.schema import LATENESS_BUCKETS_MS, WAITING
+from delaysvc.config.levels import format_ms
+from delaysvc.producer.sending import Message
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS, WAITING
 from delaysvc.store.dashboard import LatenessDistribution
 
 BODY_PREVIEW_BYTES = 64 * 1024

@@ -9,7 +9,7 @@ from flask import jsonify, redirect, render_template, request, url_for
 from werkzeug.datastructures import MultiDict
 
 from delaysvc.errors import DelaysvcError, ValidationError
-from delaysvc.schema import STATUSES
+from delaysvc.schema.tables import STATUSES
 from delaysvc.store import dashboard as dash
 from delaysvc.web import params
 from delaysvc.web.api import services

@@ -8,13 +8,12 @@ from typing import Any
 from flask import jsonify, redirect, render_template, request, url_for
 
 from delaysvc import store
-from delaysvc.caps import MAX_WAITING, all_caps, parse_target, set_cap
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import DelaysvcError, ValidationError
-from delaysvc.limits import all_limits, set_limits
-from delaysvc.periodic_schedules import Schedules
+from delaysvc.maintenance.periodic import Schedules
+from delaysvc.producer.caps import MAX_WAITING, all_caps, parse_target, set_cap
 from delaysvc.serialize import topic_json
 from delaysvc.store import dashboard as dash
-from delaysvc.validation import validate_topic
 from delaysvc.web import params
 from delaysvc.web.api import services
 from delaysvc.web.ui import admin_required, done, timeout_ms, ui
@@ -28,13 +27,14 @@ from delaysvc.web.ui_format import (
     topic_row,
     when,
 )
+from delaysvc.worker.limits import all_limits, set_limits
 
 
 def overview_data() -> dict[str, Any]:
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
         lanes = store.lane_stats(conn)
         rates = dash.lane_rates(conn)
-        now = lanes[0].now if lanes else store.database_now(conn)
+        now = lanes[0].now if lanes else store.clock_now(conn)
         samples = dash.backlog_series(conn, now=now)
         lateness = dash.lateness_distribution(conn, now=now)
     return {
@@ -148,7 +148,7 @@ def resume_topic(topic: str) -> Any:
 @ui.get("/schedules")
 def schedules() -> Any:
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
-        now = store.database_now(conn)
+        now = store.clock_now(conn)
     rows = [schedule_row(row, now) for row in Schedules(services()["engine"]).list()]
     return render_template("schedules.html", schedules=rows, when=when, relative=relative, now=now)
 
@@ -188,7 +188,7 @@ def history_args() -> tuple[int, str | None]:
 def history_data(days: int, topic: str | None) -> dict[str, Any]:
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
         rows = dash.report_history(conn, days, topic)
-        now = store.database_now(conn)
+        now = store.clock_now(conn)
     return history_view(rows, now, days)
 
 

@@ -25,9 +25,9 @@ from delaysvc.bench import (
 from delaysvc.bench.peers import PEERS
 from delaysvc.bench.suites import NOOP_TOPIC, Figures, _batch_database_write
 from delaysvc.cli import cli
-from delaysvc.db import libpq_url
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url
+from delaysvc.producer.sending import Producer
 
 
 def test_every_suite_runs_and_writes_results_table_and_plots(

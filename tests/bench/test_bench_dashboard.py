@@ -8,8 +8,8 @@ from sqlalchemy import Engine, text
 
 from delaysvc.bench import BenchContext
 from delaysvc.bench.dashboard import dashboard_suite
-from delaysvc.migrate import upgrade
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.schema.migrate import upgrade
 
 
 def test_dashboard_suite_times_every_page_over_a_filled_database(

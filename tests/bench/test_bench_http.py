@@ -7,7 +7,7 @@ from sqlalchemy import Engine
 
 from delaysvc.bench import BenchContext
 from delaysvc.bench.http import http_suite
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
 
 
 def test_http_suite_sends_through_gunicorn_with_no_error_and_loses_nothing(

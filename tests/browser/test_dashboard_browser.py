@@ -23,11 +23,11 @@ from sqlalchemy import Engine, text
 from werkzeug.serving import make_server
 
 from delaysvc import auth, store
-from delaysvc.consumption import Consumer, handler
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.producer.sending import Producer
 from delaysvc.store import dashboard as dash
 from delaysvc.web import create_app
+from delaysvc.worker.consumer import Consumer, handler
 
 SCREENSHOTS = Path(
     os.environ.get("DELAYSVC_TEST_SCREENSHOTS")
@@ -175,7 +175,7 @@ def _seed_history(engine: Engine) -> None:
     down, and of lateness minutes, so the charts have something to draw. Each lane's backlog
     falls to 0 at the end: a line curving between samples would swing below it."""
     with engine.begin() as conn:
-        now = store.database_now(conn)
+        now = store.clock_now(conn)
         samples = []
         for seconds in range(3600, 110, -10):
             if 1500 < seconds < 1800:
@@ -272,7 +272,7 @@ def test_topic_appears_live_and_admin_pauses_it(
 def test_a_schedule_shows_its_runs_live_and_admin_pauses_it(
     page: Page, server: str, engine: Engine
 ) -> None:
-    from delaysvc.periodic_schedules import Schedules, fire_due, schedule
+    from delaysvc.maintenance.periodic import Schedules, fire_due, schedule
 
     schedules = Schedules(engine)
     schedules.put(schedule("shop.digest", "0 8 * * *", topic="shop.email", timezone="Europe/Paris"))
@@ -365,7 +365,7 @@ def test_redrive_a_dead_letter(
 
 def _report_row(engine: Engine, hours_ago: int, topic: str, level: int, messages: int) -> None:
     with engine.begin() as conn:
-        hour = store.database_now(conn).replace(minute=0, second=0, microsecond=0)
+        hour = store.clock_now(conn).replace(minute=0, second=0, microsecond=0)
         conn.execute(
             text(
                 "INSERT INTO report_hourly (hour, topic, level, messages, lateness_p50_ms, "

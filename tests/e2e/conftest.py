@@ -16,10 +16,10 @@ import pytest
 from sqlalchemy import Engine, text
 
 from delaysvc import store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
-from delaysvc.sql import qualify
-from delaysvc.up import beat_command, web_command, worker_commands
+from delaysvc.config.settings import Settings
+from delaysvc.db.names import qualify
+from delaysvc.producer.sending import Producer
+from delaysvc.runtime.supervisor import beat_command, web_command, worker_commands
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env
 
 pytestmark = pytest.mark.e2e
@@ -182,8 +182,8 @@ def assert_check_clean(url: str) -> None:
     lines."""
     from sqlalchemy.pool import NullPool
 
-    from delaysvc.check import run_check
-    from delaysvc.db import make_engine
+    from delaysvc.db.engines import make_engine
+    from delaysvc.maintenance.check import run_check
 
     engine = make_engine(Settings(), url, poolclass=NullPool)
     try:

@@ -10,7 +10,7 @@ import psycopg
 from celery import shared_task
 
 from delaysvc import DeadLetter, handler
-from delaysvc.db import libpq_url
+from delaysvc.db.engines import libpq_url
 
 _connection: psycopg.Connection | None = None
 

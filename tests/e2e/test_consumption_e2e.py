@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from delaysvc.dead_letters import DeadLetters
-from delaysvc.producer import Producer
+from delaysvc.producer.dead_letters import DeadLetters
+from delaysvc.producer.sending import Producer
 from tests.e2e.conftest import Service, wait_for
 
 pytestmark = pytest.mark.e2e

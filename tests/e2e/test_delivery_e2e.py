@@ -9,7 +9,7 @@ import time
 import pytest
 
 from delaysvc import store
-from delaysvc.producer import Producer
+from delaysvc.producer.sending import Producer
 from tests.e2e.conftest import Service, restart_postgres, send_many, tolerant, wait_for
 
 pytestmark = pytest.mark.e2e

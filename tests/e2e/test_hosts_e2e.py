@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from delaysvc.producer import Producer
+from delaysvc.producer.sending import Producer
 from tests.e2e.conftest import Service, send_many, wait_for
 
 pytestmark = pytest.mark.e2e

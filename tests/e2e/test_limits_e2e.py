@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from delaysvc import limits
-from delaysvc.producer import Producer
+from delaysvc.producer.sending import Producer
+from delaysvc.worker import limits
 from tests.e2e.conftest import Service, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc.periodic_schedules import Schedules, schedule
+from delaysvc.maintenance.periodic import Schedules, schedule
 from tests.e2e.conftest import wait_for
 
 pytestmark = pytest.mark.e2e

@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import Engine
 
 from delaysvc.bench.pgbouncer import Bouncer, pgbouncer
-from delaysvc.db import make_engine
-from delaysvc.producer import Producer
+from delaysvc.db.engines import make_engine
+from delaysvc.producer.sending import Producer
 from tests.conftest import Server
 from tests.e2e.conftest import Service, wait_for
 

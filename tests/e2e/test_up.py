@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from delaysvc.db import make_engine, start_embedded
-from delaysvc.settings import Settings
-from delaysvc.up import free_port, wait_until_answering
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine, start_embedded
+from delaysvc.runtime.supervisor import free_port, wait_until_answering
 from tests.conftest import ROOT, outside_env
 from tests.e2e.conftest import Service, assert_check_clean, wait_for
 
@@ -229,7 +229,7 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
 
 def _level_1_handler_started_late_ms(url: str) -> float:
     """Send a level-1 message now; -> how late its handler started, once it succeeded."""
-    from delaysvc.producer import Producer
+    from delaysvc.producer.sending import Producer
 
     settings = Settings(database_url=url)
     engine = make_engine(settings, url)

@@ -25,8 +25,8 @@ from sqlalchemy import Engine, text
 
 from delaysvc import auth
 from delaysvc.errors import DatabaseUnavailable
-from delaysvc.producer import Producer
-from delaysvc.up import free_port, wait_until_answering
+from delaysvc.producer.sending import Producer
+from delaysvc.runtime.supervisor import free_port, wait_until_answering
 from tests.e2e.conftest import Service, restart_postgres, tolerant, wait_for
 
 pytestmark = pytest.mark.e2e

@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 
 from delaysvc.bench.chaos import FAULT_KINDS, ChaosConfig, run_chaos
 from delaysvc.bench.chaos_faults import migrate
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
 from tests.conftest import ROOT
 from tests.e2e.conftest import Service, restart_postgres
 

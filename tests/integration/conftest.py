@@ -9,7 +9,7 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
 from delaysvc.web import create_app
 
 

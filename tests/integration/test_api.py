@@ -13,12 +13,12 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
 from delaysvc import auth
-from delaysvc.consumption import Consumer, handler
+from delaysvc.config.settings import Settings
 from delaysvc.errors import ConfigError, ValidationError
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from delaysvc.store import tokens as store_tokens
 from delaysvc.web import create_app
+from delaysvc.worker.consumer import Consumer, handler
 
 
 @pytest.fixture
@@ -377,7 +377,7 @@ def test_dead_letters_list_and_redrive(
 def test_healthz_reports_the_database_beat_lanes_and_consumers(
     client: FlaskClient, engine: Engine, settings: Settings
 ) -> None:
-    from delaysvc.health import lane_component, record_heartbeat
+    from delaysvc.maintenance.heartbeats import lane_component, record_heartbeat
 
     first = client.get("/healthz")
     assert first.status_code == 200  # the web process can serve
@@ -547,7 +547,7 @@ def test_nul_bytes_in_lookups_are_400_not_500(
 def test_metrics_histograms_of_lateness_and_handler_durations(
     client: FlaskClient, settings: Settings, engine: Engine
 ) -> None:
-    from delaysvc.delivery import LatenessHistogram, TickResult
+    from delaysvc.maintenance.delivery import LatenessHistogram, TickResult
 
     histogram = LatenessHistogram()
     histogram.add(TickResult(1, 3, lateness_buckets={0: 2, 3: 1}, max_lateness_ms=7.0))
@@ -558,7 +558,7 @@ def test_metrics_histograms_of_lateness_and_handler_durations(
     def quick(message):  # type: ignore[no-untyped-def]
         return None
 
-    from delaysvc.producer import Producer
+    from delaysvc.producer.sending import Producer
 
     for n in range(4):
         Producer(settings, engine).send("api.timed", {"n": n})
@@ -573,7 +573,7 @@ def test_metrics_histograms_of_lateness_and_handler_durations(
 def test_topics_show_retrying_runs_per_minute_and_handler_durations(
     client: FlaskClient, send_token: dict[str, str], settings: Settings, engine: Engine
 ) -> None:
-    from delaysvc.producer import Producer
+    from delaysvc.producer.sending import Producer
 
     @handler("api.steady")
     def steady(message):  # type: ignore[no-untyped-def]
@@ -629,7 +629,7 @@ def test_periodic_schedules_through_the_api(
 ) -> None:
     import jsonschema
 
-    from delaysvc import periodic_schedules
+    from delaysvc.maintenance import periodic as periodic_schedules
 
     paths = client.get("/api/v1/openapi.json").get_json()["paths"]
 

@@ -16,10 +16,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 import delaysvc
-from delaysvc.db import libpq_url, sqlalchemy_url
+import delaysvc.producer.default
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url, sqlalchemy_url
 from delaysvc.errors import DatabaseUnavailable, NotFound, ValidationError
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from tests.support.joined_checks import (
     BODY,
     NOTHING,
@@ -155,10 +156,10 @@ async def test_without_a_connection_asend_uses_the_producers_engine(
 
 @pytest.fixture
 def module_producer(producer: Producer) -> Iterator[Producer]:
-    saved = delaysvc._producer
-    delaysvc._producer = producer
+    saved = delaysvc.producer.default._producer
+    delaysvc.producer.default._producer = producer
     yield producer
-    delaysvc._producer = saved
+    delaysvc.producer.default._producer = saved
 
 
 async def test_the_module_level_functions(

@@ -10,10 +10,11 @@ import sys
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import auth, caps
+from delaysvc import auth
+from delaysvc.config.settings import BacklogCap, Settings
 from delaysvc.errors import BacklogFull, ConfigError
-from delaysvc.producer import Producer
-from delaysvc.settings import BacklogCap, Settings
+from delaysvc.producer import caps
+from delaysvc.producer.sending import Producer
 from delaysvc.web import create_app
 from tests.conftest import TEST_LEVELS, outside_env
 

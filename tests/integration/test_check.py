@@ -15,16 +15,24 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import consumption, delivery, history, store
-from delaysvc.check import CheckOptions, CheckResult, check_snapshot, run_check, snapshot
-from delaysvc.consumption import Consumer, handler
+from delaysvc import store
+from delaysvc.config.settings import Settings
+from delaysvc.db.names import qualify
 from delaysvc.errors import DeadLetter
-from delaysvc.periodic_schedules import Schedules, schedule
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
-from delaysvc.sql import qualify
+from delaysvc.maintenance import delivery, history
+from delaysvc.maintenance.check import (
+    CheckOptions,
+    CheckResult,
+    check_snapshot,
+    run_check,
+    snapshot,
+)
+from delaysvc.maintenance.periodic import Schedules, schedule
+from delaysvc.producer.sending import Producer
 from delaysvc.store.check import unfinished_out_of_place
 from delaysvc.store.history import COLUMNS
+from delaysvc.worker import consumer as consumption
+from delaysvc.worker.consumer import Consumer, handler
 from tests.conftest import ROOT, TEST_LEVELS, outside_env
 
 

@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import Engine, text
 
 from delaysvc import auth
-from delaysvc.consumption import Consumer, handler
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.producer.sending import Producer
+from delaysvc.worker.consumer import Consumer, handler
 from tests.conftest import outside_env
 
 DEFAULT_DELAYS = ["1s", "5s", "10s", "30s", "1m", "2m", "3m", "4m", "5m"]

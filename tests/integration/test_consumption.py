@@ -6,10 +6,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import text
 
-from delaysvc import consumption, db, store
-from delaysvc.consumption import Consumer, handler
+from delaysvc import store
+from delaysvc.db import engines as db
 from delaysvc.errors import DeadLetter, RetryLater
-from delaysvc.schema import TIMER_LANE
+from delaysvc.schema.tables import TIMER_LANE
+from delaysvc.worker import consumer as consumption
+from delaysvc.worker.consumer import Consumer, handler
 
 
 @pytest.fixture(autouse=True)

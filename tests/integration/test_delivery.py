@@ -6,9 +6,10 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import text
 
-from delaysvc import delivery, store
+from delaysvc import store
 from delaysvc.errors import NotStuck
-from delaysvc.schema import TIMER_LANE
+from delaysvc.maintenance import delivery
+from delaysvc.schema.tables import TIMER_LANE
 
 
 def topic_queue(engine):
@@ -29,7 +30,7 @@ def tick(engine, lane, now, batch=1000):
 
 def db_now(engine):
     with engine.connect() as conn:
-        return store.database_now(conn)
+        return store.clock_now(conn)
 
 
 def test_a_level_message_is_not_delivered_before_its_time_and_is_after(producer, engine):
@@ -259,7 +260,7 @@ def test_a_tick_reports_when_the_next_head_is_due(producer, engine):
 
 
 def test_moves_are_counted_in_the_lateness_histogram(producer, engine):
-    from delaysvc.schema import LATENESS_BUCKETS_MS
+    from delaysvc.schema.tables import LATENESS_BUCKETS_MS
 
     for n in range(3):
         producer.send("t", n, delay_level=1)

@@ -59,11 +59,12 @@ from django.test.utils import CaptureQueriesContext  # noqa: E402
 from sqlalchemy import Engine  # noqa: E402
 
 import delaysvc  # noqa: E402
+import delaysvc.producer.default  # noqa: E402
+from delaysvc.config.settings import Settings  # noqa: E402
 from delaysvc.contrib import django as delaysvc_django  # noqa: E402
+from delaysvc.db.names import table  # noqa: E402
 from delaysvc.errors import BacklogFull, NotFound, ValidationError  # noqa: E402
-from delaysvc.producer import Producer  # noqa: E402
-from delaysvc.settings import Settings  # noqa: E402
-from delaysvc.sql import table  # noqa: E402
+from delaysvc.producer.sending import Producer  # noqa: E402
 from tests.conftest import TEST_LEVELS  # noqa: E402
 from tests.django_project.shop.models import Order  # noqa: E402
 from tests.support.joined_checks import (  # noqa: E402
@@ -223,14 +224,14 @@ def test_the_core_send_joins_django_db_connection_too(producer: Producer, engine
         sent = producer.send("order.core", 1, delay_level=1, connection=connection)
         same = producer.send("order.core", 2, connection=connections["default"])
     assert stored(engine, "order.core")["commit_log"] == [sent.id, same.id]
-    saved = delaysvc._producer
-    delaysvc._producer = producer
+    saved = delaysvc.producer.default._producer
+    delaysvc.producer.default._producer = producer
     try:
         with pytest.raises(Rollback), transaction.atomic():
             delaysvc.send("order.core", 3, connection=connection)
             raise Rollback
     finally:
-        delaysvc._producer = saved
+        delaysvc.producer.default._producer = saved
     assert stored(engine, "order.core")["commit_log"] == [sent.id, same.id]
 
 

@@ -10,11 +10,12 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import delivery, store
+from delaysvc import store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import BacklogFull
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import TIMER_LANE
 from tests.conftest import TEST_LEVELS
 
 

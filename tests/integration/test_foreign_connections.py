@@ -19,10 +19,10 @@ from psycopg.rows import dict_row
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
-from delaysvc.db import libpq_url
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url
 from delaysvc.errors import BacklogFull, DatabaseUnavailable, NotFound, ValidationError
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from tests.support.joined_checks import (
     BODY,
     NOTHING,

@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, text
 
-from delaysvc import history, store
-from delaysvc.consumption import Consumer, handler
-from delaysvc.dead_letters import DeadLetters
+from delaysvc import store
+from delaysvc.config.settings import Settings
+from delaysvc.db.names import qualify
 from delaysvc.errors import ConfigError, DeadLetter, DelaysvcError, NotCancellable, NotFound
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
-from delaysvc.sql import qualify
+from delaysvc.maintenance import history
+from delaysvc.producer.dead_letters import DeadLetters
+from delaysvc.producer.sending import Producer
 from delaysvc.store import history as store_history
+from delaysvc.worker.consumer import Consumer, handler
 
 pytestmark = pytest.mark.usefixtures("own_handlers")
 DAY = timedelta(days=1)

@@ -14,7 +14,7 @@ from flask import Flask
 from sqlalchemy import Engine, text
 
 from delaysvc import auth
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
 from delaysvc.web import create_app
 
 INJECTIONS = [

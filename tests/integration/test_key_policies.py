@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import delivery
-from delaysvc.consumption import Consumer, handler
+from delaysvc.config.settings import Settings
 from delaysvc.errors import ValidationError
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Producer
+from delaysvc.worker.consumer import Consumer, handler
 
 pytestmark = pytest.mark.usefixtures("own_handlers")
 

@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from delaysvc import consumption, limits, store
-from delaysvc.consumption import Consumer, handler
+from delaysvc import store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import ValidationError
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
+from delaysvc.worker import consumer as consumption
+from delaysvc.worker import limits
+from delaysvc.worker.consumer import Consumer, handler
 
 pytestmark = pytest.mark.usefixtures("own_handlers")
 

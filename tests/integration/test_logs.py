@@ -175,7 +175,7 @@ def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
 ) -> None:
     import urllib.request
 
-    from delaysvc.up import free_port
+    from delaysvc.runtime.supervisor import free_port
 
     port = free_port()
     env = _env(

@@ -15,14 +15,15 @@ from flask.testing import FlaskClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import Engine, text
 
-from delaysvc import consumption, store
-from delaysvc.consumption import Consumer, Job, handler
-from delaysvc.delivery import LaneRunner
+from delaysvc import store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DeadLetter
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.maintenance.delivery import LaneRunner
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import TIMER_LANE
 from delaysvc.web import create_app
+from delaysvc.worker import consumer as consumption
+from delaysvc.worker.consumer import Consumer, Job, handler
 
 HANDLER_SECONDS = 0.02
 LATENESS = "delaysvc_delivery_lateness_seconds"
@@ -246,7 +247,7 @@ def test_the_history_sweeps_backlog_and_days_are_gauges(
 ) -> None:
     """Finished messages waiting for the sweep show as a count and the oldest one's wait (what
     to alert on: beat stopped, the sweep failing); swept, both are 0 and the days are there."""
-    from delaysvc import history
+    from delaysvc.maintenance import history
     from delaysvc.store import history as store_history
 
     register_handlers()

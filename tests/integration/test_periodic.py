@@ -17,11 +17,11 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.pool import NullPool
 
-from delaysvc import periodic_schedules as periodic
-from delaysvc.db import make_engine
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
 from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
-from delaysvc.periodic_schedules import Schedules, fire_due, schedule
-from delaysvc.settings import Settings
+from delaysvc.maintenance import periodic
+from delaysvc.maintenance.periodic import Schedules, fire_due, schedule
 from delaysvc.store import schedules as store_schedules
 from tests.conftest import TEST_LEVELS, outside_env
 

@@ -21,15 +21,16 @@ from click.testing import CliRunner
 from sqlalchemy import Engine, create_engine, exc, text
 from sqlalchemy.orm import Session
 
-from delaysvc import auth, delivery
+from delaysvc import auth
 from delaysvc.bench.pgbouncer import Bouncer, pgbouncer
-from delaysvc.consumption import Consumer, handler
-from delaysvc.db import libpq_url, make_engine, sqlalchemy_url
-from delaysvc.migrate import upgrade
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url, make_engine, sqlalchemy_url
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.migrate import upgrade
+from delaysvc.schema.tables import TIMER_LANE
 from delaysvc.web import create_app
+from delaysvc.worker.consumer import Consumer, handler
 from tests.conftest import ROOT, Server, outside_env
 from tests.support.joined_checks import (  # clean_registry: a fixture
     BODY,

@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import delivery, store
-from delaysvc.consumption import Consumer, handler
-from delaysvc.dead_letters import DeadLetters
+from delaysvc import store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DeadLetter, RetryLater, ValidationError
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.maintenance import delivery
+from delaysvc.producer.dead_letters import DeadLetters
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import TIMER_LANE
+from delaysvc.worker.consumer import Consumer, handler
 
 pytestmark = pytest.mark.usefixtures("own_handlers")
 

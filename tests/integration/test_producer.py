@@ -10,10 +10,10 @@ from sqlalchemy import Engine, event, text
 from sqlalchemy.orm import Session
 
 from delaysvc import store
+from delaysvc.config.settings import Settings
 from delaysvc.errors import NotCancellable, NotFound, TooLarge, ValidationError
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import TIMER_LANE
 
 
 def lane_rows(engine):
@@ -231,7 +231,7 @@ def test_body_size_limit(database_url, engine):
 def test_a_level_the_database_was_never_given_goes_to_the_timer_lane_due_as_computed(
     settings, engine, caplog
 ):
-    from delaysvc.producer import Producer
+    from delaysvc.producer.sending import Producer
 
     more_levels = Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 8s 13s")
     sent = Producer(more_levels, engine).send("t.level6", {}, delay_level=6)

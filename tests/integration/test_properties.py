@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
+from delaysvc.config.levels import DelayLevels, parse_duration_ms
 from delaysvc.errors import ConfigError, DelaysvcError, ValidationError
-from delaysvc.levels import DelayLevels, parse_duration_ms
-from delaysvc.producer import Producer
+from delaysvc.producer.sending import Producer
 
 RUNS = settings(
     max_examples=60,

@@ -14,7 +14,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
 from delaysvc import auth
-from delaysvc.periodic_schedules import schedule
+from delaysvc.maintenance.periodic import schedule
 from delaysvc.store import schedules as store_schedules
 
 BILLING = {"schedule": "0 2 * * *", "topic": "billing.jobs", "body": {"run": "nightly"}}
@@ -120,7 +120,7 @@ def test_a_put_racing_the_creation_of_the_name_under_another_topic_cannot_retarg
     answers: list[Any] = []
     with engine.connect() as creator:
         creating = creator.begin()
-        now = store_schedules.database_now(creator)
+        now = store_schedules.statement_now(creator)
         store_schedules.put(creator, theirs, "api", theirs.next_tick(now))  # not committed
         mine = {"schedule": "every 1m", "topic": "a.jobs"}
 

@@ -7,9 +7,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import Engine, text
 
+from delaysvc.config.settings import Settings
 from delaysvc.errors import BacklogFull, NotFound
-from delaysvc.producer import Message, Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Message, Producer
 
 COMPARED = (
     "id",

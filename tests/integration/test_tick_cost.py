@@ -16,8 +16,8 @@ from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store
 from delaysvc.bench.scale import fill_lane
-from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
-from delaysvc.sql import qualify
+from delaysvc.db.names import qualify
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
 from delaysvc.store import delivery as store_delivery
 
 BATCH = 100

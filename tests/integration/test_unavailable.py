@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, event, text
 
-from delaysvc.db import make_engine
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
 from delaysvc.errors import DatabaseUnavailable
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from delaysvc.web import create_app
 
 

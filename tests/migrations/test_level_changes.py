@@ -14,13 +14,14 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import delivery, store
+from delaysvc import store
+from delaysvc.config.levels import DelayLevels
+from delaysvc.config.settings import Settings
 from delaysvc.errors import SchemaNotReady
-from delaysvc.levels import DelayLevels
-from delaysvc.migrate import upgrade
-from delaysvc.producer import Producer
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.migrate import upgrade
+from delaysvc.schema.tables import TIMER_LANE
 from tests.conftest import ROOT, TEST_LEVELS, outside_env  # "1s 2s 3s 5s 8s"
 
 

@@ -15,12 +15,12 @@ from sqlalchemy import Engine, inspect, text
 from sqlalchemy.pool import NullPool
 
 from delaysvc import store
-from delaysvc.db import make_engine
+from delaysvc.config.levels import DelayLevels
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
 from delaysvc.errors import SchemaNotReady
-from delaysvc.levels import DelayLevels
-from delaysvc.migrate import downgrade, heads, upgrade
-from delaysvc.schema import is_history_partition, is_level_partition, metadata
-from delaysvc.settings import Settings
+from delaysvc.schema.migrate import downgrade, heads, upgrade
+from delaysvc.schema.tables import is_history_partition, is_level_partition, metadata
 from tests.conftest import TEST_LEVELS, Server
 
 _names = itertools.count()
@@ -224,11 +224,11 @@ def test_0013_an_install_with_finished_history_upgrades_in_place_and_loses_no_me
     ago) and messages in flight (waiting, ready): the upgrade moves nothing; the sweep then moves
     the finished ones into their days, the others run as before, the dead one is redriven out
     of the history, and a downgrade puts the history back into commit_log."""
-    from delaysvc import history
-    from delaysvc.consumption import Consumer, handler
-    from delaysvc.dead_letters import DeadLetters
     from delaysvc.errors import DeadLetter
-    from delaysvc.producer import Producer
+    from delaysvc.maintenance import history
+    from delaysvc.producer.dead_letters import DeadLetters
+    from delaysvc.producer.sending import Producer
+    from delaysvc.worker.consumer import Consumer, handler
 
     upgrade(empty_engine, _levels(TEST_LEVELS), revision="0012")
     with empty_engine.begin() as conn:  # what this version's sends read of the caps (0015)

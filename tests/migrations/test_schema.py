@@ -20,13 +20,17 @@ from alembic import command
 from sqlalchemy import Engine, text
 from sqlalchemy.pool import NullPool
 
-from delaysvc import delivery, migrate, sql, store
-from delaysvc.consumption import Consumer, _registry, handler
-from delaysvc.db import libpq_url, make_engine
+from delaysvc import store
+from delaysvc.config import validation
+from delaysvc.config.settings import Settings
+from delaysvc.db import names as sql
+from delaysvc.db.engines import libpq_url, make_engine
 from delaysvc.errors import ConfigError
-from delaysvc.producer import Producer
-from delaysvc.schema import SEQUENCES, TIMER_LANE, metadata
-from delaysvc.settings import Settings
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Producer
+from delaysvc.schema import migrate
+from delaysvc.schema.tables import SEQUENCES, TIMER_LANE, metadata
+from delaysvc.worker.consumer import Consumer, _registry, handler
 from tests.conftest import ROOT, TEST_LEVELS, TEST_SCHEMA, Server
 
 _names = itertools.count()
@@ -109,10 +113,10 @@ def test_every_statement_of_the_service_names_delaysvcs_schema() -> None:
 def test_a_schema_name_that_is_no_plain_identifier_is_refused_naming_the_setting() -> None:
     for bad in ("Jobs", "jobs; DROP TABLE orders", "1jobs", "pg_jobs", ""):
         with pytest.raises(ConfigError, match="DELAYSVC_SCHEMA"):
-            sql.check_schema_name(bad)
+            validation.check_schema_name(bad)
     with pytest.raises(ConfigError, match="lower-case letters, digits and underscores"):
         Settings.from_env({"DELAYSVC_SCHEMA": "my-jobs"})
-    assert sql.check_schema_name("jobs_2") == "jobs_2"
+    assert validation.check_schema_name("jobs_2") == "jobs_2"
 
 
 def test_statements_are_put_in_the_configured_schema() -> None:
@@ -332,8 +336,9 @@ def test_two_schemas_in_one_database_share_no_lock(engine: Engine) -> None:
     """The issue's defect 3: lane, archive, migration and cap locks were one key space for every
     schema, so a second deployment in the same database (another DELAYSVC_SCHEMA) found its
     lanes held by the first and did not deliver them. Every lock now names its schema."""
-    from delaysvc import delivery, migrate
+    from delaysvc.maintenance import delivery
     from delaysvc.pipeline import store as pipeline_store
+    from delaysvc.schema import migrate
 
     runner = delivery.LaneRunner(engine, 1, 1000, 0.05)
     with engine.connect() as first, engine.connect() as second:

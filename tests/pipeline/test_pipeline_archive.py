@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import history
-from delaysvc.consumption import Consumer, handler
-from delaysvc.dead_letters import DeadLetters
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DeadLetter, DelaysvcError
+from delaysvc.maintenance import history
 from delaysvc.pipeline import archive, bulk, report
 from delaysvc.pipeline import store as pipeline_store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.dead_letters import DeadLetters
+from delaysvc.producer.sending import Producer
 from delaysvc.store import history as store_history
+from delaysvc.worker.consumer import Consumer, handler
 from tests.integration.test_history import reading_the_history
 from tests.support.pipeline import DAY_MS, T0, _count, _md5_hash_sum, _nearest_rank
 
@@ -217,7 +217,7 @@ def test_archive_checksum_in_postgres_matches_spark_and_python(
         )
     history.move_all(engine)
     with engine.begin() as conn:
-        cutoff = pipeline_store.database_now(conn) - timedelta(days=1)
+        cutoff = pipeline_store.transaction_now(conn) - timedelta(days=1)
         assert pipeline_store.range_checksum(conn, ids[1], ids[3], None, cutoff) == (
             3,
             _md5_hash_sum(ids[1:4]),

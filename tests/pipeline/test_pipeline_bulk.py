@@ -17,11 +17,11 @@ from hypothesis import settings as settings_
 from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import bulk
 from delaysvc.pipeline import store as pipeline_store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from tests.support.pipeline import _count
 
 BAD_ROWS = [
@@ -167,7 +167,7 @@ def test_bulk_schedule_json_lines_with_keys_from_rows_and_parquet_with_parquet_r
 def test_bulk_schedule_writes_many_rows_in_parallel_partitions_once(
     spark: Any, settings: Settings, engine: Engine, tmp_path: Path, fmt: str
 ) -> None:
-    from delaysvc.pipeline.bench import bench_bulk
+    from delaysvc.pipeline.bulk_bench import bench_bulk
 
     result = bench_bulk(spark, settings, 30_000, tmp_path, fmt=fmt)
     assert (result["first"]["written"], result["rerun"]["duplicates"]) == (30_000, 30_000)

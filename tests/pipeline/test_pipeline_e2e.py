@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import Engine, text
 
+from delaysvc.config.settings import Settings
 from delaysvc.errors import DelaysvcError
 from delaysvc.pipeline import bulk
 from delaysvc.pipeline import store as pipeline_store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.producer.sending import Producer
 from tests.support.pipeline import _count
 
 
@@ -27,9 +27,9 @@ def test_end_to_end_bulk_schedule_then_delivered_by_real_workers_archived_and_re
     `bulk-schedule` -> a real delivery worker, consumer and beat run them ->
     `archive --older-than 0s` -> `report`; the counts match at every step."""
     from delaysvc.cli import cli
-    from delaysvc.pipeline import e2e
     from tests.conftest import TEST_LEVELS
     from tests.e2e.conftest import Service, wait_for
+    from tests.pipeline import jobs as e2e
 
     rows = 3_000
     jobs = e2e.generate_jobs(spark, tmp_path / "jobs.parquet", rows)
@@ -48,7 +48,7 @@ def test_end_to_end_bulk_schedule_then_delivered_by_real_workers_archived_and_re
     )
     assert _count(engine, f"topic = '{e2e.TOPIC}' AND status = 'scheduled'") == rows
 
-    service = Service(database_url, tmp_path / "var", engine, handlers="delaysvc.pipeline.e2e")
+    service = Service(database_url, tmp_path / "var", engine, handlers="tests.pipeline.jobs")
     service.start()
     try:
         wait_for(

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
-from delaysvc.db import sqlalchemy_url
-from delaysvc.settings import DEBIAN_JDBC_JAR
-from delaysvc.up import die_with_parent
+from delaysvc.config.settings import DEBIAN_JDBC_JAR
+from delaysvc.db.engines import sqlalchemy_url
+from delaysvc.runtime.supervisor import die_with_parent
 from tests.conftest import ROOT, TEST_LEVELS, TEST_SCHEMA, Server, outside_env
 from tests.support.spark_cluster import Cluster, spark_home, standalone_cluster
 

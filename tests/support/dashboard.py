@@ -10,9 +10,9 @@ from typing import Any
 from flask.testing import FlaskClient
 from sqlalchemy import Engine
 
-from delaysvc.consumption import Consumer, handler
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.producer.sending import Producer
+from delaysvc.worker.consumer import Consumer, handler
 
 ADMIN = ("ada", "admin-password-1")
 VIEWER = ("vic", "viewer-password-1")

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import consumption, delivery
-from delaysvc.consumption import Consumer
-from delaysvc.db import sqlalchemy_url
-from delaysvc.producer import Message
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import sqlalchemy_url
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Message
+from delaysvc.schema.tables import TIMER_LANE
+from delaysvc.worker import consumer as consumption
+from delaysvc.worker.consumer import Consumer
 
 
 class Rollback(Exception):

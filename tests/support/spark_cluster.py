@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from delaysvc.up import die_with_parent, free_port
+from delaysvc.runtime.supervisor import die_with_parent, free_port
 
 
 def spark_home() -> Path:

@@ -2,10 +2,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from delaysvc.config.levels import DEFAULT_LEVELS, DelayLevels, format_ms, parse_duration_ms
 from delaysvc.errors import ConfigError, ValidationError
-from delaysvc.levels import DEFAULT_LEVELS, DelayLevels, format_ms, parse_duration_ms
-from delaysvc.producer import Schedule, resolve_schedule
-from delaysvc.schema import NO_LANE, TIMER_LANE
+from delaysvc.producer.sending import Placement, resolve_schedule
+from delaysvc.schema.tables import NO_LANE, TIMER_LANE
 
 LEVELS = DelayLevels.parse(DEFAULT_LEVELS)
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -85,22 +85,22 @@ def resolve(**options):
 
 def test_level_schedule_and_deliver_time_from_injected_clock():
     schedule = resolve(delay_level=2)
-    assert schedule == Schedule(2, 2, 5_000, None)
+    assert schedule == Placement(2, 2, 5_000, None)
     assert schedule.deliver_ts(NOW) == NOW + timedelta(seconds=5)
-    assert resolve(delay_level=50) == Schedule(18, 18, 7_200_000, None)
-    assert resolve(delay_level=0) == Schedule(NO_LANE, 0, 0, None)
+    assert resolve(delay_level=50) == Placement(18, 18, 7_200_000, None)
+    assert resolve(delay_level=0) == Placement(NO_LANE, 0, 0, None)
     assert resolve(delay_level=-4).lane == NO_LANE
 
 
 def test_delay_equal_to_a_level_uses_that_level_and_others_use_the_timer_lane():
-    assert resolve(delay="30m") == Schedule(16, 16, 1_800_000, None)
-    assert resolve(delay_ms=45 * 60_000) == Schedule(TIMER_LANE, None, 2_700_000, None)
+    assert resolve(delay="30m") == Placement(16, 16, 1_800_000, None)
+    assert resolve(delay_ms=45 * 60_000) == Placement(TIMER_LANE, None, 2_700_000, None)
     assert resolve(delay="45m").deliver_ts(NOW) == NOW + timedelta(minutes=45)
 
 
 def test_deliver_at_up_to_a_year_ahead():
     at = NOW + timedelta(days=365)
-    assert resolve(deliver_at=at) == Schedule(TIMER_LANE, None, None, at)
+    assert resolve(deliver_at=at) == Placement(TIMER_LANE, None, None, at)
     assert resolve(deliver_at=at).deliver_ts(NOW) == at
 
 

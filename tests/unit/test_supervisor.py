@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from delaysvc import up
-from delaysvc.up import Command, run_processes
+from delaysvc.runtime import supervisor as up
+from delaysvc.runtime.supervisor import Command, run_processes
 from tests.e2e.conftest import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]

@@ -12,7 +12,7 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine
 
 from delaysvc import auth
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
 from delaysvc.web import create_app
 from tests.support.dashboard import ADMIN, VIEWER, login
 

@@ -11,8 +11,8 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
 from delaysvc import auth, store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.producer.sending import Producer
 from delaysvc.web import create_app
 from tests.support.dashboard import ADMIN, VIEWER, csrf, login, make_dead
 

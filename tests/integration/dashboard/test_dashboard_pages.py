@@ -13,9 +13,10 @@ from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import OperationalError
 
-from delaysvc import auth, delivery, store
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc import auth, store
+from delaysvc.config.settings import Settings
+from delaysvc.maintenance import delivery
+from delaysvc.producer.sending import Producer
 from delaysvc.store import dashboard as dash
 from delaysvc.tasks.app import STATS_SECONDS
 from delaysvc.web import create_app
@@ -104,7 +105,7 @@ def test_backlog_chart_and_lateness_distribution_come_from_the_history_tables(
     admin: FlaskClient, engine: Engine
 ) -> None:
     with engine.begin() as conn:
-        now = store.database_now(conn)
+        now = store.clock_now(conn)
         conn.execute(
             text(
                 "INSERT INTO stats_sample (sampled_at, lane, pending, moved_total, early_total) "
@@ -287,7 +288,7 @@ def seed_report(engine: Engine) -> datetime:
     """Report rows as `delaysvc pipeline report` writes them: two topics, two levels, three
     hours, one row outside a day's window. -> the newest hour."""
     with engine.begin() as conn:
-        now = store.database_now(conn)
+        now = store.clock_now(conn)
         hour = now.replace(minute=0, second=0, microsecond=0)
         rows = [
             # hour, topic, level, messages, lateness p50/p95/p99/max, duration p50/p95/p99,
@@ -371,7 +372,7 @@ def test_history_refuses_bad_arguments_naming_them(
 def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
     admin: FlaskClient, viewer: FlaskClient, engine: Engine
 ) -> None:
-    from delaysvc.periodic_schedules import Schedules, fire_due, schedule
+    from delaysvc.maintenance.periodic import Schedules, fire_due, schedule
 
     assert "No periodic schedule yet" in admin.get("/schedules").text
     schedules = Schedules(engine)
@@ -407,7 +408,7 @@ def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
 def test_topics_page_sets_and_shows_limits(
     admin: FlaskClient, viewer: FlaskClient, engine: Engine
 ) -> None:
-    from delaysvc import limits
+    from delaysvc.worker import limits
 
     assert "No topic has limits." in admin.get("/topics").text
     form = {"topic": "dash.sms", "max_running": "3", "rate": "600/m", "csrf_token": csrf(admin)}
@@ -444,8 +445,8 @@ def test_topics_page_sets_shows_and_lifts_backlog_caps(
 ) -> None:
     """The caps form: a cap set here binds every producer's next send (from the database),
     bad input changes nothing and says why, an empty limit lifts it, a viewer has no form."""
-    from delaysvc import caps
     from delaysvc.errors import BacklogFull
+    from delaysvc.producer import caps
 
     assert 'id="no-caps"' in admin.get("/topics").text
     form = {"target": "topic:dash.capped", "max_waiting": "2", "policy": "reject"}

@@ -11,10 +11,10 @@ import pytest
 from flask.testing import FlaskClient
 from sqlalchemy import Engine, text
 
-from delaysvc import history
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
-from delaysvc.sql import qualify
+from delaysvc.config.settings import Settings
+from delaysvc.db.names import qualify
+from delaysvc.maintenance import history
+from delaysvc.producer.sending import Producer
 from delaysvc.store import dashboard as dash
 from delaysvc.store import history as store_history
 from tests.support.dashboard import csrf, flashes, make_dead

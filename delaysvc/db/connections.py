@@ -44,7 +44,9 @@ from sqlalchemy import Connection, Engine, TextClause
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
 from sqlalchemy.orm import Session
 
-from delaysvc import extras, store
+from delaysvc.config import extras
+from delaysvc.db.engines import driver_errors
+from delaysvc.db.names import driver_sql
 from delaysvc.errors import ValidationError
 
 _T = TypeVar("_T")
@@ -133,7 +135,7 @@ class SqlAlchemyJoined:
     def psycopg_cursor(self) -> AbstractContextManager[psycopg.Cursor[Any] | None]:
         dialect = self.conn.dialect
         if dialect.driver == "psycopg" and not dialect.is_async:  # under run_sync: no cursor
-            return store.driver_errors(self.conn)
+            return driver_errors(self.conn)
         return nullcontext(None)
 
     def transaction(self) -> AbstractContextManager[Any]:
@@ -215,7 +217,7 @@ class DriverJoined:
         self._cursor: Any = None
 
     def execute(self, statement: TextClause, parameters: Mapping[str, Any] | None = None, /) -> Any:
-        sql = store.driver_sql(statement)
+        sql = driver_sql(statement.text)
         with self._errors(sql):
             if self._cursor is None:
                 self._cursor = self.driver.cursor()

@@ -30,9 +30,9 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from delaysvc import store
-from delaysvc.health import LANE_HEARTBEAT_SECONDS, lane_component
-from delaysvc.schema import LATENESS_BUCKETS_MS, TIMER_LANE
-from delaysvc.sql import LOCK_KEY, lock_name, sql
+from delaysvc.db.names import LOCK_KEY, lock_name, sql
+from delaysvc.maintenance.heartbeats import LANE_HEARTBEAT_SECONDS, lane_component
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
 
 log = logging.getLogger(__name__)
 

@@ -21,26 +21,12 @@ import re
 from sqlalchemy import TextClause, text
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
-from delaysvc.errors import ConfigError
+from delaysvc.config.validation import check_schema_name
 
 DEFAULT_SCHEMA = "delaysvc"
-_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _PLACE = re.compile(r"(?<![\w.])delaysvc\.(?=[a-z_])")
 _schema: str | None = None
 _PSYCOPG = psycopg_dialect()
-
-
-def check_schema_name(name: str) -> str:
-    """`name` if it can be delaysvc's schema, else a ConfigError saying what is allowed."""
-    if not _NAME.fullmatch(name):
-        raise ConfigError(
-            f"DELAYSVC_SCHEMA={name!r} is not a schema name delaysvc can use: use lower-case "
-            "letters, digits and underscores, starting with a letter or underscore, at most "
-            "63 characters (default: delaysvc)"
-        )
-    if name.startswith("pg_") or name == "information_schema":
-        raise ConfigError(f"DELAYSVC_SCHEMA={name!r} is one of PostgreSQL's own schemas")
-    return name
 
 
 def schema() -> str:

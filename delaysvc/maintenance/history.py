@@ -91,7 +91,7 @@ def sweep(
     started = time.monotonic()
     if at is None:
         with engine.connect() as conn:
-            at = store.database_now(conn)
+            at = store.clock_now(conn)
     at = at.astimezone(UTC)
     swept = Swept(made=make_ahead(engine, at.date()))
     while time.monotonic() - started < budget_seconds:

@@ -10,9 +10,9 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import IntegrityError
 
 from delaysvc import store
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import DuplicateKey, NotFound
-from delaysvc.producer import Message
-from delaysvc.validation import validate_topic
+from delaysvc.producer.sending import Message
 
 log = logging.getLogger(__name__)
 BATCH = 500

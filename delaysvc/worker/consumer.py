@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
 
-from delaysvc import db, store
+from delaysvc import store
+from delaysvc.config.validation import decode_body, validate_topic
+from delaysvc.db import engines as db
 from delaysvc.errors import DeadLetter, RetryLater, ValidationError
-from delaysvc.schema import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
-from delaysvc.validation import decode_body, validate_topic
+from delaysvc.schema.tables import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
 
 if TYPE_CHECKING:
-    from delaysvc.producer import Schedule
-    from delaysvc.settings import Settings
+    from delaysvc.config.settings import Settings
+    from delaysvc.producer.sending import Placement
 
 log = logging.getLogger(__name__)
 
@@ -514,8 +515,8 @@ class Consumer:
         )
         return store.OutcomeCounts(retried=1)
 
-    def _retry_schedule(self, job: Job, error: BaseException) -> Schedule:
-        from delaysvc.producer import Schedule, resolve_schedule
+    def _retry_schedule(self, job: Job, error: BaseException) -> Placement:
+        from delaysvc.producer.sending import Placement, resolve_schedule
 
         levels = self.settings.levels
         if isinstance(error, RetryLater):
@@ -532,9 +533,9 @@ class Consumer:
             else:
                 if schedule.lane != NO_LANE:
                     return schedule
-                return Schedule(TIMER_LANE, None, 0, None)
+                return Placement(TIMER_LANE, None, 0, None)
         level = levels.retry_level(job.attempts)
-        return Schedule(level, level, levels.delay_ms(level), None)
+        return Placement(level, level, levels.delay_ms(level), None)
 
     # -- housekeeping ---------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """The pipeline's end-to-end run (docs/pipeline.md, tests/pipeline/): generated jobs
 -> `bulk-schedule` -> delivered and run by real workers -> `archive` -> `report`.
 
-A handler module for the workers (`DELAYSVC_HANDLERS=delaysvc.pipeline.e2e`): the topic
+A handler module for the workers (`DELAYSVC_HANDLERS=tests.pipeline.jobs`): the topic
 `pipeline.e2e` runs a no-op, so each job finishes as succeeded. `generate_jobs` writes the
 input file: N keyed jobs at delay levels 1 and 2, as Parquet.
 
-    python -m delaysvc.pipeline.e2e jobs.parquet 1000000
+    python -m tests.pipeline.jobs jobs.parquet 1000000
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from delaysvc.consumption import Job, handler
+from delaysvc.worker.consumer import Job, handler
 
 TOPIC = "pipeline.e2e"
 

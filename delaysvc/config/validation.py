@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from delaysvc.errors import TooLarge, ValidationError
+from delaysvc.errors import ConfigError, TooLarge, ValidationError
 
 TOPIC_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -137,3 +137,46 @@ def encode_body(body: Any, max_bytes: int) -> tuple[bytes, bool]:
 
 def decode_body(data: bytes, is_json: bool) -> Any:
     return json.loads(data) if is_json else data
+
+
+_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*/\s*(s|m|h)")
+_PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_rate(value: object) -> float | None:
+    """`10/s`, `600/m`, `100/h`, or a number of starts per second; None lifts the limit."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        rate = float(value)
+    elif isinstance(value, str) and (found := _RATE.fullmatch(value.strip())):
+        rate = float(found.group(1)) / _PER[found.group(2)]
+    else:
+        raise ValidationError("rate", f"{value!r}: use starts per time such as '10/s', '600/m'")
+    if not rate > 0 or rate > 1_000_000:
+        raise ValidationError("rate", f"{value!r}: must be more than 0 and at most 1000000/s")
+    return rate
+
+
+def check_max_running(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100_000:
+        raise ValidationError("max_running", f"{value!r}: a whole number from 1 to 100000")
+    return value
+
+
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def check_schema_name(name: str) -> str:
+    """`name` if it can be delaysvc's schema, else a ConfigError saying what is allowed."""
+    if not _SCHEMA_NAME.fullmatch(name):
+        raise ConfigError(
+            f"DELAYSVC_SCHEMA={name!r} is not a schema name delaysvc can use: use lower-case "
+            "letters, digits and underscores, starting with a letter or underscore, at most "
+            "63 characters (default: delaysvc)"
+        )
+    if name.startswith("pg_") or name == "information_schema":
+        raise ConfigError(f"DELAYSVC_SCHEMA={name!r} is one of PostgreSQL's own schemas")
+    return name

@@ -18,11 +18,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from delaysvc.config.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
+from delaysvc.config.validation import (
+    check_max_running,
+    check_schema_name,
+    parse_rate,
+    validate_topic,
+)
 from delaysvc.errors import ConfigError
 from delaysvc.errors import ValidationError as DelaysvcValidationError
-from delaysvc.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
-from delaysvc.sql import check_schema_name
-from delaysvc.validation import validate_topic
 
 log = logging.getLogger(__name__)
 CapPolicy = Literal["reject", "deliver-early"]
@@ -207,8 +211,6 @@ class Settings(BaseModel):
     @cached_property
     def topic_limits(self) -> dict[str, tuple[int | None, float | None]]:
         """The configured limits, per topic: (max_running, rate_per_s)."""
-        from delaysvc.limits import check_max_running, parse_rate
-
         found: dict[str, tuple[int | None, float | None]] = {}
         for topic, value in _pairs("DELAYSVC_TOPIC_MAX_RUNNING", self.topic_max_running).items():
             number = int(value) if value.strip().isdigit() else value

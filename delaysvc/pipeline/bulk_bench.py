@@ -29,12 +29,12 @@ from typing import Any
 
 import psycopg
 
-from delaysvc.db import database_url, libpq_url
-from delaysvc.levels import DelayLevels
+from delaysvc.config.levels import DelayLevels
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import database_url, libpq_url
+from delaysvc.db.names import qualify
 from delaysvc.pipeline import bulk, store
-from delaysvc.schema import TIMER_LANE
-from delaysvc.settings import Settings
-from delaysvc.sql import qualify
+from delaysvc.schema.tables import TIMER_LANE
 
 log = logging.getLogger(__name__)
 DELAYS = ("5m", "30m", "1h")  # levels 9, 16 and 17 of the default levels

@@ -11,18 +11,13 @@ a second. A topic without limits pays one primary-key probe per claim and takes 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine
 
 from delaysvc import store
-from delaysvc.errors import ValidationError
-from delaysvc.validation import validate_topic
-
-_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*/\s*(s|m|h)")
-_PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
+from delaysvc.config.validation import check_max_running, parse_rate, validate_topic
 
 
 @dataclass(frozen=True)
@@ -34,29 +29,6 @@ class TopicLimits:
     @classmethod
     def from_row(cls, row: Any) -> TopicLimits:
         return cls(row.topic, row.max_running, row.rate_per_s)
-
-
-def parse_rate(value: object) -> float | None:
-    """`10/s`, `600/m`, `100/h`, or a number of starts per second; None lifts the limit."""
-    if value is None:
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    elif isinstance(value, str) and (found := _RATE.fullmatch(value.strip())):
-        rate = float(found.group(1)) / _PER[found.group(2)]
-    else:
-        raise ValidationError("rate", f"{value!r}: use starts per time such as '10/s', '600/m'")
-    if not rate > 0 or rate > 1_000_000:
-        raise ValidationError("rate", f"{value!r}: must be more than 0 and at most 1000000/s")
-    return rate
-
-
-def check_max_running(value: object) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100_000:
-        raise ValidationError("max_running", f"{value!r}: a whole number from 1 to 100000")
-    return value
 
 
 def set_limits(

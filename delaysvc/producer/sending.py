@@ -20,18 +20,10 @@ from typing import Any, Literal, TypeVar
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from delaysvc import caps, db, joining, store
-from delaysvc.errors import (
-    DatabaseUnavailable,
-    DuplicateKey,
-    NotCancellable,
-    NotFound,
-    ValidationError,
-)
-from delaysvc.levels import DelayLevels, parse_duration_ms
-from delaysvc.schema import NO_LANE, TIMER_LANE, WAITING
-from delaysvc.settings import Settings
-from delaysvc.validation import (
+from delaysvc import store
+from delaysvc.config.levels import DelayLevels, parse_duration_ms
+from delaysvc.config.settings import Settings
+from delaysvc.config.validation import (
     MESSAGE_FIELDS,
     decode_body,
     encode_body,
@@ -41,8 +33,19 @@ from delaysvc.validation import (
     validate_tags,
     validate_topic,
 )
+from delaysvc.db import connections as joining
+from delaysvc.db import engines as db
+from delaysvc.errors import (
+    DatabaseUnavailable,
+    DuplicateKey,
+    NotCancellable,
+    NotFound,
+    ValidationError,
+)
+from delaysvc.producer import caps
+from delaysvc.schema.tables import NO_LANE, TIMER_LANE, WAITING
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("delaysvc.producer")  # the producer's logger, as before the package
 _T = TypeVar("_T")
 Joinable = object  # what a caller may pass as `connection=`: see `delaysvc.joining`
 MAX_BATCH = 10_000
@@ -122,7 +125,7 @@ class Message:
 
 
 @dataclass(frozen=True)
-class Schedule:
+class Placement:
     """Where a message waits: lane -1 (due now), 1..N (a level) or 0 (the timer lane)."""
 
     lane: int
@@ -169,7 +172,7 @@ def resolve_schedule(
     default_delay_ms: int | None = None,
     max_delay_ms: int,
     now: datetime | None = None,
-) -> Schedule:
+) -> Placement:
     """Turn the producer's one timing option into a lane. At most one option may be given;
     none means the topic's default delay, else due now. A delay equal to a level's delay uses
     that level's FIFO queue; other delays use the timer lane. `now` (default: the clock, read
@@ -193,8 +196,8 @@ def resolve_schedule(
             raise ValidationError("delay_level", f"must be a whole number, got {delay_level!r}")
         level = levels.clamp(delay_level)
         if level == 0:
-            return Schedule(NO_LANE, 0, 0, None)
-        return Schedule(level, level, levels.delay_ms(level), None)
+            return Placement(NO_LANE, 0, 0, None)
+        return Placement(level, level, levels.delay_ms(level), None)
     if deliver_at is not None:
         return _absolute(deliver_at, max_delay_ms, now or datetime.now().astimezone())
     field_name = "delay" if delay is not None else "delay_ms"
@@ -209,17 +212,17 @@ def resolve_schedule(
     elif default_delay_ms is not None:
         ms = default_delay_ms
     else:
-        return Schedule(NO_LANE, 0, 0, None)
+        return Placement(NO_LANE, 0, 0, None)
     if ms > max_delay_ms:
         raise ValidationError(
             field_name, f"{ms} ms is more than the maximum delay of {max_delay_ms} ms"
         )
     if ms == 0:
-        return Schedule(NO_LANE, 0, 0, None)
+        return Placement(NO_LANE, 0, 0, None)
     exact_level = levels.level_for_delay_ms(ms)
     if exact_level is not None:
-        return Schedule(exact_level, exact_level, ms, None)
-    return Schedule(TIMER_LANE, None, ms, None)
+        return Placement(exact_level, exact_level, ms, None)
+    return Placement(TIMER_LANE, None, ms, None)
 
 
 def _timedelta_ms(delay: timedelta) -> int:
@@ -230,7 +233,7 @@ def _timedelta_ms(delay: timedelta) -> int:
     return int(ms)
 
 
-def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Schedule:
+def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Placement:
     if not isinstance(deliver_at, datetime):
         raise ValidationError("deliver_at", f"must be a datetime, got {deliver_at!r}")
     if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
@@ -241,7 +244,7 @@ def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Schedul
         raise ValidationError(
             "deliver_at", f"{deliver_at.isoformat()} is more than {max_delay_ms} ms ahead"
         )
-    return Schedule(TIMER_LANE, None, None, deliver_at)
+    return Placement(TIMER_LANE, None, None, deliver_at)
 
 
 class Producer:

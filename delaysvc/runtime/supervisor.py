@@ -31,11 +31,11 @@ from typing import IO, Any
 
 import click
 
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 20
-CELERY = [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "--quiet"]  # --quiet: no banner
+CELERY = [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "--quiet"]  # no banner
 QUIET = ["--without-mingle", "--without-gossip", "-l", "warning"]
 SUPERVISOR = "delaysvc"  # the name on the lines `run_processes` writes itself
 READY_TIMEOUT_SECONDS = 90.0
@@ -360,8 +360,8 @@ def healthz_ages(url: str) -> Ages:
 
 def database_ages(settings: Settings, parts: Sequence[str]) -> Ages:
     """The heartbeats of `parts` as the database has them (`health.check`)."""
-    from delaysvc import health
-    from delaysvc.db import make_engine
+    from delaysvc.db.engines import make_engine
+    from delaysvc.maintenance import heartbeats as health
 
     engine = make_engine(settings)
 
@@ -466,8 +466,8 @@ def _alive(pid: int) -> bool:
 
 
 def run_all(settings: Settings, host: str, port: int) -> int:
-    from delaysvc.db import database_url, make_engine
-    from delaysvc.migrate import upgrade
+    from delaysvc.db.engines import database_url, make_engine
+    from delaysvc.schema.migrate import upgrade
 
     commands = [
         web_command(host, port, access_log=False, log_format=settings.log_format),

@@ -18,8 +18,8 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store
-from delaysvc.levels import DelayLevels
-from delaysvc.sql import LOCK_KEY, lock_name, sql
+from delaysvc.config.levels import DelayLevels
+from delaysvc.db.names import LOCK_KEY, lock_name, sql
 
 log = logging.getLogger(__name__)
 VERSION_TABLE = "delaysvc_version"
@@ -114,7 +114,7 @@ def _exists(conn: Connection, relation: str) -> bool:
 
 
 def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> None:
-    from delaysvc.schema import (
+    from delaysvc.schema.tables import (
         MESSAGE_VIEW,
         SEQUENCES,
         is_history_partition,

@@ -23,7 +23,7 @@ from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 if TYPE_CHECKING:
-    from delaysvc.settings import LogFormat, Settings
+    from delaysvc.config.settings import LogFormat, Settings
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 JSON_FIELDS = {"levelname": "level", "name": "logger", "message": "event"}

@@ -37,12 +37,12 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from cronsim import CronSim, CronSimError
 from sqlalchemy import Connection, Engine
 
+from delaysvc.config.levels import format_ms, parse_duration_ms
+from delaysvc.config.validation import encode_body, validate_topic
 from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
-from delaysvc.levels import format_ms, parse_duration_ms
-from delaysvc.schema import NO_LANE
+from delaysvc.schema.tables import NO_LANE
 from delaysvc.store import NewMessage, insert_message_on
 from delaysvc.store import schedules as store_schedules
-from delaysvc.validation import encode_body, validate_topic
 
 OnMissed = Literal["skip", "latest"]
 ON_MISSED: tuple[OnMissed, ...] = ("skip", "latest")
@@ -234,7 +234,7 @@ def store_declared(
     workers, with other handler modules, declare theirs (`sweep_undeclared` removes the
     ones no worker declares any more). -> schedules declared."""
     with engine.begin() as conn:
-        now = now or store_schedules.database_now(conn)
+        now = now or store_schedules.statement_now(conn)
         for item in _declared.values():
             store_schedules.declare(conn, item, item.next_tick(now), now, declared_by)
     return len(_declared)
@@ -244,7 +244,7 @@ def sweep_undeclared(engine: Engine, now: datetime | None = None) -> list[str]:
     """Remove the code-declared schedules no worker has declared for UNDECLARED_GRACE; those
     made through the API or the CLI stay. -> the names removed."""
     with engine.begin() as conn:
-        now = now or store_schedules.database_now(conn)
+        now = now or store_schedules.statement_now(conn)
         return store_schedules.remove_declared_before(conn, now - UNDECLARED_GRACE)
 
 
@@ -289,7 +289,7 @@ def fire_due(engine: Engine, now: datetime | None = None, limit: int = 100) -> F
     passed); when only older ones are due, `on_missed` says whether the latest of them runs."""
     result = Fired()
     with engine.begin() as conn:
-        now = now or store_schedules.database_now(conn)
+        now = now or store_schedules.statement_now(conn)
         for row in store_schedules.lock_due(conn, now, limit):
             item = Schedule.from_row(row)
             on_time = _ticks_between(item, max(row.next_tick, now - GRACE), now)
@@ -365,7 +365,7 @@ class Schedules:
                     raise DeclaredInCode(
                         f"schedule {item.name!r} is declared in code (@periodic): change it there"
                     )
-            now = store_schedules.database_now(conn)
+            now = store_schedules.statement_now(conn)
             allowed = None if topics is None else sorted(topics)
             store_schedules.put(conn, item, "api", item.next_tick(now), allowed)
             row = _found(store_schedules.get(conn, item.name), item.name, topics)
@@ -379,7 +379,7 @@ class Schedules:
     def resume(self, name: str, *, topics: Collection[str] | None = None) -> Any:
         with self.engine.begin() as conn:
             row = _found(store_schedules.get(conn, name, lock=True), name, topics)
-            now = store_schedules.database_now(conn)
+            now = store_schedules.statement_now(conn)
             next_tick = Schedule.from_row(row).next_tick(now) if row.paused else None
             return store_schedules.set_paused(conn, name, False, next_tick)
 
@@ -387,7 +387,7 @@ class Schedules:
         with self.engine.begin() as conn:
             row = _found(store_schedules.get(conn, name, lock=True), name, topics)
             if row.declared_in == "code":
-                _refuse_if_still_declared(row, store_schedules.database_now(conn))
+                _refuse_if_still_declared(row, store_schedules.statement_now(conn))
             store_schedules.delete(conn, name)
 
 

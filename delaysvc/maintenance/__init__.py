@@ -1,0 +1,2 @@
+"""The background services beat runs: lane delivery, history, periodic schedules,
+heartbeats, the consistency check."""

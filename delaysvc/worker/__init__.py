@@ -1,0 +1,1 @@
+"""Running handlers: the consumer, the handler registry, topic limits."""
