@@ -5,7 +5,10 @@ from __future__ import annotations
 import click
 
 from delaysvc.cli.app import Context, cli, pass_ctx
+from delaysvc.config import extras
 from delaysvc.errors import NotFound
+
+SERVER = "server"  # tokens and users are the API's and the dashboard's: hashed as the web checks
 
 
 @cli.command("create-token")
@@ -21,6 +24,7 @@ from delaysvc.errors import NotFound
 @pass_ctx
 def create_token(ctx: Context, name: str, scope: str, topics: tuple[str, ...]) -> None:
     """Create an API token; it is printed once, alone on the last line."""
+    extras.require("delaysvc create-token", SERVER)
     from delaysvc.auth import create_token as make
 
     token = make(ctx.engine, name, scope, topics or None)
@@ -34,6 +38,7 @@ def create_token(ctx: Context, name: str, scope: str, topics: tuple[str, ...]) -
 @pass_ctx
 def revoke_token(ctx: Context, name: str) -> None:
     """Revoke the API tokens named NAME."""
+    extras.require("delaysvc revoke-token", SERVER)
     from delaysvc.auth import revoke_token
 
     if not revoke_token(ctx.engine, name):
@@ -48,6 +53,7 @@ def revoke_token(ctx: Context, name: str) -> None:
 @pass_ctx
 def create_user(ctx: Context, name: str, role: str, password: str) -> None:
     """Create (or reset) a dashboard user."""
+    extras.require("delaysvc create-user", SERVER)
     from delaysvc.auth import create_user as make
 
     make(ctx.engine, name, password, role)

@@ -243,6 +243,8 @@ PROCESS_SETTINGS = {"schema"}
 """Read by `delaysvc.sql` for the whole process, not held by a Settings (`DELAYSVC_SCHEMA`)."""
 TEST_PREFIX = "DELAYSVC_TEST_"
 """Variables of delaysvc's own test suite (`DELAYSVC_TEST_DATABASE_URL`, ...), not settings."""
+COMMAND_VARIABLES = {"DELAYSVC_NEW_USER_PASSWORD"}
+"""Read by one command, not settings (`delaysvc create-user` takes its password from it)."""
 
 
 def _warn_unknown(env: Mapping[str, str], known: set[str]) -> None:
@@ -251,6 +253,8 @@ def _warn_unknown(env: Mapping[str, str], known: set[str]) -> None:
     names = [f"DELAYSVC_{name.upper()}" for name in sorted(known)]
     for key in sorted(env):
         if not key.startswith("DELAYSVC_") or key.startswith(TEST_PREFIX):
+            continue
+        if key in COMMAND_VARIABLES:
             continue
         if key[len("DELAYSVC_") :].lower() in known:
             continue

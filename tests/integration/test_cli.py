@@ -359,3 +359,14 @@ def test_send_with_a_priority_shows_it(delaysvc: Run) -> None:
     sent = delaysvc("send", "cli.p", "{}", "--priority", "3")
     message_id = re.search(r"id=(\d+)", sent.stdout).group(1)
     assert json.loads(delaysvc("show", message_id).stdout)["priority"] == 3
+
+
+def test_create_user_reads_its_password_from_the_environment_without_a_warning(
+    delaysvc: Run, engine: Engine
+) -> None:
+    """`DELAYSVC_NEW_USER_PASSWORD` is create-user's, not a setting: it used to be reported as
+    "not a delaysvc setting and is ignored", and then used."""
+    made = delaysvc("create-user", "ops", DELAYSVC_NEW_USER_PASSWORD="a long enough password")
+    assert made.returncode == 0, made.stderr
+    assert "not a delaysvc setting" not in made.stderr
+    assert auth.check_login(engine, "ops", "a long enough password") is not None

@@ -11,6 +11,7 @@ import sys
 import venv
 from pathlib import Path
 
+import click
 import pytest
 from sqlalchemy import Engine, text
 
@@ -97,3 +98,99 @@ def test_the_library_alone_installs_lean_and_sends(
         "error: delaysvc worker needs celery, not installed: pip install 'delaysvc[worker]'"
     ]
     assert sys.executable != python  # the test ran in the other environment
+
+    (tmp_path / "jobs.csv").write_text("topic,body\nlean.topic,1\n")
+    ran = {name: _lean(env_dir, env, tmp_path, name, args) for name, args in EVERY_COMMAND.items()}
+    for name, result in ran.items():
+        # each works, or says in one line why not (an extra to install, or what is wrong)
+        assert "Traceback" not in result.stderr, (name, result.stderr)
+        if result.returncode != 0:
+            assert len(result.stderr.strip().splitlines()) == 1, (name, result.stderr)
+            assert result.stderr.startswith("error: "), (name, result.stderr)
+    needs = {
+        name: r.stderr.split("pip install ")[1].strip()
+        for name, r in ran.items()
+        if "pip install " in r.stderr
+    }
+    assert needs == {
+        "up": "'delaysvc[worker,server]'",  # a database is configured: no embedded one
+        "worker": "'delaysvc[worker]'",
+        "beat": "'delaysvc[worker]'",
+        "web": "'delaysvc[server]'",
+        "bench": "'delaysvc[bench]'",
+        "create-token": "'delaysvc[server]'",
+        "revoke-token": "'delaysvc[server]'",
+        "create-user": "'delaysvc[server]'",
+        **{name: "'delaysvc[pipeline]'" for name in EVERY_COMMAND if name.startswith("pipeline ")},
+    }
+    for works in ("send", "levels", "stats", "migrate", "check", "schedules list", "limits"):
+        assert ran[works].returncode == 0, (works, ran[works].stderr)
+
+
+EVERY_COMMAND: dict[str, list[str]] = {
+    "beat": [],
+    "bench": ["send", "--quick"],
+    "cancel": ["999999999"],
+    "cap": ["topic:lean.topic", "--max-waiting", "100"],
+    "caps": [],
+    "check": [],
+    "create-token": ["lean"],
+    "create-user": ["lean"],
+    "dead list": [],
+    "dead purge": ["999999999"],
+    "dead redrive": ["999999999"],
+    "levels": [],
+    "limit": ["lean.topic", "--max-running", "2"],
+    "limits": [],
+    "load": ["--rate", "10", "--seconds", "0.5", "--topic", "lean.topic"],
+    "migrate": [],
+    "pause": ["lean.topic"],
+    "pipeline archive": [],
+    "pipeline bench": [],
+    "pipeline bulk-schedule": ["jobs.csv"],
+    "pipeline report": [],
+    "revoke-token": ["lean"],
+    "schedules add": ["lean.nightly", "0 3 * * *", "--topic", "lean.topic"],
+    "schedules delete": ["lean.nightly"],
+    "schedules list": [],
+    "schedules pause": ["lean.nightly"],
+    "schedules resume": ["lean.nightly"],
+    "send": ["lean.topic", '{"n": 2}', "--delay", "5m"],
+    "show": ["999999999"],
+    "skip-head": ["1"],
+    "stats": [],
+    "up": [],
+    "web": [],
+    "worker": [],
+}
+"""Every command of the CLI, with arguments it takes (test_every_command_is_run_lean checks
+the list is whole)."""
+
+
+def _lean(
+    env_dir: Path, env: dict[str, str], cwd: Path, name: str, args: list[str]
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(env_dir / "bin" / "delaysvc"), *name.split(), *args],
+        env=dict(env, DELAYSVC_NEW_USER_PASSWORD="a long enough password"),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _leaf_commands(group: click.Group, prefix: str = "") -> set[str]:
+    found: set[str] = set()
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found |= _leaf_commands(command, f"{prefix}{name} ")
+        else:
+            found.add(f"{prefix}{name}")
+    return found
+
+
+def test_every_command_is_run_lean() -> None:
+    from delaysvc.cli import cli
+
+    assert set(EVERY_COMMAND) == _leaf_commands(cli)
