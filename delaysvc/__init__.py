@@ -49,42 +49,14 @@ if TYPE_CHECKING:
     from delaysvc.producer.sending import Message
     from delaysvc.worker.consumer import Job, handler
 
-_WHERE = {
-    **dict.fromkeys(
-        (
-            "BacklogFull",
-            "ConfigError",
-            "DeadLetter",
-            "DelaysvcError",
-            "DuplicateKey",
-            "NotCancellable",
-            "NotFound",
-            "RetryLater",
-            "ValidationError",
-        ),
-        "delaysvc.errors",
-    ),
-    **dict.fromkeys(
-        (
-            "acancel",
-            "aget",
-            "asend",
-            "asend_batch",
-            "cancel",
-            "configure",
-            "default_producer",
-            "get",
-            "send",
-            "send_batch",
-        ),
-        "delaysvc.producer.default",
-    ),
-    "Message": "delaysvc.producer.sending",
-    "Job": "delaysvc.worker.consumer",
-    "handler": "delaysvc.worker.consumer",
-    "periodic": "delaysvc.maintenance.periodic",
-}
-"""Each public name -> the module it lives in."""
+_HOMES = (
+    "delaysvc.errors",
+    "delaysvc.producer.default",
+    "delaysvc.producer.sending",
+    "delaysvc.worker.consumer",
+    "delaysvc.maintenance.periodic",
+)
+"""Where the public names live, looked in in this order (so `send` loads no worker)."""
 
 __all__ = [
     "BacklogFull",
@@ -111,17 +83,19 @@ __all__ = [
     "send",
     "send_batch",
 ]
-assert sorted(__all__) == sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:  # `from delaysvc import store` then imports the subpackage
-        raise AttributeError(f"module 'delaysvc' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name in __all__:
+        for home in _HOMES:
+            module = importlib.import_module(home)
+            if hasattr(module, name):
+                value = getattr(module, name)
+                globals()[name] = value
+                return value
+    # not public: `from delaysvc import store` then imports the subpackage
+    raise AttributeError(f"module 'delaysvc' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_WHERE])
+    return sorted([*globals(), *__all__])

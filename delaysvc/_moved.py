@@ -10,7 +10,9 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 MOVED = {
     "delaysvc.settings": "delaysvc.config.settings",
@@ -55,3 +57,19 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def install() -> None:
     if not any(isinstance(finder, _OldPaths) for finder in sys.meta_path):
         sys.meta_path.insert(0, _OldPaths())
+
+
+def names_of(package: str, module: str, submodules: set[str]) -> Callable[[str], Any]:
+    """A package's `__getattr__` answering the names of the module it was before it became a
+    package (now its submodule `module`), on first use, so nothing is imported at load. The
+    package's `submodules` are left to the import system."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in submodules:
+            try:
+                return getattr(importlib.import_module(f"{package}.{module}"), name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

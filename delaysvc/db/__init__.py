@@ -5,16 +5,6 @@
 not found here are looked up in `engines` on first use (nothing is imported at load, so
 `config` may use `names` without a cycle)."""
 
-import importlib
-from typing import Any
+from delaysvc._moved import names_of
 
-_SUBMODULES = {"engines", "connections", "names"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _SUBMODULES:  # those are imported as submodules, not looked up
-        try:
-            return getattr(importlib.import_module("delaysvc.db.engines"), name)
-        except AttributeError:
-            pass
-    raise AttributeError(f"module 'delaysvc.db' has no attribute {name!r}")
+__getattr__ = names_of("delaysvc.db", "engines", {"engines", "connections", "names"})

@@ -5,16 +5,8 @@
 `from delaysvc.producer import Producer`, the path from before the package, still works: names
 not found here are looked up in `sending` on first use."""
 
-import importlib
-from typing import Any
+from delaysvc._moved import names_of
 
-_SUBMODULES = {"sending", "default", "caps", "dead_letters"}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _SUBMODULES:  # those are imported as submodules, not looked up
-        try:
-            return getattr(importlib.import_module("delaysvc.producer.sending"), name)
-        except AttributeError:
-            pass
-    raise AttributeError(f"module 'delaysvc.producer' has no attribute {name!r}")
+__getattr__ = names_of(
+    "delaysvc.producer", "sending", {"sending", "default", "caps", "dead_letters"}
+)
