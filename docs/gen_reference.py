@@ -174,7 +174,8 @@ def commands() -> list[tuple[str, str]]:
 def cli_block() -> str:
     lines = ["| Command | What it does |", "|---|---|"]
     for path, short in commands():
-        lines.append(f"| `{path}` | {_cell(short) or '(see below)'} |")
+        anchor = path.replace(" ", "-")  # the heading mkdocs-click renders below
+        lines.append(f"| [`{path}`](#{anchor}) | {_cell(short) or '(see below)'} |")
     return "\n".join(lines) + "\n"
 
 

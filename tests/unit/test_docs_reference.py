@@ -67,7 +67,7 @@ def _command_paths(command: click.Command, path: tuple[str, ...]) -> list[str]:
 def test_every_command_is_in_the_reference(gen: ModuleType) -> None:
     from delaysvc.cli import cli
 
-    documented = re.findall(r"^\| `(delaysvc[a-z -]*)` \|", _generated(gen, "cli"), re.M)
+    documented = re.findall(r"^\| \[`(delaysvc[a-z -]*)`\]", _generated(gen, "cli"), re.M)
     expected = _command_paths(cli, ("delaysvc",))
     assert documented == expected
     assert {"delaysvc up", "delaysvc send", "delaysvc pause", "delaysvc check"} <= set(expected)
