@@ -7,7 +7,9 @@ Run from the repository root:
     python docs/benchmarks/side_by_side.py BEFORE AFTER OUT [ROUNDS] [SUITES...]
 e.g. python docs/benchmarks/side_by_side.py b8548cc HEAD docs/benchmarks/2026-11-26-house 2 \
     send delivery consume
-Extra bench flags (such as --quick, or --database-url) go in DELAYSVC_BENCH_FLAGS.
+Extra bench flags (such as --quick) go in DELAYSVC_BENCH_FLAGS; the database is the bench's
+(DELAYSVC_DATABASE_URL, else the embedded one). `side_by_side.py table OUT TITLE COMMAND`
+writes the table again from OUT's runs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 MEASURES = {
@@ -63,38 +66,55 @@ def main(before: str, after: str, out: Path, rounds: int, suites: list[str]) -> 
     for n in range(1, rounds + 1):
         for label in ("before", "after"):
             runs[label].append(bench(trees[label], out / f"{label}-{n}", suites))
-    flags = os.environ.get("DELAYSVC_BENCH_FLAGS", "")
+    command = (
+        f"python docs/benchmarks/side_by_side.py {before} {after} {out} {rounds} "
+        f"{' '.join(suites)} (DELAYSVC_BENCH_FLAGS="
+        f"{os.environ.get('DELAYSVC_BENCH_FLAGS', '')!r})"
+    )
+    table(out, f"{names['before']} (before) and {names['after']} (after)", command)
+
+
+def table(out: Path, title: str, command: str) -> None:
+    """The table of every run in `out` (before-N/, after-N/), into out/README.md."""
+    runs = {
+        label: [
+            json.loads((folder / "results.json").read_text())["results"]
+            for folder in sorted(out.glob(f"{label}-*"))
+        ]
+        for label in ("before", "after")
+    }
     lines = [
-        f"# {names['before']} (before) and {names['after']} (after), side by side",
+        f"# {title}, side by side",
         "",
-        f"Command: `python docs/benchmarks/side_by_side.py {before} {after} {out} {rounds} "
-        f"{' '.join(suites)}` (DELAYSVC_BENCH_FLAGS={flags!r}); "
-        "runs alternate before, after, before, after; each run's full report is in its folder.",
+        f"Command: `{command}`; runs alternate before, after, before, after; each run's full "
+        "report is in its folder. This machine's disk flush time varies from minute to minute, "
+        "so a send's rate is best read as its share of the raw insert measured in the same run "
+        "(the `ratio` rows).",
         "",
         "| measure | before (each run) | after (each run) | after / before (medians) |",
         "|---|---|---|---|",
     ]
+
+    def row(name: str, values: list[list[float]]) -> None:
+        if all(values) and None not in values[0] + values[1]:
+            ratio = statistics.median(values[1]) / statistics.median(values[0])
+            cells = [", ".join(f"{v:,}" for v in side) for side in values]
+            lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f} |")
+
+    def pick(name: str, read: Callable[[dict], float]) -> list[list[float]]:
+        return [[read(r[name]) for r in runs[label] if name in r] for label in runs]
+
     for name, key in MEASURES.items():
-        cells = [[r[name][key] for r in runs[label] if name in r] for label in ("before", "after")]
-        if all(cells):
-            ratio = statistics.median(cells[1]) / statistics.median(cells[0])
-            lines.append(
-                f"| {name}: {key} | {', '.join(f'{v:,}' for v in cells[0])} | "
-                f"{', '.join(f'{v:,}' for v in cells[1])} | {ratio:.2f} |"
-            )
+        row(f"{name}: {key}", pick(name, lambda m, key=key: m[key]))
+        row(f"{name}: ratio to raw", pick(name, lambda m: m.get("ratio")))
     for name, key in LATENESS.items():
-        cells = [
-            [r[name][key]["p99"] for r in runs[label] if name in r] for label in ("before", "after")
-        ]
-        if all(cells):
-            ratio = statistics.median(cells[1]) / statistics.median(cells[0])
-            lines.append(
-                f"| {name}: p99 {key} | {', '.join(map(str, cells[0]))} | "
-                f"{', '.join(map(str, cells[1]))} | {ratio:.2f} |"
-            )
+        row(f"{name}: p99 {key}", pick(name, lambda m, key=key: m[key]["p99"]))
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
+    if sys.argv[1] == "table":  # table OUT TITLE COMMAND: the table again from OUT's runs
+        table(Path(sys.argv[2]), sys.argv[3], sys.argv[4])
+    else:
+        main(sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
