@@ -145,7 +145,8 @@ def check(
     timeout: float,
 ) -> None:
     """Check the database's invariants, read only and safe under load: exit 0 with a summary
-    line, or 1 with one line per violation (see README, "Checking a live database")."""
+    line, or 1 with one line per violation (docs/how-to/monitoring.md, "Checking a live
+    database")."""
     from sqlalchemy.exc import DBAPIError
 
     from delaysvc.maintenance.check import run_check

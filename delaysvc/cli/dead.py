@@ -21,6 +21,7 @@ def dead() -> None:
 @JSON_OPTION
 @pass_ctx
 def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> None:
+    """The newest dead letters (of --topic), each with its reason and last error."""
     from delaysvc.producer.dead_letters import DeadLetters
 
     rows = DeadLetters(ctx.engine).list(topic=topic, limit=limit)

@@ -36,6 +36,7 @@ def _schedule_line(row: Any) -> str:
 @JSON_OPTION
 @pass_ctx
 def schedules_list(ctx: Context, as_json: bool) -> None:
+    """Every periodic schedule: its timing, topic, next tick, and who declared it."""
     rows = _schedules(ctx).list()
     if as_json:
         from delaysvc.serialize import schedule_json
@@ -78,6 +79,7 @@ def schedules_add(
 @click.argument("name")
 @pass_ctx
 def schedules_pause(ctx: Context, name: str) -> None:
+    """Stop schedule NAME firing until it is resumed (ticks while paused never fire)."""
     click.echo("paused: " + _schedule_line(_schedules(ctx).pause(name)))
 
 
@@ -85,6 +87,7 @@ def schedules_pause(ctx: Context, name: str) -> None:
 @click.argument("name")
 @pass_ctx
 def schedules_resume(ctx: Context, name: str) -> None:
+    """Fire schedule NAME again, from its next tick on."""
     click.echo("resumed: " + _schedule_line(_schedules(ctx).resume(name)))
 
 

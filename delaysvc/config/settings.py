@@ -259,7 +259,7 @@ def _warn_unknown(env: Mapping[str, str], known: set[str]) -> None:
         if key[len("DELAYSVC_") :].lower() in known:
             continue
         close = difflib.get_close_matches(key, names, n=1, cutoff=0.8)
-        hint = f"did you mean {close[0]}?" if close else "see the README's Configuration"
+        hint = f"did you mean {close[0]}?" if close else "see docs/reference/settings.md"
         log.warning("%s is not a delaysvc setting and is ignored (%s)", key, hint)
 
 

@@ -1,6 +1,6 @@
 """What the producer accepts, checked before anything is written.
 
-Rules (the README's "Message rules" lists them for users):
+Rules (docs/how-to/producing.md lists them for users):
 - topic: 1-127 characters of `A-Z a-z 0-9 . _ -`, starting with a letter or digit
   (RocketMQ's `[%|a-zA-Z0-9_-]` less its internal `%`/`|`, plus `.` for `order.cancel`);
 - key: 1-256 characters, no NUL, no control characters;

@@ -3,7 +3,8 @@ migrated schema matches this file.
 
 Hot tables (commit_log, consume_queue_*, timer_queue, topic_queue) have no foreign keys and no
 triggers, tuned autovacuum, and every statement on them goes through an index that puts the
-head first, so dead tuples left by churn are not walked (see README, "How queues stay small").
+head first, so dead tuples left by churn are not walked (docs/explanation/design.md, "Tables
+that churn without bloating").
 
 Lanes: a message waits in exactly one lane until it is delivered. Lane N (1..max level) is the
 FIFO consume queue of delay level N, a partition `consume_queue_N` of `consume_queue` ordered by

@@ -280,7 +280,10 @@ def document() -> dict[str, Any]:
                     },
                 },
                 "get": {
-                    "summary": "Find the unfinished message of a topic with a key",
+                    "summary": (
+                        "Find the message of a topic with a key: the unfinished one, "
+                        "else the newest finished"
+                    ),
                     "parameters": [
                         {
                             "name": "topic",
