@@ -125,7 +125,7 @@ def schedule_json(row: Any) -> dict[str, Any]:
 
 
 def cap_json(cap: Any) -> dict[str, Any]:
-    """A level's or a topic's backlog cap (`delaysvc.settings.BacklogCap`)."""
+    """A level's or a topic's backlog cap (`delaysvc.config.settings.BacklogCap`)."""
     return {
         "scope": cap.scope,
         "target": cap.target,
@@ -135,5 +135,5 @@ def cap_json(cap: Any) -> dict[str, Any]:
 
 
 def limits_json(item: Any) -> dict[str, Any]:
-    """A topic's limits (`delaysvc.limits.TopicLimits`)."""
+    """A topic's limits (`delaysvc.worker.limits.TopicLimits`)."""
     return {"topic": item.topic, "max_running": item.max_running, "rate_per_s": item.rate_per_s}

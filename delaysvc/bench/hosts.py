@@ -64,7 +64,7 @@ def _run(ctx: BenchContext, hosts: int, jobs: int, processes: int) -> dict[str, 
             peer.folder.mkdir(parents=True)
             peer.prepare()  # the tables emptied, the broker flushed: before anything starts
         with ctx.engine.begin() as conn:
-            store.set_paused(conn, SOAK_TOPIC, True)
+            store.set_topic_paused(conn, SOAK_TOPIC, True)
         _send_backlog(Producer(ctx.settings, ctx.engine), jobs, "fill", topic=SOAK_TOPIC)
         deployments = [Deployment(peer, processes) for peer in peers]
         try:
@@ -75,7 +75,7 @@ def _run(ctx: BenchContext, hosts: int, jobs: int, processes: int) -> dict[str, 
             time.sleep(SETTLE_SECONDS)  # the others' pools start too (Celery: ~3 s here)
             cpu_before = _postgres_cpu()
             with ctx.engine.begin() as conn:
-                store.set_paused(conn, SOAK_TOPIC, False)
+                store.set_topic_paused(conn, SOAK_TOPIC, False)
             done = _wait_until_done(ctx.engine, jobs)
             db_cpu = _cpu_since(cpu_before)
             ran_twice = _ran_twice(ctx.engine)  # before the cleanup empties the tables

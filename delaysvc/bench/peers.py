@@ -14,7 +14,7 @@ Peers (each in a place of its own, removed afterwards):
 - RabbitMQ TTL + dead-letter-exchange per-delay queues (queues named `delaysvc_bench.*` on the
   local RabbitMQ), pika consumer processes;
 - delaysvc itself: `Producer.send` (one transaction per job), delivered and run by a real
-  Celery delivery worker, consume worker and beat (`delaysvc.up`'s commands) through
+  Celery delivery worker, consume worker and beat (`delaysvc.runtime.supervisor`'s commands) through
   delaysvc's own tasks, broker Redis db 13 (the filesystem broker when Redis is absent).
 
 A peer whose package or service is missing is reported as unavailable, with the reason and

@@ -95,5 +95,5 @@ def pause(ctx: Context, topic: str, resume: bool) -> None:
     from delaysvc.config.validation import validate_topic
 
     with ctx.engine.begin() as conn:
-        store.set_paused(conn, validate_topic(topic), not resume)
+        store.set_topic_paused(conn, validate_topic(topic), not resume)
     click.echo(f"{topic}: {'resumed' if resume else 'paused'}")

@@ -73,14 +73,15 @@ class Settings(BaseModel):
     backlog_caps: str = ""
     """`level:16=100000:reject,topic:sms.send=5000:deliver-early`."""
     topic_max_running: str = ""
-    """Jobs of a topic running at once, `sms.send=4,report.build=1` (`delaysvc.limits`)."""
+    """Jobs of a topic running at once, `sms.send=4,report.build=1` (`delaysvc.worker.limits`)."""
     topic_rates: str = ""
-    """Starts of a topic per time, `sms.send=10/s,mail.send=600/m` (`delaysvc.limits`)."""
+    """Starts of a topic per time, `sms.send=10/s,mail.send=600/m` (`delaysvc.worker.limits`)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
     max_delay: str = "400d"
     history_retention: str | None = None
     """Finished messages are kept this long (`30d`), then their day of history is dropped whole
-    (`delaysvc.history`); unset, they stay until `delaysvc pipeline archive` copies them out."""
+    (`delaysvc.maintenance.history`); unset, they stay until `delaysvc pipeline archive` copies them
+    out."""
     max_retries: int = Field(default=16, ge=0, le=1000)
     lease_seconds: int = Field(default=30, gt=0)
     """A running job's lease: its process renews it every third of this while it lives, so a
@@ -105,8 +106,8 @@ class Settings(BaseModel):
     jdbc_jar: Path = DEBIAN_JDBC_JAR
     """The PostgreSQL JDBC driver's jar, for the pipeline's Spark reads (archive, report)."""
     log_format: LogFormat = "text"
-    """How every process logs to stderr (`delaysvc.logs`): `text` lines, or `json`, one object
-    per line with the record's structured fields."""
+    """How every process logs to stderr (`delaysvc.config.logs`): `text` lines, or `json`, one
+    object per line with the record's structured fields."""
 
     @field_validator("delay_levels")
     @classmethod
@@ -240,7 +241,7 @@ class Settings(BaseModel):
 
 
 PROCESS_SETTINGS = {"schema"}
-"""Read by `delaysvc.sql` for the whole process, not held by a Settings (`DELAYSVC_SCHEMA`)."""
+"""Read by `delaysvc.db.names` for the whole process, not held by a Settings (`DELAYSVC_SCHEMA`)."""
 TEST_PREFIX = "DELAYSVC_TEST_"
 """Variables of delaysvc's own test suite (`DELAYSVC_TEST_DATABASE_URL`, ...), not settings."""
 COMMAND_VARIABLES = {"DELAYSVC_NEW_USER_PASSWORD"}

@@ -1,6 +1,6 @@
 """delaysvc's tables live in a schema of their own, `delaysvc` unless `DELAYSVC_SCHEMA` names
 another, so that they sit beside an application's tables without touching them (and its
-Alembic never sees them: see `delaysvc.migrate`).
+Alembic never sees them: see `delaysvc.schema.migrate`).
 
 Every statement names its tables `delaysvc.<table>` and goes through `sql()` (SQLAlchemy) or
 `qualify()` (a driver's own cursor), which put the process's schema in that place. Nothing

@@ -1,7 +1,7 @@
-"""Alembic environment: runs on a connection handed in by `delaysvc.migrate`, or on one opened
-from the settings when the plain `alembic` command is used.
+"""Alembic environment: runs on a connection handed in by `delaysvc.schema.migrate`, or on one
+opened from the settings when the plain `alembic` command is used.
 
-Everything is made in delaysvc's own schema (`delaysvc.sql.schema()`), with its own version
+Everything is made in delaysvc's own schema (`delaysvc.db.names.schema()`), with its own version
 table there (`delaysvc_version`), so an application's Alembic beside it sees neither. The
 revisions name no schema: they run with the search_path set to delaysvc's for their
 transaction only. An install from before the schema moves first (`migrate.adopt_legacy_layout`).

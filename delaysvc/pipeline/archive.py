@@ -1,8 +1,8 @@
 """archive: finished messages older than a retention period -> Parquet (partitioned by topic
 and date) -> verified against PostgreSQL -> gone from PostgreSQL.
 
-Finished messages live in the history, one partition per UTC day (`delaysvc.history`); the
-archive first moves every finished message still in commit_log there, then takes the history
+Finished messages live in the history, one partition per UTC day (`delaysvc.maintenance.history`);
+the archive first moves every finished message still in commit_log there, then takes the history
 a day at a time. A day that ended before the cutoff is copied whole and its partition dropped
 (no DELETE, nothing to vacuum); the day the cutoff falls in is copied up to the cutoff and
 those rows deleted in bounded batches (they leave dead rows only in a partition that will be
@@ -87,7 +87,7 @@ class Span:
 
 
 @dataclass
-class Job:
+class ArchiveRun:
     spark: Any
     engine: Engine
     target: JdbcTarget
@@ -176,7 +176,7 @@ def run(
     result = ArchiveResult()
     url = session_url(settings, ARCHIVE)  # the lock's session, and the reads (not pooled)
     with _archive_lock(settings, url), jdbc_target(url) as target:
-        job = Job(spark, engine, target, out, crash_at, result)
+        job = ArchiveRun(spark, engine, target, out, crash_at, result)
         moved = history.move_all(engine)
         log.info("archive.history_moved", extra={"rows": moved})
         for left, recorded in _leftovers(engine):
@@ -261,7 +261,7 @@ def _start(engine: Engine, cutoff: datetime, older_than_ms: int) -> Span | None:
     return None
 
 
-def _finish(job: Job, span: Span, recorded: str | None) -> None:
+def _finish(job: ArchiveRun, span: Span, recorded: str | None) -> None:
     folder = job.out / f"run={span.run_id}"
     job.result.runs.append(span.run_id)
     job.result.folders.append(str(folder))
@@ -275,7 +275,7 @@ def _finish(job: Job, span: Span, recorded: str | None) -> None:
         _drop(job, span, folder)
 
 
-def _write_and_verify(job: Job, span: Span, folder: Path) -> None:
+def _write_and_verify(job: ArchiveRun, span: Span, folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     load(transform(extract(job.spark, job.target, span)), folder)
     job.crash("written")
@@ -304,7 +304,7 @@ def _write_and_verify(job: Job, span: Span, folder: Path) -> None:
     job.crash("verified")
 
 
-def _delete(job: Job, span: Span, folder: Path) -> None:
+def _delete(job: ArchiveRun, span: Span, folder: Path) -> None:
     """Delete the folder's ids from PostgreSQL, DELETE_BATCH per transaction."""
     ids = (row["id"] for row in job.spark.read.parquet(str(folder)).select("id").toLocalIterator())
     deleted = 0
@@ -319,7 +319,7 @@ def _delete(job: Job, span: Span, folder: Path) -> None:
     log.info("archive.deleted", extra={"run_id": span.run_id, "rows": deleted})
 
 
-def _drop(job: Job, span: Span, folder: Path) -> None:
+def _drop(job: ArchiveRun, span: Span, folder: Path) -> None:
     """Drop the span's day of history, if it still holds exactly the verified rows; waits
     for long readers of the history (DROP_PATIENCE)."""
     assert span.partition is not None

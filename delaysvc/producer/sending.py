@@ -2,7 +2,7 @@
 
 Each call joins the caller's transaction when given `connection=`: a SQLAlchemy Connection or
 Session (any driver), a psycopg 3 or psycopg2 connection, Django's connection; from asyncio a
-SQLAlchemy AsyncConnection or AsyncSession or a psycopg AsyncConnection (`delaysvc.joining`).
+SQLAlchemy AsyncConnection or AsyncSession or a psycopg AsyncConnection (`delaysvc.db.connections`).
 A web app creates an order and schedules its cancellation atomically, and a rollback leaves no
 trace of either. Without it, the call runs in a transaction of its own.
 """
@@ -47,7 +47,7 @@ from delaysvc.schema.tables import NO_LANE, TIMER_LANE, WAITING
 
 log = logging.getLogger("delaysvc.producer")  # the producer's logger, as before the package
 _T = TypeVar("_T")
-Joinable = object  # what a caller may pass as `connection=`: see `delaysvc.joining`
+Joinable = object  # what a caller may pass as `connection=`: see `delaysvc.db.connections`
 MAX_BATCH = 10_000
 
 
@@ -528,9 +528,9 @@ class Producer:
         replacing: Any | None = None,
         capped: bool = False,
     ) -> list[tuple[Any, bool, int | None]]:
-        """Insert, within the backlog caps (see `delaysvc.caps`), after cancelling `replacing`
-        (the holder of the message's key, as `_locate` reads it) if given. A single send is
-        one statement, unless a cap covers it (`capped`: known already) or this producer has
+        """Insert, within the backlog caps (see `delaysvc.producer.caps`), after cancelling
+        `replacing` (the holder of the message's key, as `_locate` reads it) if given. A single send
+        is one statement, unless a cap covers it (`capped`: known already) or this producer has
         caps of its own (DELAYSVC_BACKLOG_CAPS); anything more is one transaction
         (`Joined.transaction`) that reads the caps first. A cap counts what the write adds to
         its backlog: a held key adds nothing, a replacement takes its holder's place; a

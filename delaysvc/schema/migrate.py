@@ -1,6 +1,6 @@
 """Schema upgrades: Alembic to head, then one consume-queue partition per configured level.
 
-delaysvc keeps its tables in its own schema (`delaysvc.sql`) and its migration history in its
+delaysvc keeps its tables in its own schema (`delaysvc.db.names`) and its migration history in its
 own version table there, `delaysvc_version`: an application's Alembic in the same database sees
 no foreign head, and its autogenerate, which looks at the default schema, proposes nothing for
 delaysvc's tables. Installs from before the schema (tables and `alembic_version` in `public`)

@@ -97,7 +97,8 @@ commit_log = Table(
     ),
     # retrying messages per topic (the dashboard's and /api/v1/topics' retrying counts)
     Index("ix_commit_log_retrying_topic", "topic", postgresql_where=text("status = 'retrying'")),
-    # finished messages not yet moved into message_history, oldest first (`delaysvc.history`)
+    # finished messages not yet moved into message_history, oldest first
+    # (`delaysvc.maintenance.history`)
     Index(
         "ix_commit_log_finished", "finished_at", postgresql_where=text("finished_at IS NOT NULL")
     ),
@@ -106,7 +107,7 @@ commit_log = Table(
     postgresql_with={"fillfactor": "100", **HOT_TABLE_STORAGE},
 )
 
-# Finished messages, moved out of commit_log in batches by `delaysvc.history` (beat's
+# Finished messages, moved out of commit_log in batches by `delaysvc.maintenance.history` (beat's
 # `move_history`, every few seconds), so commit_log holds the messages in flight and stays the
 # size of the backlog however much history piles up. Partitioned by the UTC day each message
 # finished (`message_history_YYYYMMDD`, made ahead by the same sweep): retention and the archive
@@ -220,7 +221,7 @@ topic_state = Table(
     Column("topic", Text, primary_key=True),
     Column("paused", Boolean, nullable=False, server_default=text("false")),
     Column("updated_at", Timestamp, nullable=False, server_default=text("now()")),
-    # limits (`delaysvc.limits`): jobs running at once, and starts per second (a token bucket
+    # limits (`delaysvc.worker.limits`): jobs running at once, and starts per second (a token bucket
     # of one second's starts, `tokens` as of `tokens_at`), both checked under this row's lock
     Column("max_running", Integer),
     Column("rate_per_s", Float),
@@ -234,7 +235,7 @@ backlog_cap = Table(
     "backlog_cap",
     metadata,
     # at most max_waiting waiting messages in a level (target: its number) or a topic, read by
-    # every producer's send (`delaysvc.caps`)
+    # every producer's send (`delaysvc.producer.caps`)
     Column("scope", Text, primary_key=True),
     Column("target", Text, primary_key=True),
     Column("max_waiting", BigInteger, nullable=False),
@@ -412,7 +413,7 @@ bulk_batch = Table(
     Column("stored_at", Timestamp, nullable=False, server_default=text("now()")),
 )
 
-# Periodic schedules (`delaysvc.periodic_schedules`): one row per schedule; `next_tick` is the
+# Periodic schedules (`delaysvc.maintenance.periodic`): one row per schedule; `next_tick` is the
 # next tick not yet fired, advanced in the transaction that stores the tick's message, so each
 # tick is one message however many beats run.
 periodic_schedule = Table(

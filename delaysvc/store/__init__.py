@@ -3,9 +3,9 @@
 Callers pass a SQLAlchemy `Connection` and own the transaction; nothing here commits. The
 producer's statements (sending, cancelling, reading a message, the backlog caps) take any
 `Statements`: a SQLAlchemy `Connection`, or a connection the caller holds adapted by
-`delaysvc.joining` (psycopg 3, psycopg2, Django's, asyncio ones), so they join any transaction
-the caller has open. "Now" is the database clock (`statement_timestamp()`) unless a test passes
-`now=`.
+`delaysvc.db.connections` (psycopg 3, psycopg2, Django's, asyncio ones), so they join any
+transaction the caller has open. "Now" is the database clock (`statement_timestamp()`) unless a test
+passes `now=`.
 
 Lanes (see `delaysvc.schema`): a waiting message sits in lane N >= 1 (consume queue of level N,
 FIFO by offset) or lane 0 (the timer lane, by deliver_ts); lane -1 means it is in its topic's
@@ -63,7 +63,7 @@ from delaysvc.store.consuming import (
     running_job,
     schedule_retry,
     set_limits,
-    set_paused,
+    set_topic_paused,
     spend_tokens,
     start_jobs,
     topic_limits,
@@ -133,7 +133,6 @@ from delaysvc.store.shared import (
     WAITING,
     NewMessage,
     Statements,
-    driver_sql,
 )
 from delaysvc.store.totals import (
     MINUTES_KEPT,
@@ -191,7 +190,6 @@ __all__ = [
     "dead_ids",
     "deliver_now",
     "distinct_topics",
-    "driver_sql",
     "due_before",
     "ensure_levels",
     "find_message_by_key",
@@ -237,7 +235,7 @@ __all__ = [
     "schedule_retry",
     "set_backlog_cap",
     "set_limits",
-    "set_paused",
+    "set_topic_paused",
     "settle_stored",
     "skip_stuck_head",
     "slowest_lane_heartbeat",

@@ -1,5 +1,5 @@
-"""The statements of `delaysvc check` (`delaysvc.check`), each named for the invariant it
-checks and headed by one line saying so.
+"""The statements of `delaysvc check` (`delaysvc.maintenance.check`), each named for the invariant
+it checks and headed by one line saying so.
 
 Each is one set-based statement (anti-joins and hash aggregates, no per-row probes from Python)
 and returns its violations, at most `:limit` of them, each with the count of all of them

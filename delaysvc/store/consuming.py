@@ -351,7 +351,7 @@ SELECT topic FROM t WHERE topic IS NOT NULL
     )
 
 
-def set_paused(conn: Connection, topic: str, paused: bool) -> None:
+def set_topic_paused(conn: Connection, topic: str, paused: bool) -> None:
     conn.execute(
         sql(
             "INSERT INTO delaysvc.topic_state (topic, paused) VALUES (:topic, :paused) "

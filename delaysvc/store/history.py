@@ -1,5 +1,5 @@
-"""Every statement on the finished messages' history (`delaysvc.history`): picking finished
-rows out of commit_log, moving them into their day's partition of `message_history`, making
+"""Every statement on the finished messages' history (`delaysvc.maintenance.history`): picking
+finished rows out of commit_log, moving them into their day's partition of `message_history`, making
 and dropping those partitions, and taking a dead message back for a redrive.
 
 Whatever writes the history (the sweep, a redrive, retention, the archive's drop) first takes

@@ -29,7 +29,7 @@ from delaysvc.store.shared import (
 # A send to a level or the timer lane stores nothing if a backlog cap covers its topic or level,
 # unless the caller holds the caps' locks (:caps_held): a probe of backlog_cap's primary key per
 # target, so every producer keeps to the caps without a setting or a cache. It returns one row of
-# NULLs instead, and the producer stores the message under the caps (`delaysvc.caps`).
+# NULLs instead, and the producer stores the message under the caps (`delaysvc.producer.caps`).
 _UNCAPPED = """uncapped AS (SELECT CAST(:caps_held AS boolean) OR NOT EXISTS (
         SELECT 1 FROM delaysvc.backlog_cap bc WHERE {targets}) AS free), """
 _CAPPED_MARK = "\nUNION ALL SELECT NULL, NULL, NULL, NULL FROM uncapped WHERE NOT uncapped.free"

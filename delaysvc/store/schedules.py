@@ -1,5 +1,5 @@
 """The statements on periodic schedules (`periodic_schedule`), each named for what it does.
-Callers own the transaction (see `delaysvc.periodic_schedules`)."""
+Callers own the transaction (see `delaysvc.maintenance.periodic`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sqlalchemy import Connection
 from delaysvc.db.names import sql
 
 
-class Schedule(Protocol):
+class ScheduleFields(Protocol):
     """What the statements read of a validated schedule (`maintenance.periodic.Schedule`)."""
 
     @property
@@ -46,7 +46,7 @@ def statement_now(conn: Connection) -> datetime:
 
 def put(
     conn: Connection,
-    item: Schedule,
+    item: ScheduleFields,
     declared_in: str,
     next_tick: datetime,
     topics: Sequence[str] | None = None,
@@ -83,7 +83,7 @@ RETURNING {COLUMNS}"""
 
 
 def declare(
-    conn: Connection, item: Schedule, next_tick: datetime, now: datetime, by: str | None
+    conn: Connection, item: ScheduleFields, next_tick: datetime, now: datetime, by: str | None
 ) -> None:
     """A worker declares a schedule in code: add or update it (its paused flag and history
     kept; its next tick computed again only when its timing changed), and note that `by`
@@ -193,7 +193,7 @@ def delete(conn: Connection, name: str) -> bool:
     )
 
 
-def _params(item: Schedule, next_tick: datetime) -> dict[str, Any]:
+def _params(item: ScheduleFields, next_tick: datetime) -> dict[str, Any]:
     """A schedule's columns as a statement's parameters."""
     return {
         "name": item.name,

@@ -11,21 +11,14 @@ from typing import Any, Protocol
 
 from sqlalchemy import TextClause
 
-from delaysvc.db.names import driver_sql as _driver_sql
-
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
-
-
-def driver_sql(statement: TextClause) -> str:
-    """Any statement of this module in the form a `%(name)s` driver takes it (psycopg 3,
-    psycopg2, Django's cursor), compiled once per statement text."""
-    return _driver_sql(statement.text)
 
 
 class Statements(Protocol):
     """What the producer's statements run on: a SQLAlchemy `Connection`, or a connection the
-    caller holds adapted by `delaysvc.joining`. Results are read as SQLAlchemy's are (`first`,
-    `one`, `scalar_one`, `scalars`, `rowcount`, iteration; rows by name and position)."""
+    caller holds adapted by `delaysvc.db.connections`. Results are read as SQLAlchemy's are
+    (`first`, `one`, `scalar_one`, `scalars`, `rowcount`, iteration; rows by name and
+    position)."""
 
     def execute(
         self, statement: TextClause, parameters: Mapping[str, Any] | None = None, /

@@ -1,7 +1,7 @@
 """The Celery app, built by a function from the settings (the edge), and the per-process
 runtime the task wrappers share (engine, consumer). Queues:
 
-- `delaysvc.delivery`: one long-ish task per lane at a time; serve it with a thread pool
+- `delaysvc.maintenance.delivery`: one long-ish task per lane at a time; serve it with a thread pool
   (`-P threads -c <lanes + 2>`): the tasks wait on the database and on the clock, not the CPU.
 - `delaysvc.consume`: consumer batches; serve it with the default prefork pool.
 """
@@ -185,8 +185,8 @@ def _refuse_to_start(sender: object, **_: object) -> None:
 def _configure_logging(
     loglevel: int | str | None = None, logfile: str | None = None, **_: object
 ) -> None:
-    """Worker and beat log through `delaysvc.logs` (DELAYSVC_LOG_FORMAT), Celery's own records
-    too: with a receiver of this signal connected, Celery installs no handler of its own."""
+    """Worker and beat log through `delaysvc.config.logs` (DELAYSVC_LOG_FORMAT), Celery's own
+    records too: with a receiver of this signal connected, Celery installs no handler of its own."""
     from celery import current_app
 
     from delaysvc.config import logs

@@ -1,4 +1,4 @@
-"""Consumer tasks: thin wrappers around `delaysvc.consumption.Consumer`."""
+"""Consumer tasks: thin wrappers around `delaysvc.worker.consumer.Consumer`."""
 
 from __future__ import annotations
 

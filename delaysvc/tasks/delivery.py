@@ -1,4 +1,4 @@
-"""Delivery tasks: thin wrappers around `delaysvc.delivery.LaneRunner`.
+"""Delivery tasks: thin wrappers around `delaysvc.maintenance.delivery.LaneRunner`.
 
 Each lane is one chain of `deliver_lane` tasks: a run keeps its lane for a budget, then sends
 the next run. A delivery worker starts every lane's chain the moment it is ready, so a deploy

@@ -1,4 +1,4 @@
-"""The history sweep (`delaysvc.history.sweep`), run by beat every few seconds."""
+"""The history sweep (`delaysvc.maintenance.history.sweep`), run by beat every few seconds."""
 
 from __future__ import annotations
 

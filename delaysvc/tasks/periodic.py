@@ -1,10 +1,10 @@
-"""Periodic schedules (`delaysvc.periodic_schedules`) in the worker: beat fires
+"""Periodic schedules (`delaysvc.maintenance.periodic`) in the worker: beat fires
 `delaysvc.fire_schedules` every second on the delivery queue, and a delivery worker stores the
 schedules its handler modules declare (`@periodic`), the configured topic limits
-(`delaysvc.limits`) and backlog caps (`delaysvc.caps`) when it starts. From then on a thread of
-the worker declares its schedules again every minute and removes those no worker declares any
-more (`periodic.Declarer`): the rounds run in every delivery worker, which a task fired by beat
-would not (it runs in one)."""
+(`delaysvc.worker.limits`) and backlog caps (`delaysvc.producer.caps`) when it starts. From then on
+a thread of the worker declares its schedules again every minute and removes those no worker
+declares any more (`periodic.Declarer`): the rounds run in every delivery worker, which a task fired
+by beat would not (it runs in one)."""
 
 from __future__ import annotations
 

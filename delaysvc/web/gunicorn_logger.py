@@ -1,5 +1,5 @@
 """gunicorn's own records (its master's lines, the access log) in DELAYSVC_LOG_FORMAT=json:
-gunicorn formats them with handlers of its own, which `delaysvc.logs.configure` leaves alone;
+gunicorn formats them with handlers of its own, which `delaysvc.config.logs.configure` leaves alone;
 `web_command` names this class with `--logger-class` when the format is json."""
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ def topics_json() -> Any:
 def _set_paused(topic: str, paused: bool) -> Any:
     validate_topic(topic)
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
-        store.set_paused(conn, topic, paused)
+        store.set_topic_paused(conn, topic, paused)
     done(f"{topic} {'paused: workers take no new jobs of it' if paused else 'resumed'}")
     return redirect(url_for("dashboard.ui.topics"))
 

@@ -23,7 +23,7 @@ from delaysvc import store
 from delaysvc.bench import raw
 from delaysvc.bench.progress import Progress
 from delaysvc.bench.scale import fill_lane
-from delaysvc.db import libpq_url
+from delaysvc.db.engines import libpq_url
 from delaysvc.store import LATENESS_BUCKETS_MS
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"

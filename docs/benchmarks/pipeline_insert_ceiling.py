@@ -16,11 +16,11 @@ import sys
 import time
 
 import psycopg
-
-from delaysvc.db import libpq_url
-from delaysvc.pipeline import store
 from delaysvc.pipeline.bench import copy_text, insert_ceiling
-from delaysvc.settings import Settings
+
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url
+from delaysvc.pipeline import store
 
 ROWS = 200_000
 

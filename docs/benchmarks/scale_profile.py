@@ -26,9 +26,9 @@ from scratch import scratch_database
 
 from delaysvc import store
 from delaysvc.bench.scale import LONG_LEVEL_MS, _fill_backlog, fill_lane
-from delaysvc.producer import Producer
-from delaysvc.schema import LATENESS_BUCKETS_MS
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.producer.sending import Producer
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 PENDING = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000_000

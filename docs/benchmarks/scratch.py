@@ -8,9 +8,9 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, text
 
-from delaysvc.db import make_engine, sqlalchemy_url
-from delaysvc.migrate import upgrade
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine, sqlalchemy_url
+from delaysvc.schema.migrate import upgrade
 
 
 @contextmanager

@@ -22,9 +22,9 @@ from scratch import scratch_database
 
 from delaysvc import store
 from delaysvc.bench.raw import BODY, _fresh
-from delaysvc.db import libpq_url
-from delaysvc.producer import Producer
-from delaysvc.settings import Settings
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url
+from delaysvc.producer.sending import Producer
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 DATABASE = "delaysvc_send_profile"

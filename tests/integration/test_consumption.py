@@ -245,10 +245,10 @@ def test_paused_topic_is_not_claimed(producer, consumer, engine):
     handler("t")(lambda m: None)
     producer.send("t", 1)
     with engine.begin() as conn:
-        store.set_paused(conn, "t", True)
+        store.set_topic_paused(conn, "t", True)
     assert consumer.run_once("t").claimed == 0
     with engine.begin() as conn:
-        store.set_paused(conn, "t", False)
+        store.set_topic_paused(conn, "t", False)
     assert consumer.run_once("t").claimed == 1
 
 

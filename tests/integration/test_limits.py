@@ -1,4 +1,4 @@
-"""Per-topic limits (`delaysvc.limits`) as the claims enforce them: at most `max_running`
+"""Per-topic limits (`delaysvc.worker.limits`) as the claims enforce them: at most `max_running`
 running at once, at most a bucket of one second's tokens at `rate_per_s`, exact under
 concurrent claims. The end-to-end test with four consumer processes is in
 tests/e2e/test_limits_e2e.py."""

@@ -1,4 +1,4 @@
-"""Periodic schedules (`delaysvc.periodic_schedules`): validation, ticks in a time zone, one
+"""Periodic schedules (`delaysvc.maintenance.periodic`): validation, ticks in a time zone, one
 message per tick however many fire at once, the policy after downtime, pause and resume,
 schedules declared in code. The end-to-end test with several beats and workers is in
 tests/e2e/test_periodic_e2e.py."""

@@ -1,6 +1,6 @@
-"""The supervisor behind `delaysvc up`, `worker`, `beat` and `web` (`delaysvc.up`), with real
-child processes: a child that dies is restarted after a backoff while the others run on, one
-that cannot start stops everything with a line saying so, and no child outlives a supervisor
+"""The supervisor behind `delaysvc up`, `worker`, `beat` and `web` (`delaysvc.runtime.supervisor`),
+with real child processes: a child that dies is restarted after a backoff while the others run on,
+one that cannot start stops everything with a line saying so, and no child outlives a supervisor
 killed with SIGKILL. (tests/e2e/test_up.py does the same to a whole `delaysvc up`.)"""
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ of DELETE + VACUUM, and commit_log stays the size of what is in flight
 
 Nothing is moved here: an install with millions of finished messages upgrades in one short
 transaction (a table, a view, one partial index on commit_log), and the history sweep
-(`delaysvc.history`, run by beat) moves its finished rows over in batches afterwards, with
-messages in flight. Until it has, `delaysvc.message` (both tables as one) shows every message
+(`delaysvc.maintenance.history`, run by beat) moves its finished rows over in batches afterwards,
+with messages in flight. Until it has, `delaysvc.message` (both tables as one) shows every message
 where it is. A later revision that adds a column to commit_log adds it to message_history
 and recreates the view.
 

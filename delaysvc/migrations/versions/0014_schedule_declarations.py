@@ -2,7 +2,7 @@
 
 A delivery worker declares its handler modules' schedules when it starts and again every
 minute; a code-declared schedule that no worker has declared for a while is removed
-(`delaysvc.periodic_schedules.UNDECLARED_GRACE`). The code-declared schedules already stored
+(`delaysvc.maintenance.periodic.UNDECLARED_GRACE`). The code-declared schedules already stored
 count as declared now: the workers of every team have the grace to declare theirs again.
 
 Revision ID: 0014

@@ -1,5 +1,5 @@
 """backlog caps in the database: at most max_waiting waiting messages in a level or a topic,
-read by every producer's send (`delaysvc.caps`), set by the CLI, the API and the dashboard
+read by every producer's send (`delaysvc.producer.caps`), set by the CLI, the API and the dashboard
 
 Revision ID: 0015
 Revises: 0014
