@@ -17,6 +17,7 @@ from delaysvc import store
 from delaysvc.config.validation import validate_topic
 from delaysvc.errors import ValidationError
 from delaysvc.store import tokens as store_tokens
+from delaysvc.store import users as store_users
 
 SCOPES = ("send", "admin")
 ROLES = ("admin", "viewer")
@@ -121,6 +122,21 @@ def create_user(engine: Engine, name: str, password: str, role: str = "viewer") 
         raise ValidationError("password", "must be at least 8 characters")
     with engine.begin() as conn:
         store.upsert_user(conn, name, generate_password_hash(password), role)
+
+
+FIRST_ADMIN = "admin"
+
+
+def create_first_admin(engine: Engine) -> str | None:
+    """On a database with no dashboard user: an admin named `admin` with a new random
+    password, returned (to be shown once; only its hash is stored). With any user there: None,
+    and nothing changes."""
+    password = secrets.token_urlsafe(12)
+    with engine.begin() as conn:
+        added = store_users.add_first_user(
+            conn, FIRST_ADMIN, generate_password_hash(password), "admin"
+        )
+    return password if added else None
 
 
 def check_login(engine: Engine, name: str, password: str) -> Any:

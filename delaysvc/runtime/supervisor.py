@@ -27,11 +27,14 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
 from delaysvc.config.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 log = logging.getLogger(__name__)
 STOP_GRACE_SECONDS = 20
@@ -465,6 +468,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _first_admin(engine: Engine) -> str | None:
+    """The embedded database's first dashboard login, made on the first `up` and shown once
+    (a configured database gets its users from `delaysvc create-user` only)."""
+    from delaysvc import auth
+
+    password = auth.create_first_admin(engine)
+    if password is None:
+        return None
+    return (
+        f"dashboard login: {auth.FIRST_ADMIN} / {password}  (shown only now; "
+        f"`delaysvc create-user {auth.FIRST_ADMIN}` sets another password)"
+    )
+
+
 def run_all(settings: Settings, host: str, port: int) -> int:
     from delaysvc.db.engines import database_url, make_engine
     from delaysvc.schema.migrate import upgrade
@@ -480,6 +497,7 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     engine = make_engine(settings, url)
     for change in upgrade(engine, settings.levels):
         console.echo(SUPERVISOR, change.describe())
+    first_login = _first_admin(engine) if settings.embedded_database else None
     engine.dispose()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
     base = f"http://{host}:{port}"
@@ -491,6 +509,8 @@ def run_all(settings: Settings, host: str, port: int) -> int:
             SUPERVISOR, f"broker: filesystem under {settings.var_dir.resolve() / 'broker'}"
         )
     console.echo(SUPERVISOR, f"starting {', '.join(command.name for command in commands)}")
+    if first_login:
+        console.echo(SUPERVISOR, first_login)
     announce = announce_when_ready(
         healthz_ages(base + "/healthz"),
         time.monotonic(),

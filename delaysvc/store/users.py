@@ -21,6 +21,22 @@ def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> N
     )
 
 
+def add_first_user(conn: Connection, name: str, password_hash: str, role: str) -> bool:
+    """Add this user only if there is no dashboard user yet. -> whether it was added. Two
+    callers at once add one: the table's lock is taken first (share row exclusive, which
+    conflicts with itself and with inserts, not with reads)."""
+    conn.execute(sql("LOCK TABLE delaysvc.dashboard_user IN SHARE ROW EXCLUSIVE MODE"))
+    added = conn.execute(
+        sql(
+            "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) "
+            "SELECT :name, :hash, :role "
+            "WHERE NOT EXISTS (SELECT 1 FROM delaysvc.dashboard_user)"
+        ),
+        {"name": name, "hash": password_hash, "role": role},
+    )
+    return added.rowcount == 1
+
+
 def find_user(conn: Connection, name: str) -> Any:
     return conn.execute(
         sql(

@@ -125,18 +125,20 @@ def delaysvc_in(folder: Path, env: dict[str, str]) -> Callable[..., str]:
 
 
 @contextmanager
-def running_up(folder: Path, env: dict[str, str]) -> Iterator[tuple[int, Callable[..., str]]]:
+def running_up(
+    folder: Path, env: dict[str, str]
+) -> Iterator[tuple[int, Callable[..., str], list[str]]]:
     """`delaysvc up` started in `folder` until it prints `ready`; -> (port, a function running
-    other `delaysvc` commands in the same folder). At the end, `delaysvc check` is clean on its
-    database (while it runs: the check is safe under load), then SIGTERM, which must end every
-    child cleanly."""
+    other `delaysvc` commands in the same folder, the lines `up` printed so far). At the end,
+    `delaysvc check` is clean on its database (while it runs: the check is safe under load),
+    then SIGTERM, which must end every child cleanly."""
     port = free_port()
     up = start_up(folder, env, port)
     output = Output(up)
     try:
         line = output.wait_for("delaysvc ready:")
         assert f"http://127.0.0.1:{port}/" in line
-        yield port, delaysvc_in(folder, env)
+        yield port, delaysvc_in(folder, env), output.lines
         assert_check_clean(start_embedded(folder / "var"))
     finally:
         up.send_signal(signal.SIGTERM)
@@ -172,7 +174,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Path) -> None:
     env = _clean_env(DELAYSVC_HANDLERS="examples.shop,tests.e2e.handlers", SHOP_CANCEL_AFTER="3s")
-    with running_up(tmp_path, env) as (port, delaysvc):
+    with running_up(tmp_path, env) as (port, delaysvc, _):
         # `ready` means ready: a level-1 message sent now runs on time (lanes started with
         # the delivery worker, not at beat's first interval; consumers warm)
         late_ms = _level_1_handler_started_late_ms(start_embedded(tmp_path / "var"))
@@ -265,8 +267,12 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
 
     from tests.browser.test_dashboard_browser import SCREENSHOTS, launch_chromium
 
-    with running_up(tmp_path, _clean_env()) as (port, delaysvc):
-        delaysvc("create-user", "ada", "--role", "admin", "--password", "admin-password-1")
+    with running_up(tmp_path, _clean_env()) as (port, _, lines):
+        # the first `up` on a new embedded database made an admin and showed its password once
+        (login,) = [line for line in lines if "dashboard login:" in line]
+        found = re.search(r"dashboard login: (\S+) / (\S+)", login)
+        assert found is not None, login
+        name, password = found.groups()
         load = subprocess.Popen(
             [
                 sys.executable,
@@ -293,10 +299,10 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
                 browser = launch_chromium(playwright)
                 page = browser.new_page(viewport={"width": 1366, "height": 768})
                 page.goto(f"http://127.0.0.1:{port}/login")
-                page.fill("input[name=name]", "ada")
-                page.fill("input[name=password]", "admin-password-1")
+                page.fill("input[name=name]", name)
+                page.fill("input[name=password]", password)
                 page.click("button[type=submit]")
-                expect(page.locator("#user")).to_have_text("ada (admin)", timeout=30_000)
+                expect(page.locator("#user")).to_have_text("admin (admin)", timeout=30_000)
                 page.evaluate("window.sameDocument = true")
 
                 def deliveries() -> int:
@@ -404,7 +410,7 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         for pid in _not_postgres(_processes_in(tmp_path)):
             os.kill(pid, signal.SIGKILL)
 
-    with running_up(tmp_path, env) as (_, delaysvc):
+    with running_up(tmp_path, env) as (_, delaysvc, _):
         assert delaysvc("send", "e2e.noop", "{}", "--level", "1").startswith("sent: id=")
 
 

@@ -148,3 +148,33 @@ def test_after_the_lockout_ends_one_more_failure_locks_again(engine: Engine, use
         conn.execute(text("UPDATE dashboard_user SET locked_until = now() - interval '1 second'"))
     assert auth.check_login(engine, NAME, PASSWORD) is not None
     assert _failed_logins(engine) == (0, False)
+
+
+def test_the_first_admin_is_made_once_on_a_database_without_users(engine: Engine) -> None:
+    """`up` on a new embedded database shows this password once; of several callers at once
+    one makes the admin, the others (and every later call) get None and change nothing."""
+    results: list[str | None] = []
+    barrier = threading.Barrier(4)
+
+    def make() -> None:
+        barrier.wait()
+        results.append(auth.create_first_admin(engine))
+
+    threads = [threading.Thread(target=make) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    (password,) = [p for p in results if p is not None]
+    assert results.count(None) == 3
+    assert len(password) >= 16
+    assert auth.check_login(engine, auth.FIRST_ADMIN, password).role == "admin"
+    assert auth.create_first_admin(engine) is None
+    assert auth.check_login(engine, auth.FIRST_ADMIN, password) is not None  # unchanged
+
+
+def test_no_first_admin_where_a_user_exists(engine: Engine, user: str) -> None:
+    assert auth.create_first_admin(engine) is None
+    with engine.connect() as conn:
+        names = conn.execute(text("SELECT name FROM dashboard_user")).scalars().all()
+    assert names == [user]
