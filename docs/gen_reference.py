@@ -37,23 +37,6 @@ BLOCK = re.compile(
 )
 
 # Settings the model has no docstring for yet: said here until settings.py says it.
-SETTING_NOTES = {
-    "delay_levels": "Delay level N is the Nth token (see *Delay level strings* below).",
-    "max_body_bytes": "The largest encoded body a send accepts.",
-    "max_delay": "The longest delay a send accepts (`delay`, `delay_ms` or `deliver_at`).",
-    "max_retries": "Retries before the dead letters; a handler's `max_retries=` overrides it.",
-    "delivery_batch": "Rows moved per delivery transaction.",
-    "consume_batch": "Jobs claimed per consumer transaction.",
-    "idle_poll_ms": "The longest sleep of the timer lane's runner (where a new message may "
-    "become the head).",
-    "lane_budget_seconds": "How long one delivery task keeps its lane before it re-queues "
-    "itself; beat fires every lane's task this often.",
-    "var_dir": "The folder of the embedded database, the filesystem broker, the beat schedule "
-    "and the session key.",
-    "secret_key": "Signs the dashboard's session cookies (shared by every web worker); unset, "
-    "one is made once in `var/secret_key`.",
-    "statement_timeout_ms": "The statement timeout of the dashboard's and `/metrics`' queries.",
-}
 # Variables that are read outside the Settings object (settings.py names them).
 OTHER_VARIABLES = {
     "schema": "The PostgreSQL schema delaysvc's tables live in (lower-case letters, digits, "
@@ -123,7 +106,7 @@ def setting_rows() -> list[tuple[str, str, str, str]]:
     docs = _attribute_docs(Settings)
     rows = []
     for name, field in Settings.model_fields.items():
-        meaning = docs.get(name) or SETTING_NOTES.get(name, "")
+        meaning = docs.get(name, "")
         bounds = _bounds(field.metadata)
         kind = _type(field.annotation) + (f" ({bounds})" if bounds else "")
         rows.append((f"DELAYSVC_{name.upper()}", kind, _default(field.default), meaning))

@@ -64,6 +64,7 @@ class Settings(BaseModel):
     broker_url: str | None = None
     """Celery broker (redis://, amqp://); unset -> a filesystem broker under `var_dir`."""
     delay_levels: str = DEFAULT_LEVELS
+    """Delay level N is the Nth token (see *Delay level strings* below)."""
     handlers: str = ""
     """Comma-separated modules that register handlers with `@handler`."""
     topic_delays: str = ""
@@ -77,12 +78,15 @@ class Settings(BaseModel):
     topic_rates: str = ""
     """Starts of a topic per time, `sms.send=10/s,mail.send=600/m` (`delaysvc.worker.limits`)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    """The largest encoded body a send accepts."""
     max_delay: str = "400d"
+    """The longest delay a send accepts (`delay`, `delay_ms` or `deliver_at`)."""
     history_retention: str | None = None
     """Finished messages are kept this long (`30d`), then their day of history is dropped whole
     (`delaysvc.maintenance.history`); unset, they stay until `delaysvc pipeline archive` copies them
     out."""
     max_retries: int = Field(default=16, ge=0, le=1000)
+    """Retries before the dead letters; a handler's `max_retries=` overrides it."""
     lease_seconds: int = Field(default=30, gt=0)
     """A running job's lease: its process renews it every third of this while it lives, so a
     job is taken again this long (at most) after its process died, and never while it runs."""
@@ -93,14 +97,24 @@ class Settings(BaseModel):
     """A consumer process using more than this after a task is replaced (0: never): a
     handler that leaks memory cannot take the worker down."""
     delivery_batch: int = Field(default=1000, gt=0, le=100_000)
+    """Rows moved per delivery transaction."""
     consume_batch: int = Field(default=100, gt=0, le=10_000)
+    """Jobs claimed per consumer transaction."""
     idle_poll_ms: int = Field(default=100, ge=10, le=60_000)
+    """The longest sleep of the timer lane's runner (where a new message may become the head)."""
     lane_budget_seconds: float = Field(default=5.0, gt=0, le=300)
+    """How long one delivery task keeps its lane before it re-queues itself; beat fires every
+    lane's task this often."""
     var_dir: Path = Path("var")
+    """The folder of the embedded database, the filesystem broker, the beat schedule and the
+    session key."""
     secret_key: str | None = None
+    """Signs the dashboard's session cookies (shared by every web worker); unset, one is made once
+    in `var/secret_key`."""
     secure_cookies: bool = False
     """Mark the dashboard's session cookie Secure (set it when the site is served over https)."""
     statement_timeout_ms: int = Field(default=5_000, gt=0)
+    """The statement timeout of the dashboard's and `/metrics`' queries."""
     metrics_token: str | None = None
     """When set, `GET /metrics` needs `Authorization: Bearer <this>`; unset, it is open."""
     jdbc_jar: Path = DEBIAN_JDBC_JAR
