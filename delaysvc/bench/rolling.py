@@ -29,7 +29,7 @@ from delaysvc.bench.peers import DelaysvcPeer
 from delaysvc.bench.progress import step
 from delaysvc.bench.suites import BODY, Figures, percentiles
 from delaysvc.db.names import sql
-from delaysvc.maintenance import heartbeats as health
+from delaysvc.maintenance import heartbeats
 from delaysvc.producer.sending import Producer
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _wait_until_running(engine: Engine) -> None:
     """Until beat, every lane and the consumers have reported in."""
     deadline = time.monotonic() + READY_SECONDS
     while time.monotonic() < deadline:
-        if health.check(engine).status == "ok":
+        if heartbeats.read_health(engine).status == "ok":
             return
         time.sleep(0.2)
     raise RuntimeError(f"the workers did not report in within {READY_SECONDS:g} s")

@@ -43,7 +43,7 @@ class Health:
         return "ok" if self.database and all(self.components.values()) else "degraded"
 
 
-def check(engine: Engine) -> Health:
+def read_health(engine: Engine) -> Health:
     try:
         with engine.connect() as conn:
             seen: dict[str, float | None] = dict(store.heartbeats(conn))

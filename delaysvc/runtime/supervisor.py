@@ -362,14 +362,14 @@ def healthz_ages(url: str) -> Ages:
 
 
 def database_ages(settings: Settings, parts: Sequence[str]) -> Ages:
-    """The heartbeats of `parts` as the database has them (`health.check`)."""
+    """The heartbeats of `parts` as the database has them (`heartbeats.read_health`)."""
     from delaysvc.db.engines import make_engine
-    from delaysvc.maintenance import heartbeats as health
+    from delaysvc.maintenance import heartbeats
 
     engine = make_engine(settings)
 
     def ages() -> dict[str, float | None]:
-        checked = health.check(engine)
+        checked = heartbeats.read_health(engine)
         if not checked.database:
             raise OSError("the database does not answer")
         return {part: checked.seconds_since[part] for part in parts}

@@ -28,9 +28,9 @@ dashboard.register_blueprint(ui)
 def healthz() -> Any:
     """200 while the database answers (this process can serve); the body also says whether
     beat and the consumers are alive (`status` "degraded" when one is not)."""
-    from delaysvc.maintenance.heartbeats import check
+    from delaysvc.maintenance.heartbeats import read_health
 
-    health = check(services()["engine"])
+    health = read_health(services()["engine"])
     body = {
         "status": health.status,
         "database": health.database,
