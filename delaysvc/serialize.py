@@ -73,9 +73,10 @@ def lane_json(row: Any) -> dict[str, Any]:
 
 
 def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str, Any]:
-    """A topic's jobs by state, and its last hour of handler runs: how many per minute and
-    duration percentiles (bucket upper bounds: "p99 <= this"; past the last bucket, the
-    longest run)."""
+    """A topic's jobs by state, whether a live worker has its handler (`handled`: false while
+    none has reported it for 90 s; its ready jobs wait), and its last hour of handler runs:
+    how many per minute and duration percentiles (bucket upper bounds: "p99 <= this"; past
+    the last bucket, the longest run)."""
     counts, longest = durations or ([], 0.0)
     return {
         "topic": row.topic,
@@ -84,6 +85,7 @@ def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str,
         "retrying": row.retrying,
         "dead": row.dead,
         "paused": row.paused,
+        "handled": row.handled,
         "runs_per_minute": round(sum(counts) / 60, 1),
         "duration_p50_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.5, longest),
         "duration_p99_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.99, longest),

@@ -75,7 +75,8 @@ def bench(
 @pass_ctx
 def load(ctx: Context, rate: int, seconds: float, topic: str, levels: str) -> None:
     """Send a steady stream into the service's own database (watch the dashboard meanwhile).
-    Messages for TOPIC need a handler, or they wait in its queue."""
+    Messages for TOPIC need a handler, or they wait in its queue: `delaysvc up` with no
+    DELAYSVC_HANDLERS runs a demo handler for load.demo."""
     from delaysvc.bench.load import send_at_rate
 
     try:

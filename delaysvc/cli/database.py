@@ -103,17 +103,9 @@ def stats(ctx: Context, as_json: bool) -> None:
         )
     click.echo("")
     click.echo(f"{'topic':<40} {'ready':>8} {'running':>8} {'dead':>8}  handler")
-    from delaysvc.worker.consumer import load_handler_modules, registered
-
-    load_handler_modules(ctx.settings.handler_modules)
     for topic in topics:
-        bound = (
-            "yes"
-            if registered(topic.topic)
-            else f"task {ctx.settings.task_topics[topic.topic]}"
-            if topic.topic in ctx.settings.task_topics
-            else "NONE (waiting)"
-        )
+        # as the workers report it (their `handler <topic>` heartbeats), not this process
+        bound = "yes" if topic.handled else "NONE: no live worker has one (waiting)"
         paused = " (paused)" if topic.paused else ""
         click.echo(
             f"{topic.topic:<40} {topic.ready:>8} {topic.running:>8} {topic.dead:>8}  "

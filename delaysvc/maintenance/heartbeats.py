@@ -6,12 +6,17 @@ and the `ready` lines of `up` and `worker` read them."""
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sqlalchemy import Engine
 
 from delaysvc import store
+
+log = logging.getLogger(__name__)
 
 STALE_AFTER_SECONDS = {"beat": 15.0, "delivery": 15.0, "consumer": 15.0}
 """A component not seen for this long is reported down (3 of its beat intervals, or more).
@@ -24,6 +29,28 @@ LANE_HEARTBEAT_SECONDS = 5.0
 def record_heartbeat(engine: Engine, component: str) -> None:
     with engine.begin() as conn:
         store.record_heartbeat(conn, component, socket.gethostname())
+
+
+def report_handlers(
+    engine: Engine, topics: Callable[[], list[str]], stopped: threading.Event
+) -> threading.Thread:
+    """Say now, then every HANDLER_HEARTBEAT_SECONDS until `stopped`, that this worker runs
+    the handlers of `topics()`: the dashboard, `/api/v1/topics` and `delaysvc stats` call a
+    topic no live worker reports "no handler". A thread of the worker's main process."""
+
+    def report() -> None:
+        while True:
+            try:
+                with engine.begin() as conn:
+                    store.record_handlers(conn, topics(), socket.gethostname())
+            except Exception:  # the database is away: the next round tries again
+                log.warning("heartbeat.handlers_failed", exc_info=True)
+            if stopped.wait(store.HANDLER_HEARTBEAT_SECONDS):
+                return
+
+    thread = threading.Thread(target=report, name="handler-heartbeat", daemon=True)
+    thread.start()
+    return thread
 
 
 @dataclass(frozen=True)

@@ -500,6 +500,15 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     first_login = _first_admin(engine) if settings.embedded_database else None
     engine.dispose()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
+    if not settings.handler_modules:
+        from delaysvc.runtime import demo
+
+        env["DELAYSVC_HANDLERS"] = demo.__name__
+        console.echo(
+            SUPERVISOR,
+            f"handlers: the demo's, for {', '.join(demo.TOPICS)} (no DELAYSVC_HANDLERS; "
+            "DELAYSVC_HANDLERS=your.module runs yours instead)",
+        )
     base = f"http://{host}:{port}"
     if settings.embedded_database:
         where = settings.var_dir.resolve() / "pg"

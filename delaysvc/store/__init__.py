@@ -88,10 +88,14 @@ from delaysvc.store.delivery import (
     skip_stuck_head,
 )
 from delaysvc.store.health import (
+    HANDLER_HEARTBEAT_SECONDS,
+    HANDLER_STALE_AFTER_SECONDS,
     heartbeats,
     recent_durations,
+    record_handlers,
     record_heartbeat,
     slowest_lane_heartbeat,
+    unhandled_ready,
 )
 from delaysvc.store.levels import (
     LEVEL_CHANGE_LOCK_TIMEOUT,
@@ -155,6 +159,8 @@ from delaysvc.store.users import (
 __all__ = [
     "CLOCK_MARGIN_MS",
     "DELIVERED_AT",
+    "HANDLER_HEARTBEAT_SECONDS",
+    "HANDLER_STALE_AFTER_SECONDS",
     "INSERT_STAGED",
     "IN_TOPIC_QUEUE",
     "LANE",
@@ -224,6 +230,7 @@ __all__ = [
     "oldest_waiting_of_topic",
     "purge_dead",
     "recent_durations",
+    "record_handlers",
     "record_heartbeat",
     "redrive_dead",
     "release_unstarted",
@@ -251,6 +258,7 @@ __all__ = [
     "topic_stats",
     "topic_totals",
     "topics_with_ready",
+    "unhandled_ready",
     "unique_violation",
     "upsert_user",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import Connection
 
 from delaysvc.db.names import sql
+from delaysvc.store.consuming import topics_with_ready
 
 
 def record_heartbeat(conn: Connection, component: str, host: str) -> None:
@@ -16,6 +17,53 @@ def record_heartbeat(conn: Connection, component: str, host: str) -> None:
         ),
         {"c": component, "h": host},
     )
+
+
+HANDLER_HEARTBEAT_SECONDS = 30.0
+"""Each worker that serves the consume queue says this often which topics it has handlers for
+(`handler <topic>` heartbeats: its `@handler`s and its DELAYSVC_TOPIC_TASKS)."""
+HANDLER_STALE_AFTER_SECONDS = 3 * HANDLER_HEARTBEAT_SECONDS
+"""A topic whose handler heartbeat is older than this has no live worker: "no handler"."""
+
+
+def handler_component(topic: str) -> str:
+    return f"handler {topic}"
+
+
+def record_handlers(conn: Connection, topics: list[str], host: str) -> None:
+    """This worker runs the handlers of `topics` (one statement for all of them)."""
+    if not topics:
+        return
+    conn.execute(
+        sql(
+            "INSERT INTO delaysvc.heartbeat (component, seen_at, host) "
+            "SELECT 'handler ' || t, clock_timestamp(), :h FROM unnest(CAST(:topics AS text[])) t "
+            "ON CONFLICT (component) DO UPDATE SET seen_at = EXCLUDED.seen_at, host = EXCLUDED.host"
+        ),
+        {"topics": sorted(topics), "h": host},
+    )
+
+
+HANDLED = (
+    "EXISTS (SELECT 1 FROM delaysvc.heartbeat h WHERE h.component = 'handler ' || {topic} "
+    f"AND h.seen_at > clock_timestamp() - interval '{HANDLER_STALE_AFTER_SECONDS:g} seconds')"
+)
+"""SQL: a live worker has a handler for the topic named by the expression `{topic}`."""
+
+
+def unhandled_ready(conn: Connection, limit_count: int = 100_000) -> list[tuple[str, int]]:
+    """Topics whose ready messages no live worker handles, with how many wait (counted up to
+    `limit_count`), by topic."""
+    rows = conn.execute(
+        sql(
+            "SELECT t.topic, (SELECT count(*) FROM (SELECT 1 FROM delaysvc.topic_queue q "
+            "  WHERE q.topic = t.topic LIMIT :cap) x) AS ready "
+            "FROM unnest(CAST(:topics AS text[])) AS t(topic) "
+            f"WHERE NOT {HANDLED.format(topic='t.topic')} ORDER BY t.topic"
+        ),
+        {"topics": topics_with_ready(conn), "cap": limit_count},
+    )
+    return [(row.topic, row.ready) for row in rows if row.ready]
 
 
 def heartbeats(conn: Connection) -> dict[str, float]:

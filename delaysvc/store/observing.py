@@ -10,6 +10,7 @@ from sqlalchemy.exc import IntegrityError
 
 from delaysvc.db.names import sql
 from delaysvc.store.consuming import distinct_topics, topics_with_ready
+from delaysvc.store.health import HANDLED
 from delaysvc.store.shared import NOT_MOVED
 
 
@@ -91,7 +92,8 @@ SELECT t.topic,
                            AND c.topic = t.topic AND {NOT_MOVED} LIMIT :cap) r) AS retrying,
     (SELECT count(*) FROM (SELECT 1 FROM delaysvc.dead_letter d WHERE d.topic = t.topic
                            LIMIT :cap) y) AS dead,
-    COALESCE((SELECT paused FROM delaysvc.topic_state s WHERE s.topic = t.topic), false) AS paused
+    COALESCE((SELECT paused FROM delaysvc.topic_state s WHERE s.topic = t.topic), false) AS paused,
+    {HANDLED.format(topic="t.topic")} AS handled
 FROM topics t ORDER BY t.topic
 """
             ),

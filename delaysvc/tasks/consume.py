@@ -3,33 +3,43 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 from celery import shared_task
-from celery.signals import worker_process_init, worker_ready
+from celery.signals import worker_process_init, worker_ready, worker_shutdown
+from sqlalchemy.pool import NullPool
 
 from delaysvc.db.engines import make_engine
-from delaysvc.maintenance.heartbeats import record_heartbeat
+from delaysvc.maintenance.heartbeats import record_heartbeat, report_handlers
 from delaysvc.tasks.app import CONSUME_QUEUE, runtime
-from delaysvc.worker.consumer import Job
+from delaysvc.worker.consumer import Job, registered_topics
 
 log = logging.getLogger(__name__)
 LIMITED_BUDGET_SECONDS = 2.0  # a limited topic's task claims again this long before requeueing
 
 
+_stopped = threading.Event()
+
+
 @worker_ready.connect
 def _consumers_ready(sender: Any, **_: object) -> None:
     """A worker serving the consume queue reports in as soon as its processes run (the sweep,
-    fired by beat, keeps the heartbeat fresh from then on)."""
+    fired by beat, keeps the heartbeat fresh from then on), and says from then on which topics
+    it has handlers for (its handler modules are imported in this process too)."""
     if CONSUME_QUEUE in set(sender.app.amqp.queues.consume_from):
-        # an engine of its own: the pool's processes are forked from this one, and must not
-        # share its connections
-        engine = make_engine(sender.app.conf.delaysvc_settings)
-        try:
-            record_heartbeat(engine, "consumer")
-        finally:
-            engine.dispose()
+        settings = sender.app.conf.delaysvc_settings
+        # an engine of its own that keeps no connection open: the pool's processes are forked
+        # from this one, and must not share its connections
+        engine = make_engine(settings, poolclass=NullPool)
+        record_heartbeat(engine, "consumer")
+        report_handlers(engine, lambda: [*registered_topics(), *settings.task_topics], _stopped)
+
+
+@worker_shutdown.connect
+def _stop_reporting(**_: object) -> None:
+    _stopped.set()
 
 
 @worker_process_init.connect

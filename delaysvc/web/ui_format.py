@@ -113,6 +113,7 @@ def topic_row(topic: dict[str, Any]) -> dict[str, Any]:
             "p50": ms(topic["duration_p50_ms"]),
             "p99": ms(topic["duration_p99_ms"]),
             "state": "paused" if topic["paused"] else "active",
+            "handler": "yes" if topic["handled"] else "no handler",
         },
         "flags": {"paused": bool(topic["paused"]), "active": not topic["paused"]},
     }

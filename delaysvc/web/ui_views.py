@@ -37,7 +37,13 @@ def overview_data() -> dict[str, Any]:
         now = lanes[0].now if lanes else store.clock_now(conn)
         samples = dash.backlog_series(conn, now=now)
         lateness = dash.lateness_distribution(conn, now=now)
+        unhandled = store.unhandled_ready(conn)
     return {
+        "warnings": [
+            f"{ready:,} ready message{'s' if ready != 1 else ''} of {topic} wait: no live "
+            "worker has a handler for this topic"
+            for topic, ready in unhandled
+        ],
         "lanes": [lane_row(lane, rates.get(lane.lane)) for lane in lanes],
         "backlog": backlog_chart(samples, now, dash.CHART_WINDOW),
         "lateness": lateness_chart(lateness),

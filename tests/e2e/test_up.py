@@ -267,7 +267,18 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
 
     from tests.browser.test_dashboard_browser import SCREENSHOTS, launch_chromium
 
-    with running_up(tmp_path, _clean_env()) as (port, _, lines):
+    with running_up(tmp_path, _clean_env()) as (port, delaysvc, lines):
+        # no DELAYSVC_HANDLERS: the demo's handlers run, and `up` says so
+        assert any("handlers: the demo's, for greet, order.cancel, load.demo" in x for x in lines)
+        delaysvc("send", "greet", '{"name": "Ada"}')
+        # no handler anywhere: it waits, and the overview says so
+        sent = delaysvc("send", "nobody.home", "{}")
+        waiting_id = re.search(r"id=(\d+)", sent).group(1)  # type: ignore[union-attr]
+        wait_for(
+            lambda: any("demo handler: hello, Ada" in line for line in lines),
+            30,
+            "the demo handler's line for the first send",
+        )
         # the first `up` on a new embedded database made an admin and showed its password once
         (login,) = [line for line in lines if "dashboard login:" in line]
         found = re.search(r"dashboard login: (\S+) / (\S+)", login)
@@ -318,9 +329,23 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
                 expect(legend).to_have_count(1, timeout=60_000)
                 drawn = page.locator('#lateness-chart rect.bar:not([data-count="0"])')
                 wait_for(lambda: drawn.count() > 0, 30, "lateness bars with deliveries")
+                warning = page.locator("#warnings")
+                expect(warning).to_be_visible()
+                expect(warning).to_contain_text(
+                    "1 ready message of nobody.home wait: no live worker has a handler"
+                )
+                expect(warning).not_to_contain_text("load.demo")  # the demo's handler runs it
                 SCREENSHOTS.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(SCREENSHOTS / "overview-under-load.png"), full_page=True)
                 assert page.evaluate("window.sameDocument") is True  # updated, never reloaded
+                # the overview's warning goes when the messages do, without a reload
+                delaysvc("cancel", waiting_id)
+                expect(warning).to_be_hidden(timeout=30_000)
+                assert page.evaluate("window.sameDocument") is True
+                page.goto(f"http://127.0.0.1:{port}/topics")
+                for topic, shown in (("load.demo", "yes"), ("greet", "yes")):
+                    cell = page.locator(f'#topics tr[data-key="{topic}"] [data-field="handler"]')
+                    expect(cell).to_have_text(shown)
                 browser.close()
         finally:
             load.terminate()

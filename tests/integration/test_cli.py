@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import auth
+from delaysvc import auth, store
 from delaysvc.config.settings import Settings
 from delaysvc.producer.sending import Producer
 from delaysvc.worker.consumer import Consumer, handler
@@ -225,7 +225,7 @@ def test_create_token_limited_to_topics(delaysvc: Run, engine: Engine) -> None:
 
 
 def test_stats_shows_lanes_and_topics_waiting_for_a_handler(
-    delaysvc: Run, producer: Producer
+    delaysvc: Run, producer: Producer, engine: Engine
 ) -> None:
     producer.send("nobody.handles", {"n": 1})
     result = delaysvc("stats")
@@ -234,7 +234,11 @@ def test_stats_shows_lanes_and_topics_waiting_for_a_handler(
     assert [lane[0] for lane in lanes] == ["1", "2", "3", "4", "5", "timer"]
     topic_line = next(line for line in result.stdout.splitlines() if "nobody.handles" in line)
     assert topic_line.split()[:4] == ["nobody.handles", "1", "0", "0"]
-    assert "NONE (waiting)" in topic_line
+    assert topic_line.endswith("NONE: no live worker has one (waiting)")
+    with engine.begin() as conn:  # a worker with its handler reports in
+        store.record_handlers(conn, ["nobody.handles"], "host-a")
+    topic_line = next(line for line in delaysvc("stats").stdout.splitlines() if "nobody" in line)
+    assert topic_line.split()[-1] == "yes"
 
 
 def test_dead_letters_list_redrive_and_purge(

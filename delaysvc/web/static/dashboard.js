@@ -3,7 +3,8 @@
 // - <body data-poll="URL">: from that JSON. Table rows are matched by data-key, their
 //   [data-field] elements get the row's `cells`, their [data-flag] elements are shown when the
 //   row's flag is true ("!flag" negates). Rows that appear are cloned from the table's
-//   <template>; rows that vanish are removed.
+//   <template>; rows that vanish are removed. A <ul data-list="NAME"> gets one <li> per string
+//   of the JSON's NAME, and is hidden while there is none.
 // - <body data-refresh-html>: the page's own URL is fetched again and each [data-live] region
 //   (by id) is replaced by its new version, keeping the boxes the user has ticked; a region
 //   the user is typing in is left alone until the next refresh.
@@ -212,7 +213,23 @@
     });
   }
 
+  function updateList(list, lines) {
+    const items = Array.from(list.children).map(function (li) { return li.textContent; });
+    if (items.join("\n") !== lines.join("\n")) {
+      list.replaceChildren.apply(list, lines.map(function (line) {
+        const li = document.createElement("li");
+        li.textContent = line;
+        return li;
+      }));
+    }
+    list.hidden = lines.length === 0;
+  }
+
   function render(data) {
+    document.querySelectorAll("ul[data-list]").forEach(function (list) {
+      const lines = data[list.dataset.list];
+      if (lines) updateList(list, lines);
+    });
     document.querySelectorAll("table[data-rows]").forEach(function (table) {
       const rows = data[table.dataset.rows];
       if (rows) updateRows(table, rows);

@@ -405,6 +405,49 @@ def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
     assert ">Pause<" not in viewer.get("/schedules").text  # a viewer sees no buttons
 
 
+def test_a_topic_no_live_worker_handles_says_no_handler_and_the_overview_warns(
+    admin: FlaskClient, producer: Producer, engine: Engine
+) -> None:
+    """Workers report their handlers' topics (`handler <topic>` heartbeats, every 30 s); a
+    topic none has reported for 90 s is "no handler" on the Topics page, in /api/v1/topics
+    and `delaysvc stats`, and its ready messages are a warning on the overview."""
+    producer.send("dash.orphan", {"n": 1})
+    producer.send("dash.orphan", {"n": 2})
+    producer.send("dash.served", {"n": 1})
+
+    def handlers() -> dict[str, str]:
+        rows = admin.get("/ui/topics.json").get_json()["topics"]
+        return {row["key"]: row["cells"]["handler"] for row in rows}
+
+    def warnings() -> list[str]:
+        return admin.get("/ui/overview.json").get_json()["warnings"]
+
+    assert handlers() == {"dash.orphan": "no handler", "dash.served": "no handler"}
+    with engine.begin() as conn:
+        store.record_handlers(conn, ["dash.served", "dash.elsewhere"], "host-a")
+    assert handlers() == {"dash.orphan": "no handler", "dash.served": "yes"}
+    assert warnings() == [
+        "2 ready messages of dash.orphan wait: no live worker has a handler for this topic"
+    ]
+    assert 'id="warnings" data-list="warnings">' in admin.get("/").text  # shown, not hidden
+    with engine.begin() as conn:  # the worker stopped 91 s ago: its report is stale
+        conn.execute(
+            text(
+                "UPDATE heartbeat SET seen_at = clock_timestamp() - interval '91 seconds' "
+                "WHERE component = 'handler dash.served'"
+            )
+        )
+    assert handlers()["dash.served"] == "no handler"
+    assert [line.split(" of ")[1].split()[0] for line in warnings()] == [
+        "dash.orphan",
+        "dash.served",
+    ]
+    with engine.begin() as conn:
+        store.record_handlers(conn, ["dash.orphan", "dash.served"], "host-b")
+    assert warnings() == []
+    assert 'id="warnings" data-list="warnings" hidden>' in admin.get("/").text
+
+
 def test_topics_page_sets_and_shows_limits(
     admin: FlaskClient, viewer: FlaskClient, engine: Engine
 ) -> None:
