@@ -250,7 +250,6 @@ class BenchDeployment:
         self.started += 1
         if role == "beat":
             command = list(beat_command(settings))
-            command[command.index("-s") + 1] = str(self.folder / f"beat-{self.started}")
         else:
             (command,) = worker_commands(
                 settings,

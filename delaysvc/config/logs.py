@@ -2,11 +2,13 @@
 Celery's `setup_logging` signal, `delaysvc.tasks.app`) and the web app
 (`delaysvc.web.create_app`, under gunicorn).
 
-`DELAYSVC_LOG_FORMAT=text` (the default) writes `time level logger event` lines;
+`DELAYSVC_LOG_FORMAT=text` (the default) writes `time level logger event key=value ...` lines,
+one `key=value` per field the code passed in `extra=` (ids, counts, lanes; logfmt's quoting);
 `DELAYSVC_LOG_FORMAT=json` writes one JSON object per line: `timestamp` (UTC, ISO 8601),
 `level`, `logger`, `event` (the message, a stable event name in delaysvc's own records) and
-every field the code passed in `extra=` (ids, counts, lanes), plus `exc_info` when there is a
-traceback. The formatter is python-json-logger's.
+every `extra=` field, plus `exc_info` when there is a traceback. The JSON formatter is
+python-json-logger's. In either format an extra never shadows a standard field: one named like
+it (`level`, say) comes out as `extra_level`.
 
 Like `logging.basicConfig`, `configure` leaves alone a root logger that the host application
 (or a test runner) has already given handlers: delaysvc is a guest in other people's processes.
@@ -15,9 +17,10 @@ Calling it again replaces only the handler it installed itself.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
@@ -27,19 +30,64 @@ if TYPE_CHECKING:
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 JSON_FIELDS = {"levelname": "level", "name": "logger", "message": "event"}
+STANDARD = {*RESERVED_ATTRS, "taskName", "timestamp", "exc_info", *JSON_FIELDS.values()}
+"""A record's own attributes and the names the formats give them: no extra may take these."""
 HANDLER_NAME = "delaysvc"
+
+
+def extras(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields the code passed in `extra=`, an `extra_` before any that would shadow a
+    standard field (Python refuses only a record's own attributes; `level` it lets through)."""
+    found = {}
+    for key, value in record.__dict__.items():
+        if key in RESERVED_ATTRS or key == "taskName" or key.startswith("_"):
+            continue
+        found[f"extra_{key}" if key in STANDARD else key] = value
+    return found
+
+
+def _logfmt(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if text and not any(c in text for c in ' "=\\\n'):
+        return text
+    return json.dumps(text)
+
+
+class TextFormatter(logging.Formatter):
+    """`time level logger event`, then the extras as `key=value` pairs."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        fields = extras(record)
+        if not fields:
+            return line
+        return line + " " + " ".join(f"{key}={_logfmt(v)}" for key, v in fields.items())
+
+
+class JsonLineFormatter(JsonFormatter):
+    """python-json-logger's, with the extras renamed as `extras` says."""
+
+    def add_fields(
+        self, log_data: dict[str, Any], record: logging.LogRecord, message_dict: dict[str, Any]
+    ) -> None:
+        own = {k: v for k, v in vars(record).items() if k in RESERVED_ATTRS or k == "taskName"}
+        super().add_fields(log_data, logging.makeLogRecord(own), message_dict)
+        log_data.update(extras(record))
 
 
 def formatter(log_format: LogFormat) -> logging.Formatter:
     if log_format == "json":
-        return JsonFormatter(
+        return JsonLineFormatter(
             [*JSON_FIELDS],
             rename_fields=JSON_FIELDS,
             timestamp=True,
             # Python 3.12 gives every record a `taskName` (asyncio), None outside a task
             reserved_attrs=[*RESERVED_ATTRS, "taskName"],
         )
-    return logging.Formatter(TEXT_FORMAT)
+    return TextFormatter()
 
 
 def configure(

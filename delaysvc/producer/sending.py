@@ -415,7 +415,7 @@ class Producer:
                 "message.level_differs",
                 extra={
                     "message_id": message.id,
-                    "level": new.lane,
+                    "delay_level": new.lane,
                     "delay_ms": new.delay_ms,
                     "hint": "this process's DELAYSVC_DELAY_LEVELS differ from the database's; "
                     "the message went to the timer lane, due as computed here",

@@ -75,9 +75,9 @@ def worker_commands(
 
 
 def beat_command(settings: Settings) -> Command:
-    settings.var_dir.mkdir(parents=True, exist_ok=True)
-    schedule = settings.var_dir.resolve() / "celerybeat-schedule"
-    return Command("beat", [*CELERY, "beat", "-s", str(schedule), "-l", "warning"])
+    """Beat keeps its schedule in memory (`tasks.app`: every entry fires every few seconds),
+    so it writes no schedule file and takes no `-s`."""
+    return Command("beat", [*CELERY, "beat", "-l", "warning"])
 
 
 def web_command(

@@ -51,7 +51,7 @@ def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list
         log.warning(
             "schema.level_changed",
             extra={
-                "level": change.level,
+                "delay_level": change.level,
                 "old_ms": change.old_ms,
                 "new_ms": change.new_ms,
                 "relocated_to_timer_lane": change.relocated,

@@ -42,8 +42,7 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
     limits: one machine, and consumers poll the folder every 20 ms)."""
     if settings.broker_url:
         return settings.broker_url, {}
-    folder = (settings.var_dir / "broker").resolve()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = (settings.var_dir / "broker").resolve()  # made by the first connection
     return f"{broker.SCHEME}://localhost//", {
         "data_folder_in": str(folder),
         "data_folder_out": str(folder),

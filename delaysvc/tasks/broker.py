@@ -5,7 +5,8 @@ kombu's own `_put` creates the message file and then writes it, so a consumer po
 folder can take the file while it is still empty and crash on the empty JSON. Here a message
 is written under a temporary name the consumers ignore and renamed into place: a rename within
 one folder is atomic, so a consumer sees a whole message or none. Each consumed file is
-deleted, so the folder does not grow.
+deleted, so the folder does not grow. The folders are made by the first connection, so
+importing `delaysvc.tasks` writes nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ SCHEME = "delaysvc-fs"
 
 
 class Channel(filesystem.Channel):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        # made when a process first connects, never when a module is imported
+        for folder in (self.data_folder_in, self.data_folder_out):
+            os.makedirs(folder, exist_ok=True)
+
     def _put(self, queue: str, payload: dict, **kwargs: object) -> None:  # type: ignore[override]
         name = f"{round(monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         fd, partial = tempfile.mkstemp(prefix=".partial-", dir=self.data_folder_out)

@@ -97,10 +97,7 @@ class Service:
         return self._start(_named(command, f"consume{len(self.processes)}@%h"), "consume")
 
     def beat(self) -> subprocess.Popen[bytes]:
-        command = beat_command(self.settings)
-        schedule = self.var_dir / f"celerybeat-schedule-{len(self.processes)}"
-        command[command.index("-s") + 1] = str(schedule)
-        return self._start(command, "beat")
+        return self._start(beat_command(self.settings), "beat")
 
     def web(self, port: int, workers: int = 2) -> subprocess.Popen[bytes]:
         """gunicorn serving the API and dashboard, as `delaysvc web` runs it."""

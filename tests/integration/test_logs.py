@@ -75,6 +75,23 @@ def test_the_cli_logs_one_json_object_per_line_keeping_the_extra_fields(
     assert record["lane"] == 2
 
 
+def test_the_text_format_keeps_the_extra_fields_as_key_value_pairs(database_url: str) -> None:
+    env = _env(DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS=TEST_LEVELS)
+    result = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "-v", "send", "order.cancel", "{}", "--level", "2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    message_id = int(result.stdout.split("id=")[1].split()[0])
+    (line,) = [line for line in result.stderr.splitlines() if " message.sent " in line]
+    assert line.split(" message.sent ")[0].endswith("INFO delaysvc.producer")
+    assert f"message_id={message_id} " in line
+    assert "topic=order.cancel " in line and "lane=2" in line.split()
+
+
 def test_a_log_format_other_than_text_or_json_is_one_clear_error() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "delaysvc", "levels", "--no-db"],
