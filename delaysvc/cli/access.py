@@ -13,7 +13,13 @@ SERVER = "server"  # tokens and users are the API's and the dashboard's: hashed 
 
 @cli.command("create-token")
 @click.argument("name")
-@click.option("--scope", type=click.Choice(["send", "admin"]), default="send", show_default=True)
+@click.option(
+    "--scope",
+    type=click.Choice(["send", "admin"]),
+    default="send",
+    show_default=True,
+    help="send: send, read and cancel messages; admin: every route.",
+)
 @click.option(
     "--topic",
     "topics",
@@ -48,8 +54,17 @@ def revoke_token(ctx: Context, name: str) -> None:
 
 @cli.command("create-user")
 @click.argument("name")
-@click.option("--role", type=click.Choice(["admin", "viewer"]), default="admin", show_default=True)
-@click.password_option(envvar="DELAYSVC_NEW_USER_PASSWORD")
+@click.option(
+    "--role",
+    type=click.Choice(["admin", "viewer"]),
+    default="admin",
+    show_default=True,
+    help="admin: sees and acts; viewer: only sees.",
+)
+@click.password_option(
+    envvar="DELAYSVC_NEW_USER_PASSWORD",
+    help="Asked for (twice) when not given, or read from DELAYSVC_NEW_USER_PASSWORD.",
+)
 @pass_ctx
 def create_user(ctx: Context, name: str, role: str, password: str) -> None:
     """Create (or reset) a dashboard user."""

@@ -19,11 +19,18 @@ from delaysvc.errors import DelaysvcError
 
 
 class Context:
-    """Built lazily so `--help` and `levels` need no database."""
+    """Built lazily, so `--help` needs neither settings nor a database: a bad `DELAYSVC_*`
+    value is an error of the command that reads the settings, never of `--help`."""
+
+    verbose = False
 
     @cached_property
     def settings(self) -> Settings:
-        return Settings.from_env()
+        from delaysvc.config import logs
+
+        settings = Settings.from_env()
+        logs.configure(settings, logging.INFO if self.verbose else logging.WARNING)
+        return settings
 
     @cached_property
     def engine(self) -> Engine:
@@ -63,10 +70,8 @@ class Group(click.Group):
 @click.version_option(package_name="delaysvc", prog_name="delaysvc")
 def cli(verbose: bool) -> None:
     """delaysvc: durable delayed jobs on PostgreSQL."""
-    from delaysvc.config import logs
-
-    settings = click.get_current_context().ensure_object(Context).settings
-    logs.configure(settings, logging.INFO if verbose else logging.WARNING)
+    # logging is configured with the settings, when a command first reads them
+    click.get_current_context().ensure_object(Context).verbose = verbose
 
 
 def main() -> None:

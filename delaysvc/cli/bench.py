@@ -69,8 +69,8 @@ def bench(
 
 @cli.command()
 @click.option("--rate", default=200, show_default=True, help="Messages per second.")
-@click.option("--seconds", default=60.0, show_default=True)
-@click.option("--topic", default="load.demo", show_default=True)
+@click.option("--seconds", default=60.0, show_default=True, help="How long to send.")
+@click.option("--topic", default="load.demo", show_default=True, help="The topic sent to.")
 @click.option("--levels", default="1,2,3", show_default=True, help="Delay levels to spread over.")
 @pass_ctx
 def load(ctx: Context, rate: int, seconds: float, topic: str, levels: str) -> None:

@@ -8,6 +8,7 @@ import click
 
 from delaysvc import store
 from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
+from delaysvc.cli.topics import echo_topics
 from delaysvc.config.levels import format_ms
 
 
@@ -102,15 +103,7 @@ def stats(ctx: Context, as_json: bool) -> None:
             f"{lane.moved_total:>10} {rate:>9} {due:>12}  {state}"
         )
     click.echo("")
-    click.echo(f"{'topic':<40} {'ready':>8} {'running':>8} {'dead':>8}  handler")
-    for topic in topics:
-        # as the workers report it (their `handler <topic>` heartbeats), not this process
-        bound = "yes" if topic.handled else "NONE: no live worker has one (waiting)"
-        paused = " (paused)" if topic.paused else ""
-        click.echo(
-            f"{topic.topic:<40} {topic.ready:>8} {topic.running:>8} {topic.dead:>8}  "
-            f"{bound}{paused}"
-        )
+    echo_topics(topics)
 
 
 @cli.command()

@@ -12,12 +12,12 @@ from delaysvc.errors import ValidationError
 
 @cli.group()
 def dead() -> None:
-    """List, inspect, redrive and purge dead letters."""
+    """List, redrive and purge dead letters (`delaysvc show ID` shows one with its errors)."""
 
 
 @dead.command("list")
-@click.option("--topic")
-@click.option("--limit", default=50, show_default=True)
+@click.option("--topic", help="Only the dead letters of this topic.")
+@click.option("--limit", default=50, show_default=True, help="List at most this many.")
 @JSON_OPTION
 @pass_ctx
 def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> None:
@@ -60,8 +60,8 @@ def dead_redrive(
 
 @dead.command("purge")
 @click.argument("message_ids", type=int, nargs=-1)
-@click.option("--topic")
-@click.option("--error-contains")
+@click.option("--topic", help="All dead letters of a topic ...")
+@click.option("--error-contains", help="... whose error contains this text.")
 @click.option("--yes", is_flag=True, help="Do not ask first.")
 @pass_ctx
 def dead_purge(

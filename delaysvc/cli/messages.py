@@ -89,8 +89,8 @@ def send(
 
 @cli.command()
 @click.argument("message_id", type=int, required=False)
-@click.option("--topic")
-@click.option("--key")
+@click.option("--topic", help="With --key: the unfinished message holding KEY in TOPIC.")
+@click.option("--key", help="With --topic.")
 @pass_ctx
 def cancel(ctx: Context, message_id: int | None, topic: str | None, key: str | None) -> None:
     """Cancel a message by ID, or by --topic and --key, while it is not yet running."""

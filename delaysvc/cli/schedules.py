@@ -50,7 +50,7 @@ def schedules_list(ctx: Context, as_json: bool) -> None:
 @schedules.command("add")
 @click.argument("name")
 @click.argument("when")
-@click.option("--topic", required=True)
+@click.option("--topic", required=True, help="The topic each tick sends to.")
 @click.option("--body", default="null", show_default=True, help="JSON, or plain text.")
 @click.option("--timezone", default="UTC", show_default=True, help="IANA name.")
 @click.option(

@@ -8,10 +8,15 @@ import click
 
 from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
 
+HOST = click.option(
+    "--host", default="127.0.0.1", show_default=True, help="The web app's address (0.0.0.0: all)."
+)
+PORT = click.option("--port", default=8080, show_default=True, help="The web app's port.")
+
 
 @cli.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8080, show_default=True)
+@HOST
+@PORT
 @pass_ctx
 def up(ctx: Context, host: str, port: int) -> None:
     """All in one: (embedded) PostgreSQL, migrations, web app, workers and beat."""
@@ -61,9 +66,9 @@ def beat(ctx: Context) -> None:
 
 
 @cli.command()
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8080, show_default=True)
-@click.option("--workers", default=2, show_default=True)
+@HOST
+@PORT
+@click.option("--workers", default=2, show_default=True, help="gunicorn worker processes.")
 @pass_ctx
 def web(ctx: Context, host: str, port: int, workers: int) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""

@@ -45,6 +45,10 @@ class Services:
         """The settings as configured (no database started yet)."""
         if self._configured is None:
             self._configured = Settings.from_env()
+            if not logging.getLogger().handlers:  # on its own, under spark-submit
+                from delaysvc.config import logs
+
+                logs.configure(self._configured)
         return self._configured
 
     def require(self, jdbc: bool) -> None:
@@ -89,11 +93,7 @@ class Services:
 def pipeline(ctx: click.Context, master: str | None, jars: str | None) -> None:
     """Data pipeline jobs on Spark (PySpark)."""
     logging.getLogger("delaysvc.pipeline").setLevel(logging.INFO)  # progress lines
-    ctx.obj = Services(master, jars)
-    if not logging.getLogger().handlers:  # on its own, under spark-submit
-        from delaysvc.config import logs
-
-        logs.configure(ctx.obj.configured)
+    ctx.obj = Services(master, jars)  # settings and logging when a job first needs them
 
 
 def _summary(job: str, read: int, written: int, rejected: int, seconds: float, more: str) -> None:
@@ -102,7 +102,13 @@ def _summary(job: str, read: int, written: int, rejected: int, seconds: float, m
 
 @pipeline.command()
 @click.option("--older-than", default="30d", show_default=True, help="Retention, e.g. 30d.")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("var/archive"))
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("var/archive"),
+    show_default=True,
+    help="Folder of the Parquet archive.",
+)
 @click.pass_obj
 def archive(services: Services, older_than: str, out: Path) -> None:
     """Finished messages older than --older-than -> Parquet, verified, then dropped (whole
@@ -127,7 +133,13 @@ def archive(services: Services, older_than: str, out: Path) -> None:
 
 
 @pipeline.command()
-@click.option("--out", type=click.Path(path_type=Path), default=Path("var/report"))
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=Path("var/report"),
+    show_default=True,
+    help="Folder of the report's Parquet.",
+)
 @click.pass_obj
 def report(services: Services, out: Path) -> None:
     """Per topic, level and hour from the archive and the live tables -> Parquet and the
@@ -169,11 +181,28 @@ def bulk_schedule(
 
 
 @pipeline.command()
-@click.option("--rows", type=click.IntRange(min=1), default=200_000, show_default=True)
-@click.option("--partitions", type=click.IntRange(min=1), help="Default: Spark's parallelism.")
-@click.option("--workdir", type=click.Path(path_type=Path), default=Path("var/bench-pipeline"))
 @click.option(
-    "--format", "fmt", type=click.Choice(["csv", "parquet"]), default="csv", show_default=True
+    "--rows",
+    type=click.IntRange(min=1),
+    default=200_000,
+    show_default=True,
+    help="Rows generated.",
+)
+@click.option("--partitions", type=click.IntRange(min=1), help="Default: Spark's parallelism.")
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=Path("var/bench-pipeline"),
+    show_default=True,
+    help="Folder for the generated input.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["csv", "parquet"]),
+    default="csv",
+    show_default=True,
+    help="The generated input's format.",
 )
 @click.pass_obj
 def bench(services: Services, rows: int, partitions: int | None, workdir: Path, fmt: str) -> None:

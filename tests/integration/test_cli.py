@@ -347,16 +347,47 @@ def test_send_on_duplicate_replace_says_what_it_replaced(delaysvc: Run) -> None:
 
 
 def test_topic_limits_are_set_listed_and_lifted(delaysvc: Run) -> None:
-    set_ = delaysvc("limit", "sms.send", "--max-running", "4", "--rate", "10/s")
+    set_ = delaysvc("limits", "set", "sms.send", "--max-running", "4", "--rate", "10/s")
     assert set_.returncode == 0, set_.stderr
     assert set_.stdout == "sms.send: at most 4 running, at most 10 starts/s\n"
-    listed = json.loads(delaysvc("limits", "--json").stdout)
+    listed = json.loads(delaysvc("limits", "list", "--json").stdout)
     assert listed == {"limits": [{"topic": "sms.send", "max_running": 4, "rate_per_s": 10.0}]}
-    line = _assert_one_line_error(delaysvc("limit", "sms.send", "--rate", "fast"), 2)
+    line = _assert_one_line_error(delaysvc("limits", "set", "sms.send", "--rate", "fast"), 2)
     assert "'10/s'" in line
-    lifted = delaysvc("limit", "sms.send")
+    lifted = delaysvc("limits", "set", "sms.send")
     assert lifted.stdout == "sms.send: any number running, no rate limit\n"
-    assert delaysvc("limits").stdout == ""
+    assert delaysvc("limits", "list").stdout == ""
+
+
+def test_the_spellings_from_before_the_groups_still_work(delaysvc: Run) -> None:
+    """`limit`, `limits [--json]`, `cap`, `caps [--json]`, `pause [--resume]`: hidden from
+    --help, doing what `limits set|list`, `caps set|list`, `topics pause|resume` do."""
+    assert delaysvc("limit", "sms.send", "--max-running", "2").stdout.startswith("sms.send: at")
+    assert json.loads(delaysvc("limits", "--json").stdout)["limits"][0]["max_running"] == 2
+    assert delaysvc("limits").stdout.startswith("sms.send ")
+    assert delaysvc("cap", "topic:sms.send", "--max-waiting", "9").returncode == 0
+    assert json.loads(delaysvc("caps", "--json").stdout)["caps"][0]["max_waiting"] == 9
+    assert delaysvc("pause", "sms.send").stdout == "sms.send: paused\n"
+    assert delaysvc("pause", "sms.send", "--resume").stdout == "sms.send: resumed\n"
+    listed = delaysvc("--help").stdout.split("Commands:")[1]
+    names = {line.split()[0] for line in listed.splitlines() if line.startswith("  ")}
+    assert "topics" in names and not names & {"pause", "limit", "cap"}
+
+
+def test_topics_are_listed_paused_and_resumed(delaysvc: Run, producer: Producer) -> None:
+    producer.send("cli.topic", {})
+    assert delaysvc("topics", "pause", "cli.topic").stdout == "cli.topic: paused\n"
+    (row,) = json.loads(delaysvc("topics", "list", "--json").stdout)["topics"]
+    assert (row["topic"], row["ready"], row["paused"], row["handled"]) == (
+        "cli.topic",
+        1,
+        True,
+        False,
+    )
+    assert delaysvc("topics", "list").stdout.splitlines()[1].endswith("(waiting) (paused)")
+    assert delaysvc("topics", "resume", "cli.topic").stdout == "cli.topic: resumed\n"
+    line = _assert_one_line_error(delaysvc("topics", "pause", "no spaces"), 2)
+    assert "'no spaces' is not a topic name" in line
 
 
 def test_send_with_a_priority_shows_it(delaysvc: Run) -> None:
