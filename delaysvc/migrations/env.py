@@ -7,6 +7,7 @@ revisions name no schema: they run with the search_path set to delaysvc's for th
 transaction only. An install from before the schema moves first (`migrate.adopt_legacy_layout`).
 """
 
+from logging.config import fileConfig
 from typing import Any
 
 from alembic import context
@@ -51,7 +52,9 @@ def run_migrations(connection: Connection) -> None:
 connection = config.attributes.get("connection")
 if connection is not None:
     run_migrations(connection)
-else:
+else:  # the `alembic` command, with an alembic.ini
+    if config.config_file_name is not None:
+        fileConfig(config.config_file_name, disable_existing_loggers=False)
     from delaysvc.config.settings import Settings
     from delaysvc.db.engines import make_engine
 

@@ -45,11 +45,14 @@ READY_TIMEOUT_SECONDS = 90.0
 
 
 class Command(list[str]):
-    """A child process's command line, and the name its output lines are prefixed with."""
+    """A child process's command line, the name its output lines are prefixed with, and how it
+    reloads: `reload_signal` for a program that reloads itself on a signal (gunicorn: SIGHUP
+    starts new workers under the same master), else None: a new process replaces it."""
 
-    def __init__(self, name: str, argv: Iterable[str]):
+    def __init__(self, name: str, argv: Iterable[str], reload_signal: int | None = None):
         super().__init__(argv)
         self.name = name
+        self.reload_signal = reload_signal
 
 
 def worker_commands(
@@ -88,7 +91,8 @@ def web_command(
         logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
     return Command(
         "web",
-        [
+        reload_signal=signal.SIGHUP,
+        argv=[
             sys.executable,
             "-m",
             "gunicorn",
@@ -191,6 +195,7 @@ class Supervisor:
         self.console = console
         self.keep_open = () if keep_open is None else (keep_open,)
         self.relays: list[threading.Thread] = []
+        self.retiring: list[subprocess.Popen[bytes]] = []  # replaced by a reload, finishing
         self.preexec = die_with_parent()
 
     def say(self, line: str, err: bool = False) -> None:
@@ -219,10 +224,30 @@ class Supervisor:
         assert child.process.stdout is not None
         self.relays.append(self.console.relay(child.command.name, child.process.stdout))
 
+    def reload(self) -> None:
+        """SIGHUP, as gunicorn takes it: new code and handler modules without a gap. gunicorn
+        gets the signal and replaces its workers itself; any other child is replaced: the new
+        process starts first, then the old one gets SIGTERM and finishes what it runs (Celery's
+        warm shutdown) while the new one already takes work."""
+        for child in self.children:
+            process = child.process
+            if process is None or process.poll() is not None:
+                continue  # waiting for its restart: it starts with the new code anyway
+            name = child.command.name
+            if child.command.reload_signal is not None:
+                self.say(f"reloading {name} (it starts new workers itself)")
+                process.send_signal(child.command.reload_signal)
+                continue
+            self.say(f"reloading {name}: a new one starts, the old one finishes and exits")
+            self.start(child)
+            process.send_signal(signal.SIGTERM)
+            self.retiring.append(process)
+
     def check(self) -> str | None:
         """Restart what is due and schedule the restart of what exited; -> why everything must
         stop (a child that cannot start), or None."""
         now = time.monotonic()
+        self.retiring = [process for process in self.retiring if process.poll() is None]
         for child in self.children:
             if child.restart_at is not None:
                 if now >= child.restart_at:
@@ -249,7 +274,7 @@ class Supervisor:
         return None
 
     def stop_all(self) -> None:
-        running = [c.process for c in self.children if c.process is not None]
+        running = [c.process for c in self.children if c.process is not None] + self.retiring
         for process in running:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -272,8 +297,8 @@ def run_processes(
     keep_open: int | None = None,
 ) -> int:
     """Run the commands, restarting any that exits (`Supervisor`), until we are told to stop
-    (Ctrl-C, SIGTERM: -> 0) or a child cannot start (-> 1); then stop them all. Every child
-    dies with this process (`die_with_parent`)."""
+    (Ctrl-C, SIGTERM: -> 0) or a child cannot start (-> 1); then stop them all. SIGHUP reloads
+    them (`Supervisor.reload`). Every child dies with this process (`die_with_parent`)."""
     if len(commands) > 1 and console is None:
         console = Console(command.name for command in commands)
     supervisor = Supervisor(commands, env, console, keep_open)
@@ -282,7 +307,12 @@ def run_processes(
     def stop(signum: int, _frame: object) -> None:
         stopping["signal"] = signum
 
+    def reload(_signum: int, _frame: object) -> None:
+        reloads.set()  # done by the loop, which alone starts children (`die_with_parent`)
+
+    reloads = threading.Event()
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
     failed = False
     try:
         for child in supervisor.children:
@@ -292,6 +322,9 @@ def run_processes(
                 target=on_started, args=(supervisor,), name="on-started", daemon=True
             ).start()
         while not stopping["signal"]:
+            if reloads.is_set():
+                reloads.clear()
+                supervisor.reload()
             why = supervisor.check()
             if why is not None:
                 supervisor.say(why, err=True)

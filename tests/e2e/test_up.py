@@ -385,7 +385,8 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
     tmp_path: Path,
 ) -> None:
     """The edges of a deployment's life: a consumer killed by the OOM killer is restarted
-    while the rest runs on; a second `up` on the same var/ is refused; `up` itself killed with
+    while the rest runs on; SIGHUP reloads every part without stopping; a second `up` on the
+    same var/ is refused; `up` itself killed with
     SIGKILL (the OOM killer, a closed terminal) leaves no child running, and the next `up`
     starts clean on the same folder."""
     env = _clean_env(DELAYSVC_HANDLERS="tests.e2e.handlers")
@@ -418,6 +419,28 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         # Celery's start: a few seconds here)
         late_ms = _level_1_handler_started_late_ms(url)
         assert late_ms < 20_000, f"the restarted consumer started it {late_ms:.0f} ms late"
+
+        # SIGHUP reloads, as gunicorn's does: gunicorn starts new workers under the same
+        # master; each Celery child is replaced by a new one, the old one finishing first
+        before = _children_of(up.pid)
+        (web,) = [pid for pid, cmd in before.items() if "gunicorn" in cmd]
+        web_workers = set(_children_of(web))
+        os.kill(up.pid, signal.SIGHUP)
+        output.wait_for("reloading web (it starts new workers itself)", 30)
+        for name in ("delivery", "consume", "beat"):
+            output.wait_for(f"reloading {name}: a new one starts, the old one finishes", 30)
+        wait_for(
+            lambda: (
+                len(_children_of(up.pid)) == 4
+                and not set(before) - {web} & set(_children_of(up.pid))
+            ),
+            60,
+            "the replaced children to exit, their successors running",
+        )
+        wait_for(lambda: not web_workers & set(_children_of(web)), 60, "new gunicorn workers")
+        assert up.poll() is None  # a reload stops nothing
+        late_ms = _level_1_handler_started_late_ms(url)
+        assert late_ms < 20_000, f"after the reload it started {late_ms:.0f} ms late"
 
         assert_check_clean(url)
         children = list(_children_of(up.pid))

@@ -123,8 +123,24 @@ def test_the_library_alone_installs_lean_and_sends(
         "create-user": "'delaysvc[server]'",
         **{name: "'delaysvc[pipeline]'" for name in EVERY_COMMAND if name.startswith("pipeline ")},
     }
-    for works in ("send", "levels", "stats", "migrate", "check", "schedules list", "limits"):
-        assert ran[works].returncode == 0, (works, ran[works].stderr)
+    works = ("send", "levels", "stats", "migrate", "check", "schedules list", "limits list")
+    for name in (*works, "topics list", "topics pause", "caps set", "limit", "pause"):
+        assert ran[name].returncode == 0, (name, ran[name].stderr)
+
+    # Alembic's own command, from an installed delaysvc: the repository's alembic.ini names
+    # the migrations as a package resource (delaysvc:migrations), not a checkout's folder
+    (tmp_path / "alembic.ini").write_text((ROOT / "alembic.ini").read_text())
+    current = subprocess.run(
+        [str(env_dir / "bin" / "alembic"), "current"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert current.returncode == 0, current.stderr
+    assert "(head)" in current.stdout, current.stdout + current.stderr
+    assert "INFO  [alembic.runtime.migration]" in current.stderr  # alembic.ini's logging
 
 
 EVERY_COMMAND: dict[str, list[str]] = {
@@ -132,7 +148,8 @@ EVERY_COMMAND: dict[str, list[str]] = {
     "bench": ["send", "--quick"],
     "cancel": ["999999999"],
     "cap": ["topic:lean.topic", "--max-waiting", "100"],
-    "caps": [],
+    "caps list": [],
+    "caps set": ["topic:lean.topic", "--max-waiting", "100"],
     "check": [],
     "create-token": ["lean"],
     "create-user": ["lean"],
@@ -141,7 +158,8 @@ EVERY_COMMAND: dict[str, list[str]] = {
     "dead redrive": ["999999999"],
     "levels": [],
     "limit": ["lean.topic", "--max-running", "2"],
-    "limits": [],
+    "limits list": [],
+    "limits set": ["lean.topic", "--max-running", "2"],
     "load": ["--rate", "10", "--seconds", "0.5", "--topic", "lean.topic"],
     "migrate": [],
     "pause": ["lean.topic"],
@@ -159,6 +177,9 @@ EVERY_COMMAND: dict[str, list[str]] = {
     "show": ["999999999"],
     "skip-head": ["1"],
     "stats": [],
+    "topics list": [],
+    "topics pause": ["lean.topic"],
+    "topics resume": ["lean.topic"],
     "up": [],
     "web": [],
     "worker": [],
