@@ -34,7 +34,11 @@ def _bench_options(command: Any) -> Any:
 
 @cli.command()
 @click.argument("suites", nargs=-1)
-@click.option("--out", type=click.Path(path_type=Path), help="Folder for results.json/.md/png.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Folder for results.json/.md/png [default: var/bench/DATE-SUITES].",
+)
 @click.option("--quick", is_flag=True, help="Small sizes: every suite in minutes.")
 @_bench_options
 @pass_ctx
@@ -55,7 +59,8 @@ def bench(
         extras.require("delaysvc bench", "bench")
         require_parts(chosen)
     label = "all" if len(chosen) == len(SUITES) else "-".join(chosen)
-    folder = out or Path("docs/benchmarks") / (
+    # delaysvc's own folder (DELAYSVC_VAR_DIR), never a docs/ of whatever project runs it
+    folder = out or ctx.settings.var_dir / "bench" / (
         datetime.now().strftime("%Y-%m-%d-") + label + ("-quick" if quick else "")
     )
     written = run(ctx.settings, chosen, folder, quick=quick, **sizes)

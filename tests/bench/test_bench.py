@@ -125,6 +125,30 @@ def test_a_registered_suite_runs_with_its_quick_sizes_and_lands_in_the_report(
         run(settings, ["toy", "nope"], tmp_path / "nope")
 
 
+def test_the_cli_writes_under_var_unless_told_where(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never into a docs/ of whatever folder runs it: var/bench/DATE-SUITES, or --out."""
+
+    def toy(ctx: BenchContext) -> Figures:
+        return Figures(results={"toy": {"skipped": "toy", "n": ctx.size("n")}})
+
+    monkeypatch.setitem(SUITES, "toy", Suite(toy, (Size("n", 7, 3, "toy size"),)))
+    monkeypatch.chdir(tmp_path)
+    for name in [k for k in os.environ if k.startswith("DELAYSVC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DELAYSVC_DATABASE_URL", settings.database_url)
+    ran = CliRunner().invoke(cli, ["bench", "toy", "--quick"])
+    assert ran.exit_code == 0, ran.output
+    (folder,) = (tmp_path / "var" / "bench").iterdir()
+    assert folder.name.endswith("-toy-quick") and (folder / "results.json").is_file()
+    assert f"written to {Path('var') / 'bench' / folder.name}/" in ran.output
+    ran = CliRunner().invoke(cli, ["bench", "toy", "--quick", "--out", "here"])
+    assert ran.exit_code == 0, ran.output
+    assert (tmp_path / "here" / "results.md").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "var"]
+
+
 def test_the_cli_lists_every_registered_size_as_a_flag_and_refuses_unknown_suites() -> None:
     runner = CliRunner()
     shown = runner.invoke(cli, ["bench", "--help"])
