@@ -258,6 +258,12 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         ]
     if "pgbouncer_version" in r:
         return []
+    if "timer_msgs_per_s" in r:
+        return [
+            f"| {name}: msgs/s of a single send to the longest level vs to the timer lane, "
+            f"1 client, alternating | {r['level_msgs_per_s']:,} | {r['timer_msgs_per_s']:,} "
+            f"(timer) | {r['ratio']:.0%} | >= {r['target_ratio']:.0%} of the timer's |"
+        ]
     if name == "send_batch_database_write":
         return [
             f"| {name}: msgs/s through a batch's own statements, no Python of ours (why "

@@ -120,6 +120,25 @@ def send_suite(
             "ratio": round(rate / raw_rate, 3),
             "target_ratio": 0.5,
         }
+    # a level and the timer lane side by side, alternating (the disk's flush time drifts)
+    top = settings.levels.max_level  # the longest level, and a delay beside it no level has
+    ways = {
+        "level": {"delay_level": top},
+        "timer": {"delay_ms": settings.levels.delay_ms(top) + 420_000},
+    }
+    lanes: dict[str, list[float]] = {"level": [], "timer": []}
+    for _ in range(2):
+        for lane, where in ways.items():
+            step(f"send: Producer.send to the {lane} lane, 1 client, {seconds:g}s")
+            reset_tables(engine)
+            lanes[lane].append(_send_single(producer, 1, seconds, **where))
+    level, timer = (statistics.median(lanes[lane]) for lane in ("level", "timer"))
+    figures.results["send_single_level_vs_timer"] = {
+        "level_msgs_per_s": round(level),
+        "timer_msgs_per_s": round(timer),
+        "ratio": round(level / timer, 3),
+        "target_ratio": 0.9,
+    }
     step(f"send: raw COPY of {batch_rows:,} rows")
     raw_copy = raw.copy_rows(libpq_url(url), batch_rows)
     reset_tables(engine)
@@ -170,11 +189,14 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
     return rows / seconds
 
 
-def _send_single(producer: Producer, clients: int, seconds: float) -> float:
+def _send_single(producer: Producer, clients: int, seconds: float, **where: Any) -> float:
+    """Single sends per second; `where` the lane (default: delay 1h, a level by default)."""
+    where = where or {"delay": "1h"}
+
     def client(stop: float) -> int:
         done = 0
         while time.monotonic() < stop:
-            producer.send(NOOP_TOPIC, BODY, delay="1h")
+            producer.send(NOOP_TOPIC, BODY, **where)
             done += 1
         return done
 

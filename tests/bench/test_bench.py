@@ -50,6 +50,7 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
     assert set(results) == {
         "send_single_c1",
         "send_single_c4",
+        "send_single_level_vs_timer",
         "send_batch_1000",
         "send_batch_database_write",
         "delivery_drain",
@@ -64,6 +65,9 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
     table = (out / "results.md").read_text()
     assert "| delivery_drain: msgs/s |" in table
     assert "| send_batch_database_write: msgs/s through a batch's own statements" in table
+    assert "| send_single_level_vs_timer: msgs/s of a single send to the longest level" in table
+    versus = results["send_single_level_vs_timer"]
+    assert versus["level_msgs_per_s"] > 0 and versus["timer_msgs_per_s"] > 0
     for plot in ("lateness_ms.png", "start_latency_ms.png", "backlog.png"):
         assert (out / plot).read_bytes()[:4] == b"\x89PNG"
 
