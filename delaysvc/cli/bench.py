@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import shlex
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -40,16 +41,34 @@ def _bench_options(command: Any) -> Any:
     help="Folder for results.json/.md/png [default: var/bench/DATE-SUITES].",
 )
 @click.option("--quick", is_flag=True, help="Small sizes: every suite in minutes.")
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="With `compare`: runs of each side.",
+)
 @_bench_options
 @pass_ctx
 def bench(
-    ctx: Context, suites: tuple[str, ...], out: Path | None, quick: bool, **sizes: float | None
+    ctx: Context,
+    suites: tuple[str, ...],
+    out: Path | None,
+    quick: bool,
+    rounds: int,
+    **sizes: float | None,
 ) -> None:
     """Measure the service against this machine's raw PostgreSQL limits and its peers, in
     databases of its own; write results.json, results.md and plots. SUITES: any of the
-    registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default)."""
+    registered suites (send, delivery, consume, peers, pipeline, ...) or `all` (the default).
+    `delaysvc bench compare REF [SUITES]`: the working tree against commit REF, alternately
+    (send, delivery and consume by default; each figure's ratio, tree over REF)."""
     from delaysvc.bench import SUITES, chosen_suites, failed_suites, require_parts, run
     from delaysvc.config import extras
+
+    if suites[:1] == ("compare",):
+        _compare(ctx, suites[1:], out, quick, rounds, sizes)
+        return
 
     try:
         chosen = chosen_suites(list(suites))
@@ -70,6 +89,36 @@ def bench(
     if failed:
         click.echo(f"error: suite(s) failed: {', '.join(failed)} (see the report)", err=True)
         sys.exit(1)
+
+
+def _compare(
+    ctx: Context,
+    args: tuple[str, ...],
+    out: Path | None,
+    quick: bool,
+    rounds: int,
+    sizes: dict[str, float | None],
+) -> None:
+    from delaysvc.bench import chosen_suites
+    from delaysvc.bench.compare import DEFAULT_SUITES, compare
+
+    if not args:
+        raise click.UsageError("bench compare needs REF: a commit, branch or tag to compare with")
+    ref, suites = args[0], list(args[1:]) or list(DEFAULT_SUITES)
+    try:
+        chosen_suites(suites)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="SUITES") from None
+    flags = ["--quick"] if quick else []
+    for name, value in sizes.items():
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), f"{value:g}"]
+    folder = out or ctx.settings.var_dir / "bench" / (
+        datetime.now().strftime("%Y-%m-%d-") + f"compare-{ref}"
+    )
+    command = shlex.join(["delaysvc", "bench", "compare", ref, *suites, *flags])
+    click.echo(compare(ref, suites, rounds, folder, flags, f"{command} --rounds {rounds}"))
+    click.echo(f"written to {folder}/")
 
 
 @cli.command()

@@ -1,0 +1,69 @@
+"""`delaysvc bench compare REF`: REF's code in a virtualenv of its own, and the table of each
+figure's runs and its ratio, tree over REF."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from delaysvc.bench.compare import checkout, install_ref, table
+from delaysvc.cli import cli
+from delaysvc.errors import ValidationError
+
+
+def test_ref_is_installed_alone_into_a_virtualenv_that_imports_its_code(tmp_path: Path) -> None:
+    tree = checkout()
+    commit, python = install_ref(tree, "HEAD", tmp_path)
+    head = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert commit == head.stdout.strip()
+    imported = subprocess.run(
+        [str(python), "-c", "import delaysvc.bench as m; print(m.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert imported.startswith(str(tmp_path / "venv")), imported  # not the tree's files
+    with pytest.raises(ValidationError, match="'no-such-ref' is not a commit"):
+        install_ref(tree, "no-such-ref", tmp_path / "other")
+
+
+def test_the_table_gives_each_figures_runs_and_the_ratio_of_the_medians() -> None:
+    def run(c1: float, ratio: float, p99: float, extra: bool) -> dict:
+        results = {
+            "send_single_c1": {"msgs_per_s": c1, "ratio": ratio},
+            "delivery_flow": {"lateness_ms": {"p50": 1, "p99": p99}},
+        }
+        if extra:  # a suite's figure REF does not have yet
+            results["send_single_level_vs_timer"] = {"level_msgs_per_s": 9, "ratio": 1.0}
+        return results
+
+    runs = {
+        "tree": [run(3000, 0.6, 40, True), run(3200, 0.62, 50, True), run(2800, 0.58, 45, True)],
+        "ref": [run(2000, 0.4, 80, False), run(2400, 0.44, 90, False), run(2200, 0.5, 85, False)],
+    }
+    lines = table(runs, "t", "delaysvc bench compare X").splitlines()
+    rows = [line for line in lines if line.startswith("| send_") or line.startswith("| deliv")]
+    assert rows == [
+        "| send_single_c1: msgs_per_s | 3,000, 3,200, 2,800 | 2,000, 2,400, 2,200 | 1.36 |",
+        "| send_single_c1: ratio | 0.6, 0.62, 0.58 | 0.4, 0.44, 0.5 | 1.36 |",
+        "| delivery_flow: p99 lateness_ms (lower is better) | 40, 50, 45 | 80, 90, 85 | 0.53 |",
+    ]
+
+
+def test_the_cli_needs_a_ref_and_known_suites() -> None:
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["bench", "compare"])
+    assert missing.exit_code == 2 and "bench compare needs REF" in missing.output
+    unknown = runner.invoke(cli, ["bench", "compare", "HEAD", "sned"])
+    assert unknown.exit_code == 2 and "unknown suite(s) ['sned']" in unknown.output
+    assert sys.executable  # the tests run in the environment the tree is installed in
