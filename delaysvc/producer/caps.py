@@ -2,10 +2,10 @@
 
 A cap limits the waiting messages of one delay level (`level:16=100000:reject`) or of one topic
 (`topic:sms.send=5000:deliver-early`). Caps live in the database (`backlog_cap`), set by the
-CLI (`delaysvc cap`), the API and the dashboard, so every producer keeps to them whatever its
-own settings: a single send's statement stores nothing when a cap covers its topic or level
-(one probe of the caps' primary key, `store.producing._UNCAPPED`), and the producer stores it again
-here, under the cap. `DELAYSVC_BACKLOG_CAPS` sets caps at start-up (`apply_configured`: by
+CLI (`delaysvc caps set`), the API and the dashboard, so every producer keeps to them whatever
+its own settings: a single send (`send_one`, `store.producing.SEND_ONE`) stores nothing when a
+cap covers its topic or level (one probe of the caps' primary key), and the producer stores it
+again here, under the cap. `DELAYSVC_BACKLOG_CAPS` sets caps at start-up (`apply_configured`: by
 `delaysvc migrate` and each delivery worker's start); a producer that has it keeps to those
 at once too, where the database has no cap for the same level or topic.
 

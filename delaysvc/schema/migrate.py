@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -109,6 +110,34 @@ def adopt_legacy_layout(conn: Connection, schema: str) -> None:
             return
 
 
+FUNCTIONS = ("send_one",)
+"""delaysvc's functions (migration 0017 on): each names its tables with its schema, in its body."""
+
+
+def _functions_in(conn: Connection, namespace: str) -> list[Any]:
+    return list(
+        conn.execute(
+            text(
+                "SELECT p.oid, p.proname AS name FROM pg_proc p "
+                "WHERE p.pronamespace = CAST(:namespace AS regnamespace) "
+                "AND p.proname = ANY(:ours)"
+            ),
+            {"namespace": f'"{namespace}"', "ours": list(FUNCTIONS)},
+        )
+    )
+
+
+def _move_function(conn: Connection, function: Any, legacy: str, schema: str) -> None:
+    """Make `function` again in `schema`, its body's names in `schema` (a function's body is
+    text: ALTER FUNCTION ... SET SCHEMA would leave it naming the old tables)."""
+    definition = conn.execute(text("SELECT pg_get_functiondef(:oid)"), {"oid": function.oid})
+    quoted_legacy = conn.execute(text("SELECT quote_ident(:n)"), {"n": legacy}).scalar_one()
+    made = definition.scalar_one()
+    made = made.replace(f"FUNCTION {quoted_legacy}.", f'FUNCTION "{schema}".', 1)
+    conn.execute(text(made.replace(f'"{legacy}".', f'"{schema}".')))
+    conn.execute(text(f'DROP FUNCTION "{legacy}".{function.name}'))
+
+
 def _exists(conn: Connection, relation: str) -> bool:
     return conn.execute(text("SELECT to_regclass(:r)"), {"r": relation}).scalar() is not None
 
@@ -144,6 +173,8 @@ def _move(conn: Connection, legacy: str, schema: str, versions: list[str]) -> No
         what = {"S": "SEQUENCE", "v": "VIEW"}.get(kind, "TABLE")
         conn.execute(text(f'ALTER {what} "{legacy}"."{name}" SET SCHEMA "{schema}"'))
         moved += 1
+    for function in _functions_in(conn, legacy):
+        _move_function(conn, function, legacy, schema)
     conn.execute(
         text(
             f'CREATE TABLE "{schema}".{VERSION_TABLE} (version_num VARCHAR(32) NOT NULL, '

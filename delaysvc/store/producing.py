@@ -4,7 +4,6 @@ by key."""
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
@@ -16,7 +15,6 @@ from psycopg.rows import namedtuple_row
 from delaysvc.db.names import driver_sql as _driver_sql
 from delaysvc.db.names import sql
 from delaysvc.errors import DuplicateKey
-from delaysvc.schema.tables import TIMER_LANE
 from delaysvc.store import history as store_history
 from delaysvc.store.shared import (
     _ENQUEUE_FROM,
@@ -27,104 +25,28 @@ from delaysvc.store.shared import (
     Statements,
 )
 
-# A send to a level or the timer lane stores nothing if a backlog cap covers its topic or level,
-# unless the caller holds the caps' locks (:caps_held): a probe of backlog_cap's primary key per
-# target, so every producer keeps to the caps without a setting or a cache. It returns one row of
-# NULLs instead, and the producer stores the message under the caps (`delaysvc.producer.caps`).
-_UNCAPPED = """uncapped AS (SELECT CAST(:caps_held AS boolean) OR NOT EXISTS (
-        SELECT 1 FROM delaysvc.backlog_cap bc WHERE {targets}) AS free), """
-_CAPPED_MARK = "\nUNION ALL SELECT NULL, NULL, NULL, NULL FROM uncapped WHERE NOT uncapped.free"
-
-# One statement per send, returning only what the database decides (id, stored_at,
-# deliver_ts, and the lane, which for a level is the level only if the database agrees on its
-# delay: `_PLACED_LANE`): the producer has the rest. One form per kind of lane.
-_INSERT_ONE = """
-WITH {placed}msg AS (
-    INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
-        priority, lane, queue_offset, status, stored_at, deliver_ts, delivered_at)
-    SELECT :topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
-        CAST(:properties AS jsonb), CAST(:delay_level AS smallint),
-        CAST(:priority AS smallint), {lane},
-        {offset}, {status}, statement_timestamp(),
-        COALESCE(CAST(:deliver_at AS timestamptz),
-                 statement_timestamp() + CAST(:delay_ms AS bigint) * interval '1 millisecond'),
-        {delivered_at}{source}
-    ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING
-    RETURNING id, topic, lane, queue_offset, stored_at, deliver_ts, priority
-){enqueue}
-SELECT id, stored_at, deliver_ts, lane FROM msg{capped}
+# One send is one call of the database's `send_one` (migration 0017, where its body is): it
+# places the message in its lane (a level only while the database gives it the delay the
+# producer computed, else the timer lane), stores nothing if a backlog cap covers its topic or
+# level unless the caller holds the caps' locks (:caps_held; it returns one row of NULLs, and the
+# producer stores the message under the caps: `delaysvc.producer.caps`), nothing if its key is
+# held by an unfinished message of the topic (no row), and else returns what the database
+# decided: id, stored_at, deliver_ts and the lane. PostgreSQL keeps the plans of the function's
+# statements for the server connection's life, so a send through a transaction-pooling
+# PgBouncer, where nothing is prepared, runs planned statements as a direct one does.
+SEND_ONE = """
+SELECT * FROM delaysvc.send_one(:topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
+    CAST(:properties AS jsonb), CAST(:delay_level AS smallint), CAST(:priority AS smallint),
+    CAST(:lane AS integer), CAST(:delay_ms AS bigint), CAST(:deliver_at AS timestamptz),
+    CAST(:caps_held AS boolean))
 """
-# The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`).
+# The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`), for a
+# retry's statement (`store.consuming`).
 _PLACED_ONE = (
     "placed AS (SELECT CAST("
     + _PLACED_LANE.format(lane="CAST(:lane AS int)", delay_ms="CAST(:delay_ms AS bigint)")
     + " AS smallint) AS lane)"
 )
-# A send to a level is stored in that level only while the database agrees on its delay
-# (`_PLACED_LANE`'s rule as a filter, `placed.ok`); otherwise it stores nothing and returns one
-# row (NULL, NULL, NULL, 0), and the producer sends it through the timer lane
-# (`_insert_or_find`). So the statement's lane is a constant, and it plans to one insert into
-# the commit log and one into the level's queue: a level send is as fast as a timer send (a
-# CASE-placed lane and a general enqueue cost a quarter of it, docs/benchmarks/README.md).
-_INSERT_ONE_LEVEL = _INSERT_ONE.format(
-    placed="placed AS (SELECT EXISTS (SELECT 1 FROM delaysvc.schedule_offset so "
-    "WHERE so.lane = CAST(:lane AS int) AND so.delay_ms = CAST(:delay_ms AS bigint)) AS ok), "
-    + _UNCAPPED.format(
-        targets="(bc.scope = 'topic' AND bc.target = :topic) OR "
-        "(bc.scope = 'level' AND bc.target = CAST(CAST(:lane AS int) AS text))"
-    ),
-    lane="CAST(:lane AS smallint)",
-    # evaluated only for a row that is stored: a level the database lacks names no sequence
-    offset="nextval(format('delaysvc.consume_queue_%s_seq', CAST(:lane AS int))::regclass)",
-    status="'scheduled'",
-    delivered_at="NULL",
-    source=" FROM placed, uncapped WHERE uncapped.free AND placed.ok",
-    enqueue="""
-, level_rows AS (
-    INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, deliver_ts,
-        priority)
-    SELECT lane, queue_offset, id, topic, deliver_ts, priority FROM msg
-), lane_counted AS (
-    INSERT INTO delaysvc.lane_count (lane, delta) SELECT lane, 1 FROM msg
-)""",
-    capped=_CAPPED_MARK + "\nUNION ALL SELECT NULL, NULL, NULL, 0 FROM placed WHERE NOT placed.ok",
-)
-_INSERT_ONE_TIMER = _INSERT_ONE.format(
-    placed=_UNCAPPED.format(targets="bc.scope = 'topic' AND bc.target = :topic"),
-    lane="CAST(0 AS smallint)",
-    offset="nextval('delaysvc.timer_queue_seq')",
-    status="'scheduled'",
-    delivered_at="NULL",
-    source=" FROM uncapped WHERE uncapped.free",
-    capped=_CAPPED_MARK,
-    enqueue="""
-, timer_rows AS (
-    INSERT INTO delaysvc.timer_queue (deliver_ts, queue_offset, message_id, topic, priority)
-    SELECT deliver_ts, queue_offset, id, topic, priority FROM msg
-), lane_counted AS (
-    INSERT INTO delaysvc.lane_count (lane, delta) SELECT 0, 1 FROM msg
-)""",
-)
-_INSERT_ONE_READY = _INSERT_ONE.format(
-    placed="",
-    lane="CAST(-1 AS smallint)",
-    offset="NULL",
-    status="'ready'",
-    delivered_at="statement_timestamp()",
-    source="",
-    capped="",
-    enqueue="""
-, queued AS (
-    INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)
-    SELECT id, topic, deliver_ts, priority FROM msg
-)""",
-)
-
-
-def _insert_one_statement(lane: int) -> str:
-    if lane > 0:
-        return _INSERT_ONE_LEVEL
-    return _INSERT_ONE_TIMER if lane == TIMER_LANE else _INSERT_ONE_READY
 
 
 def _message_params(message: NewMessage) -> dict[str, Any]:
@@ -168,18 +90,17 @@ def insert_message(
     than the statement's own execution, are skipped (docs/benchmarks/README.md, "Send").
     `insert_message_on` is the same on any `Statements`."""
     prepare = None if cursor.connection.prepare_threshold is None else True
-
-    def insert(message: NewMessage) -> Any:
-        params = {**_message_params(message), "caps_held": caps_held}
-        statement = _driver_sql(_insert_one_statement(message.lane))
-        return cursor.execute(statement, params, prepare=prepare).fetchone()
+    params = {**_message_params(message), "caps_held": caps_held}
+    statement = _driver_sql(SEND_ONE)
 
     def find_holder() -> Any:
         with cursor.connection.cursor(row_factory=namedtuple_row) as named:
             lookup = {"topic": message.topic, "key": message.key}
             return named.execute(_driver_sql(_FIND_UNFINISHED_BY_KEY), lookup).fetchone()
 
-    return _insert_or_find(message, insert, find_holder)
+    return _insert_or_find(
+        message, lambda: cursor.execute(statement, params, prepare=prepare).fetchone(), find_holder
+    )
 
 
 def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:
@@ -194,29 +115,22 @@ def insert_uncapped_on(
     conn: Statements, message: NewMessage, caps_held: bool = False
 ) -> tuple[Any, bool, int | None] | None:
     """`insert_message` through any `Statements` (any driver)."""
-
-    def insert(message: NewMessage) -> Any:
-        params = {**_message_params(message), "caps_held": caps_held}
-        return conn.execute(sql(_insert_one_statement(message.lane)), params).first()
-
+    params = {**_message_params(message), "caps_held": caps_held}
     return _insert_or_find(
-        message, insert, lambda: find_unfinished_by_key(conn, message.topic, message.key)
+        message,
+        lambda: conn.execute(sql(SEND_ONE), params).first(),
+        lambda: find_unfinished_by_key(conn, message.topic, message.key),
     )
 
 
 def _insert_or_find(
-    message: NewMessage, insert: Callable[[NewMessage], Any], find_holder: Callable[[], Any]
+    message: NewMessage, insert: Callable[[], Any], find_holder: Callable[[], Any]
 ) -> tuple[Any, bool, int | None] | None:
     for _ in range(5):
-        row = insert(message)
-        if row is not None and row[0] is None and row[3] == TIMER_LANE:
-            # the database's level has another delay, or is gone: the timer lane, due when
-            # this producer computed (`_INSERT_ONE_LEVEL`)
-            message = dataclasses.replace(message, lane=TIMER_LANE)
-            row = insert(message)
+        row = insert()
         if row is not None:
             if row[0] is None:
-                return None  # a cap covers it (`_UNCAPPED`)
+                return None  # a cap covers it
             return Stored(*row), True, 0
         if message.key is not None:
             existing = find_holder()

@@ -24,11 +24,12 @@ from sqlalchemy import Engine, text
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scratch import scratch_database
 
-from delaysvc import store
 from delaysvc.bench.scale import LONG_LEVEL_MS, _fill_backlog, fill_lane
 from delaysvc.config.settings import Settings
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.tables import LATENESS_BUCKETS_MS
+from delaysvc.store import delivery as store_delivery
+from delaysvc.store import producing
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 PENDING = int(sys.argv[2]) if len(sys.argv) > 2 else 10_000_000
@@ -71,9 +72,9 @@ def profile(engine: Engine, settings: Settings, send_level: int) -> dict[str, di
     }
     new = Producer(settings, engine).prepare("bench.scale", b"{}", delay_level=send_level)
     out = {
-        "move of 1,000 due rows": explained(engine, store._MOVE_DUE_LEVEL, move),
-        "a single send's insert": explained(
-            engine, store._insert_one_statement(new.lane), store._message_params(new)
+        "move of 1,000 due rows": explained(engine, store_delivery._MOVE_DUE_LEVEL, move),
+        "a single send's insert (send_one)": explained(
+            engine, producing.SEND_ONE, {**producing._message_params(new), "caps_held": False}
         ),
     }
     with engine.begin() as conn:  # the due rows leave, so the next phase starts alike

@@ -20,11 +20,11 @@ from sqlalchemy import Engine
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scratch import scratch_database
 
-from delaysvc import store
 from delaysvc.bench.raw import BODY, _fresh
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
+from delaysvc.store import producing
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 DATABASE = "delaysvc_send_profile"
@@ -49,8 +49,8 @@ def profile(engine: Engine, settings: Settings) -> None:
     url = settings.database_url
     producer = Producer(settings, engine)
     new = producer.prepare("profile.t", BODY, delay="1h")
-    params = store._message_params(new)
-    statement = store._insert_one_statement(new.lane).replace("%", "%%")
+    params = {**producing._message_params(new), "caps_held": False}
+    statement = producing.SEND_ONE.replace("%", "%%")
     statement = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", statement)  # psycopg's placeholders
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         _fresh(conn, "bench_raw_insert")

@@ -3,6 +3,7 @@ downgrade removes everything, and the level partitions follow the configured lev
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import os
 import threading
@@ -231,8 +232,11 @@ def test_0013_an_install_with_finished_history_upgrades_in_place_and_loses_no_me
     from delaysvc.worker.consumer import Consumer, handler
 
     upgrade(empty_engine, _levels(TEST_LEVELS), revision="0012")
-    with empty_engine.begin() as conn:  # what this version's sends read of the caps (0015)
+    with empty_engine.begin() as conn:  # what this version's sends use: caps (0015), send_one
         conn.execute(text("CREATE TABLE backlog_cap (scope text, target text)"))
+        send_one = importlib.import_module("delaysvc.migrations.versions.0017_send_function")
+        schema = conn.execute(text("SELECT current_schema()")).scalar_one()
+        conn.execute(text(send_one.SEND_ONE.format(s=f'"{schema}"')))
     settings = Settings(delay_levels=TEST_LEVELS)
     producer, consumer = Producer(settings, empty_engine), Consumer(settings, empty_engine)
     fate = {"doomed": True}
