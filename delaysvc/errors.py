@@ -94,6 +94,20 @@ class MissingPart(DelaysvcError):
     code = "missing_part"
 
 
+class LeaseLost(DelaysvcError):
+    """A transactional handler's job is no longer its claim's (its lease expired and another
+    consumer took it): its transaction rolls back, and nothing of it is written."""
+
+    code = "lease_lost"
+
+    def __init__(self, message_id: int):
+        super().__init__(
+            f"message {message_id}: its lease expired and another consumer took it; "
+            "this run's transaction was rolled back"
+        )
+        self.message_id = message_id
+
+
 class HandlerSignal(Exception):
     """Base of the exceptions a handler raises to steer its message."""
 

@@ -255,15 +255,22 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
 
 def renew_leases(conn: Connection, held: dict[int, list[int]], lease_seconds: int) -> int:
     """Move the lease of every job still running under its claim (claim id -> job ids) a
-    lease ahead; -> jobs renewed. By id: a TID-cheap primary key lookup per job."""
+    lease ahead; -> jobs renewed. By id: a TID-cheap primary key lookup per job. A job whose
+    row is locked by its transactional handler (`lock_running_job`) is skipped: the lock keeps
+    it, and renewing it would wait for the handler's commit."""
     pairs = [(message_id, claim_id) for claim_id, ids in held.items() for message_id in ids]
     return conn.execute(
         sql(
             """
+WITH free AS (
+    SELECT c.id FROM delaysvc.commit_log c
+    JOIN unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[])) AS v(id, claim_id)
+        ON c.id = v.id AND c.claim_id = v.claim_id
+    WHERE c.status = 'running' FOR UPDATE OF c SKIP LOCKED
+)
 UPDATE delaysvc.commit_log c
 SET lease_until = clock_timestamp() + :lease_seconds * interval '1 second'
-FROM unnest(CAST(:ids AS bigint[]), CAST(:claims AS bigint[])) AS v(id, claim_id)
-WHERE c.id = v.id AND c.claim_id = v.claim_id AND c.status = 'running'
+FROM free WHERE c.id = free.id
 """
         ),
         {
@@ -272,6 +279,22 @@ WHERE c.id = v.id AND c.claim_id = v.claim_id AND c.status = 'running'
             "lease_seconds": lease_seconds,
         },
     ).rowcount
+
+
+def lock_running_job(conn: Connection, message_id: int, claim_id: int) -> bool:
+    """Lock a running job's row for its transactional handler; -> False when it is no longer
+    this claim's. Rescue (`rescue_expired_leases`, SKIP LOCKED) and renewal skip it until the
+    transaction ends, so it stays this claim's until then."""
+    return (
+        conn.execute(
+            sql(
+                "SELECT 1 FROM delaysvc.commit_log WHERE id = :id AND claim_id = :claim "
+                "AND status = 'running' FOR UPDATE"
+            ),
+            {"id": message_id, "claim": claim_id},
+        ).first()
+        is not None
+    )
 
 
 def release_unstarted(conn: Connection, message_ids: Sequence[int], claim_id: int) -> int:

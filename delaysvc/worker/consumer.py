@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine
 from delaysvc import store
 from delaysvc.config.validation import decode_body, validate_topic
 from delaysvc.db import engines as db
-from delaysvc.errors import DeadLetter, RetryLater, ValidationError
+from delaysvc.errors import DeadLetter, LeaseLost, RetryLater, ValidationError
 from delaysvc.schema.tables import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HandlerFunc = Callable[[Any], Any]
+HandlerFunc = Callable[..., Any]  # (message), or (message, conn) with transaction=True
 
 
 @dataclass(frozen=True)
@@ -40,22 +40,32 @@ class Handler:
     topic: str
     func: HandlerFunc
     max_retries: int | None
+    transaction: bool = False
 
 
 _registry: dict[str, Handler] = {}
 
 
-def handler(topic: str, *, max_retries: int | None = None) -> Callable[[HandlerFunc], HandlerFunc]:
+def handler(
+    topic: str, *, max_retries: int | None = None, transaction: bool = False
+) -> Callable[[HandlerFunc], HandlerFunc]:
     """Register `func(message)` for `topic`. Returning is success; raising is a failure that
     is retried at level 3, 4, ... (10s, 30s, 1m ...) until `max_retries` (default 16) is spent,
     then the message is dead-lettered. Raise `RetryLater(delay=...)` or `DeadLetter(reason)`
-    to decide yourself."""
+    to decide yourself.
+
+    `transaction=True`: `func(message, conn)` gets a SQLAlchemy `Connection` on the service's
+    database in an open transaction, and the job's success is written in that transaction:
+    the handler's rows and `succeeded` commit together or not at all (effectively once for
+    work in the same database). Raising rolls both back, then the usual retry or dead letter;
+    a process killed mid-handler leaves neither, and the job runs again after its lease. While
+    the transaction is open the job's row is locked, so no other consumer can take it."""
     validate_topic(topic)
     if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
         raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
 
     def register(func: HandlerFunc) -> HandlerFunc:
-        _registry[topic] = Handler(topic, func, max_retries)
+        _registry[topic] = Handler(topic, func, max_retries, transaction)
         return func
 
     return register
@@ -183,6 +193,7 @@ class _Outcomes:
         self.succeeded: list[tuple[int, int, int]] = []  # (id, claim_id, duration_ms)
         self.failed: list[tuple[Job, int, BaseException, int]] = []
         self.durations: list[int] = []
+        self.committed: set[int] = set()  # jobs whose handler's transaction wrote success
 
     def histogram(self) -> list[int]:
         """Handler durations per bucket of DURATION_BUCKETS_MS (the last: beyond)."""
@@ -193,6 +204,8 @@ class _Outcomes:
 
     def add(self, job: Job, claim_id: int, error: BaseException | None, duration_ms: int) -> None:
         self.durations.append(duration_ms)
+        if error is None and job.id in self.committed:
+            return  # its success was written in its handler's own transaction
         if error is None:
             self.succeeded.append((job.id, claim_id, duration_ms))
         else:
@@ -374,7 +387,7 @@ class Consumer:
                 log.warning("consume.claim_lost", extra={"message_id": job.id, "topic": topic})
                 continue
             job = dataclasses.replace(job, attempts=attempt)
-            error, duration_ms = self._run(job)
+            error, duration_ms = self._run(job, claim_id, pending, result)
             starts.ran(duration_ms)
             self._quick_jobs[topic] = starts.size
             pending.add(job, claim_id, error, duration_ms)
@@ -413,15 +426,34 @@ class Consumer:
         result.dead += written.dead
         outcomes.clear()
 
-    def _run(self, job: Job) -> tuple[BaseException | None, int]:
+    def _run(
+        self, job: Job, claim_id: int, pending: _Outcomes, result: ConsumeResult
+    ) -> tuple[BaseException | None, int]:
         found = registered(job.topic)
         assert found is not None
         started = time.perf_counter()
         try:
-            found.func(job)
+            if found.transaction:
+                self._run_in_transaction(found, job, claim_id, started)
+                pending.committed.add(job.id)
+                result.succeeded += 1
+            else:
+                found.func(job)
         except Exception as exc:  # a handler's failure is data, not a crash of the worker
             return exc, _ms_since(started)
         return None, _ms_since(started)
+
+    def _run_in_transaction(self, found: Handler, job: Job, claim_id: int, started: float) -> None:
+        """`found.func(job, conn)` and the job's success in one transaction (`handler`): the
+        job's row is locked first (rescue and lease renewal skip a locked row), so it stays
+        this claim's until the commit; a job no longer this claim's runs nothing."""
+        with self.engine.begin() as conn:
+            if not store.lock_running_job(conn, job.id, claim_id):
+                raise LeaseLost(job.id)
+            found.func(job, conn)
+            if store.finish_one_succeeded(conn, job.id, claim_id, _ms_since(started)) is None:
+                raise LeaseLost(job.id)  # never, with the row locked: the guard of the rule
+            store.add_outcomes(conn, job.topic, store.OutcomeCounts(succeeded=1))
 
     def _dispatch_all(
         self,

@@ -32,6 +32,18 @@ def record(message):  # type: ignore[no-untyped-def]
     _record(message.id, message.attempts)
 
 
+@handler("e2e.in_transaction", transaction=True)
+def in_transaction(message, conn):  # type: ignore[no-untyped-def]
+    """Its row and the job's success commit together: killed before the commit, neither."""
+    from sqlalchemy import text
+
+    conn.execute(
+        text("INSERT INTO public.e2e_run (message_id, attempt, pid) VALUES (:id, :attempt, :pid)"),
+        {"id": message.id, "attempt": message.attempts, "pid": os.getpid()},
+    )
+    time.sleep(message.body.get("sleep", 0))
+
+
 @handler("e2e.flaky")
 def fails_twice(message):  # type: ignore[no-untyped-def]
     _record(message.id, message.attempts)

@@ -96,6 +96,36 @@ def test_kill_9_of_a_worker_mid_job_runs_the_job_again_after_its_lease(
     assert row.last_error == "lease expired: the worker running attempt 1 was lost"  # but told
 
 
+def test_a_transactional_handler_killed_mid_transaction_leaves_each_jobs_row_exactly_once(
+    service_factory,
+    producer: Producer,  # type: ignore[no-untyped-def]
+) -> None:
+    """`@handler(..., transaction=True)`: the handler's row and the job's success commit
+    together. The consumers are killed -9 twice while jobs run inside their transactions; the
+    jobs they held run again after their lease, and every job ends with its row once."""
+    service = service_factory(lease_seconds="3")
+    service.delivery_worker()
+    service.beat()
+    consumer = service.consume_worker(concurrency=2)
+    ids = [
+        m.id
+        for m in producer.send_batch(
+            [{"topic": "e2e.in_transaction", "body": {"sleep": 0.03}} for _ in range(240)]
+        )
+    ]
+    for done in (40, 120):
+        wait_for(lambda d=done: service.count_status("succeeded") >= d, 90, f"{done} to run")
+        service.kill(consumer)  # mid-handler: a job's transaction is open, rows inserted
+        consumer = service.consume_worker(concurrency=2)
+    wait_for(lambda: service.count_status("succeeded") == len(ids), 120, "every job to run")
+    runs = service.rows("SELECT message_id, count(*) AS n FROM e2e_run GROUP BY message_id")
+    assert {row.message_id: row.n for row in runs} == dict.fromkeys(ids, 1)
+    reran = service.scalar(
+        "SELECT count(*) FROM message WHERE attempts > 1 AND id = ANY(:ids)", ids=ids
+    )
+    assert reran >= 1  # the kills did land inside running jobs
+
+
 def test_slow_handlers_at_the_end_of_a_batch_are_never_charged_an_attempt_they_did_not_run(
     service_factory,
     producer: Producer,  # type: ignore[no-untyped-def]

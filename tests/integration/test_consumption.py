@@ -359,3 +359,122 @@ def test_a_topic_without_retries_charges_no_attempt_for_a_claim_whose_process_di
     assert ran == [message.id]
     done = producer.get(message.id)
     assert (done.status, done.attempts) == ("succeeded", 1)
+
+
+# -- transactional handlers: the handler's rows and the job's success in one transaction -----
+
+
+@pytest.fixture
+def effects(engine):
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE IF NOT EXISTS tx_effect (message_id bigint, note text)"))
+        conn.execute(text("DELETE FROM tx_effect"))
+    return lambda: dict(
+        engine.connect().execute(text("SELECT message_id, note FROM tx_effect")).all()
+    )
+
+
+def _write_effect(conn, message, note="done"):
+    conn.execute(
+        text("INSERT INTO tx_effect (message_id, note) VALUES (:id, :note)"),
+        {"id": message.id, "note": note},
+    )
+
+
+def test_a_transactional_handler_commits_its_rows_with_the_jobs_success(
+    producer, consumer, effects
+):
+    @handler("tx.ok", transaction=True)
+    def ok(message, conn):
+        _write_effect(conn, message)
+        # the job is this transaction's to finish: still running, as everyone else sees it
+        assert producer.get(message.id).status == "running"
+
+    message = producer.send("tx.ok", {})
+    result = consumer.run_once("tx.ok")
+    assert (result.claimed, result.succeeded, result.retried) == (1, 1, 0)
+    assert effects() == {message.id: "done"}
+    assert producer.get(message.id).status == "succeeded"
+    with consumer.engine.connect() as conn:
+        (total,) = [row for row in store.topic_totals(conn) if row.topic == "tx.ok"]
+    assert total.succeeded == 1
+
+
+def test_a_transactional_handler_that_raises_leaves_no_row_and_is_retried(
+    producer, consumer, engine, effects
+):
+    @handler("tx.flaky", transaction=True)
+    def flaky(message, conn):
+        _write_effect(conn, message, f"attempt {message.attempts}")
+        if message.attempts == 1:
+            raise ValueError("boom after writing")
+
+    message = producer.send("tx.flaky", {})
+    consumer.run_once("tx.flaky")
+    assert effects() == {}  # rolled back with the failure
+    assert producer.get(message.id).status == "retrying"
+    make_ready(engine, message.id)
+    consumer.run_once("tx.flaky")
+    assert effects() == {message.id: "attempt 2"}
+    assert producer.get(message.id).status == "succeeded"
+
+
+def test_a_job_whose_handler_transaction_is_open_is_neither_rescued_nor_renewed(
+    settings, engine, producer, effects
+):
+    """Its row is locked until the commit: a lease that expires meanwhile (renewal skips the
+    locked row) gives no other consumer the job."""
+    import threading
+
+    short = Consumer(settings.model_copy(update={"lease_seconds": 1}), engine)
+    inside, rescued = threading.Event(), []
+
+    @handler("tx.slow", transaction=True)
+    def slow(message, conn):
+        _write_effect(conn, message)
+        inside.set()
+        time.sleep(2.5)  # the 1 s lease expires meanwhile
+
+    message = producer.send("tx.slow", {})
+    runner = threading.Thread(target=short.run_once, args=("tx.slow",))
+    runner.start()
+    assert inside.wait(10)
+    time.sleep(1.5)
+    with engine.begin() as conn:
+        conn.execute(text("SET LOCAL lock_timeout = '200ms'"))  # waiting on the row would fail
+        held = conn.execute(
+            text("SELECT claim_id FROM commit_log WHERE id = :id"), {"id": message.id}
+        )
+        assert store.renew_leases(conn, {held.scalar_one(): [message.id]}, 30) == 0  # skipped
+        rescued = store.rescue_expired_leases(conn, 10)
+    runner.join(30)
+    assert rescued == []
+    assert effects() == {message.id: "done"}
+    assert producer.get(message.id).status == "succeeded"
+
+
+def test_a_transactional_handler_whose_job_was_taken_runs_nothing_and_writes_nothing(
+    settings, engine, producer, effects
+):
+    """Its lease expired and another consumer took the job before it started: LeaseLost, the
+    handler is never called, nothing is written, the job is the other consumer's."""
+    from delaysvc.errors import LeaseLost
+
+    calls = []
+    handler("tx.taken", transaction=True)(lambda message, conn: calls.append(message.id))
+    message = producer.send("tx.taken", {})
+    with engine.begin() as conn:
+        (row,) = store.claim_ready(conn, "tx.taken", 1, 1, 1)
+        conn.execute(
+            text("UPDATE commit_log SET lease_until = now() - interval '1 second' WHERE id = :id"),
+            {"id": message.id},
+        )
+        assert [r.id for r in store.rescue_expired_leases(conn, 10)] == [message.id]
+    job = consumption.Job.from_row(row)
+    found = consumption.registered("tx.taken")
+    with pytest.raises(LeaseLost, match=f"message {message.id}: its lease expired"):
+        Consumer(settings, engine)._run_in_transaction(
+            found, job, row.claim_id, time.perf_counter()
+        )
+    assert calls == [] and effects() == {}
+    assert producer.get(message.id).status == "ready"
