@@ -12,7 +12,8 @@ The message commits with the order, or neither does: `send` runs its statement o
 it), inside whatever `atomic()` block is open; a rollback, of the block or of a savepoint
 around the send, leaves no trace of it. Outside `atomic()` Django autocommits: a send commits by
 itself, and a batch, a capped send or a cancel commits as one transaction of its own.
-`send_batch`, `cancel` and `get` take `using=` the same way. Errors are delaysvc's
+`send_batch`, `cancel` and `get` take `using=` the same way. `handler` registers a handler whose
+ORM work and the job's success commit together in one `atomic()` block. Errors are delaysvc's
 (`ValidationError`, `BacklogFull`, `DatabaseUnavailable`...); one raised before anything was
 written (a bad argument, a full backlog with the `reject` policy) leaves the `atomic()` block
 usable. Django's psycopg 3 and psycopg2 backends both work.
@@ -30,17 +31,21 @@ used by these calls.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connections
+from django.db import DEFAULT_DB_ALIAS, connections, transaction
+from sqlalchemy import Engine
 from sqlalchemy.engine import URL
 
 from delaysvc.config.settings import Settings
+from delaysvc.db.connections import Joined, joined
 from delaysvc.db.engines import make_engine
 from delaysvc.producer.sending import Message, Producer
+from delaysvc.worker.consumer import HandlerFunc, register_handler
 
-__all__ = ["cancel", "configure", "get", "producer", "send", "send_batch"]
+__all__ = ["cancel", "configure", "get", "handler", "producer", "send", "send_batch"]
 
 _settings: Settings | None = None
 _producers: dict[str, Producer] = {}
@@ -81,6 +86,24 @@ def cancel(
 
 def get(message_id: int, *, using: str = DEFAULT_DB_ALIAS) -> Message:
     return producer(using).get(message_id, connection=connections[using])
+
+
+def handler(
+    topic: str, *, max_retries: int | None = None, using: str = DEFAULT_DB_ALIAS
+) -> Callable[[HandlerFunc], HandlerFunc]:
+    """A transactional handler in Django: `func(message)` runs inside
+    `transaction.atomic(using=using)`, and the job's success is written through Django's
+    connection in the same transaction. The ORM calls of the handler and `succeeded` commit
+    together, or neither does (`delaysvc.handler(..., transaction=True)` for the service's own
+    connection). The worker must be a Django process: `django.setup()` in the handler module,
+    and `DATABASES[using]` the database delaysvc's tables are in."""
+
+    @contextmanager
+    def atomic(_engine: Engine) -> Iterator[tuple[Joined, tuple[()]]]:
+        with transaction.atomic(using=using), joined(connections[using]) as statements:
+            yield statements, ()
+
+    return register_handler(topic, max_retries, atomic)
 
 
 def _url(using: str) -> str:

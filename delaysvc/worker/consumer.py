@@ -13,7 +13,8 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -35,12 +36,25 @@ log = logging.getLogger(__name__)
 HandlerFunc = Callable[..., Any]  # (message), or (message, conn) with transaction=True
 
 
+TransactionOpener = Callable[[Engine], AbstractContextManager[tuple[Any, tuple[Any, ...]]]]
+"""Opens a transactional handler's transaction: -> (what the job's own statements run on, the
+arguments the handler gets after the message). The service's: `in_service_transaction`;
+Django's: `delaysvc.contrib.django.handler`."""
+
+
+@contextmanager
+def in_service_transaction(engine: Engine) -> Iterator[tuple[Connection, tuple[Connection]]]:
+    """A transaction on the service's database; the handler gets its `Connection`."""
+    with engine.begin() as conn:
+        yield conn, (conn,)
+
+
 @dataclass(frozen=True)
 class Handler:
     topic: str
     func: HandlerFunc
     max_retries: int | None
-    transaction: bool = False
+    transaction: TransactionOpener | None = None
 
 
 _registry: dict[str, Handler] = {}
@@ -60,6 +74,13 @@ def handler(
     work in the same database). Raising rolls both back, then the usual retry or dead letter;
     a process killed mid-handler leaves neither, and the job runs again after its lease. While
     the transaction is open the job's row is locked, so no other consumer can take it."""
+    return register_handler(topic, max_retries, in_service_transaction if transaction else None)
+
+
+def register_handler(
+    topic: str, max_retries: int | None, transaction: TransactionOpener | None
+) -> Callable[[HandlerFunc], HandlerFunc]:
+    """`handler`, with the transaction a transactional handler runs in given."""
     validate_topic(topic)
     if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
         raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
@@ -433,7 +454,7 @@ class Consumer:
         assert found is not None
         started = time.perf_counter()
         try:
-            if found.transaction:
+            if found.transaction is not None:
                 self._run_in_transaction(found, job, claim_id, started)
                 pending.committed.add(job.id)
                 result.succeeded += 1
@@ -447,10 +468,11 @@ class Consumer:
         """`found.func(job, conn)` and the job's success in one transaction (`handler`): the
         job's row is locked first (rescue and lease renewal skip a locked row), so it stays
         this claim's until the commit; a job no longer this claim's runs nothing."""
-        with self.engine.begin() as conn:
+        assert found.transaction is not None
+        with found.transaction(self.engine) as (conn, arguments):
             if not store.lock_running_job(conn, job.id, claim_id):
                 raise LeaseLost(job.id)
-            found.func(job, conn)
+            found.func(job, *arguments)
             if store.finish_one_succeeded(conn, job.id, claim_id, _ms_since(started)) is None:
                 raise LeaseLost(job.id)  # never, with the row locked: the guard of the rule
             store.add_outcomes(conn, job.topic, store.OutcomeCounts(succeeded=1))

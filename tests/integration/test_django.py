@@ -235,6 +235,46 @@ def test_the_core_send_joins_django_db_connection_too(producer: Producer, engine
     assert stored(engine, "order.core")["commit_log"] == [sent.id, same.id]
 
 
+@pytest.mark.usefixtures("clean_registry")
+def test_a_django_handler_commits_its_orm_rows_with_the_jobs_success(
+    settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """`delaysvc.contrib.django.handler`: the handler's ORM writes and the job's `succeeded`
+    go through Django's connection in one `atomic()`: a failure takes both back."""
+    from delaysvc.worker.consumer import Consumer
+
+    @delaysvc_django.handler("order.create")
+    def create(message):  # type: ignore[no-untyped-def]
+        Order.objects.create(total=message.body["total"])
+        assert transaction.get_connection().in_atomic_block
+        if message.attempts == 1:
+            raise ValueError("after the write")
+
+    sent = producer.send("order.create", {"total": 7})
+    consumer = Consumer(settings, engine)
+    queries = CaptureQueriesContext(connection)
+    with queries:
+        consumer.run_once("order.create")
+    assert Order.objects.count() == 0  # rolled back with the failure
+    assert producer.get(sent.id).status == "retrying"
+    # the job's lock went through Django's cursor (its success was never reached)
+    assert sum(table("commit_log") in query["sql"] for query in queries) == 1
+    assert producer.get(sent.id).attempts == 1
+    from datetime import UTC, datetime, timedelta
+
+    from delaysvc import store
+    from delaysvc.maintenance import delivery
+
+    with engine.connect() as conn:
+        lane = store.get_message(conn, sent.id).lane
+    with engine.connect() as conn:  # its retry delivered as if its wait were over
+        later = datetime.now(UTC) + timedelta(hours=3)
+        assert delivery.run_once(conn, lane, 100, now=later).moved == 1
+    assert consumer.run_once("order.create").succeeded == 1
+    assert list(Order.objects.values_list("total", flat=True)) == [7]
+    assert producer.get(sent.id).status == "succeeded"
+
+
 @pytest.mark.skipif(DRIVER != "psycopg", reason="run once, from the psycopg 3 process")
 def test_the_same_on_djangos_psycopg2_backend() -> None:
     done = subprocess.run(
@@ -250,4 +290,4 @@ def test_the_same_on_djangos_psycopg2_backend() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "8 passed, 1 skipped" in done.stdout
+    assert "9 passed, 1 skipped" in done.stdout
