@@ -39,8 +39,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         SESSION_COOKIE_SAMESITE="Lax",
         SESSION_COOKIE_SECURE=settings.secure_cookies,  # DELAYSVC_SECURE_COOKIES, for https
         PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
-        JSON_SORT_KEYS=False,
     )
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # answers keep the order built
     app.url_map.converters["int"] = AsciiIntegerConverter
     engine = make_engine(settings)
     app.extensions["delaysvc"] = {

@@ -60,6 +60,22 @@ def test_send_returns_201_and_the_same_topic_and_key_returns_200_with_the_first(
     assert again.get_json()["id"] == data["id"]
 
 
+def test_answers_keep_the_order_their_fields_are_built_in(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    """Flask 3 sorts keys unless `app.json.sort_keys` is off (JSON_SORT_KEYS is ignored)."""
+    sent = client.post("/api/v1/messages", json={"topic": "t.order", "body": 1}, headers=send_token)
+    assert sent.get_data(as_text=True).startswith('{"id":')
+    brief = ["id", "topic", "key", "status", "delay_level", "deliver_at"]
+    assert list(sent.get_json()) == brief
+    got = client.get(f"/api/v1/messages/{sent.get_json()['id']}", headers=send_token)
+    assert list(got.get_json()) == [
+        *brief,
+        *("stored_at", "delivered_at", "started_at", "finished_at", "attempts", "priority"),
+        *("last_error", "tags", "properties"),
+    ]
+
+
 def test_get_lookup_and_cancel(client: FlaskClient, send_token: dict[str, str]) -> None:
     sent = client.post(
         "/api/v1/messages",
