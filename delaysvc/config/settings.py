@@ -117,6 +117,10 @@ class Settings(BaseModel):
     """The statement timeout of the dashboard's and `/metrics`' queries."""
     metrics_token: str | None = None
     """When set, `GET /metrics` needs `Authorization: Bearer <this>`; unset, it is open."""
+    metrics_max_topics: int = Field(default=50, ge=0, le=10_000)
+    """Topics with series of their own in `GET /metrics`: those with the most jobs finished or
+    retried since the database was created (ties: by name); the others are summed under
+    `topic="other"`, so a scrape has at most this many topic label values plus `other`."""
     jdbc_jar: Path = DEBIAN_JDBC_JAR
     """The PostgreSQL JDBC driver's jar, for the pipeline's Spark reads (archive, report)."""
     log_format: LogFormat = "text"
