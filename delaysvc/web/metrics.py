@@ -1,22 +1,37 @@
 """`GET /metrics` in the Prometheus text format. The engine's state lives in PostgreSQL, not in
 the web process, so a collector reads it at scrape time from the same O(1)-per-lane queries as
 `delaysvc stats` (offsets and sequences, never a COUNT(*) over a hot table), under a statement
-timeout.
+timeout; beside it, the answering web process's own `process_*` and `python_*` metrics.
 
 Histograms and counters are cumulative, as Prometheus requires: they are read from running
 totals that only grow (`lateness_total`, `topic_total`), never from the week of minute rows the
-dashboard reads, which are pruned."""
+dashboard reads, which are pruned.
+
+The series are bounded: a lane is labelled by its number alone (its delay is one
+`delaysvc_lane_info` series, so a level change starts no new counter series), and only the
+`DELAYSVC_METRICS_MAX_TOPICS` topics with the most jobs counted since the database was created
+have series of their own; every other topic is summed into `topic="other"`. That ranking is by
+counts that only grow, so a topic's series, once it has one, keeps it until another topic
+overtakes it, and `other` only grows in between."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import zip_longest
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
@@ -24,17 +39,24 @@ from sqlalchemy import Engine
 
 from delaysvc import store
 from delaysvc.config.levels import format_ms
+from delaysvc.config.settings import Settings
 from delaysvc.db.names import sql
 from delaysvc.schema.tables import DURATION_BUCKETS_MS, LATENESS_BUCKETS_MS
 from delaysvc.store import history as store_history
 
 UNSWEPT_CAP = 1_000_000
+OTHER = "other"
+"""The `topic` label of the topics without series of their own, summed."""
+OUTCOMES = ("succeeded", "retried", "dead")
+JOB_STATES = ("ready", "running", "dead")
+MAX_TOPICS: int = Settings.model_fields["metrics_max_topics"].default
 
 
 class ServiceCollector(Collector):
-    def __init__(self, engine: Engine, statement_timeout_ms: int):
+    def __init__(self, engine: Engine, statement_timeout_ms: int, max_topics: int = MAX_TOPICS):
         self.engine = engine
         self.timeout = statement_timeout_ms
+        self.max_topics = max_topics
 
     def collect(self) -> Iterator[Metric]:
         with self.engine.begin() as conn:
@@ -51,69 +73,16 @@ class ServiceCollector(Collector):
             "Messages stored since the database was created",
             value=stored,
         )
-        labels = ["lane", "delay"]
-        pending = GaugeMetricFamily(
-            "delaysvc_lane_pending", "Messages waiting in a lane", labels=labels
-        )
-        moved = CounterMetricFamily(
-            "delaysvc_lane_moved", "Messages moved to topic queues", labels=labels
-        )
-        early = CounterMetricFamily(
-            "delaysvc_lane_delivered_early",
-            "Messages delivered early by a backlog cap",
-            labels=labels,
-        )
-        lateness = GaugeMetricFamily(
-            "delaysvc_lane_lateness_seconds",
-            "How long the lane's due head has waited",
-            labels=labels,
-        )
-        stuck = GaugeMetricFamily(
-            "delaysvc_lane_stuck", "1 when the lane's head cannot be moved", labels=labels
-        )
-        for lane in lanes:
-            key = [
-                "timer" if lane.lane == 0 else str(lane.lane),
-                format_ms(lane.delay_ms) if lane.lane else "any",
-            ]
-            pending.add_metric(key, lane.pending)
-            moved.add_metric(key, lane.moved_total)
-            early.add_metric(key, lane.early_total)
-            overdue = 0.0
-            if lane.next_due is not None and lane.next_due < lane.now:
-                overdue = (lane.now - lane.next_due).total_seconds()
-            lateness.add_metric(key, overdue)
-            stuck.add_metric(key, 1 if lane.stuck_error else 0)
-        yield from (pending, moved, early, lateness, stuck)
-        jobs = GaugeMetricFamily(
-            "delaysvc_topic_jobs", "Jobs of a topic by state", labels=["topic", "state"]
-        )
-        for topic in topics:
-            for state in ("ready", "running", "dead"):
-                jobs.add_metric([topic.topic, state], getattr(topic, state))
-        yield jobs
+        yield from _lane_families(lanes)
+        own = topics_kept(topic_rows, (topic.topic for topic in topics), self.max_topics)
+        yield from _topic_families(topics, topic_rows, own)
         yield _histogram(
             "delaysvc_delivery_lateness_seconds",
             "deliver_ts -> in the topic queue, per lane",
             "lane",
-            [
-                ("timer" if row.lane == 0 else str(row.lane), row.counts, row.sum_ms)
-                for row in late_rows
-            ],
+            [(_lane_label(row.lane), row.counts, row.sum_ms) for row in late_rows],
             LATENESS_BUCKETS_MS,
         )
-        yield _histogram(
-            "delaysvc_handler_duration_seconds",
-            "Handler run time, per topic",
-            "topic",
-            [
-                (row.topic, row.duration_counts, row.duration_sum_ms)
-                for row in topic_rows
-                if row.duration_counts  # a Celery-task topic records no handler durations
-            ],
-            DURATION_BUCKETS_MS,
-        )
-        yield from _outcome_counters(topic_rows)
         yield GaugeMetricFamily(
             "delaysvc_history_unswept",
             f"Finished messages not yet moved into the history (counted up to {UNSWEPT_CAP:,})",
@@ -129,11 +98,110 @@ class ServiceCollector(Collector):
         )
 
 
+def _lane_label(lane: int) -> str:
+    return "timer" if lane == 0 else str(lane)
+
+
+def _lane_families(lanes: list[Any]) -> Iterator[Metric]:
+    """Per lane, labelled `lane` only; `delaysvc_lane_info` says each lane's delay."""
+    info = InfoMetricFamily(
+        "delaysvc_lane", "The delay of each lane (any: the timer lane)", labels=["lane"]
+    )
+    pending = GaugeMetricFamily(
+        "delaysvc_lane_pending", "Messages waiting in a lane", labels=["lane"]
+    )
+    moved = CounterMetricFamily(
+        "delaysvc_lane_moved", "Messages moved to topic queues", labels=["lane"]
+    )
+    early = CounterMetricFamily(
+        "delaysvc_lane_delivered_early",
+        "Messages delivered early by a backlog cap",
+        labels=["lane"],
+    )
+    lateness = GaugeMetricFamily(
+        "delaysvc_lane_lateness_seconds",
+        "How long the lane's due head has waited",
+        labels=["lane"],
+    )
+    stuck = GaugeMetricFamily(
+        "delaysvc_lane_stuck", "1 when the lane's head cannot be moved", labels=["lane"]
+    )
+    for lane in lanes:
+        key = [_lane_label(lane.lane)]
+        info.add_metric(key, {"delay": format_ms(lane.delay_ms) if lane.lane else "any"})
+        pending.add_metric(key, lane.pending)
+        moved.add_metric(key, lane.moved_total)
+        early.add_metric(key, lane.early_total)
+        overdue = 0.0
+        if lane.next_due is not None and lane.next_due < lane.now:
+            overdue = (lane.now - lane.next_due).total_seconds()
+        lateness.add_metric(key, overdue)
+        stuck.add_metric(key, 1 if lane.stuck_error else 0)
+    yield from (info, pending, moved, early, lateness, stuck)
+
+
+def topics_kept(totals: Iterable[Any], seen: Iterable[str], limit: int) -> frozenset[str]:
+    """The topics with series of their own: the `limit` with the most jobs counted in
+    `topic_total` (succeeded, retried and dead), ties and topics counted nothing yet (`seen`:
+    ready jobs only) by name. A topic named `other` never has its own: it is in `other`."""
+    counted = {row.topic: row.succeeded + row.retried + row.dead for row in totals}
+    ranked = sorted(
+        (counted.keys() | set(seen)) - {OTHER}, key=lambda topic: (-counted.get(topic, 0), topic)
+    )
+    return frozenset(ranked[:limit])
+
+
+def _summed(
+    rows: Iterable[tuple[str, Sequence[float]]], own: frozenset[str]
+) -> dict[str, list[float]]:
+    """Values per `topic` label: a kept topic's own, and under `other` the element-wise sums of
+    every other topic's (a shorter list counts as zeros)."""
+    summed: dict[str, list[float]] = {}
+    for topic, values in rows:
+        label = topic if topic in own else OTHER
+        before = summed.get(label, [])
+        summed[label] = [a + b for a, b in zip_longest(before, values, fillvalue=0)]
+    return summed
+
+
+def _topic_families(
+    topics: list[Any], topic_rows: list[Any], own: frozenset[str]
+) -> Iterator[Metric]:
+    jobs = GaugeMetricFamily(
+        "delaysvc_topic_jobs", "Jobs of a topic by state", labels=["topic", "state"]
+    )
+    by_state = ((t.topic, [getattr(t, state) for state in JOB_STATES]) for t in topics)
+    for label, counts in _summed(by_state, own).items():
+        for state, count in zip(JOB_STATES, counts, strict=True):
+            jobs.add_metric([label, state], count)
+    yield jobs
+    outcomes = CounterMetricFamily(
+        "delaysvc_jobs",
+        "Jobs that succeeded, failed and were put back for a retry, or went to the dead letters",
+        labels=["topic", "outcome"],
+    )
+    by_outcome = ((row.topic, [getattr(row, name) for name in OUTCOMES]) for row in topic_rows)
+    for label, counts in _summed(by_outcome, own).items():
+        for outcome, count in zip(OUTCOMES, counts, strict=True):
+            outcomes.add_metric([label, outcome], count)
+    yield outcomes
+    timed = [row for row in topic_rows if row.duration_counts]  # Celery-task topics: none
+    buckets = _summed(((row.topic, row.duration_counts) for row in timed), own)
+    sums = _summed(((row.topic, [row.duration_sum_ms]) for row in timed), own)
+    yield _histogram(
+        "delaysvc_handler_duration_seconds",
+        "Handler run time, per topic",
+        "topic",
+        [(label, counts, sums[label][0]) for label, counts in buckets.items()],
+        DURATION_BUCKETS_MS,
+    )
+
+
 def _histogram(
     name: str,
     documentation: str,
     label: str,
-    rows: list[tuple[str, list[int], float]],
+    rows: list[tuple[str, Sequence[float], float]],
     bounds_ms: tuple[int, ...],
 ) -> HistogramMetricFamily:
     """A Prometheus histogram from per-bucket counts (not cumulative) and their sum in ms."""
@@ -147,24 +215,10 @@ def _histogram(
     return family
 
 
-OUTCOMES = {
-    "succeeded": "Jobs whose handler or task succeeded",
-    "retried": "Failed jobs put back to wait for a retry",
-    "dead": "Jobs moved to the dead letters",
-}
-
-
-def _outcome_counters(topic_rows: list[Any]) -> Iterator[CounterMetricFamily]:
-    for outcome, documentation in OUTCOMES.items():
-        family = CounterMetricFamily(
-            f"delaysvc_topic_{outcome}", f"{documentation}, per topic", labels=["topic"]
-        )
-        for row in topic_rows:
-            family.add_metric([row.topic], getattr(row, outcome))
-        yield family
-
-
-def render(engine: Engine, statement_timeout_ms: int) -> bytes:
+def render(engine: Engine, statement_timeout_ms: int, max_topics: int = MAX_TOPICS) -> bytes:
+    """One scrape: delaysvc's metrics, and this process's (`process_*`, `python_*`)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServiceCollector(engine, statement_timeout_ms))
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    registry.register(ServiceCollector(engine, statement_timeout_ms, max_topics))
     return generate_latest(registry)

@@ -20,14 +20,16 @@ from delaysvc.config.settings import Settings
 from delaysvc.errors import DeadLetter
 from delaysvc.maintenance.delivery import LaneRunner
 from delaysvc.producer.sending import Producer
-from delaysvc.schema.tables import TIMER_LANE
+from delaysvc.schema.tables import DURATION_BUCKETS_MS, TIMER_LANE
 from delaysvc.web import create_app
+from delaysvc.web.metrics import render
 from delaysvc.worker import consumer as consumption
 from delaysvc.worker.consumer import Consumer, Job, handler
 
 HANDLER_SECONDS = 0.02
 LATENESS = "delaysvc_delivery_lateness_seconds"
 DURATIONS = "delaysvc_handler_duration_seconds"
+JOBS = "delaysvc_jobs"
 MINUTE_TABLES = ("lateness_histogram", "handler_duration_histogram")
 Key = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -67,8 +69,12 @@ def _family(sample: str) -> str:
 def scrape(client: FlaskClient) -> Scrape:
     response = client.get("/metrics")
     assert response.status_code == 200
+    return parse(response.get_data(as_text=True))
+
+
+def parse(exposition: str) -> Scrape:
     types, samples = {}, {}
-    for family in text_string_to_metric_families(response.get_data(as_text=True)):
+    for family in text_string_to_metric_families(exposition):
         types[family.name] = family.type
         for sample in family.samples:
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
@@ -148,9 +154,8 @@ def test_histograms_and_outcome_counters_only_grow_and_count_new_work_exactly(
     assert_well_formed_histograms(first)
     assert first.types["delaysvc_delivery_lateness_seconds"] == "histogram"
     assert first.types["delaysvc_handler_duration_seconds"] == "histogram"
-    for outcome in ("succeeded", "retried", "dead"):
-        assert first.types[f"delaysvc_topic_{outcome}"] == "counter"
-    assert first("delaysvc_topic_succeeded_total", topic="metrics.ok") == 2
+    assert first.types[JOBS] == "counter"
+    assert first(f"{JOBS}_total", topic="metrics.ok", outcome="succeeded") == 2
 
     started = time.monotonic()
     work(producer, engine, settings, {"metrics.ok": 3, "metrics.flaky": 2, "metrics.doomed": 1})
@@ -164,7 +169,7 @@ def test_histograms_and_outcome_counters_only_grow_and_count_new_work_exactly(
 
     outcomes = {
         topic: tuple(
-            grew(f"delaysvc_topic_{outcome}_total", topic=topic)
+            grew(f"{JOBS}_total", topic=topic, outcome=outcome)
             for outcome in ("succeeded", "retried", "dead")
         )
         for topic in ("metrics.ok", "metrics.flaky", "metrics.doomed")
@@ -207,7 +212,7 @@ def test_pruning_minutes_older_than_a_week_decreases_nothing(
     assert pruned(f"{LATENESS}_bucket", lane="timer", le="+Inf") == 5
     assert pruned(f"{DURATIONS}_bucket", topic="metrics.ok", le="+Inf") == 4
     assert pruned(f"{DURATIONS}_bucket", topic="metrics.flaky", le="+Inf") == 1
-    assert pruned("delaysvc_topic_succeeded_total", topic="metrics.ok") == 4
+    assert pruned(f"{JOBS}_total", topic="metrics.ok", outcome="succeeded") == 4
 
 
 def test_celery_task_topics_count_outcomes_recorded_by_the_task_callbacks(
@@ -235,7 +240,7 @@ def test_celery_task_topics_count_outcomes_recorded_by_the_task_callbacks(
     assert_well_formed_histograms(after)
     assert_nothing_decreased(before, after)
     assert [
-        after(f"delaysvc_topic_{outcome}_total", topic="metrics.task")
+        after(f"{JOBS}_total", topic="metrics.task", outcome=outcome)
         for outcome in ("succeeded", "retried", "dead")
     ] == [1, 1, 1]
     # a Celery task's run time is not a handler's: no duration histogram for the topic
@@ -337,3 +342,167 @@ def test_the_stored_count_waits_for_a_transaction_that_drew_a_lower_id(
     assert watermark == 3  # past all three ids: 'slow' counted in the settled part
     producer.send("t.stored", "later")
     assert _stored_total(settings) == "3.0"
+
+
+# Bounded series: a topic label value for the busiest topics only, the rest summed into `other`.
+
+
+def topic_labels(found: Scrape) -> set[str]:
+    """Every `topic` label value of the scrape, in any family."""
+    return {dict(labels)["topic"] for _, labels in found.samples if "topic" in dict(labels)}
+
+
+def outcomes(found: Scrape) -> dict[tuple[str, str], float]:
+    """`delaysvc_jobs_total` as {(topic, outcome): count}."""
+    return {
+        (dict(labels)["topic"], dict(labels)["outcome"]): value
+        for (sample, labels), value in found.samples.items()
+        if sample == f"{JOBS}_total"
+    }
+
+
+def add_totals(
+    engine: Engine,
+    counts: dict[str, tuple[int, int, int]],
+    durations: dict[str, tuple[int, int, float]] | None = None,
+) -> None:
+    """Add (succeeded, retried, dead) to topics' running totals, as consumers' flushes do;
+    `durations`: (bucket index, runs, their sum in ms) of a topic's handler runs."""
+    with engine.begin() as conn:
+        for topic, (succeeded, retried, dead) in counts.items():
+            counted = store.OutcomeCounts(succeeded, retried, dead)
+            if durations and topic in durations:
+                index, runs, sum_ms = durations[topic]
+                buckets = [runs if n == index else 0 for n in range(len(DURATION_BUCKETS_MS) + 1)]
+                store.add_durations(conn, topic, buckets, 1.0, sum_ms, counted)
+            else:
+                store.add_outcomes(conn, topic, counted)
+
+
+def test_only_the_topics_with_most_jobs_have_series_of_their_own_the_rest_is_other(
+    engine: Engine, producer: Producer
+) -> None:
+    """At most `max_topics` topic label values plus `other`, chosen by all-time job counts (ties
+    by name); `other` sums the rest in every family (a real topic named `other` included); it
+    only grows until a topic overtakes one kept, which then moves into `other`."""
+    add_totals(
+        engine,
+        {
+            "other": (1000, 0, 0),  # the most of all, but its name is the bucket's
+            "cap.a": (50, 5, 5),
+            "cap.b": (40, 8, 2),
+            "cap.d": (30, 0, 0),  # 30 jobs, as cap.c: cap.c is kept, by name
+            "cap.c": (20, 10, 0),
+            "cap.e": (1, 2, 3),
+        },
+        durations={"cap.a": (2, 4, 30.0), "cap.d": (0, 3, 3.0), "cap.e": (4, 2, 80.0)},
+    )
+    for topic in ("cap.ready", "cap.ready", "cap.d", "cap.a"):  # ready jobs, counted nothing yet
+        producer.send(topic, 1)
+
+    def scraped(max_topics: int) -> Scrape:
+        return parse(render(engine, 5_000, max_topics=max_topics).decode())
+
+    first = scraped(3)
+    assert topic_labels(first) == {"cap.a", "cap.b", "cap.c", "other"}
+    assert outcomes(first) == {
+        (topic, outcome): count
+        for topic, counts in {
+            "cap.a": (50, 5, 5),
+            "cap.b": (40, 8, 2),
+            "cap.c": (20, 10, 0),
+            "other": (1031, 2, 3),  # other + cap.d + cap.e
+        }.items()
+        for outcome, count in zip(("succeeded", "retried", "dead"), counts, strict=True)
+    }
+    assert first("delaysvc_topic_jobs", topic="other", state="ready") == 3  # cap.ready, cap.d
+    assert first("delaysvc_topic_jobs", topic="cap.a", state="ready") == 1
+    assert_well_formed_histograms(first)
+    assert first(f"{DURATIONS}_count", topic="cap.a") == 4
+    # other: cap.d's 3 runs under 1 ms and cap.e's 2 under 50 ms, 83 ms in all
+    assert [
+        first(f"{DURATIONS}_bucket", topic="other", le=le) for le in ("0.001", "0.025", "0.05")
+    ] == [3, 3, 5]
+    assert first(f"{DURATIONS}_count", topic="other") == 5
+    assert first(f"{DURATIONS}_sum", topic="other") == pytest.approx(0.083)
+
+    add_totals(engine, {"cap.e": (1, 0, 0)})  # 7 jobs: still behind cap.c
+    grown = scraped(3)
+    assert_nothing_decreased(first, grown)
+    assert grown(f"{JOBS}_total", topic="other", outcome="succeeded") == 1032
+
+    add_totals(engine, {"cap.e": (0, 0, 30)})  # 37 jobs: past cap.c's 30, which moves out
+    swapped = scraped(3)
+    assert topic_labels(swapped) == {"cap.a", "cap.b", "cap.e", "other"}
+    moved = {key: value for key, value in outcomes(swapped).items() if key[0] in ("cap.e", "other")}
+    assert moved == {
+        ("cap.e", "succeeded"): 2,
+        ("cap.e", "retried"): 2,
+        ("cap.e", "dead"): 33,
+        ("other", "succeeded"): 1050,  # other + cap.c + cap.d
+        ("other", "retried"): 10,
+        ("other", "dead"): 0,  # cap.e's 3 left with it: the documented drop at a swap
+    }
+    assert swapped(f"{DURATIONS}_count", topic="cap.e") == 2
+    assert swapped(f"{DURATIONS}_count", topic="other") == 3
+
+    none_kept = scraped(0)
+    assert topic_labels(none_kept) == {"other"}
+    assert [
+        none_kept(f"{JOBS}_total", topic="other", outcome=outcome)
+        for outcome in ("succeeded", "retried", "dead")
+    ] == [1000 + 50 + 40 + 30 + 20 + 2, 5 + 8 + 10 + 2, 5 + 2 + 33]
+    assert none_kept("delaysvc_topic_jobs", topic="other", state="ready") == 4
+    assert none_kept(f"{DURATIONS}_count", topic="other") == 9
+
+
+def test_the_app_keeps_fifty_topics_by_default(client: FlaskClient, engine: Engine) -> None:
+    add_totals(engine, {f"many.{n:02}": (n, 0, 0) for n in range(1, 53)})
+    found = scrape(client)
+    assert topic_labels(found) == {f"many.{n:02}" for n in range(3, 53)} | {"other"}
+    assert found(f"{JOBS}_total", topic="other", outcome="succeeded") == 1 + 2
+    assert found(f"{JOBS}_total", topic="many.03", outcome="succeeded") == 3
+
+
+def test_lanes_are_labelled_by_lane_alone_and_the_process_metrics_are_there(
+    client: FlaskClient, producer: Producer
+) -> None:
+    """A lane's delay is one info series, not a label of every lane series (a level change
+    would start new counter series); the web process's `process_*` and `python_*` metrics are
+    in the same scrape."""
+    producer.send("t.lanes", 1, delay_level=2)
+    found = scrape(client)
+    info = {
+        dict(labels)["lane"]: (dict(labels)["delay"], value)
+        for (sample, labels), value in found.samples.items()
+        if sample == "delaysvc_lane_info"
+    }
+    assert info == {
+        "timer": ("any", 1),
+        "1": ("1s", 1),
+        "2": ("2s", 1),
+        "3": ("3s", 1),
+        "4": ("5s", 1),
+        "5": ("8s", 1),
+    }
+    assert found("delaysvc_lane_pending", lane="2") == 1
+    assert found("delaysvc_lane_moved_total", lane="2") == 0
+    delay_labelled = {sample for sample, labels in found.samples if "delay" in dict(labels)}
+    assert delay_labelled == {"delaysvc_lane_info"}
+    assert {
+        name: found.types.get(name)
+        for name in (
+            "process_cpu_seconds",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "python_gc_collections",
+            "python_info",
+        )
+    } == {
+        "process_cpu_seconds": "counter",
+        "process_resident_memory_bytes": "gauge",
+        "process_open_fds": "gauge",
+        "python_gc_collections": "counter",
+        "python_info": "gauge",
+    }
+    assert found("process_resident_memory_bytes") > 1_000_000
