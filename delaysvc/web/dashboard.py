@@ -49,7 +49,7 @@ def metrics() -> Any:
         return error_response(
             401, "unauthorized", "send Authorization: Bearer <the DELAYSVC_METRICS_TOKEN>"
         )
-    body = render(services()["engine"], settings.statement_timeout_ms)
+    body = render(services()["engine"], settings.statement_timeout_ms, settings.metrics_max_topics)
     return Response(body, content_type=CONTENT_TYPE_LATEST)
 
 

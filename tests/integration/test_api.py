@@ -432,9 +432,9 @@ def test_metrics_show_lanes_topics_and_stored_messages(
     assert response.status_code == 200
     assert response.content_type.startswith("text/plain")
     lines = set(response.get_data(as_text=True).splitlines())
-    assert 'delaysvc_lane_pending{delay="2s",lane="2"} 2.0' in lines
-    assert 'delaysvc_lane_pending{delay="5s",lane="4"} 1.0' in lines
-    assert 'delaysvc_lane_stuck{delay="2s",lane="2"} 0.0' in lines
+    assert 'delaysvc_lane_pending{lane="2"} 2.0' in lines
+    assert 'delaysvc_lane_pending{lane="4"} 1.0' in lines
+    assert 'delaysvc_lane_stuck{lane="2"} 0.0' in lines
     assert 'delaysvc_topic_jobs{state="ready",topic="t.ready"} 1.0' in lines
     assert "delaysvc_messages_stored_total 4.0" in lines
 

@@ -464,6 +464,19 @@ def test_the_app_keeps_fifty_topics_by_default(client: FlaskClient, engine: Engi
     assert found(f"{JOBS}_total", topic="many.03", outcome="succeeded") == 3
 
 
+def test_the_app_keeps_as_many_topics_as_the_setting_says(
+    settings: Settings, engine: Engine
+) -> None:
+    add_totals(engine, {"kept.a": (5, 0, 0), "kept.b": (3, 0, 0), "kept.c": (1, 0, 0)})
+    app = create_app(settings.model_copy(update={"metrics_max_topics": 1}))
+    try:
+        found = scrape(app.test_client())
+    finally:
+        app.extensions["delaysvc"]["engine"].dispose()
+    assert topic_labels(found) == {"kept.a", "other"}
+    assert found(f"{JOBS}_total", topic="other", outcome="succeeded") == 3 + 1
+
+
 def test_lanes_are_labelled_by_lane_alone_and_the_process_metrics_are_there(
     client: FlaskClient, producer: Producer
 ) -> None:
