@@ -21,6 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from delaysvc import store
+from delaysvc.config import tracing
 from delaysvc.config.levels import DelayLevels, parse_duration_ms
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import (
@@ -344,9 +345,7 @@ class Producer:
             properties=properties,
             priority=priority,
         )
-        if policy != "keep" and new.key is not None:
-            return self._send_replacing(new, policy, connection)
-        return self._send_one(new, connection)
+        return self._send_traced(new, policy, connection)
 
     def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
         """`send` with its arguments as one mapping, as an HTTP body holds them
@@ -356,9 +355,24 @@ class Producer:
         if isinstance(options, dict):
             policy = validate_on_duplicate(options.pop("on_duplicate", "keep"))
         new = self._prepare_item(options, None)
-        if policy != "keep" and new.key is not None:
-            return self._send_replacing(new, policy, connection)
-        return self._send_one(new, connection)
+        return self._send_traced(new, policy, connection)
+
+    def _send_traced(
+        self, new: store.NewMessage, policy: OnDuplicate, connection: Joinable | None
+    ) -> Message:
+        """A single send; while the application traces, in a `send <topic>` span whose context
+        the message carries (`delaysvc.config.tracing`)."""
+        with tracing.sending(new.topic) as span:
+            if span is not None:
+                context = tracing.context_properties()
+                new = dataclasses.replace(new, properties=tracing.carried(new.properties, context))
+            if policy != "keep" and new.key is not None:
+                message = self._send_replacing(new, policy, connection)
+            else:
+                message = self._send_one(new, connection)
+            if span is not None:
+                tracing.sent(span, message.id, message.created, message.deliver_at)
+        return message
 
     def _send_replacing(
         self, new: store.NewMessage, policy: OnDuplicate, connection: Joinable | None
