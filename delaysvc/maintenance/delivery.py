@@ -30,6 +30,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from delaysvc import store
+from delaysvc.config import tracing
 from delaysvc.db.names import LOCK_KEY, lock_name, sql
 from delaysvc.maintenance.heartbeats import LANE_HEARTBEAT_SECONDS, lane_component
 from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
@@ -166,6 +167,8 @@ class LaneRunner:
     held_lane: bool = False
     lateness: LatenessHistogram = field(default_factory=LatenessHistogram)
     _beaten: float = 0.0  # monotonic time of the last heartbeat
+    # this run's lateness, for its span (`tracing.lane_ran`): rows measured, largest, sum (ms)
+    _lateness: tuple[int, float, float] = (0, 0.0, 0.0)
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -175,12 +178,15 @@ class LaneRunner:
             if not self._try_lock(conn):
                 return 0
             self.held_lane = True
-            try:
-                self._heartbeat(conn)
-                self._loop(conn, deadline)
-            finally:
-                self.lateness.flush(conn, self.lane)
-                self._unlock(conn)
+            with tracing.lane_run(self.lane) as span:
+                try:
+                    self._heartbeat(conn)
+                    self._loop(conn, deadline)
+                finally:
+                    self.lateness.flush(conn, self.lane)
+                    self._unlock(conn)
+                    if span is not None:
+                        tracing.lane_ran(span, self.moved_total, self._lateness)
         return self.moved_total
 
     def _loop(self, conn: Connection, deadline: float) -> None:
@@ -189,6 +195,12 @@ class LaneRunner:
             if result.moved:
                 self.moved_total += result.moved
                 self.lateness.add(result)
+                measured, largest, total = self._lateness
+                self._lateness = (
+                    measured + sum(result.lateness_buckets.values()),
+                    max(largest, result.max_lateness_ms or 0.0),
+                    total + result.lateness_sum_ms,
+                )
                 self.on_moved(result.topics)
             if self.lateness.due():
                 self.lateness.flush(conn, self.lane)

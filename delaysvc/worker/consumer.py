@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Engine
 
 from delaysvc import store
+from delaysvc.config import tracing
 from delaysvc.config.validation import decode_body, validate_topic
 from delaysvc.db import engines as db
 from delaysvc.errors import DeadLetter, LeaseLost, RetryLater, ValidationError
@@ -452,17 +453,24 @@ class Consumer:
     ) -> tuple[BaseException | None, int]:
         found = registered(job.topic)
         assert found is not None
-        started = time.perf_counter()
-        try:
-            if found.transaction is not None:
-                self._run_in_transaction(found, job, claim_id, started)
-                pending.committed.add(job.id)
-                result.succeeded += 1
-            else:
-                found.func(job)
-        except Exception as exc:  # a handler's failure is data, not a crash of the worker
-            return exc, _ms_since(started)
-        return None, _ms_since(started)
+        with tracing.processing(
+            job.topic, job.id, job.attempts, job.properties, job.deliver_at
+        ) as span:
+            started = time.perf_counter()
+            error: BaseException | None = None
+            try:
+                if found.transaction is not None:
+                    self._run_in_transaction(found, job, claim_id, started)
+                    pending.committed.add(job.id)
+                    result.succeeded += 1
+                else:
+                    found.func(job)
+            except Exception as exc:  # a handler's failure is data, not a crash of the worker
+                error = exc
+            duration_ms = _ms_since(started)
+            if span is not None:
+                tracing.finished(span, self._outcome(job, error), error)
+        return error, duration_ms
 
     def _run_in_transaction(self, found: Handler, job: Job, claim_id: int, started: float) -> None:
         """`found.func(job, conn)` and the job's success in one transaction (`handler`): the
@@ -532,13 +540,7 @@ class Consumer:
             traceback="".join(traceback.format_exception(error)[-8:]),
             duration_ms=duration_ms,
         )
-        retries_used = job.attempts - 1
-        if isinstance(error, DeadLetter):
-            dead_reason: str | None = error.reason
-        elif retries_used >= self.max_retries(job.topic):
-            dead_reason = f"out of retries: {job.attempts} attempts failed"
-        else:
-            dead_reason = None
+        dead_reason = self._dead_reason(job, error)
         if dead_reason is not None:
             if not store.bury(conn, failure, dead_reason):
                 return _claim_lost(job)
@@ -568,6 +570,22 @@ class Consumer:
             },
         )
         return store.OutcomeCounts(retried=1)
+
+    def _dead_reason(self, job: Job, error: BaseException) -> str | None:
+        """Why a failed job is a dead letter now, or None: it is retried."""
+        if isinstance(error, DeadLetter):
+            return error.reason
+        if job.attempts - 1 >= self.max_retries(job.topic):
+            return f"out of retries: {job.attempts} attempts failed"
+        return None
+
+    def _outcome(self, job: Job, error: BaseException | None) -> str:
+        """What a run of a handler comes to (`tracing.OUTCOMES`), as `_record` will write it."""
+        if error is None:
+            return "succeeded"
+        if isinstance(error, LeaseLost):
+            return "lost"
+        return "retried" if self._dead_reason(job, error) is None else "dead"
 
     def _retry_schedule(self, job: Job, error: BaseException) -> Placement:
         from delaysvc.producer.sending import Placement, resolve_schedule
