@@ -284,7 +284,10 @@ def test_a_lane_run_is_a_span_with_the_messages_moved_and_their_lateness(
         "delaysvc.lane": 1,
         "delaysvc.messages_moved": 3,
     }
-    assert 0 <= mean <= largest < 500  # the head's due time is exact: moved within ms of it
+    # the head's due time is exact: moved within ms of it (the largest is taken at the move's
+    # statement time, the sum at the clock's: a mean may pass the largest by a fraction of a ms)
+    assert 0 <= largest < 500
+    assert 0 <= mean < 500
 
 
 def test_with_no_tracer_provider_nothing_is_added_to_a_message(
