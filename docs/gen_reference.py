@@ -204,7 +204,18 @@ def api_document() -> dict[str, Any]:
     return document()
 
 
+def _ref_name(schema: dict[str, Any]) -> str | None:
+    """The component a `{"$ref": "#/components/schemas/Name"}` names, else None."""
+    ref = schema.get("$ref")
+    return None if ref is None else str(ref).rsplit("/", 1)[-1]
+
+
 def _schema_type(schema: dict[str, Any]) -> str:
+    name = _ref_name(schema)
+    if name is not None:
+        return f"[{name}](#{name.lower()})"  # its fields: the Answers section
+    if "anyOf" in schema:
+        return " or ".join(_schema_type(each) for each in schema["anyOf"])
     if "enum" in schema:
         return " or ".join("`null`" if v is None else f"`{v}`" for v in schema["enum"])
     kind = schema.get("type")
@@ -217,30 +228,42 @@ def _schema_type(schema: dict[str, Any]) -> str:
     return str(kind)
 
 
+_LIMITS = (
+    ("min", "minimum", ""),
+    ("more than", "exclusiveMinimum", ""),
+    ("max", "maximum", ""),
+    ("at least", "minLength", " characters"),
+    ("at most", "maxLength", " characters"),
+    ("at most", "maxItems", " items"),
+    ("at least", "minItems", " items"),
+    ("at most", "maxProperties", " pairs"),
+)
+
+
 def _schema_notes(schema: dict[str, Any]) -> str:
-    notes = []
-    for word, key in (
-        ("min", "minimum"),
-        ("max", "maximum"),
-        ("at most", "maxItems"),
-        ("at least", "minItems"),
-        ("at most", "maxProperties"),
-    ):
+    notes = [_schema_notes(each) for each in schema.get("anyOf", [])]
+    for word, key, unit in _LIMITS:
         if key in schema:
-            unit = {"maxItems": " items", "minItems": " items", "maxProperties": " pairs"}
-            notes.append(f"{word} {schema[key]:,}{unit.get(key, '')}")
+            one = schema[key] == 1 and unit.endswith("s")
+            notes.append(f"{word} {schema[key]:,}{unit[:-1] if one else unit}")
     if "pattern" in schema:
         notes.append(f"pattern `{schema['pattern']}`")
+    if "propertyNames" in schema:
+        notes.append(f"names: {_schema_notes(schema['propertyNames'])}")
+    if isinstance(schema.get("additionalProperties"), dict):
+        notes.append(f"values: {_schema_notes(schema['additionalProperties'])}")
+    if "items" in schema and _ref_name(schema["items"]) is None:
+        notes.append(f"each: {_schema_notes(schema['items'])}")
     if "format" in schema:
         notes.append(schema["format"])
     if "description" in schema:
         notes.append(schema["description"])
-    return "; ".join(notes)
+    return "; ".join(note for note in notes if note and not note.endswith(": "))
 
 
-def _fields(schema: dict[str, Any]) -> list[str]:
+def _fields(schema: dict[str, Any], required_word: str = "Required") -> list[str]:
     required = set(schema.get("required", []))
-    lines = ["| Field | Type | Required | Notes |", "|---|---|---|---|"]
+    lines = [f"| Field | Type | {required_word} | Notes |", "|---|---|---|---|"]
     for name, prop in schema.get("properties", {}).items():
         lines.append(
             f"| `{name}` | {_schema_type(prop)} | {'yes' if name in required else ''} | "
@@ -249,17 +272,36 @@ def _fields(schema: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _request_schema(operation: dict[str, Any]) -> dict[str, Any] | None:
+def _resolved(schema: dict[str, Any], components: dict[str, Any]) -> dict[str, Any]:
+    name = _ref_name(schema)
+    return schema if name is None else components[name]  # type: ignore[no-any-return]
+
+
+def _request_schema(
+    operation: dict[str, Any], components: dict[str, Any]
+) -> tuple[dict[str, Any], bool] | None:
+    """The body's schema, and whether it is a batch's: then the schema of one item."""
     body = operation.get("requestBody")
     if body is None:
         return None
-    schema: dict[str, Any] = body["content"]["application/json"]["schema"]
+    schema = _resolved(body["content"]["application/json"]["schema"], components)
     if list(schema.get("properties", {})) == ["messages"]:  # the batch: one item's fields
-        return schema["properties"]["messages"]["items"]  # type: ignore[no-any-return]
-    return schema
+        return _resolved(schema["properties"]["messages"]["items"], components), True
+    return schema, False
 
 
-def _operation(method: str, path: str, scope: str, operation: dict[str, Any]) -> list[str]:
+def _answer(response: dict[str, Any]) -> str:
+    """What a success answers: a component, or an object of them."""
+    schema = response.get("content", {}).get("application/json", {}).get("schema", {})
+    if "$ref" in schema:
+        return _schema_type(schema)
+    fields = schema.get("properties", {})
+    return ", ".join(f"`{name}`: {_schema_type(prop)}" for name, prop in fields.items())
+
+
+def _operation(
+    method: str, path: str, scope: str, operation: dict[str, Any], components: dict[str, Any]
+) -> list[str]:
     lines = [f"### `{method} {API_PREFIX}{path}`", "", operation.get("summary", "") + ".", ""]
     lines += [f"Token scope: {_SCOPES[scope]}.", ""]
     parameters = [p for p in operation.get("parameters", []) if p["in"] == "query"]
@@ -274,19 +316,55 @@ def _operation(method: str, path: str, scope: str, operation: dict[str, Any]) ->
                 f"| `{parameter['name']}` | {kind}{f' ({notes})' if notes else ''} | {required} |"
             )
         lines.append("")
-    schema = _request_schema(operation)
-    if schema is not None:
-        if "messages" in operation["requestBody"]["content"]["application/json"]["schema"].get(
-            "properties", {}
-        ):
+    request = _request_schema(operation, components)
+    if request is not None:
+        schema, batch = request
+        if batch:
             lines += ['Body: `{"messages": [...]}`, each item with these fields:', ""]
         else:
             lines += ["Body:", ""]
         lines += [*_fields(schema), ""]
-    lines += ["| Status | Meaning |", "|---|---|"]
+    lines += ["| Status | Meaning | Answer |", "|---|---|---|"]
     for status, response in sorted(operation["responses"].items()):
-        lines.append(f"| {status} | {_cell(response.get('description') or 'the document')} |")
+        meaning = _cell(response.get("description") or "the document")
+        answer = _cell(_answer(response)) if status.startswith("2") else "[Error](#error)"
+        lines.append(f"| {status} | {meaning} | {answer} |")
     lines.append("")
+    return lines
+
+
+def _answered(document: dict[str, Any]) -> list[str]:
+    """The components the routes answer with, and those they hold, in order of first use."""
+    found: list[str] = []
+
+    def visit(schema: Any) -> None:
+        if isinstance(schema, dict):
+            name = _ref_name(schema)
+            if name is not None and name not in found:
+                found.append(name)
+                visit(document["components"]["schemas"][name])
+            for value in schema.values():
+                visit(value)
+        elif isinstance(schema, list):
+            for value in schema:
+                visit(value)
+
+    for item in document["paths"].values():
+        for method, operation in item.items():
+            if method != "parameters":
+                visit(operation["responses"])
+    return found
+
+
+def _answers(document: dict[str, Any]) -> list[str]:
+    lines = ["## Answers", ""]
+    lines += ["The fields of each answer; an answer holds no others. Times are ISO 8601.", ""]
+    for name in _answered(document):
+        schema = document["components"]["schemas"][name]
+        lines += [f"### {name}", ""]
+        if "description" in schema:
+            lines += [" ".join(schema["description"].split()), ""]
+        lines += [*_fields(schema, "Always"), ""]
     return lines
 
 
@@ -306,10 +384,12 @@ def api_block() -> str:
         summary = operation.get("summary", "(not in the OpenAPI document)")
         lines.append(f"| {method} | `{API_PREFIX}{path}` | {_SCOPES[scope]} | {_cell(summary)} |")
     lines.append("")
+    components = document["components"]["schemas"]
     for method, path, scope in served:
         operation = document["paths"].get(path, {}).get(method.lower())
         if operation is not None:
-            lines += _operation(method, path, scope, operation)
+            lines += _operation(method, path, scope, operation, components)
+    lines += _answers(document)
     return "\n".join(lines)
 
 

@@ -53,7 +53,9 @@ MAX_TAGS = 16
 MAX_PROPERTIES = 64
 MAX_PROPERTY_NAME = 128
 MAX_PROPERTY_VALUE = 4096
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+CONTROL_CHARS = r"\x00-\x1f\x7f"
+"""What a key must not hold: NUL and the other control characters (a regex class's body)."""
+_CONTROL = re.compile(f"[{CONTROL_CHARS}]")
 
 
 def validate_topic(topic: object) -> str:
@@ -139,8 +141,12 @@ def decode_body(data: bytes, is_json: bool) -> Any:
     return json.loads(data) if is_json else data
 
 
-_RATE = re.compile(r"(\d+(?:\.\d+)?)\s*/\s*(s|m|h)")
+RATE_PATTERN = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*/\s*(s|m|h)")
+"""Starts per time, `10/s` (surrounding spaces allowed); [0-9], not \\d, which takes every
+script's digits."""
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_RATE_PER_S = 1_000_000
+MAX_RUNNING = 100_000
 
 
 def parse_rate(value: object) -> float | None:
@@ -148,21 +154,25 @@ def parse_rate(value: object) -> float | None:
     if value is None:
         return None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        rate = float(value)
-    elif isinstance(value, str) and (found := _RATE.fullmatch(value.strip())):
+        # clamped first: out of range stays out of range, and float() of an int of hundreds
+        # of digits (JSON allows them) would raise OverflowError
+        rate = float(max(-1, min(value, 2 * MAX_RATE_PER_S)))
+    elif isinstance(value, str) and (found := RATE_PATTERN.fullmatch(value.strip())):
         rate = float(found.group(1)) / _PER[found.group(2)]
     else:
         raise ValidationError("rate", f"{value!r}: use starts per time such as '10/s', '600/m'")
-    if not rate > 0 or rate > 1_000_000:
-        raise ValidationError("rate", f"{value!r}: must be more than 0 and at most 1000000/s")
+    if not rate > 0 or rate > MAX_RATE_PER_S:
+        raise ValidationError(
+            "rate", f"{value!r}: must be more than 0 and at most {MAX_RATE_PER_S}/s"
+        )
     return rate
 
 
 def check_max_running(value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100_000:
-        raise ValidationError("max_running", f"{value!r}: a whole number from 1 to 100000")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RUNNING:
+        raise ValidationError("max_running", f"{value!r}: a whole number from 1 to {MAX_RUNNING}")
     return value
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 from functools import wraps
-from typing import Any
+from typing import Any, Literal
 
 from flask import Blueprint, current_app, g, jsonify, request
 from werkzeug.exceptions import Forbidden
@@ -18,16 +18,20 @@ from delaysvc.maintenance.periodic import Schedules, schedule
 from delaysvc.producer.caps import all_caps, check_target, set_cap
 from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.serialize import (
+    SentInBatchJson,
     cap_json,
     dead_letter_json,
     lane_json,
+    lifted_cap_json,
     limits_json,
     message_json,
     schedule_json,
+    sent_message_json,
     topic_json,
 )
 from delaysvc.web import params
 from delaysvc.web.errors import error_response
+from delaysvc.web.models import MAX_DEAD_PAGE, DeletedJson
 from delaysvc.worker.limits import all_limits, set_limits
 
 api = Blueprint("api", __name__)
@@ -125,7 +129,7 @@ def send_message():
     require_topic(options)
     producer = services()["producer"]
     message = producer.send_item(options)
-    return jsonify(message_json(message, full=False)), 201 if message.created else 200
+    return jsonify(sent_message_json(message)), 201 if message.created else 200
 
 
 @api.post("/messages/batch")
@@ -146,9 +150,8 @@ def send_messages():
         except Forbidden as exc:  # one message outside the token's topics: none is sent
             raise Forbidden(f"messages[{index}]: {exc.description}") from None
     messages = services()["producer"].send_batch(options)
-    return jsonify(
-        {"messages": [message_json(m, full=False) | {"created": m.created} for m in messages]}
-    ), 201
+    sent: list[SentInBatchJson] = [{**sent_message_json(m), "created": m.created} for m in messages]
+    return jsonify({"messages": sent}), 201
 
 
 @api.get("/messages")
@@ -195,7 +198,7 @@ def topics():
 @requires("admin")
 def dead_letters():
     after = int_arg("after", None, 0, None)
-    limit = int_arg("limit", 100, 1, 1000)
+    limit = int_arg("limit", 100, 1, MAX_DEAD_PAGE)
     letters = DeadLetters(services()["engine"])
     rows = letters.list(request.args.get("topic"), after, limit, topics=token().topics)
     return jsonify({"dead": [dead_letter_json(r) for r in rows]})
@@ -260,7 +263,7 @@ def put_level_cap(level: str):
     return _put_cap("level", level)
 
 
-def _put_cap(scope: str, target: object) -> Any:
+def _put_cap(scope: Literal["level", "topic"], target: object) -> Any:
     options = json_body()
     unknown = sorted(set(options) - {"max_waiting", "policy"})
     if unknown:
@@ -269,7 +272,7 @@ def _put_cap(scope: str, target: object) -> Any:
     found = set_cap(engine, scope, target, options.get("max_waiting"), options.get("policy"))
     if found is None:  # lifted
         _, name = check_target(scope, target)
-        return jsonify({"scope": scope, "target": name, "max_waiting": None, "policy": None})
+        return jsonify(lifted_cap_json(scope, name))
     return jsonify(cap_json(found))
 
 
@@ -324,7 +327,7 @@ def resume_schedule(name: str):
 @requires("admin")
 def delete_schedule(name: str):
     _schedules().delete(name, topics=token().topics)
-    return jsonify({"deleted": name})
+    return jsonify(DeletedJson(deleted=name))
 
 
 @api.get("/openapi.json")

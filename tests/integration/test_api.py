@@ -19,6 +19,7 @@ from delaysvc.producer.sending import Producer
 from delaysvc.store import tokens as store_tokens
 from delaysvc.web import create_app
 from delaysvc.worker.consumer import Consumer, handler
+from tests.support.openapi import Documented
 
 
 @pytest.fixture
@@ -466,76 +467,6 @@ def test_the_metrics_token_is_read_from_the_environment_and_checked() -> None:
         Settings.from_env({"DELAYSVC_METRICS_TOKEN": "two words"})
 
 
-def _spec_paths(app: Flask) -> set[tuple[str, str]]:
-    served = set()
-    for rule in app.url_map.iter_rules():
-        if rule.rule.startswith("/api/v1/"):
-            path = rule.rule[len("/api/v1") :].replace("<int:message_id>", "{message_id}")
-            path = path.replace("<name>", "{name}").replace("<topic>", "{topic}")
-            path = path.replace("<level>", "{level}")
-            served |= {(path, m.lower()) for m in rule.methods - {"HEAD", "OPTIONS"}}
-    return served
-
-
-def test_the_openapi_document_names_exactly_the_served_routes(
-    app: Flask, client: FlaskClient
-) -> None:
-    document = client.get("/api/v1/openapi.json").get_json()
-    assert document["openapi"].startswith("3.")
-    documented = {
-        (path, method)
-        for path, item in document["paths"].items()
-        for method in item
-        if method != "parameters"
-    }
-    assert documented == _spec_paths(app)
-
-
-def test_responses_match_the_openapi_schemas(
-    client: FlaskClient, send_token: dict[str, str], orders_token: dict[str, str]
-) -> None:
-    import jsonschema
-
-    paths = client.get("/api/v1/openapi.json").get_json()["paths"]
-
-    def check(response: Any, path: str, method: str) -> None:
-        declared = paths[path][method]["responses"][str(response.status_code)]
-        schema = declared["content"]["application/json"]["schema"]
-        jsonschema.validate(response.get_json(), schema)
-
-    sent = client.post(
-        "/api/v1/messages", json={"topic": "t.s", "body": [1], "delay": "1m"}, headers=send_token
-    )
-    check(sent, "/messages", "post")
-    message_id = sent.get_json()["id"]
-    check(
-        client.get(f"/api/v1/messages/{message_id}", headers=send_token),
-        "/messages/{message_id}",
-        "get",
-    )
-    check(
-        client.post("/api/v1/messages", json={"topic": "t s"}, headers=send_token),
-        "/messages",
-        "post",
-    )
-    check(
-        client.post("/api/v1/messages", json={"topic": "t.s", "body": 1}, headers=orders_token),
-        "/messages",
-        "post",
-    )
-    check(client.get("/api/v1/levels", headers=send_token), "/levels", "get")
-    check(
-        client.delete(f"/api/v1/messages/{message_id}", headers=send_token),
-        "/messages/{message_id}",
-        "delete",
-    )
-    check(
-        client.delete(f"/api/v1/messages/{message_id}", headers=send_token),
-        "/messages/{message_id}",
-        "delete",
-    )
-
-
 def test_levels_show_moved_per_second_since_the_last_stats_sample(
     client: FlaskClient, send_token: dict[str, str], engine: Engine
 ) -> None:
@@ -643,17 +574,9 @@ def test_periodic_schedules_through_the_api(
     send_token: dict[str, str],
     engine: Engine,
 ) -> None:
-    import jsonschema
-
     from delaysvc.maintenance import periodic as periodic_schedules
 
-    paths = client.get("/api/v1/openapi.json").get_json()["paths"]
-
-    def checked(response: Any, path: str, method: str, status: int) -> Any:
-        assert response.status_code == status, response.get_json()
-        declared = paths[path][method]["responses"][str(status)]
-        jsonschema.validate(response.get_json(), declared["content"]["application/json"]["schema"])
-        return response.get_json()
+    checked = Documented(client).answer
 
     new = {"schedule": "*/5 * * * *", "topic": "report.build", "body": {"kind": "short"}}
     created = checked(
