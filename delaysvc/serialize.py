@@ -191,8 +191,9 @@ class TopicJson(TypedDict):
     duration_p99_ms: float | None
 
 
-def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str, Any]:
-    """A TopicJson, as the plain dict the dashboard's `web.ui_format.topic_row` takes."""
+def topic_json(row: Any, durations: tuple[list[int], float] | None) -> TopicJson:
+    """A topic's jobs by state, whether a live worker has its handler, and its last hour of
+    handler runs (`TopicJson`)."""
     counts, longest = durations or ([], 0.0)
     data: TopicJson = {
         "topic": row.topic,
@@ -206,7 +207,7 @@ def topic_json(row: Any, durations: tuple[list[int], float] | None) -> dict[str,
         "duration_p50_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.5, longest),
         "duration_p99_ms": percentile_bound(counts, DURATION_BUCKETS_MS, 0.99, longest),
     }
-    return dict(data)
+    return data
 
 
 @with_config(ANSWER)

@@ -31,7 +31,7 @@ MAX_LEVEL_DELAY_MS = 400 * UNIT_MS["d"]
 FIRST_RETRY_LEVEL = 3
 
 _LEVEL_TOKEN = re.compile(r"([0-9]+)([smhd])")
-_DURATION = re.compile(r"(?:[0-9]+(?:ms|s|m|h|d))+")
+DURATION_PATTERN = re.compile(r"(?:[0-9]+(?:ms|s|m|h|d))+")
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h|d)")
 
 
@@ -50,7 +50,7 @@ def format_ms(ms: int) -> str:
 
 def parse_duration_ms(text: str, *, field: str = "delay") -> int:
     """`"45m"` -> 2_700_000. Accepts `1h30m`, `250ms`; refuses anything else with a clear error."""
-    if not isinstance(text, str) or not _DURATION.fullmatch(text):
+    if not isinstance(text, str) or not DURATION_PATTERN.fullmatch(text):
         raise ValidationError(
             field,
             f"{text!r} is not a duration; use whole numbers with units ms, s, m, h, d "

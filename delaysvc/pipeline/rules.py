@@ -81,7 +81,7 @@ _PROPERTIES_MAX_CHARS = 4096  # longer ones (legal up to 64 x 4 KiB) take the pr
 _CONTROL = r"[\x00-\x1f\x7f]"
 _WHOLE = r"\A-?[0-9]{1,9}\z"
 _DELAY_MS = r"\A[0-9]{1,15}\z"
-_DURATION = r"\A(?:[0-9]{1,9}(?:ms|s|m|h|d)){1,16}\z"  # levels._DURATION, bounded
+_DURATION = r"\A(?:[0-9]{1,9}(?:ms|s|m|h|d)){1,16}\z"  # levels.DURATION_PATTERN, bounded
 _ONE_DURATION = r"\A([0-9]{1,9})(ms|s|m|h|d)\z"
 _INSTANT = (
     r"\A([0-9]{4})-([0-9]{2})-([0-9]{2})[T ]([0-9]{2}):([0-9]{2})"

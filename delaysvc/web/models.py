@@ -18,7 +18,7 @@ from typing import Annotated, Any, NotRequired
 from pydantic import ConfigDict, Field, StringConstraints, with_config
 from typing_extensions import TypedDict  # pydantic's TypedDicts, before Python 3.12
 
-from delaysvc.config.levels import _DURATION as DURATION_PATTERN
+from delaysvc.config.levels import DURATION_PATTERN
 from delaysvc.config.settings import CapPolicy
 from delaysvc.config.validation import (
     CONTROL_CHARS,

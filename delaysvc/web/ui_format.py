@@ -16,6 +16,7 @@ from typing import Any
 from delaysvc.config.levels import format_ms
 from delaysvc.producer.sending import Message
 from delaysvc.schema.tables import LATENESS_BUCKETS_MS, WAITING
+from delaysvc.serialize import TopicJson
 from delaysvc.store.dashboard import LatenessDistribution
 
 BODY_PREVIEW_BYTES = 64 * 1024
@@ -94,7 +95,7 @@ def lane_row(row: Any, rate: float | None) -> dict[str, Any]:
     }
 
 
-def topic_row(topic: dict[str, Any]) -> dict[str, Any]:
+def topic_row(topic: TopicJson) -> dict[str, Any]:
     """A row of the topics table from the API's view of a topic (`web.api.topic_json`)."""
 
     def ms(value: float | None) -> str:
