@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import Engine
 
@@ -46,6 +46,19 @@ from delaysvc.schema.tables import WAITING
 log = logging.getLogger(__name__)
 
 
+class Adding(Protocol):
+    """What a cap reads of a message a write adds (a `store.NewMessage`, a batch's item)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def lane(self) -> int: ...
+
+    @property
+    def key(self) -> str | None: ...
+
+
 def _counts(cap: BacklogCap, topic: str, lane: int) -> bool:
     """A message of `topic` waiting in `lane` is one of the cap's backlog."""
     if cap.scope == "level":
@@ -53,7 +66,7 @@ def _counts(cap: BacklogCap, topic: str, lane: int) -> bool:
     return topic == cap.target and lane >= 0
 
 
-def _net(cap: BacklogCap, adding: Sequence[store.NewMessage], leaving: Sequence[Any]) -> int:
+def _net(cap: BacklogCap, adding: Sequence[Adding], leaving: Sequence[Any]) -> int:
     """What a write adds to the cap's backlog: the messages it stores, less the waiting ones it
     takes out (a replaced message)."""
     added = sum(1 for m in adding if _counts(cap, m.topic, m.lane))
@@ -63,7 +76,7 @@ def _net(cap: BacklogCap, adding: Sequence[store.NewMessage], leaving: Sequence[
 def covering(
     conn: store.Statements,
     configured: Sequence[BacklogCap],
-    messages: Sequence[store.NewMessage],
+    messages: Sequence[Adding],
 ) -> list[BacklogCap]:
     """The caps these messages' topics and levels have: the database's (one statement), and
     those `configured` (a producer's DELAYSVC_BACKLOG_CAPS) for targets the database has no
@@ -87,8 +100,8 @@ def _cap(row: Any) -> BacklogCap:
 
 
 def _adding(
-    conn: store.Statements, messages: Sequence[store.NewMessage], leaving: Sequence[Any]
-) -> list[store.NewMessage]:
+    conn: store.Statements, messages: Sequence[Adding], leaving: Sequence[Any]
+) -> list[Adding]:
     """The messages an insert will store: not those whose key an unfinished message holds
     (locked until the transaction ends, so it keeps holding it) unless that message is leaving,
     nor a key's repeats in the batch."""
@@ -115,7 +128,7 @@ def _pending(conn: store.Statements, cap: BacklogCap, up_to: int) -> int:
 def before_insert(
     conn: store.Statements,
     capped: Sequence[BacklogCap],
-    messages: Sequence[store.NewMessage],
+    messages: Sequence[Adding],
     leaving: Sequence[Any] = (),
 ) -> None:
     """Lock the caps `covering` found for these messages; refuse them if a `reject` cap would
@@ -143,7 +156,7 @@ def before_insert(
 def after_insert(
     conn: store.Statements,
     capped: Sequence[BacklogCap],
-    created: Sequence[store.NewMessage],
+    created: Sequence[Adding],
     leaving: Sequence[Any] = (),
 ) -> int:
     """Deliver the oldest waiting messages beyond each `deliver-early` cap the `created`

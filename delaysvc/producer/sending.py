@@ -13,7 +13,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
@@ -22,11 +21,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from delaysvc import store
 from delaysvc.config import tracing
-from delaysvc.config.levels import DelayLevels, parse_duration_ms
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import (
     MESSAGE_FIELDS,
-    decode_body,
     encode_body,
     validate_key,
     validate_priority,
@@ -43,102 +40,19 @@ from delaysvc.errors import (
     NotFound,
     ValidationError,
 )
-from delaysvc.producer import caps
-from delaysvc.schema.tables import NO_LANE, TIMER_LANE, WAITING
+from delaysvc.producer import batching, caps
+from delaysvc.producer.message import Message as Message
+from delaysvc.producer.placement import Placement as Placement
+from delaysvc.producer.placement import resolve_schedule
+from delaysvc.schema.tables import TIMER_LANE, WAITING
 
 log = logging.getLogger("delaysvc.producer")  # the producer's logger, as before the package
 _T = TypeVar("_T")
 Joinable = object  # what a caller may pass as `connection=`: see `delaysvc.db.connections`
 MAX_BATCH = 10_000
-
-
-@dataclass(frozen=True)
-class Message:
-    """A stored message as the producer and the API return it."""
-
-    id: int
-    topic: str
-    key: str | None
-    status: str
-    delay_level: int | None
-    deliver_at: datetime
-    stored_at: datetime
-    created: bool = True
-    tags: list[str] = field(default_factory=list)
-    properties: dict[str, str] = field(default_factory=dict)
-    delivered_at: datetime | None = None
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    attempts: int = 0
-    duration_ms: int | None = None
-    last_error: str | None = None
-    errors: list[dict[str, Any]] = field(default_factory=list)
-    body: Any = None
-    priority: int = 0
-    replaced_id: int | None = None
-    """The message this send replaced (`on_duplicate="replace"` or `"debounce"`): cancelled,
-    its `last_error` naming this one."""
-
-    @classmethod
-    def from_row(cls, row: Any, created: bool = True) -> Message:
-        return cls(
-            id=row.id,
-            topic=row.topic,
-            key=row.key,
-            status=row.status,
-            delay_level=row.delay_level,
-            deliver_at=row.deliver_ts,
-            stored_at=row.stored_at,
-            created=created,
-            tags=row.tags or [],
-            properties=row.properties or {},
-            delivered_at=row.delivered_at,
-            started_at=row.started_at,
-            finished_at=row.finished_at,
-            attempts=row.attempts,
-            duration_ms=row.duration_ms,
-            last_error=row.last_error,
-            errors=getattr(row, "errors", None) or [],
-            priority=getattr(row, "priority", 0),
-            # rows returned by a send carry no body (the caller has it)
-            body=decode_body(_bytes(row.body), row.body_is_json) if hasattr(row, "body") else None,
-        )
-
-    @classmethod
-    def sent(cls, new: store.NewMessage, row: Any, created: bool = True) -> Message:
-        """A message just stored: what the database decided (`id, stored_at, deliver_ts`) and
-        what was sent. The body is not carried back (the caller has it)."""
-        ready = new.lane < 0
-        return cls(
-            id=row.id,
-            topic=new.topic,
-            key=new.key,
-            status="ready" if ready else "scheduled",
-            delay_level=new.delay_level,
-            deliver_at=row.deliver_ts,
-            stored_at=row.stored_at,
-            created=created,
-            tags=list(new.tags) if new.tags else [],
-            properties=dict(new.properties) if new.properties else {},
-            delivered_at=row.stored_at if ready else None,
-            priority=new.priority,
-        )
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a message waits: lane -1 (due now), 1..N (a level) or 0 (the timer lane)."""
-
-    lane: int
-    delay_level: int | None
-    delay_ms: int | None
-    deliver_at: datetime | None
-
-    def deliver_ts(self, now: datetime) -> datetime:
-        """The due time for a send at `now` (the database computes the same from its clock)."""
-        if self.deliver_at is not None:
-            return self.deliver_at
-        return now + timedelta(milliseconds=self.delay_ms or 0)
+"""Items in one HTTP batch (`POST /api/v1/messages/batch`)."""
+MAX_SEND_BATCH = 100_000
+"""Items in one `send_batch` call (streamed into the tables: `delaysvc.producer.batching`)."""
 
 
 OnDuplicate = Literal["keep", "replace", "debounce"]
@@ -161,91 +75,6 @@ def _not_earlier(conn: Any, new: store.NewMessage, due: datetime) -> store.NewMe
             new, lane=TIMER_LANE, delay_level=None, delay_ms=None, deliver_at=due
         )
     return new
-
-
-def resolve_schedule(
-    levels: DelayLevels,
-    *,
-    delay_level: int | None = None,
-    delay: str | timedelta | None = None,
-    delay_ms: int | None = None,
-    deliver_at: datetime | None = None,
-    default_delay_ms: int | None = None,
-    max_delay_ms: int,
-    now: datetime | None = None,
-) -> Placement:
-    """Turn the producer's one timing option into a lane. At most one option may be given;
-    none means the topic's default delay, else due now. A delay equal to a level's delay uses
-    that level's FIFO queue; other delays use the timer lane. `now` (default: the clock, read
-    only for `deliver_at`) bounds how far ahead `deliver_at` may be."""
-    given = [
-        name
-        for name, value in (
-            ("delay_level", delay_level),
-            ("delay", delay),
-            ("delay_ms", delay_ms),
-            ("deliver_at", deliver_at),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise ValidationError(
-            given[1], f"give at most one of delay_level, delay, delay_ms, deliver_at (got {given})"
-        )
-    if delay_level is not None:
-        if isinstance(delay_level, bool) or not isinstance(delay_level, int):
-            raise ValidationError("delay_level", f"must be a whole number, got {delay_level!r}")
-        level = levels.clamp(delay_level)
-        if level == 0:
-            return Placement(NO_LANE, 0, 0, None)
-        return Placement(level, level, levels.delay_ms(level), None)
-    if deliver_at is not None:
-        return _absolute(deliver_at, max_delay_ms, now or datetime.now().astimezone())
-    field_name = "delay" if delay is not None else "delay_ms"
-    if isinstance(delay, timedelta):
-        ms = _timedelta_ms(delay)
-    elif delay is not None:
-        ms = parse_duration_ms(delay)
-    elif delay_ms is not None:
-        if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0:
-            raise ValidationError("delay_ms", f"must be a whole number >= 0, got {delay_ms!r}")
-        ms = delay_ms
-    elif default_delay_ms is not None:
-        ms = default_delay_ms
-    else:
-        return Placement(NO_LANE, 0, 0, None)
-    if ms > max_delay_ms:
-        raise ValidationError(
-            field_name, f"{ms} ms is more than the maximum delay of {max_delay_ms} ms"
-        )
-    if ms == 0:
-        return Placement(NO_LANE, 0, 0, None)
-    exact_level = levels.level_for_delay_ms(ms)
-    if exact_level is not None:
-        return Placement(exact_level, exact_level, ms, None)
-    return Placement(TIMER_LANE, None, ms, None)
-
-
-def _timedelta_ms(delay: timedelta) -> int:
-    """A `timedelta` delay in whole milliseconds (finer parts are refused, as in a string)."""
-    ms, rest = divmod(delay, timedelta(milliseconds=1))
-    if delay < timedelta(0) or rest:
-        raise ValidationError("delay", f"{delay!r} must be >= 0 and a whole number of milliseconds")
-    return int(ms)
-
-
-def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Placement:
-    if not isinstance(deliver_at, datetime):
-        raise ValidationError("deliver_at", f"must be a datetime, got {deliver_at!r}")
-    if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
-        raise ValidationError(
-            "deliver_at", "must be timezone-aware (a naive datetime is ambiguous); add tzinfo"
-        )
-    if deliver_at - now > timedelta(milliseconds=max_delay_ms):
-        raise ValidationError(
-            "deliver_at", f"{deliver_at.isoformat()} is more than {max_delay_ms} ms ahead"
-        )
-    return Placement(TIMER_LANE, None, None, deliver_at)
 
 
 class Producer:
@@ -445,31 +274,27 @@ class Producer:
         self, messages: Sequence[Mapping[str, Any]], *, connection: Joinable | None = None
     ) -> list[Message]:
         """Store all of them or none: each item is `send`'s keyword arguments as a mapping
-        (`{"topic": ..., "body": ..., "delay": "5m"}`). Item errors name the item's index."""
+        (`{"topic": ..., "body": ..., "delay": "5m"}`), at most `MAX_SEND_BATCH`. Item errors
+        name the item's index. On psycopg 3 the batch is COPYed into the tables, each body
+        encoded as its row is sent (`delaysvc.producer.batching`)."""
         if not messages:
             return []
-        if len(messages) > MAX_BATCH:
-            raise ValidationError("messages", f"{len(messages)} items, at most {MAX_BATCH}")
-        prepared = []
-        now = datetime.now().astimezone()
-        for index, item in enumerate(messages):
-            try:
-                if isinstance(item, Mapping) and item.get("on_duplicate", "keep") != "keep":
-                    raise ValidationError(
-                        "on_duplicate", "is for single sends; in a batch a held key is kept"
-                    )
-                item = {k: v for k, v in item.items() if k != "on_duplicate"}
-                prepared.append(self._prepare_item(item, now))
-            except ValidationError as exc:
-                raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
-        results = self._write(connection, lambda conn: self._store(conn, prepared))
-        log.info("messages.sent", extra={"count": len(results)})
-        return [
-            Message.sent(prepared[origin], row, created)
-            if origin is not None
-            else Message.from_row(row, created=False)
-            for row, created, origin in results
-        ]
+        if len(messages) > MAX_SEND_BATCH:
+            raise ValidationError("messages", f"{len(messages)} items, at most {MAX_SEND_BATCH}")
+        items = batching.prepare(messages, self.settings, datetime.now().astimezone())
+        sent = self._write(connection, lambda conn: self._store_batch(conn, items))
+        log.info("messages.sent", extra={"count": len(sent)})
+        return sent
+
+    def _store_batch(self, conn: joining.Joined, items: Sequence[batching.Item]) -> list[Message]:
+        """A batch by COPY on a psycopg 3 connection, else through the staged insert
+        (`_store`)."""
+        with conn.transaction():
+            with conn.psycopg_cursor() as cursor:
+                if cursor is not None:
+                    return batching.store_copied(conn, cursor, items, self.settings)
+            results = self._store(conn, batching.encoded(items, self.settings.max_body_bytes))
+            return batching.messages(items, results)
 
     async def asend(
         self, topic: str, body: Any, *, connection: Joinable | None = None, **options: Any
@@ -729,11 +554,6 @@ def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool)
         ) from exc
     if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):
         raise DuplicateKey(str(exc.orig)) from None
-
-
-def _bytes(data: bytes | memoryview) -> bytes:
-    """A bytea as bytes (psycopg2 gives a memoryview, also under SQLAlchemy's text())."""
-    return data.tobytes() if isinstance(data, memoryview) else data
 
 
 def _lookup_key(key: object) -> str:

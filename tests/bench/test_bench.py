@@ -52,6 +52,7 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
         "send_single_c4",
         "send_single_level_vs_timer",
         "send_batch_1000",
+        "send_batch_10000",
         "send_batch_database_write",
         "delivery_drain",
         "delivery_flow",

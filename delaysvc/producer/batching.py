@@ -1,0 +1,434 @@
+"""A batch send's two halves: its items checked (`prepare`), then stored (`store`).
+
+On a psycopg 3 connection a batch is COPYed straight into the commit log and its lanes
+(`delaysvc.store.batches`), at the speed the tables take rows. Each body is encoded as its row
+is written, so PostgreSQL stores one part of the batch while Python encodes the next, and no
+encoded body is held after its row is sent: a batch of 100,000 is streamed, not held a second
+time. Everything else about an item is checked before anything is written (`prepare`); a body
+that cannot be encoded stops the COPY, and the rows already COPYed are deleted, so the caller's
+transaction is left as it was, with nothing of the batch in it.
+
+The rules are the single send's: lanes (a level only while the database agrees on its delay),
+offsets and due times on the database clock; a key held by an unfinished message of its topic
+gives that message, a key repeated in the batch the first item's; backlog caps count what the
+batch adds (`delaysvc.producer.caps`). A COPY fails whole if a key it writes is taken by another
+transaction after the batch looked (the key's unique index); a batch with keys therefore COPYs
+inside a savepoint, and after such a race is stored again through the staged insert
+(`store.insert_messages`), which skips the keys taken. Other drivers (psycopg2, Django's
+cursor, asyncio connections) have no COPY here: their batches take that staged insert too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import datetime, timedelta
+from itertools import islice
+from typing import Any, NamedTuple
+
+from psycopg import Cursor
+from psycopg.errors import UniqueViolation
+
+from delaysvc import store
+from delaysvc.config.settings import Settings
+from delaysvc.config.validation import (
+    MESSAGE_FIELDS,
+    encode_body,
+    validate_key,
+    validate_priority,
+    validate_properties,
+    validate_tags,
+    validate_topic,
+)
+from delaysvc.errors import ValidationError
+from delaysvc.producer import caps
+from delaysvc.producer.message import Message
+from delaysvc.producer.placement import Placement, resolve_schedule
+from delaysvc.store import batches
+
+Result = tuple[Any, bool, int | None]
+"""What the staged insert gives per item (`store.insert_messages`): (row, created, origin)."""
+
+ALLOWED = frozenset({*MESSAGE_FIELDS, "priority"})
+_ACCEPTED = ALLOWED | {"on_duplicate"}  # "keep" only: checked on its own
+_TIMING = frozenset({"delay_level", "delay", "delay_ms", "deliver_at"})
+_REMEMBERED = (str, int, timedelta, datetime)  # timing values a batch resolves once each
+
+
+class Item(NamedTuple):
+    """A batch item checked, all but its body, which is encoded as its row is written."""
+
+    topic: str
+    body: Any
+    lane: int
+    delay_level: int | None
+    delay_ms: int | None
+    deliver_at: datetime | None
+    key: str | None
+    tags: list[str] | None
+    properties: dict[str, str] | None
+    priority: int
+
+
+# ---------------------------------------------------------------- checking
+
+
+def prepare(messages: Sequence[Any], settings: Settings, now: datetime) -> list[Item]:
+    """Check every item as `Producer.prepare` does, but for its body (encoded as it is written:
+    `store`); errors name the item (`messages[3].topic`). A topic, and a timing option
+    (`"delay": "5m"`), is checked once per batch however many items repeat it."""
+    checker = _Checker(settings, now)
+    items = []
+    for index, item in enumerate(messages):
+        try:
+            items.append(checker.item(item))
+        except ValidationError as exc:
+            raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
+    return items
+
+
+class _Checker:
+    """One batch's checks, remembering the topics and timings it has seen."""
+
+    def __init__(self, settings: Settings, now: datetime):
+        self.settings = settings
+        self.now = now
+        self.topics: dict[str, int | None] = {}  # a valid topic -> its default delay
+        self.placements: dict[tuple[Any, ...], Placement] = {}
+
+    def item(self, item: object) -> Item:
+        if type(item) is not dict and not isinstance(item, Mapping):
+            raise ValidationError("item", "must be an object with topic and body")
+        if item.get("on_duplicate", "keep") != "keep":
+            raise ValidationError(
+                "on_duplicate", "is for single sends; in a batch a held key is kept"
+            )
+        if not item.keys() <= _ACCEPTED:
+            unknown = sorted(set(item) - _ACCEPTED)
+            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(ALLOWED)}")
+        if "topic" not in item or "body" not in item:
+            raise ValidationError("topic" if "topic" not in item else "body", "is required")
+        topic = self.topic(item["topic"])
+        placed = self.placement(topic, item)
+        tags = item.get("tags")
+        properties = item.get("properties")
+        if properties is not None and type(properties) is not dict:
+            properties = dict(properties) if isinstance(properties, Mapping) else properties
+        return Item(
+            topic,
+            item["body"],
+            placed.lane,
+            placed.delay_level,
+            placed.delay_ms,
+            placed.deliver_at,
+            validate_key(item.get("key")),
+            validate_tags(list(tags) if isinstance(tags, tuple) else tags),
+            validate_properties(properties),
+            validate_priority(item.get("priority", 0)),
+        )
+
+    def topic(self, topic: object) -> str:
+        if type(topic) is str and topic in self.topics:
+            return topic
+        valid = validate_topic(topic)
+        self.topics[valid] = self.settings.default_delays_ms.get(valid)
+        return valid
+
+    def placement(self, topic: str, item: Mapping[str, Any]) -> Placement:
+        names = item.keys() & _TIMING
+        given = {name: item[name] for name in names if item[name] is not None} if names else {}
+        remembered: tuple[Any, ...] | None = None  # several options or an odd value: no
+        if not given:
+            remembered = ("default", topic)
+        elif len(given) == 1:
+            ((name, value),) = given.items()
+            if type(value) in _REMEMBERED:  # exact types: True is no 1 here, nor 1.0
+                remembered = (name, value)
+        if remembered is not None and remembered in self.placements:
+            return self.placements[remembered]
+        placed = resolve_schedule(
+            self.settings.levels,
+            **given,
+            default_delay_ms=self.topics[topic],
+            max_delay_ms=self.settings.max_delay_ms,
+            now=self.now,
+        )
+        if remembered is not None:
+            self.placements[remembered] = placed
+        return placed
+
+
+def encoded(items: Sequence[Item], max_body_bytes: int) -> list[store.NewMessage]:
+    """The items with their bodies encoded, as the staged insert takes them."""
+    messages = []
+    for index, item in enumerate(items):
+        data, is_json = _body(index, item, max_body_bytes)
+        messages.append(
+            store.NewMessage(
+                topic=item.topic,
+                body=data,
+                body_is_json=is_json,
+                lane=item.lane,
+                delay_level=item.delay_level,
+                delay_ms=item.delay_ms,
+                deliver_at=item.deliver_at,
+                key=item.key,
+                tags=item.tags,
+                properties=item.properties,
+                priority=item.priority,
+            )
+        )
+    return messages
+
+
+def _body(index: int, item: Item, max_body_bytes: int) -> tuple[bytes, bool]:
+    try:
+        return encode_body(item.body, max_body_bytes)
+    except ValidationError as exc:
+        raise type(exc)(f"messages[{index}].{exc.field}", exc.detail) from None
+
+
+# ---------------------------------------------------------------- storing
+
+
+def messages(items: Sequence[Item], results: Sequence[Result]) -> list[Message]:
+    """The Messages of a batch stored through the staged insert (its (row, created, origin)
+    per item)."""
+    return [
+        Message.sent_in_batch(items[origin], row.id, row.stored_at, row.deliver_ts, created)
+        if origin is not None
+        else Message.from_row(row, created=False)
+        for row, created, origin in results
+    ]
+
+
+class _Plan(NamedTuple):
+    """What each item of a batch does: create a message (`creating`, indexes in order), give
+    the message holding its key (`holders`: index -> its row), or the message an earlier item
+    of the batch creates with the same key (`repeats`: index -> that item's index)."""
+
+    creating: list[int]
+    holders: dict[int, Any]
+    repeats: dict[int, int]
+    lanes: dict[int, int]  # lane (>= 0) -> messages created into it, in order of first use
+
+
+def store_copied(
+    conn: store.Statements, cursor: Cursor[Any], items: Sequence[Item], settings: Settings
+) -> list[Message]:
+    """Store the batch by COPY on `cursor` (a psycopg 3 cursor of `conn`'s connection), in the
+    caller's transaction, which the caller holds open around this (`Joined.transaction`).
+    -> a Message per item, in order: created, or (created=False) the message holding its key,
+    or the one the first item with its key created."""
+    items = _placed(cursor, items)
+    one_each = {(item.topic, item.lane): item for item in items}  # what the caps look at
+    covering = caps.covering(conn, settings.caps, list(one_each.values()))
+    caps.before_insert(conn, covering, items)
+    plan = _plan(conn, items)
+    for index in (*plan.holders, *plan.repeats):  # stores nothing, but is checked all the same
+        _body(index, items[index], settings.max_body_bytes)
+    created = [items[index] for index in plan.creating]
+    if any(item.key is not None for item in created):
+        try:
+            with batches.savepoint(cursor):
+                sent = _copied(cursor, items, plan, settings.max_body_bytes)
+        except UniqueViolation as exc:
+            if exc.diag.constraint_name != batches.KEY_INDEX:
+                raise
+            # a key was taken after the batch looked: store it the way that skips taken keys
+            results = store.insert_messages(conn, encoded(items, settings.max_body_bytes), cursor)
+            created = [items[origin] for _, new, origin in results if new and origin is not None]
+            sent = messages(items, results)
+    else:
+        sent = _copied(cursor, items, plan, settings.max_body_bytes)
+    if covering:
+        caps.after_insert(conn, covering, created)
+    return sent
+
+
+def _placed(cursor: Cursor[Any], items: Sequence[Item]) -> Sequence[Item]:
+    """The items with the lanes the database gives their levels (the timer lane for a level
+    whose delay it does not agree on)."""
+    delays = {item.lane: item.delay_ms or 0 for item in items if item.lane > 0}
+    if not delays:
+        return items
+    lanes = batches.place_levels(cursor, delays)
+    if all(lane == level for level, lane in lanes.items()):
+        return items
+    return [item._replace(lane=lanes[item.lane]) if item.lane > 0 else item for item in items]
+
+
+def _plan(conn: store.Statements, items: Sequence[Item]) -> _Plan:
+    """Which items create a message: not one whose key an unfinished message holds, nor a
+    key's repeat in the batch."""
+    holders = store.find_unfinished_by_keys(
+        conn, [(item.topic, item.key) for item in items if item.key is not None]
+    )
+    plan = _Plan([], {}, {}, {})
+    first: dict[tuple[str, str], int] = {}
+    for index, item in enumerate(items):
+        if item.key is not None:
+            pair = (item.topic, item.key)
+            if pair in holders:
+                plan.holders[index] = holders[pair]
+                continue
+            if pair in first:
+                plan.repeats[index] = first[pair]
+                continue
+            first[pair] = index
+        plan.creating.append(index)
+        if item.lane >= 0:
+            plan.lanes[item.lane] = plan.lanes.get(item.lane, 0) + 1
+    return plan
+
+
+def _copied(
+    cursor: Cursor[Any], items: Sequence[Item], plan: _Plan, max_body_bytes: int
+) -> list[Message]:
+    """COPY the plan's messages into the commit log, then into their lanes, and count them.
+    A body that cannot be encoded ends the COPY there: the rows sent are deleted, and the
+    error raised."""
+    if not plan.creating:
+        return _made(items, plan, [], datetime.now().astimezone(), [])
+    stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
+    lane_offsets = _by_lane(plan.lanes, offsets)
+    due_after: dict[int, datetime] = {}  # delay (ms) -> stored_at + delay
+    dues: list[datetime] = []
+    taken: list[int | None] = []  # each created message's queue offset (None: due now)
+    refused: ValidationError | None = None
+    with batches.copying(cursor, "commit_log", batches.MESSAGE_ROW) as copy:
+        write = copy.write_row
+        for index, message_id in zip(plan.creating, ids, strict=True):
+            item = items[index]
+            try:
+                body, is_json = encode_body(item.body, max_body_bytes)
+            except ValidationError as exc:
+                refused = type(exc)(f"messages[{index}].{exc.field}", exc.detail)
+                break
+            lane = item.lane
+            if item.deliver_at is not None:
+                due = item.deliver_at.astimezone(stored_at.tzinfo)
+            else:
+                delay = item.delay_ms or 0
+                due = due_after.get(delay) or due_after.setdefault(
+                    delay, stored_at + timedelta(milliseconds=delay)
+                )
+            offset = next(lane_offsets[lane]) if lane >= 0 else None
+            write(
+                (
+                    message_id,
+                    item.topic,
+                    item.key,
+                    item.tags,
+                    body,
+                    is_json,
+                    item.properties,
+                    item.delay_level,
+                    item.priority,
+                    lane,
+                    offset,
+                    "scheduled" if lane >= 0 else "ready",
+                    stored_at,
+                    due,
+                    None if lane >= 0 else stored_at,
+                )
+            )
+            dues.append(due)
+            taken.append(offset)
+    if refused is not None:
+        if dues:
+            batches.unsend(cursor, ids[: len(dues)])
+        raise refused
+    created = [items[index] for index in plan.creating]
+    sent = _copy_lanes(
+        cursor, created, ids, dues, taken, lambda: _made(items, plan, ids, stored_at, dues)
+    )
+    if plan.lanes:
+        batches.count_into_lanes(cursor, plan.lanes)
+    return sent
+
+
+def _by_lane(lanes: Mapping[int, int], offsets: Sequence[int]) -> dict[int, Iterator[int]]:
+    """Each lane's own offsets, from `reserve`'s, which come lane after lane."""
+    flat = iter(offsets)
+    return {lane: iter(list(islice(flat, count))) for lane, count in lanes.items()}
+
+
+def _copy_lanes(
+    cursor: Cursor[Any],
+    created: Sequence[Item],
+    ids: Sequence[int],
+    dues: Sequence[datetime],
+    taken: Sequence[int | None],
+    meanwhile: Callable[[], list[Message]],
+) -> list[Message]:
+    """COPY the lanes' rows of the messages just COPYed into the commit log: a level's queue,
+    the timer lane, or (due now) the topic's queue. -> `meanwhile()`, called when the last of
+    these rows are sent, while PostgreSQL is still storing them."""
+    rows = list(zip(created, ids, dues, taken, strict=True))
+    lanes = {item.lane for item in created}
+    copies: list[tuple[str, Sequence[tuple[str, str]], Iterator[tuple[Any, ...]]]] = []
+    if any(lane > 0 for lane in lanes):
+        copies.append(
+            (
+                "consume_queue",
+                batches.LEVEL_ROW,
+                (
+                    (item.lane, offset, message_id, item.topic, due, item.priority)
+                    for item, message_id, due, offset in rows
+                    if item.lane > 0
+                ),
+            )
+        )
+    if 0 in lanes:
+        copies.append(
+            (
+                "timer_queue",
+                batches.TIMER_ROW,
+                (
+                    (due, offset, message_id, item.topic, item.priority)
+                    for item, message_id, due, offset in rows
+                    if item.lane == 0
+                ),
+            )
+        )
+    if any(lane < 0 for lane in lanes):
+        copies.append(
+            (
+                "topic_queue",
+                batches.READY_ROW,
+                (
+                    (message_id, item.topic, due, item.priority)
+                    for item, message_id, due, _ in rows
+                    if item.lane < 0
+                ),
+            )
+        )
+    for table, layout, values in copies[:-1]:
+        batches.copy_rows(cursor, table, layout, values)
+    table, layout, values = copies[-1]
+    with batches.copying(cursor, table, layout) as copy:
+        for row in values:
+            copy.write_row(row)
+        return meanwhile()
+
+
+def _made(
+    items: Sequence[Item],
+    plan: _Plan,
+    ids: Sequence[int],
+    stored_at: datetime,
+    dues: Sequence[datetime],
+) -> list[Message]:
+    """A Message per item, in order."""
+    made: list[Message | None] = [None] * len(items)
+    for index, message_id, due in zip(plan.creating, ids, dues, strict=True):
+        made[index] = Message.sent_in_batch(items[index], message_id, stored_at, due, True)
+    for index, origin in plan.repeats.items():
+        first = made[origin]
+        assert first is not None
+        made[index] = Message.sent_in_batch(
+            items[origin], first.id, first.stored_at, first.deliver_at, False
+        )
+    for index, row in plan.holders.items():
+        made[index] = Message.from_row(row, created=False)
+    return [message for message in made if message is not None]

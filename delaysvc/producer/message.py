@@ -1,0 +1,157 @@
+"""What a send returns, and a read of a message: `Message`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from typing import Any, Protocol
+
+from delaysvc import store
+from delaysvc.config.validation import decode_body
+
+
+class Sent(Protocol):
+    """What a message was sent with, as `Message.sent_in_batch` reads it (a batch's item)."""
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def key(self) -> str | None: ...
+
+    @property
+    def lane(self) -> int: ...
+
+    @property
+    def delay_level(self) -> int | None: ...
+
+    @property
+    def tags(self) -> list[str] | None: ...
+
+    @property
+    def properties(self) -> dict[str, str] | None: ...
+
+    @property
+    def priority(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Message:
+    """A stored message as the producer and the API return it."""
+
+    id: int
+    topic: str
+    key: str | None
+    status: str
+    delay_level: int | None
+    deliver_at: datetime
+    stored_at: datetime
+    created: bool = True
+    tags: list[str] = field(default_factory=list)
+    properties: dict[str, str] = field(default_factory=dict)
+    delivered_at: datetime | None = None
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+    duration_ms: int | None = None
+    last_error: str | None = None
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    body: Any = None
+    priority: int = 0
+    replaced_id: int | None = None
+    """The message this send replaced (`on_duplicate="replace"` or `"debounce"`): cancelled,
+    its `last_error` naming this one."""
+
+    @classmethod
+    def from_row(cls, row: Any, created: bool = True) -> Message:
+        return cls(
+            id=row.id,
+            topic=row.topic,
+            key=row.key,
+            status=row.status,
+            delay_level=row.delay_level,
+            deliver_at=row.deliver_ts,
+            stored_at=row.stored_at,
+            created=created,
+            tags=row.tags or [],
+            properties=row.properties or {},
+            delivered_at=row.delivered_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            attempts=row.attempts,
+            duration_ms=row.duration_ms,
+            last_error=row.last_error,
+            errors=getattr(row, "errors", None) or [],
+            priority=getattr(row, "priority", 0),
+            # rows returned by a send carry no body (the caller has it)
+            body=decode_body(_bytes(row.body), row.body_is_json) if hasattr(row, "body") else None,
+        )
+
+    @classmethod
+    def sent_in_batch(
+        cls, item: Sent, id: int, stored_at: datetime, deliver_ts: datetime, created: bool
+    ) -> Message:
+        """`sent` for a batch's item, made without `__init__`: a frozen dataclass's sets each of
+        its 20 fields through `object.__setattr__`, 2.5 us a message (25 ms of a batch of
+        10,000); this fills a new instance's dict in one update, 0.9 us. The values go in in
+        the fields' order, as `__init__` puts them, so the dict shares its keys with every
+        other Message's (a third of the memory of a dict of its own)."""
+        message = object.__new__(cls)
+        ready = item.lane < 0
+        message.__dict__.update(
+            zip(
+                _FIELDS,
+                (
+                    id,
+                    item.topic,
+                    item.key,
+                    "ready" if ready else "scheduled",
+                    item.delay_level,
+                    deliver_ts,
+                    stored_at,
+                    created,
+                    list(item.tags) if item.tags else [],
+                    dict(item.properties) if item.properties else {},
+                    stored_at if ready else None,
+                    None,  # started_at
+                    None,  # finished_at
+                    0,  # attempts
+                    None,  # duration_ms
+                    None,  # last_error
+                    [],  # errors
+                    None,  # body: the caller has it
+                    item.priority,
+                    None,  # replaced_id
+                ),
+                strict=True,
+            )
+        )
+        return message
+
+    @classmethod
+    def sent(cls, new: store.NewMessage, row: Any, created: bool = True) -> Message:
+        """A message just stored: what the database decided (`id, stored_at, deliver_ts`) and
+        what was sent. The body is not carried back (the caller has it)."""
+        ready = new.lane < 0
+        return cls(
+            id=row.id,
+            topic=new.topic,
+            key=new.key,
+            status="ready" if ready else "scheduled",
+            delay_level=new.delay_level,
+            deliver_at=row.deliver_ts,
+            stored_at=row.stored_at,
+            created=created,
+            tags=list(new.tags) if new.tags else [],
+            properties=dict(new.properties) if new.properties else {},
+            delivered_at=row.stored_at if ready else None,
+            priority=new.priority,
+        )
+
+
+_FIELDS = tuple(f.name for f in fields(Message))
+
+
+def _bytes(data: bytes | memoryview) -> bytes:
+    """A bytea as bytes (psycopg2 gives a memoryview, also under SQLAlchemy's text())."""
+    return data.tobytes() if isinstance(data, memoryview) else data
