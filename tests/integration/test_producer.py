@@ -276,7 +276,7 @@ def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
     producer: Producer, engine: Engine
 ) -> None:
     """A single send (no caps) is one autocommitted, prepared statement: one round trip, no
-    BEGIN, no COMMIT; a batch (COPY, then the insert) is one transaction."""
+    BEGIN, no COMMIT; a batch (its COPYs into the tables) is one transaction."""
     producer.send("rt.one", {"n": 0}, delay="1h")  # the pooled connection prepares it
     with wire(engine) as sent:
         producer.send("rt.one", {"n": 1}, delay="1h")

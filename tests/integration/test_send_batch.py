@@ -2,13 +2,20 @@
 exactly what is stored, keys dedup inside a batch and against stored rows, caps hold, and the
 caller's transaction decides."""
 
+import threading
+import time
+import tracemalloc
 from datetime import UTC, datetime, timedelta
 
+import psycopg
 import pytest
+from psycopg import pq
 from sqlalchemy import Engine, text
 
 from delaysvc.config.settings import Settings
-from delaysvc.errors import BacklogFull, NotFound
+from delaysvc.config.validation import encode_body
+from delaysvc.db.engines import libpq_url
+from delaysvc.errors import BacklogFull, NotFound, ValidationError
 from delaysvc.producer.sending import Message, Producer
 
 COMPARED = (
@@ -168,3 +175,207 @@ def test_a_batch_over_a_reject_cap_stores_nothing_and_deliver_early_moves_the_ol
     lanes = _lanes(engine)
     assert [m for lane, m in lanes if lane == "level1"] == [m.id for m in stored[3:]]
     assert sorted(m for lane, m in lanes if lane == "ready") == [m.id for m in stored[:3]]
+
+
+# ---------------------------------------------------------------- the COPY path
+
+
+def _lane_counts(engine: Engine) -> tuple[dict[int, int], dict[int, int]]:
+    """Each lane's `lane_count` sum (what caps and stats read) and the rows it holds."""
+    with engine.connect() as conn:
+        counted = conn.execute(
+            text(
+                "SELECT lane, CAST(sum(delta) AS bigint) FROM lane_count GROUP BY lane "
+                "HAVING sum(delta) <> 0"
+            )
+        ).all()
+        held = conn.execute(
+            text(
+                "SELECT level, count(*) FROM consume_queue GROUP BY level "
+                "UNION ALL SELECT 0, count(*) FROM timer_queue HAVING count(*) > 0"
+            )
+        ).all()
+    return dict(counted), dict(held)
+
+
+def test_a_batch_copied_in_a_psycopg_transaction_is_the_callers_to_commit_or_roll_back(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    items = [
+        {"topic": "t", "body": 0, "delay_level": 2},
+        {"topic": "t", "body": 1, "delay": "7s", "key": "k"},
+        {"topic": "t", "body": 2},
+        {"topic": "t", "body": 3, "deliver_at": datetime.now(UTC) + timedelta(minutes=5)},
+    ]
+    with psycopg.connect(libpq_url(settings.database_url)) as conn:
+        rolled_back = producer.send_batch(items, connection=conn)
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS  # still theirs
+        conn.rollback()
+        assert _count(engine) == 0 and _lanes(engine) == []
+        assert _lane_counts(engine) == ({}, {})
+        committed = producer.send_batch(items, connection=conn)
+        assert _count(engine) == 0  # not before they commit
+        conn.commit()
+    assert [m.created for m in rolled_back + committed] == [True] * 8
+    assert {m.id for m in rolled_back}.isdisjoint(m.id for m in committed)
+    for message in committed:
+        _same_as_stored(producer, message)
+    assert _lanes(engine) == sorted(
+        [
+            ("level2", committed[0].id),
+            ("timer", committed[1].id),
+            ("ready", committed[2].id),
+            ("timer", committed[3].id),
+        ]
+    )
+    assert _lane_counts(engine) == ({0: 2, 2: 1}, {0: 2, 2: 1})
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["no keys", "keys"])
+def test_a_body_refused_halfway_through_the_copy_leaves_the_callers_transaction_as_it_was(
+    producer: Producer, engine: Engine, keyed: bool
+) -> None:
+    """Bodies are encoded as their rows are COPYed: one that cannot be ends the COPY there, and
+    the rows already sent go again (with keys, by the savepoint the COPY runs in)."""
+    items = [
+        {"topic": "t", "body": n, "delay": "1h", **({"key": f"k{n}"} if keyed else {})}
+        for n in range(5)
+    ]
+    items[3]["body"] = float("nan")  # not JSON: refused when its row is made
+    with engine.connect() as conn:
+        with conn.begin():
+            conn.execute(text("CREATE TABLE orders (id int)"))
+            conn.execute(text("INSERT INTO orders VALUES (42)"))
+            with pytest.raises(ValidationError) as refused:
+                producer.send_batch(items, connection=conn)
+            assert refused.value.field == "messages[3].body"
+            kept = producer.send_batch(
+                [{"topic": "t", "body": "after", "key": "k0"}], connection=conn
+            )
+        orders = conn.execute(text("SELECT id FROM orders")).scalars().all()
+    assert orders == [42]
+    assert [m.created for m in kept] == [True]  # k0 was never held by the refused batch
+    with engine.connect() as conn:
+        ids = conn.execute(text("SELECT id FROM commit_log")).scalars().all()
+    assert ids == [kept[0].id]
+    assert _lanes(engine) == [("ready", kept[0].id)]
+    assert _lane_counts(engine) == ({}, {})
+
+
+def test_a_held_key_or_a_repeated_one_still_has_its_body_checked(producer: Producer) -> None:
+    held = producer.send("t", "old", delay="1h", key="held")
+    for items in (
+        [{"topic": "t", "body": {1, 2}, "key": "held"}],
+        [{"topic": "t", "body": 1, "key": "twice"}, {"topic": "t", "body": {1}, "key": "twice"}],
+    ):
+        with pytest.raises(ValidationError) as refused:
+            producer.send_batch(items)
+        assert refused.value.field == f"messages[{len(items) - 1}].body"
+    assert producer.get(held.id).body == "old"
+
+
+def test_a_key_taken_while_the_batch_copies_gives_the_message_that_took_it(
+    producer: Producer, engine: Engine
+) -> None:
+    """Another transaction stores a key after the batch looked for its holders: the batch's
+    COPY waits for it on the key's index, and once it commits, the batch is stored again
+    through the staged insert, which gives that message for the key."""
+    done: dict[str, list[Message]] = {}
+    with engine.connect() as other:
+        trans = other.begin()
+        taken = producer.send("t", "first", delay="1h", key="k", connection=other)
+
+        def batch() -> None:
+            done["sent"] = producer.send_batch(
+                [
+                    {"topic": "t", "body": 1, "delay": "1h", "key": "k"},
+                    {"topic": "t", "body": 2, "delay_level": 1, "key": "free"},
+                    {"topic": "t", "body": 3},
+                ]
+            )
+
+        thread = threading.Thread(target=batch)
+        thread.start()
+        _wait_for_a_copy_waiting_on_a_lock(engine)  # the race is on: the COPY met the key
+        trans.commit()
+        thread.join(timeout=60)
+    sent = done["sent"]
+    assert [m.created for m in sent] == [False, True, True]
+    assert (sent[0].id, sent[0].body) == (taken.id, "first")
+    for message in sent[1:]:
+        _same_as_stored(producer, message)
+    assert _count(engine) == 3
+    assert _lanes(engine) == sorted(
+        [("timer", taken.id), ("level1", sent[1].id), ("ready", sent[2].id)]
+    )
+    assert _lane_counts(engine) == ({0: 1, 1: 1}, {0: 1, 1: 1})
+
+
+def _wait_for_a_copy_waiting_on_a_lock(engine: Engine) -> None:
+    deadline = time.monotonic() + 30
+    with engine.connect() as conn:
+        while time.monotonic() < deadline:
+            waiting = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE 'COPY%commit_log%'"
+                )
+            ).scalar_one()
+            conn.rollback()
+            if waiting:
+                return
+            time.sleep(0.01)
+    raise AssertionError("the batch's COPY never waited on the other transaction's key")
+
+
+def test_a_batch_puts_a_level_the_database_disagrees_on_in_the_timer_lane_counted_there(
+    settings: Settings, engine: Engine
+) -> None:
+    more_levels = Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 9s 13s")
+    sent = Producer(more_levels, engine).send_batch(
+        [
+            {"topic": "t", "body": 0, "delay_level": 6},  # no level 6 in the database
+            {"topic": "t", "body": 1, "delay_level": 5},  # 9 s here, 8 s there
+            {"topic": "t", "body": 2, "delay_level": 2},
+        ]
+    )
+    assert [m.deliver_at - m.stored_at for m in sent] == [
+        timedelta(seconds=13),
+        timedelta(seconds=9),
+        timedelta(seconds=2),
+    ]
+    assert [m.delay_level for m in sent] == [6, 5, 2]
+    assert _lanes(engine) == sorted(
+        [("timer", sent[0].id), ("timer", sent[1].id), ("level2", sent[2].id)]
+    )
+    assert _lane_counts(engine) == ({0: 2, 2: 1}, {0: 2, 2: 1})
+    for message in sent:
+        _same_as_stored(producer=Producer(settings, engine), message=message)
+
+
+def test_a_batch_of_100000_is_streamed_not_held(producer: Producer, engine: Engine) -> None:
+    """The bodies are encoded as their rows are sent: what the call holds at its peak is well
+    under one copy of the encoded batch (a copy held whole, as a list of encoded messages or
+    a COPY buffer of the batch, would be over it)."""
+    filler = "x" * 3000  # one string for all: the items themselves take little memory
+    items = [
+        {"topic": "t.big", "body": {"n": n, "filler": filler}, "delay": "1h"}
+        for n in range(100_000)
+    ]
+    one_copy = sum(len(encode_body(item["body"], 1 << 20)[0]) for item in items)
+    tracemalloc.start()
+    try:
+        sent = producer.send_batch(items)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert one_copy > 300_000_000
+    assert peak < one_copy / 2, f"held {peak:,} bytes at the peak for {one_copy:,} of bodies"
+    assert len(sent) == 100_000 and all(m.created for m in sent)
+    assert [m.id for m in sent] == sorted(m.id for m in sent)
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text("SELECT count(*), min(id), max(id) FROM commit_log WHERE topic = 't.big'")
+        ).one()
+    assert tuple(stored) == (100_000, sent[0].id, sent[-1].id)
+    assert producer.get(sent[77_777].id).body == {"n": 77_777, "filler": filler}

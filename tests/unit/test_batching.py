@@ -1,0 +1,102 @@
+"""A batch's items checked before anything is written (`batching.prepare`), with a timing and a
+topic resolved once per batch, and the Messages a batch returns made without `__init__`."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from delaysvc.config.settings import Settings
+from delaysvc.errors import TooLarge, ValidationError
+from delaysvc.producer import batching
+from delaysvc.producer.message import Message
+from delaysvc.schema.tables import NO_LANE, TIMER_LANE
+from delaysvc.store import NewMessage, Stored
+
+SETTINGS = Settings(database_url="postgresql://u@h/d", topic_delays="t.slow=5s")
+NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+
+
+def _prepare(*items: object) -> list[batching.Item]:
+    return batching.prepare(list(items), SETTINGS, NOW)
+
+
+def test_items_are_placed_as_a_single_send_places_them() -> None:
+    at = NOW + timedelta(hours=3)
+    items = _prepare(
+        {"topic": "t", "body": 1, "delay_level": 2},
+        {"topic": "t", "body": 2, "delay": "5s"},  # level 2's delay: its FIFO queue
+        {"topic": "t", "body": 3, "delay_ms": 7000},
+        {"topic": "t", "body": 4, "deliver_at": at},
+        {"topic": "t", "body": 5},
+        {"topic": "t.slow", "body": 6},  # the topic's default delay
+        {"topic": "t", "body": 7, "delay_level": 0},
+        {"topic": "t", "body": 8, "delay": timedelta(seconds=7), "key": "k", "priority": 3},
+    )
+    assert [(i.lane, i.delay_level, i.delay_ms, i.deliver_at) for i in items] == [
+        (2, 2, 5000, None),
+        (2, 2, 5000, None),
+        (TIMER_LANE, None, 7000, None),
+        (TIMER_LANE, None, None, at),
+        (NO_LANE, 0, 0, None),
+        (2, 2, 5000, None),
+        (NO_LANE, 0, 0, None),
+        (TIMER_LANE, None, 7000, None),
+    ]
+    assert (items[7].key, items[7].priority, items[0].body) == ("k", 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"topic": "bad topic!", "body": 1}, "topic"),
+        ({"topic": "t"}, "body"),
+        ({"topic": "t", "body": 1, "color": "red"}, "color"),
+        ({"topic": "t", "body": 1, "on_duplicate": "replace"}, "on_duplicate"),
+        ({"topic": "t", "body": 1, "delay_level": True}, "delay_level"),  # after level 1 passed
+        ({"topic": "t", "body": 1, "delay_ms": 1.0}, "delay_ms"),
+        ({"topic": "t", "body": 1, "delay": "5s", "delay_ms": 5000}, "delay_ms"),
+        ({"topic": "t", "body": 1, "key": ""}, "key"),
+        ({"topic": "t", "body": 1, "tags": "a"}, "tags"),
+        ({"topic": "t", "body": 1, "properties": {"p": 1}}, "properties"),
+        ({"topic": "t", "body": 1, "priority": 5000}, "priority"),
+        ("not an item", "item"),
+    ],
+)
+def test_a_bad_item_is_named_by_its_index_even_after_good_ones_like_it(
+    bad: object, field: str
+) -> None:
+    good = [
+        {"topic": "t", "body": 0, "delay_level": 1},
+        {"topic": "t", "body": 0, "delay_ms": 1000},
+        {"topic": "t", "body": 0, "delay": "5s"},
+    ]
+    with pytest.raises(ValidationError) as refused:
+        _prepare(*good, bad)
+    assert refused.value.field == f"messages[3].{field}"
+
+
+def test_bodies_are_checked_when_encoded_and_named_by_their_index() -> None:
+    items = _prepare({"topic": "t", "body": 1}, {"topic": "t", "body": b"x" * (5 << 20)})
+    with pytest.raises(TooLarge) as refused:
+        batching.encoded(items, SETTINGS.max_body_bytes)
+    assert refused.value.field == "messages[1].body"
+    (message,) = batching.encoded(items[:1], SETTINGS.max_body_bytes)
+    assert (message.body, message.body_is_json) == (b"1", True)
+
+
+def test_a_batchs_message_is_the_message_a_single_send_returns() -> None:
+    (item,) = _prepare(
+        {"topic": "t", "body": 1, "key": "k", "tags": ["a"], "properties": {"p": "v"}},
+    )
+    new = NewMessage(
+        "t", b"1", True, item.lane, item.delay_level, item.delay_ms, None, "k", ["a"], {"p": "v"}, 0
+    )
+    row = Stored(7, NOW, NOW, item.lane)
+    for created in (True, False):
+        made = Message.sent_in_batch(item, 7, NOW, NOW, created)
+        assert made == Message.sent(new, row, created)
+        assert vars(made) == vars(Message.sent(new, row, created))
+    one, two = (Message.sent_in_batch(item, n, NOW, NOW, True) for n in (1, 2))
+    assert one.tags is not two.tags and one.errors is not two.errors  # each its own
+    with pytest.raises(AttributeError):
+        one.id = 3  # type: ignore[misc]  # frozen as any Message
