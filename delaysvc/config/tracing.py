@@ -9,7 +9,7 @@ application's), once the application has set a TracerProvider:
   properties as the application's propagator writes it (by default W3C `traceparent`,
   `tracestate` and `baggage`; `PROPAGATED`): those names are delaysvc's while tracing is on, a
   value the caller gives for one is replaced; a batch is one `send` span, its context in
-  every message;
+  every message of it;
 - each run of a handler is a CONSUMER span `process <topic>` linked to that context (a link,
   not a parent: the run is a trace of its own, or a child of whatever traces the worker), with
   OpenTelemetry's messaging attributes and delaysvc's: the attempt, the wait from due to start,
@@ -70,10 +70,10 @@ def tracer() -> Any | None:
 # ---------------------------------------------------------------- the send
 
 
-def sending(topic: str | None, count: int = 1) -> AbstractContextManager[Any]:
-    """The PRODUCER span of a send of `count` messages to `topic` (None: a batch of several
-    topics), current while the messages are stored; None to the `with` when tracing is off.
-    Its context is what `carried` writes into their properties."""
+def sending(topic: str | None, batch: int | None = None) -> AbstractContextManager[Any]:
+    """The PRODUCER span of a send to `topic`, or of a batch of `batch` messages (its topic set
+    by `sent_to` when they share one), current while the messages are stored; None to the
+    `with` when tracing is off. Its context is what `carried` writes into their properties."""
     found = tracer()
     if found is None:
         return _OFF
@@ -86,13 +86,19 @@ def sending(topic: str | None, count: int = 1) -> AbstractContextManager[Any]:
     }
     if topic is not None:
         attributes["messaging.destination.name"] = topic
-    if count != 1:
-        attributes["messaging.batch.message_count"] = count
+    if batch is not None:
+        attributes["messaging.batch.message_count"] = batch
     return found.start_as_current_span(
         f"send {topic}" if topic is not None else "send",
         kind=SpanKind.PRODUCER,
         attributes=attributes,
     )
+
+
+def sent_to(span: Any, topic: str) -> None:
+    """A batch's `send` span named for the one topic all its messages go to."""
+    span.update_name(f"send {topic}")
+    span.set_attribute("messaging.destination.name", topic)
 
 
 def context_properties() -> dict[str, str]:

@@ -282,7 +282,10 @@ class Producer:
         if len(messages) > MAX_SEND_BATCH:
             raise ValidationError("messages", f"{len(messages)} items, at most {MAX_SEND_BATCH}")
         items = batching.prepare(messages, self.settings, datetime.now().astimezone())
-        sent = self._write(connection, lambda conn: self._store_batch(conn, items))
+        with tracing.sending(None, len(items)) as span:
+            if span is not None:
+                items = _carrying_context(span, items)
+            sent = self._write(connection, lambda conn: self._store_batch(conn, items))
         log.info("messages.sent", extra={"count": len(sent)})
         return sent
 
@@ -534,6 +537,16 @@ class Producer:
         except DBAPIError as exc:
             _raise_domain_error(exc, connected=started, maybe_stored=maybe_stored)
             raise
+
+
+def _carrying_context(span: Any, items: Sequence[batching.Item]) -> list[batching.Item]:
+    """A traced batch's items, each carrying the context of the batch's `send` span (named for
+    their topic when they share one)."""
+    topics = {item.topic for item in items}
+    if len(topics) == 1:
+        tracing.sent_to(span, topics.pop())
+    context = tracing.context_properties()
+    return [item._replace(properties=tracing.carried(item.properties, context)) for item in items]
 
 
 def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool) -> None:

@@ -61,6 +61,10 @@ def named(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
     return [s for s in exporter.get_finished_spans() if s.name == name]
 
 
+def named_prefix(exporter: InMemorySpanExporter, prefix: str) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name.startswith(prefix)]
+
+
 def linked_to(span: ReadableSpan) -> list[tuple[int, int]]:
     return [(link.context.trace_id, link.context.span_id) for link in span.links]
 
@@ -128,6 +132,46 @@ def test_a_send_whose_key_is_held_keeps_the_holders_context(
     assert (second_send.attributes or {})["delaysvc.created"] is False
     assert (second_send.attributes or {})["messaging.message.id"] == str(first.id)
     assert producer.get(first.id).properties == {"traceparent": traceparent(first_send)}
+
+
+@pytest.mark.parametrize(
+    ("topics", "name"),
+    [(["order.cancel"] * 3, "send order.cancel"), (["order.cancel", "sms.send"] * 2, "send")],
+)
+def test_a_batch_is_one_producer_span_whose_context_every_message_carries(
+    producer: Producer,
+    consumer: Consumer,
+    spans: InMemorySpanExporter,
+    topics: list[str],
+    name: str,
+) -> None:
+    runs: list[int] = []
+    for topic in set(topics):
+        handler(topic)(lambda message: runs.append(message.id))
+    with trace.get_tracer("the application").start_as_current_span("POST /batch") as request:
+        sent = producer.send_batch(
+            [
+                {"topic": topic, "body": {"n": n}, "properties": {"traceparent": "00-given"}}
+                for n, topic in enumerate(topics)
+            ]
+        )
+    (send,) = named(spans, name)
+    assert send.kind == SpanKind.PRODUCER
+    assert send.parent is not None and send.parent.span_id == request.get_span_context().span_id
+    attributes = dict(send.attributes or {})
+    assert attributes["messaging.batch.message_count"] == len(topics)
+    assert attributes.get("messaging.destination.name") == (
+        topics[0] if len(set(topics)) == 1 else None
+    )
+    assert [producer.get(m.id).properties for m in sent] == [
+        {"traceparent": traceparent(send)}
+    ] * len(topics)
+    for topic in set(topics):
+        consumer.run_once(topic)
+    assert sorted(runs) == sorted(m.id for m in sent)
+    assert [linked_to(run) for run in named_prefix(spans, "process ")] == [[ids(send)]] * len(
+        topics
+    )
 
 
 def test_each_run_is_a_consumer_span_linked_to_the_send_one_per_attempt(
