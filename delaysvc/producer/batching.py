@@ -1,4 +1,4 @@
-"""A batch send's two halves: its items checked (`prepare`), then stored (`store`).
+"""A batch send's two halves: its items checked (`prepare`), then stored (`store_copied`).
 
 On a psycopg 3 connection a batch is COPYed straight into the commit log and its lanes
 (`delaysvc.store.batches`), at the speed the tables take rows. Each body is encoded as its row
@@ -420,6 +420,11 @@ def _made(
     dues: Sequence[datetime],
 ) -> list[Message]:
     """A Message per item, in order."""
+    if len(plan.creating) == len(items):  # no key held or repeated: each item created one
+        return [
+            Message.sent_in_batch(item, message_id, stored_at, due, True)
+            for item, message_id, due in zip(items, ids, dues, strict=True)
+        ]
     made: list[Message | None] = [None] * len(items)
     for index, message_id, due in zip(plan.creating, ids, dues, strict=True):
         made[index] = Message.sent_in_batch(items[index], message_id, stored_at, due, True)

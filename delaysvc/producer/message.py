@@ -93,9 +93,10 @@ class Message:
     ) -> Message:
         """`sent` for a batch's item, made without `__init__`: a frozen dataclass's sets each of
         its 20 fields through `object.__setattr__`, 2.5 us a message (25 ms of a batch of
-        10,000); this fills a new instance's dict in one update, 0.9 us. The values go in in
-        the fields' order, as `__init__` puts them, so the dict shares its keys with every
-        other Message's (a third of the memory of a dict of its own)."""
+        10,000); this fills a new instance's dict in one update, 1 us. The values go in in the
+        fields' order, as `__init__` puts them, so the dict shares its keys with every other
+        Message's (a third of the memory of a dict of its own). tests/unit/test_batching.py
+        checks that it makes what `sent` makes."""
         message = object.__new__(cls)
         ready = item.lane < 0
         message.__dict__.update(
@@ -123,7 +124,7 @@ class Message:
                     item.priority,
                     None,  # replaced_id
                 ),
-                strict=True,
+                strict=False,  # a check per message costs a third of it: a test checks the fields
             )
         )
         return message

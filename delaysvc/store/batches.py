@@ -180,7 +180,7 @@ def savepoint(cursor: Cursor[Any]) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if not cursor.connection.closed:
+        if not (cursor.connection.closed or cursor.connection.broken):
             cursor.execute("ROLLBACK TO SAVEPOINT delaysvc_batch")
             cursor.execute("RELEASE SAVEPOINT delaysvc_batch")
         raise
