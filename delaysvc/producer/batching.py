@@ -309,9 +309,9 @@ def _copied(
                 due = item.deliver_at.astimezone(stored_at.tzinfo)
             else:
                 delay = item.delay_ms or 0
-                due = due_after.get(delay) or due_after.setdefault(
-                    delay, stored_at + timedelta(milliseconds=delay)
-                )
+                if delay not in due_after:
+                    due_after[delay] = stored_at + timedelta(milliseconds=delay)
+                due = due_after[delay]
             offset = next(lane_offsets[lane]) if lane >= 0 else None
             write(
                 (
