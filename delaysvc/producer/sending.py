@@ -546,7 +546,12 @@ def _carrying_context(span: Any, items: Sequence[batching.Item]) -> list[batchin
     if len(topics) == 1:
         tracing.sent_to(span, topics.pop())
     context = tracing.context_properties()
-    return [item._replace(properties=tracing.carried(item.properties, context)) for item in items]
+    return [
+        item._replace(
+            properties=tracing.carried(item.properties, context) if item.properties else context
+        )
+        for item in items
+    ]
 
 
 def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool) -> None:
