@@ -11,8 +11,8 @@ counts then follow by COPY and one insert, in the caller's transaction. A key he
 unfinished message is the caller's to find first (`find_unfinished_by_keys`): a row COPYed with
 a key held meanwhile fails on the key's unique index (`KEY_INDEX`), and only that.
 
-Measured (docs/benchmarks/2026-11-27-send-batch-copy): the rows of 10,000 messages, COPYed
-here, take a third of the time the staging table and its insert took.
+Measured side by side (docs/benchmarks/2026-11-27-send-batch-copy): these statements store a
+batch's messages at 125,717 a second, the staging table and its insert took them at 61,309.
 """
 
 from __future__ import annotations

@@ -140,8 +140,11 @@ def _insert_or_find(
     raise DuplicateKey(f"key {message.key!r} of topic {message.topic!r} is changing hands; retry")
 
 
-# A batch is COPYed into a temporary staging table (one per session, emptied by the insert
-# that reads it, and at commit), then stored by one statement: ids are drawn in batch order
+# The staged insert: a batch's way where it is not COPYed straight into the tables (psycopg2,
+# Django's cursor, asyncio connections; on psycopg 3, `store.batches`), and after a key race
+# there (`delaysvc.producer.batching`). The batch goes into a temporary staging table (by COPY,
+# else from a JSON document; one per session, emptied by the insert that reads it, and at
+# commit), then is stored by one statement: ids are drawn in batch order
 # first, so each created row maps back to its item; lanes, offsets, the key rule and
 # database-clock deliver_ts are the single send's. A key held already, or earlier in the batch,
 # creates nothing (ON CONFLICT DO NOTHING sees rows this statement inserted).
