@@ -20,6 +20,7 @@ that adds messages to a lane or takes them out appends their count to `lane_coun
 statement: the backlog figures and the level caps read exact counts, not offsets.
 
 One module per family of statements: `shared` (what they all share), `levels`, `producing`,
+`batches` (a batch COPYed into the commit log and its lanes),
 `cancelling`, `delivery`, `consuming`, `dead_letters`, `caps`, `health`, `totals`, `observing`,
 `users`; this package re-exports their public names (`store.claim_ready(...)`). The families
 with a reader of their own are imported as modules: `history` (the finished messages' history),
