@@ -17,6 +17,7 @@ from delaysvc.errors import NotFound, ValidationError
 from delaysvc.maintenance.periodic import Schedules, schedule
 from delaysvc.producer.caps import all_caps, check_target, set_cap
 from delaysvc.producer.dead_letters import DeadLetters
+from delaysvc.producer.sending import MAX_BATCH
 from delaysvc.serialize import (
     SentInBatchJson,
     cap_json,
@@ -138,6 +139,8 @@ def send_messages():
     items = json_body().get("messages")
     if not isinstance(items, list) or not items:
         raise ValidationError("messages", "must be a non-empty list of messages")
+    if len(items) > MAX_BATCH:  # send_batch itself takes more: an HTTP batch is one request
+        raise ValidationError("messages", f"{len(items)} items, at most {MAX_BATCH} in one request")
     options = []
     for index, item in enumerate(items):
         if not isinstance(item, dict):

@@ -112,6 +112,19 @@ def test_batch_is_all_or_nothing_and_names_the_bad_item(
     assert [m["created"] for m in ok.get_json()["messages"]] == [True, True]
 
 
+def test_a_batch_request_holds_at_most_max_batch_messages(
+    client: FlaskClient, send_token: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The document's maxItems, though send_batch itself takes more (schemathesis found a
+    request over it accepted). A small MAX_BATCH: a request of 10,001 is refused by size."""
+    from delaysvc.web import api as api_module
+
+    monkeypatch.setattr(api_module, "MAX_BATCH", 2)
+    three = {"messages": [{"topic": "t.batch", "body": n} for n in range(3)]}
+    refused = client.post("/api/v1/messages/batch", json=three, headers=send_token)
+    assert "3 items, at most 2 in one request" in _error(refused, 400, "invalid")
+
+
 @pytest.mark.parametrize(
     ("payload", "named"),
     [
