@@ -33,6 +33,7 @@ def test_ref_is_installed_alone_into_a_virtualenv_that_imports_its_code(tmp_path
     imported = subprocess.run(
         [str(python), "-c", "import delaysvc.bench as m; print(m.__file__)"],
         cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # as compare runs it
         capture_output=True,
         text=True,
         check=True,
