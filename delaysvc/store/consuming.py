@@ -15,8 +15,7 @@ from sqlalchemy import Connection
 from delaysvc.db.engines import driver_errors
 from delaysvc.db.names import driver_sql as _driver_sql
 from delaysvc.db.names import sql
-from delaysvc.store.producing import _PLACED_ONE
-from delaysvc.store.shared import _ENQUEUE_FROM, _NEXT_OFFSET, MESSAGE_COLUMNS
+from delaysvc.store.shared import _ENQUEUE_FROM, _NEXT_OFFSET, _PLACED_LANE, MESSAGE_COLUMNS
 
 _CLAIM_READY = """
 WITH picked AS (
@@ -158,6 +157,13 @@ def _finish_succeeded(conn: Connection, jobs: Sequence[tuple[int, int, int]]) ->
 _ERROR_ENTRY = """jsonb_build_object('attempt', c.attempts, 'at', clock_timestamp(),
     'error', CAST(:error AS text), 'traceback', CAST(:traceback AS text))"""
 _KEEP_ERRORS = 20
+
+# The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`).
+_PLACED_ONE = (
+    "placed AS (SELECT CAST("
+    + _PLACED_LANE.format(lane="CAST(:lane AS int)", delay_ms="CAST(:delay_ms AS bigint)")
+    + " AS smallint) AS lane)"
+)
 
 # The retry's lane is placed as a send's is (`_PLACED_LANE`): a worker whose levels differ from
 # the database's (a release before a level change) retries into the timer lane, due when it

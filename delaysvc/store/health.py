@@ -26,10 +26,6 @@ HANDLER_STALE_AFTER_SECONDS = 3 * HANDLER_HEARTBEAT_SECONDS
 """A topic whose handler heartbeat is older than this has no live worker: "no handler"."""
 
 
-def handler_component(topic: str) -> str:
-    return f"handler {topic}"
-
-
 def record_handlers(conn: Connection, topics: list[str], host: str) -> None:
     """This worker runs the handlers of `topics` (one statement for all of them)."""
     if not topics:

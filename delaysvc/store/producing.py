@@ -40,13 +40,6 @@ SELECT * FROM delaysvc.send_one(:topic, :key, CAST(:tags AS text[]), :body, :bod
     CAST(:lane AS integer), CAST(:delay_ms AS bigint), CAST(:deliver_at AS timestamptz),
     CAST(:caps_held AS boolean))
 """
-# The lane of one message asking for level :lane with delay :delay_ms (`_PLACED_LANE`), for a
-# retry's statement (`store.consuming`).
-_PLACED_ONE = (
-    "placed AS (SELECT CAST("
-    + _PLACED_LANE.format(lane="CAST(:lane AS int)", delay_ms="CAST(:delay_ms AS bigint)")
-    + " AS smallint) AS lane)"
-)
 
 
 def _message_params(message: NewMessage) -> dict[str, Any]:
