@@ -125,6 +125,7 @@ from delaysvc.store.producing import (
     insert_uncapped_on,
     stage_row,
     stage_rows,
+    unfinished_keys_in_family,
 )
 from delaysvc.store.shared import (
     DELIVERED_AT,
@@ -261,6 +262,7 @@ __all__ = [
     "topic_stats",
     "topic_totals",
     "topics_with_ready",
+    "unfinished_keys_in_family",
     "unhandled_ready",
     "unique_violation",
     "upsert_user",

@@ -41,10 +41,13 @@ def record_handlers(conn: Connection, topics: list[str], host: str) -> None:
 
 
 HANDLED = (
-    "EXISTS (SELECT 1 FROM delaysvc.heartbeat h WHERE h.component = 'handler ' || {topic} "
+    "EXISTS (SELECT 1 FROM delaysvc.heartbeat h WHERE (h.component = 'handler ' || {topic} "
+    "OR (h.component LIKE 'handler %*' "
+    "AND starts_with({topic}, substr(h.component, 9, length(h.component) - 9)))) "
     f"AND h.seen_at > clock_timestamp() - interval '{HANDLER_STALE_AFTER_SECONDS:g} seconds')"
 )
-"""SQL: a live worker has a handler for the topic named by the expression `{topic}`."""
+"""SQL: a live worker has a handler for the topic named by the expression `{topic}`, its own
+(`handler order.cancel`) or a pattern's (`handler webhook.*`: 'handler ' is 8 characters)."""
 
 
 def unhandled_ready(conn: Connection, limit_count: int = 100_000) -> list[tuple[str, int]]:

@@ -307,6 +307,35 @@ def find_unfinished_by_key(conn: Statements, topic: str, key: str | None) -> Any
     return conn.execute(sql(_FIND_UNFINISHED_BY_KEY), {"topic": topic, "key": key}).first()
 
 
+def unfinished_keys_in_family(
+    conn: Statements, topic_prefix: str, keys: Sequence[str]
+) -> list[tuple[str, str]]:
+    """(topic, key) of the unfinished messages that hold one of `keys` in a topic beginning
+    with `topic_prefix`: the topics holding keys are found by a loose index scan along the key
+    index (one probe per topic), then each is probed for each key."""
+    rows = conn.execute(
+        sql(
+            """
+WITH RECURSIVE t AS (
+    (SELECT topic FROM delaysvc.commit_log WHERE key IS NOT NULL AND finished_at IS NULL
+     ORDER BY topic LIMIT 1)
+    UNION ALL
+    SELECT (SELECT c.topic FROM delaysvc.commit_log c
+            WHERE c.key IS NOT NULL AND c.finished_at IS NULL AND c.topic > t.topic
+            ORDER BY c.topic LIMIT 1)
+    FROM t WHERE t.topic IS NOT NULL
+)
+SELECT c.topic, c.key FROM t JOIN delaysvc.commit_log c ON c.topic = t.topic
+WHERE starts_with(t.topic, :prefix) AND c.key = ANY(CAST(:keys AS text[]))
+  AND c.finished_at IS NULL
+ORDER BY c.topic, c.key
+"""
+        ),
+        {"prefix": topic_prefix, "keys": list(keys)},
+    )
+    return [(row.topic, row.key) for row in rows]
+
+
 def get_message(conn: Statements, message_id: int) -> Any:
     return conn.execute(
         sql(f"SELECT {MESSAGE_STATE} FROM delaysvc.message c WHERE c.id = :id"),

@@ -1,7 +1,8 @@
 """Handlers and the consumer: claim ready jobs, run their handlers, record the outcome.
 
-A handler is a plain function registered for a topic with `@handler`. Workers import the modules
-in `DELAYSVC_HANDLERS` so the decorators run.
+A handler is a plain function registered for a topic with `@handler`, or for every topic that
+starts with a prefix (`@handler("webhook.*")`; an exact topic wins, then the longest prefix).
+Workers import the modules in `DELAYSVC_HANDLERS` so the decorators run.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Handler:
 
 
 _registry: dict[str, Handler] = {}
+"""Handlers by topic, and by pattern (`prefix*`) for a family of topics."""
 
 
 def handler(
@@ -82,7 +84,10 @@ def register_handler(
     topic: str, max_retries: int | None, transaction: TransactionOpener | None
 ) -> Callable[[HandlerFunc], HandlerFunc]:
     """`handler`, with the transaction a transactional handler runs in given."""
-    validate_topic(topic)
+    if topic.endswith("*"):
+        _validate_family(topic)
+    else:
+        validate_topic(topic)
     if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
         raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
 
@@ -93,11 +98,29 @@ def register_handler(
     return register
 
 
+def _validate_family(pattern: str) -> None:
+    """A family of topics is a topic's beginning and `*`: `webhook.*`, `celery.*`."""
+    prefix = pattern[:-1]
+    if not prefix or "*" in prefix:
+        raise ValidationError(
+            "topic",
+            f"{pattern!r} is not a topic pattern; write the topics' common beginning and one "
+            "'*' at the end, as in 'webhook.*'",
+        )
+    validate_topic(prefix + "x")
+
+
 def registered(topic: str) -> Handler | None:
-    return _registry.get(topic)
+    """The topic's own handler, else that of the longest pattern it matches."""
+    found = _registry.get(topic)
+    if found is not None:
+        return found
+    families = [h for p, h in _registry.items() if p.endswith("*") and topic.startswith(p[:-1])]
+    return max(families, key=lambda h: len(h.topic), default=None)
 
 
 def registered_topics() -> list[str]:
+    """The topics and topic patterns (`webhook.*`) this process has handlers for."""
     return sorted(_registry)
 
 

@@ -1,0 +1,311 @@
+"""Celery: every countdown and ETA made durable, with one line and no other change.
+
+    app = Celery("proj", broker="redis://...")
+    durable(app)  # from delaysvc.contrib.celery import durable
+
+From then on a task published with a countdown or an ETA more than `threshold` seconds (1 s)
+away, by `apply_async`, `send_task` or a task's own `self.retry(countdown=...)`, is not given
+to the broker, where a worker would hold it in memory until it is due (lost to a kill with
+late acks off, back only after Redis's visibility timeout with them on). It is stored in
+delaysvc instead, as a message of topic `celery.<task name>` whose key is the task id, and when
+it is due delaysvc's worker publishes it to Celery as it was, without the ETA: the same task id
+(`AsyncResult(id)` works), name, args, kwargs, queue and routing, headers, priority,
+link/link_error callbacks and retry count. `revoke(id)` (or `AsyncResult(id).revoke()`)
+cancels it in delaysvc as well, before it is due.
+
+Where it runs: call `durable(app)` in the module that creates the app, so that every process
+that imports the app publishes this way (the web application, and Celery's workers, whose
+retries go through it), and name that module in delaysvc's `DELAYSVC_HANDLERS`: `durable`
+also registers the handler of the topics `celery.*`, which publishes with the app's broker and
+settings. The delaysvc database is the default producer's (`DELAYSVC_DATABASE_URL`), or pass
+`producer=`.
+
+What holds: `apply_async` returns once the message is committed in delaysvc; a database that
+cannot be reached is an error there, as a broker that cannot be reached is. Publishing when due
+is at least once: a delaysvc worker killed between publishing and recording it publishes again,
+with the same task id. A countdown at or under the threshold, a message with no ETA, and one
+that RabbitMQ delays itself (Celery's native delayed delivery for quorum queues) go to the
+broker as before.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import re
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from functools import cached_property
+from typing import Any
+
+from celery import Celery
+from celery.app.amqp import AMQP, task_message
+from celery.app.control import Control
+from celery.utils.time import maybe_make_aware
+from kombu import Exchange, Queue
+from kombu import serialization as kombu_serialization
+from kombu.utils import json as kombu_json
+from kombu.utils.imports import symbol_by_name
+
+from delaysvc import store
+from delaysvc.errors import DeadLetter, NotCancellable, NotFound
+from delaysvc.producer.default import default_producer
+from delaysvc.producer.sending import Producer
+from delaysvc.worker.consumer import Job, register_handler
+
+__all__ = ["TOPIC_PREFIX", "durable", "key_for", "topic_for"]
+
+log = logging.getLogger(__name__)
+
+TOPIC_PREFIX = "celery."
+"""The topics of stored Celery tasks: `celery.<task name>`, one per task, so the dashboard and
+`delaysvc topics list` show them under their task names."""
+THRESHOLD_SECONDS = 1.0
+NATIVE_DELAY_EXCHANGE = "celery_delayed_27"
+"""The exchange Celery publishes to when RabbitMQ delays a message itself (quorum queues)."""
+RETRIES_FOUND = 100
+"""How many retries of a task `revoke` looks for in delaysvc (Celery's default max_retries is
+3); Celery's own revoke, which follows, still reaches the workers."""
+_NOT_PORTABLE = {"declare", "producer", "connection"}
+"""Publish options that are live objects of the sending process; Celery derives them again."""
+_TOPIC_CHARACTER = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class _Durability:
+    """An app's `durable` arguments."""
+
+    def __init__(self, threshold: float, producer: Producer | None):
+        self.threshold = threshold
+        self._producer = producer
+
+    @property
+    def producer(self) -> Producer:
+        return self._producer or default_producer()
+
+
+def durable(
+    app: Celery, *, threshold: float = THRESHOLD_SECONDS, producer: Producer | None = None
+) -> Celery:
+    """Make `app`'s countdowns and ETAs beyond `threshold` seconds durable in delaysvc (see the
+    module's text). Call it once, where the app is made; calling it again changes the
+    arguments. Nothing of the app is built or configured here: the app's configuration may
+    come afterwards (`config_from_object`)."""
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0 seconds, got {threshold!r}")
+    app._delaysvc_durability = _Durability(threshold, producer)
+    _extend(app, "amqp", _DurableAMQP, "send_task_message")
+    _extend(app, "control", _DurableControl, None)
+    _apps[app.main or ""] = app
+    register_handler(TOPIC_PREFIX + "*", None, None)(publish_when_due)
+    return app
+
+
+def topic_for(task_name: str) -> str:
+    """`celery.<task name>`: other characters than a topic's become `_`, and a name too long
+    for a topic (127) ends with a hash of the whole."""
+    topic = TOPIC_PREFIX + _TOPIC_CHARACTER.sub("_", task_name)
+    if len(topic) > 127:
+        digest = hashlib.sha1(task_name.encode()).hexdigest()[:8]
+        topic = f"{topic[:118]}-{digest}"
+    return topic
+
+
+def key_for(task_id: str, retries: int) -> str:
+    """The task id; a retry's (the same id, published again while the message that ran it may
+    still be recorded as running) adds its number."""
+    return task_id if not retries else f"{task_id}/retry-{retries}"
+
+
+# -- publishing: store what would wait in a worker's memory ------------------------------------
+
+
+class _DurableSender:
+    """`app.amqp.send_task_message`: a message due beyond the threshold goes to delaysvc, any
+    other to `publish`, Celery's own sender (which delaysvc calls when the message is due)."""
+
+    def __init__(self, app: Celery, publish: Callable[..., Any]):
+        self.app = app
+        self.publish = publish
+
+    def __call__(self, producer: Any, name: str, message: Any, **options: Any) -> Any:
+        due = _due(self.app, message)
+        durability = _durability(self.app)
+        if (
+            due is None
+            or _natively_delayed(options)
+            or (due - datetime.now(UTC)).total_seconds() <= durability.threshold
+        ):
+            return self.publish(producer, name, message, **options)
+        headers = message.headers
+        durability.producer.send(
+            topic_for(name),
+            _stored_body(self.app, name, message, options),
+            deliver_at=due,
+            key=key_for(headers["id"], int(headers.get("retries") or 0)),
+        )
+        return None
+
+
+class _DurableAMQP(AMQP):
+    @cached_property
+    def send_task_message(self) -> _DurableSender:
+        return _DurableSender(self.app, self._create_task_sender())
+
+
+class _DurableControl(Control):
+    def revoke(self, task_id: str | Iterable[str], *args: Any, **kwargs: Any) -> Any:
+        """Cancel the task's stored message (and its stored retries) in delaysvc, then revoke
+        it as Celery does (a message already published is revoked by the workers)."""
+        ids = [task_id] if isinstance(task_id, str) else list(task_id)
+        cancel_stored(_durability(self.app).producer, ids)
+        return super().revoke(task_id, *args, **kwargs)
+
+
+def _durability(app: Celery) -> _Durability:
+    return getattr(app, "_delaysvc_durability", None) or _Durability(THRESHOLD_SECONDS, None)
+
+
+def _extend(app: Celery, component: str, durable_cls: type, cached: str | None) -> None:
+    """Build `app.<component>` as `durable_cls` from now on; one built already becomes one."""
+    base = symbol_by_name(getattr(app, f"{component}_cls"))
+    if not issubclass(base, durable_cls):
+        if base is not durable_cls.__mro__[1]:  # the app's own class: the durable one on top
+            durable_cls = type(f"Durable{base.__name__}", (durable_cls, base), {})
+        setattr(app, f"{component}_cls", durable_cls)
+    built = app.__dict__.get(component)
+    if built is not None and not isinstance(built, durable_cls):
+        built.__class__ = type(f"Durable{type(built).__name__}", (durable_cls, type(built)), {})
+        if cached:
+            built.__dict__.pop(cached, None)
+
+
+def _due(app: Celery, message: Any) -> datetime | None:
+    """The message's ETA (task protocol 2), as an aware datetime; None without one."""
+    headers = getattr(message, "headers", None)
+    eta = headers.get("eta") if isinstance(headers, dict) else None
+    if not eta:
+        return None
+    due = eta if isinstance(eta, datetime) else datetime.fromisoformat(eta)
+    return maybe_make_aware(due, app.timezone)
+
+
+def _natively_delayed(options: dict[str, Any]) -> bool:
+    exchange = options.get("exchange")
+    return getattr(exchange, "name", exchange) == NATIVE_DELAY_EXCHANGE
+
+
+def _stored_body(app: Celery, name: str, message: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The delaysvc message: what the dashboard shows (task, id, due, args as Celery shows
+    them) and the Celery message itself, serialized as the app would (`message`)."""
+    serializer = options.get("serializer") or app.conf.task_serializer
+    content_type, content_encoding, payload = kombu_serialization.dumps(
+        message.body, serializer=serializer
+    )
+    binary = isinstance(payload, bytes)
+    headers = message.headers
+    envelope = {
+        "headers": headers,
+        "properties": message.properties,
+        "sent_event": message.sent_event,
+        "options": _portable(options),
+        "serializer": serializer,
+        "content_type": content_type,
+        "content_encoding": content_encoding,
+        "body": base64.b64encode(payload).decode() if binary else payload,
+        "base64": binary,
+    }
+    return {
+        "task": name,
+        "id": headers["id"],
+        "app": app.main or "",
+        "eta": headers["eta"],
+        "retries": headers.get("retries") or 0,
+        "args": headers.get("argsrepr"),
+        "kwargs": headers.get("kwargsrepr"),
+        "message": kombu_json.dumps(envelope),
+    }
+
+
+def _portable(options: dict[str, Any]) -> dict[str, Any]:
+    """The publish options as data: a queue or exchange by name (the exchange's type kept)."""
+    kept: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in _NOT_PORTABLE:
+            continue
+        if isinstance(value, Queue):
+            value = value.name
+        elif isinstance(value, Exchange):
+            kept.setdefault("exchange_type", value.type)
+            value = value.name
+        try:
+            kombu_json.dumps(value)
+        except TypeError:
+            log.warning("celery.option_dropped", extra={"option": name, "value": repr(value)})
+            continue
+        kept[name] = value
+    return kept
+
+
+# -- when due: publish it to Celery --------------------------------------------------------------
+
+_apps: dict[str, Celery] = {}
+"""The apps made durable in this process, by name: the one a stored message names publishes it."""
+
+
+def publish_when_due(message: Job) -> None:
+    """The handler of `celery.*`: publish the stored Celery message without its ETA, with the
+    sender Celery would have used; a broker error is retried as any handler's failure."""
+    body = message.body
+    app = _apps.get(body.get("app", ""))
+    if app is None and len(_apps) == 1:
+        (app,) = _apps.values()
+    if app is None:
+        raise DeadLetter(
+            f"no Celery app named {body.get('app')!r} was made durable in this worker "
+            f"(it has {sorted(_apps) or 'none'}): name its module in DELAYSVC_HANDLERS"
+        )
+    envelope = kombu_json.loads(body["message"])
+    payload = envelope["body"]
+    if envelope["base64"]:
+        payload = base64.b64decode(payload)
+    task_body = kombu_serialization.loads(
+        payload,
+        envelope["content_type"],
+        envelope["content_encoding"],
+        accept=kombu_serialization.prepare_accept_content(app.conf.accept_content),
+    )
+    if isinstance(task_body, list):
+        task_body = tuple(task_body)  # as Celery builds it (JSON has no tuples)
+    headers = {**envelope["headers"], "eta": None}
+    sent_event = envelope["sent_event"] and {**envelope["sent_event"], "eta": None}
+    options = {**envelope["options"], "serializer": envelope["serializer"]}
+    if "expiration" in options and headers.get("expires"):
+        # the broker's TTL counts from the publish: what is left of it now
+        expires = maybe_make_aware(datetime.fromisoformat(headers["expires"]), app.timezone)
+        options["expiration"] = max((expires - datetime.now(UTC)).total_seconds(), 0)
+    sender = app.amqp.send_task_message
+    publish = sender.publish if isinstance(sender, _DurableSender) else sender
+    with app.producer_or_acquire() as broker_producer:
+        publish(
+            broker_producer,
+            body["task"],
+            task_message(headers, envelope["properties"], task_body, sent_event),
+            **options,
+        )
+
+
+def cancel_stored(producer: Producer, task_ids: list[str]) -> int:
+    """Cancel the waiting messages of these tasks (and of their first RETRIES_FOUND stored
+    retries); -> how many. One already published or running is Celery's to revoke."""
+    with producer.engine.connect() as conn:
+        keys = [key_for(task_id, n) for task_id in task_ids for n in range(RETRIES_FOUND + 1)]
+        held = store.unfinished_keys_in_family(conn, TOPIC_PREFIX, keys)
+    cancelled = 0
+    for topic, key in held:
+        try:
+            producer.cancel(topic=topic, key=key)
+            cancelled += 1
+        except (NotCancellable, NotFound):
+            pass
+    return cancelled

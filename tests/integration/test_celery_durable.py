@@ -1,0 +1,239 @@
+"""`delaysvc.contrib.celery.durable`: a Celery app's countdowns stored in delaysvc, published to
+its broker when due as they were, revoked by id; topic patterns (`celery.*`) in the registry and
+in the "handled" health. The app's broker here is kombu's in-memory transport (a real kombu
+transport, in this process); tests/e2e/test_celery_durable_e2e.py runs Redis and RabbitMQ with
+real workers."""
+
+from __future__ import annotations
+
+import pickle
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from celery import Celery
+from kombu import Queue
+
+from delaysvc import store
+from delaysvc.contrib import celery as durable_celery
+from delaysvc.contrib.celery import durable, key_for, topic_for
+from delaysvc.db.names import sql
+from delaysvc.errors import NotFound, ValidationError
+from delaysvc.store.health import HANDLED
+from delaysvc.worker import consumer as consumption
+from delaysvc.worker.consumer import Consumer, handler, registered
+
+
+@pytest.fixture(autouse=True)
+def clean_registry() -> Iterator[None]:
+    saved = dict(consumption._registry)
+    apps = dict(durable_celery._apps)
+    yield
+    consumption._registry.clear()
+    consumption._registry.update(saved)
+    durable_celery._apps.clear()
+    durable_celery._apps.update(apps)
+
+
+@pytest.fixture
+def celery_app(producer) -> Iterator[Celery]:
+    name = f"shop{uuid.uuid4().hex[:8]}"  # the memory transport is per process: a queue each
+    app = Celery(name, broker="memory://", set_as_current=False)
+    durable(app, producer=producer)
+    app.conf.update(  # configured after `durable`: it must take this configuration
+        task_default_queue=f"{name}-default",
+        task_routes={"shop.invoice": {"queue": f"{name}-invoices"}},
+        accept_content=["json", "pickle"],
+    )
+
+    @app.task(name="shop.cancel_order", shared=False)
+    def cancel_order(order_id: int) -> int:
+        return order_id
+
+    @app.task(name="shop.invoice", shared=False)
+    def invoice(order_id: int) -> int:
+        return order_id
+
+    yield app
+    app.close()
+
+
+def broker_messages(app: Celery, queue: str) -> list:
+    """Every message waiting in `queue` of the app's broker, taken out."""
+    taken = []
+    with app.connection_for_read() as conn:
+        simple = conn.SimpleQueue(Queue(queue, routing_key=queue))
+        while True:
+            try:
+                message = simple.get(block=False)
+            except simple.Empty:
+                return taken
+            message.ack()
+            taken.append(message)
+
+
+def stored(producer, task_id: str, task: str = "shop.cancel_order", retries: int = 0):
+    return producer.find(topic_for(task), key_for(task_id, retries))
+
+
+def run_due(producer, engine, message) -> None:
+    """Make the stored message due now and run the `celery.*` handler on it."""
+    with engine.begin() as conn:
+        assert store.deliver_now(conn, [message.id]) == 1
+    result = Consumer(producer.settings, engine).run_once(message.topic)
+    assert result.succeeded == 1, producer.get(message.id).last_error
+
+
+def test_a_countdown_beyond_the_threshold_is_stored_not_published(celery_app, producer):
+    default = celery_app.conf.task_default_queue
+    before = datetime.now(UTC)
+    result = celery_app.tasks["shop.cancel_order"].apply_async((42,), countdown=60)
+    message = stored(producer, result.id)
+    assert message.topic == "celery.shop.cancel_order"
+    assert message.status == "scheduled"
+    assert before + timedelta(seconds=59) < message.deliver_at < before + timedelta(seconds=61)
+    assert message.body["task"] == "shop.cancel_order"
+    assert message.body["id"] == result.id
+    assert message.body["args"] == "(42,)"
+    assert broker_messages(celery_app, default) == []
+
+
+def test_a_short_countdown_and_no_countdown_go_to_the_broker(celery_app, producer):
+    default = celery_app.conf.task_default_queue
+    task = celery_app.tasks["shop.cancel_order"]
+    short = task.apply_async((1,), countdown=0.5)
+    now = task.apply_async((2,))
+    sent = broker_messages(celery_app, default)
+    assert [m.headers["id"] for m in sent] == [short.id, now.id]
+    assert sent[0].headers["eta"] is not None  # the broker holds this one, as Celery does
+    with pytest.raises(NotFound):
+        stored(producer, short.id)
+
+
+def test_when_due_it_is_published_as_it_was_without_its_eta(celery_app, producer, engine):
+    callback = celery_app.signature("shop.invoice", args=(7,))
+    task_id = str(uuid.uuid4())
+    celery_app.send_task(
+        "shop.invoice",
+        args=(42,),
+        kwargs={"reason": "unpaid"},
+        countdown=30,
+        task_id=task_id,
+        priority=3,
+        headers={"tenant": "acme"},
+        link=callback,
+        expires=3600,
+    )
+    queue = f"{celery_app.main}-invoices"
+    assert broker_messages(celery_app, queue) == []
+    run_due(producer, engine, stored(producer, task_id, "shop.invoice"))
+    (published,) = broker_messages(celery_app, queue)  # routed as the app routes it
+    headers = published.headers
+    assert headers["id"] == task_id and headers["task"] == "shop.invoice"
+    assert headers["eta"] is None
+    assert headers["tenant"] == "acme"
+    assert headers["expires"] is not None
+    assert published.properties["priority"] == 3
+    assert published.properties["correlation_id"] == task_id
+    args, kwargs, embed = published.decode()
+    assert (args, kwargs) == ([42], {"reason": "unpaid"})
+    assert embed["callbacks"][0]["task"] == "shop.invoice"
+    assert embed["callbacks"][0]["args"] == [7]
+    assert stored(producer, task_id, "shop.invoice").status == "succeeded"
+
+
+def test_a_binary_serializer_round_trips(celery_app, producer, engine):
+    moment = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    result = celery_app.tasks["shop.cancel_order"].apply_async(
+        ({"at": moment, "raw": b"\x00\xff"},), countdown=30, serializer="pickle"
+    )
+    message = stored(producer, result.id)
+    run_due(producer, engine, message)
+    (published,) = broker_messages(celery_app, celery_app.conf.task_default_queue)
+    assert published.content_type == "application/x-python-serialize"
+    args, _kwargs, _embed = pickle.loads(published.body)
+    assert args == ({"at": moment, "raw": b"\x00\xff"},)
+
+
+def test_revoke_cancels_the_stored_task_and_its_stored_retries(celery_app, producer):
+    first = str(uuid.uuid4())
+    celery_app.send_task("shop.cancel_order", (1,), countdown=60, task_id=first)
+    retried = str(uuid.uuid4())
+    celery_app.send_task("shop.cancel_order", (2,), countdown=60, task_id=retried, retries=2)
+    kept = celery_app.send_task("shop.cancel_order", (3,), countdown=60)
+    assert stored(producer, retried, retries=2).key == f"{retried}/retry-2"
+
+    celery_app.control.revoke([first, retried])
+    assert stored(producer, first).status == "cancelled"
+    assert stored(producer, retried, retries=2).status == "cancelled"
+    assert stored(producer, kept.id).status == "scheduled"
+    celery_app.AsyncResult(kept.id).revoke()
+    assert stored(producer, kept.id).status == "cancelled"
+
+
+def test_a_retry_is_stored_beside_the_message_that_ran_it(celery_app, producer, engine):
+    """A task's retry reuses its id while the message that published it may still be
+    recorded as running: the retry's key is its own, so it is stored, not deduplicated."""
+    task_id = str(uuid.uuid4())
+    celery_app.send_task("shop.cancel_order", (1,), countdown=30, task_id=task_id)
+    first = stored(producer, task_id)
+    celery_app.send_task("shop.cancel_order", (1,), countdown=30, task_id=task_id, retries=1)
+    retry = stored(producer, task_id, retries=1)
+    assert retry.id != first.id and retry.status == "scheduled"
+    celery_app.send_task("shop.cancel_order", (1,), countdown=30, task_id=task_id)
+    assert stored(producer, task_id).id == first.id  # the same publish again: kept once
+
+
+def test_durable_on_an_app_already_in_use_and_twice(producer):
+    app = Celery(f"used{uuid.uuid4().hex[:8]}", broker="memory://", set_as_current=False)
+    app.conf.task_default_queue = "used"
+    app.send_task("x.y", countdown=30)  # builds amqp and its sender: not durable yet
+    assert len(broker_messages(app, "used")) == 1
+    durable(app, producer=producer)
+    durable(app, producer=producer, threshold=100)
+    result = app.send_task("x.y", countdown=30)  # under the new threshold
+    assert len(broker_messages(app, "used")) == 1
+    durable(app, producer=producer)
+    result = app.send_task("x.y", countdown=30)
+    assert broker_messages(app, "used") == []
+    assert stored(producer, result.id, "x.y").status == "scheduled"
+    with pytest.raises(ValueError, match="threshold"):
+        durable(app, threshold=-1)
+    app.close()
+
+
+def test_a_task_name_becomes_a_topic():
+    assert topic_for("proj.tasks.add") == "celery.proj.tasks.add"
+    assert topic_for("proj:add now") == "celery.proj_add_now"
+    long = topic_for("x" * 300)
+    assert len(long) == 127 and long != topic_for("x" * 301)
+
+
+def test_a_topic_pattern_handles_its_family(engine):
+    @handler("webhook.*")
+    def family(message):
+        return None
+
+    @handler("webhook.stripe.*")
+    def narrower(message):
+        return None
+
+    @handler("webhook.stripe.refund")
+    def own(message):
+        return None
+
+    assert registered("webhook.github").func is family
+    assert registered("webhook.stripe.charge").func is narrower
+    assert registered("webhook.stripe.refund").func is own
+    assert registered("webhooks") is None
+    for bad in ("*", "web*hook.*", "-x.*"):
+        with pytest.raises(ValidationError, match="topic"):
+            handler(bad)
+
+    with engine.begin() as conn:
+        store.record_handlers(conn, ["webhook.*", "orders"], "host-a")
+    with engine.connect() as conn:
+        topics = ("webhook.github", "orders", "webhooks", "order")
+        handled = ", ".join(HANDLED.format(topic=f"'{topic}'") for topic in topics)
+        assert conn.execute(sql(f"SELECT {handled}")).one() == (True, True, False, False)
