@@ -14,8 +14,10 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from typing import Any
 
 from celery import Celery
+from celery.loaders.app import AppLoader
 from celery.schedules import schedule
 from celery.signals import setup_logging, worker_init
 from sqlalchemy import Engine
@@ -64,6 +66,19 @@ def every(seconds: float) -> schedule:
     return schedule(timedelta(seconds=seconds), nowfun=monotonic_now)
 
 
+class Loader(AppLoader):
+    """Celery's loader, keeping delaysvc's app the current one once the handler modules are
+    imported: a handler module may make a Celery app of its own (an application made durable
+    with `delaysvc.contrib.celery` does), and Celery makes each new app the current one, whose
+    broker would then be given delaysvc's own tasks (`consume.apply_async`)."""
+
+    def import_default_modules(self) -> list[Any]:
+        try:
+            return list(super().import_default_modules())
+        finally:
+            self.app.set_current()
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     broker_url, transport_options = broker_options(settings)
@@ -77,7 +92,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         "delaysvc.tasks.history",
         *settings.handler_modules,
     ]
-    app = Celery("delaysvc", broker=broker_url, include=include)
+    app = Celery("delaysvc", broker=broker_url, include=include, loader=Loader)
     budget = settings.lane_budget_seconds
     # an expired lease is found within a third of a lease (and at least every RESCUE_SECONDS)
     rescue_every = min(RESCUE_SECONDS, settings.lease_seconds / 3)

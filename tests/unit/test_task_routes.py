@@ -21,3 +21,30 @@ def test_the_lease_rescue_is_never_queued_behind_consume_work() -> None:
     for maintenance in ("delaysvc.fold_lane_counts", "delaysvc.move_history"):
         assert _queue(maintenance) == DELIVERY_QUEUE
     assert _queue("delaysvc.consume") == CONSUME_QUEUE
+
+
+def test_a_handler_module_making_its_own_celery_app_leaves_delaysvc_current(
+    tmp_path, monkeypatch
+) -> None:
+    """A handler module may make a Celery app (an application made durable does, named in
+    DELAYSVC_HANDLERS), and Celery makes every new app the current one: delaysvc's own tasks
+    (`consume.apply_async`) would then go to that app's broker. Failed before `Loader`."""
+    from celery import current_app
+
+    from delaysvc.config.settings import Settings
+    from delaysvc.tasks.app import create_celery_app
+    from delaysvc.tasks.consume import consume
+
+    (tmp_path / "their_app.py").write_text(
+        "from celery import Celery\napp = Celery('theirs', broker='memory://')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = current_app._get_current_object()
+    ours = create_celery_app(Settings(handlers="their_app", broker_url="memory://"))
+    ours.set_current()
+    try:
+        ours.loader.import_default_modules()
+        assert current_app.main == "delaysvc"
+        assert consume.app is ours
+    finally:
+        before.set_current()

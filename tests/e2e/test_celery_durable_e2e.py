@@ -1,0 +1,187 @@
+"""An existing Celery application made durable by one line (`durable(app)`, in
+tests/e2e/celery_app.py), with real processes: a producer process, the app's own Celery worker
+(killed -9 twice and restarted), delaysvc's delivery and consume workers and beat. On Redis and
+on RabbitMQ as the app's broker: every task runs, none before its ETA, its result readable by
+id; a task retrying itself with `countdown` survives the worker's restart between retries."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from celery import Celery
+from sqlalchemy import text
+
+from delaysvc import store
+from tests.e2e.conftest import Service, wait_for
+
+pytestmark = pytest.mark.e2e
+
+COUNT = 1000
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+def _rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def _redis_broker() -> str | None:
+    """The Redis of CI's second pass, another database of it for the app."""
+    broker = os.environ.get("DELAYSVC_TEST_BROKER_URL", "")
+    return broker.rsplit("/", 1)[0] + "/14" if broker.startswith("redis://") else None
+
+
+BROKERS = [
+    pytest.param(
+        "redis",
+        marks=pytest.mark.skipif(
+            _redis_broker() is None,
+            reason="the app's broker is the Redis of CI's second pass (DELAYSVC_TEST_BROKER_URL)",
+        ),
+    ),
+    pytest.param(
+        "rabbitmq",
+        marks=pytest.mark.skipif(
+            bool(os.environ.get("DELAYSVC_TEST_BROKER_URL"))
+            or not (_rabbitmq_up() or os.environ.get("DELAYSVC_TEST_REQUIRE_RABBITMQ")),
+            reason="~90 s: runs in CI's first pass, with the RabbitMQ CI starts (127.0.0.1:5672)",
+        ),
+    ),
+]
+
+
+def _app_worker(service: Service) -> subprocess.Popen[bytes]:
+    """The application's own Celery worker, as its users start it."""
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "tests.e2e.celery_app",
+        "worker",
+        "-c",
+        "2",
+        "-n",
+        f"app{len(service.processes)}@%h",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+        "-l",
+        "INFO",
+    ]
+    return service._start(command, "app")
+
+
+def _purge(broker: str, queue: str) -> None:
+    """The app's queue, gone from the broker (a RabbitMQ queue outlives the test)."""
+    from kombu import Connection, Queue
+
+    with Connection(broker) as conn, contextlib.suppress(Exception):  # not there
+        Queue(queue).bind(conn.default_channel).delete()
+
+
+@pytest.mark.parametrize("broker_kind", BROKERS)
+def test_countdowns_survive_killed_workers(service_factory, engine, database_url, broker_kind):
+    broker = _redis_broker() if broker_kind == "redis" else RABBITMQ
+    assert broker is not None
+    queue = f"durable_e2e_{uuid.uuid4().hex[:8]}"
+    if broker_kind == "redis":
+        import redis
+
+        redis.Redis.from_url(broker).flushdb()
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE public.celery_run (kind text, task_id text, n int, due timestamptz, "
+                "pid int, ran_at timestamptz DEFAULT clock_timestamp())"
+            )
+        )
+    service = service_factory(handlers="tests.e2e.handlers,tests.e2e.celery_app")
+    service.env.update(APP_BROKER_URL=broker, APP_QUEUE=queue)
+    service.start(concurrency=2)
+    try:
+        worker = _app_worker(service)
+        produced = subprocess.run(
+            [sys.executable, "-m", "tests.e2e.celery_app", str(COUNT)],
+            env=service.env,
+            cwd=service.env["PYTHONPATH"],
+            capture_output=True,
+            check=True,
+            timeout=180,
+        )
+        sent = json.loads(produced.stdout)
+        reminders: dict[str, float] = sent["reminders"]
+        # nothing waits in the broker: all of it is in delaysvc, one message per task
+        assert (
+            service.scalar("SELECT count(*) FROM commit_log WHERE topic = 'celery.e2e.remind'")
+            == COUNT
+        )
+
+        def runs() -> int:
+            return service.scalar("SELECT count(DISTINCT task_id) FROM public.celery_run")
+
+        for _ in range(2):  # killed while tasks are due and running, then started again
+            target = runs() + 150
+            wait_for(lambda t=target: runs() >= t, 90, "150 more tasks to run")
+            service.kill(worker)
+            time.sleep(1)
+            worker = _app_worker(service)
+
+        wait_for(
+            lambda: runs() == COUNT + 1, 150, f"all {COUNT} reminders and the flaky task to run"
+        )
+        flaky_done = lambda: service.scalar(  # noqa: E731
+            "SELECT count(*) FROM public.celery_run WHERE kind = 'flaky'"
+        )
+        wait_for(lambda: flaky_done() == 4, 60, "the flaky task's four runs")
+    except BaseException:
+        print(service.log_tail(60))
+        raise
+
+    rows = service.rows("SELECT kind, task_id, n, due, ran_at FROM public.celery_run")
+    reminded = [r for r in rows if r.kind == "remind"]
+    assert {r.task_id for r in reminded} == set(reminders)
+    # at least once: a task a killed worker held (2 processes, prefetch 1) may run again
+    assert len(reminded) - COUNT <= 2 * 2 * 2
+    early = [r for r in reminded if r.ran_at < r.due]
+    assert not early, f"{len(early)} ran before their ETA: {early[:3]}"
+    late = max((r.ran_at - r.due).total_seconds() for r in reminded)
+    print(f"{broker_kind}: {len(reminded)} runs of {COUNT} tasks, latest {late:.1f} s after due")
+
+    # the flaky task: runs 0..3 of one id, each retry 8 s after the run before, across restarts
+    flaky = sorted((r for r in rows if r.kind == "flaky"), key=lambda r: r.n)
+    assert [r.n for r in flaky] == [0, 1, 2, 3]
+    assert {r.task_id for r in flaky} == {sent["flaky"]}
+    for before, after in itertools.pairwise(flaky):
+        assert (after.ran_at - before.ran_at).total_seconds() >= 8
+
+    # results readable by id, from the backend as any client reads them
+    reader = Celery("reader", backend="db+" + database_url, set_as_current=False)
+    try:
+        for task_id in list(reminders)[:50]:
+            result = reader.AsyncResult(task_id)
+            assert result.get(timeout=30) % 2 == 0 and result.state == "SUCCESS"
+        assert reader.AsyncResult(sent["flaky"]).get(timeout=30) == "done"
+    finally:
+        reader.close()
+
+    # delaysvc ran each stored publish once: the reminders and the flaky task's 4 publishes
+    assert service.count_status("succeeded", "celery.e2e.remind") == COUNT
+    assert service.count_status("succeeded", "celery.e2e.flaky") == 4
+    # the dashboard's topics: the tasks under their names, handled by the `celery.*` handler
+    with engine.connect() as conn:
+        stats = {row.topic: row for row in store.topic_stats(conn)}
+    assert stats["celery.e2e.remind"].handled and stats["celery.e2e.flaky"].handled
+    _purge(broker, queue)
