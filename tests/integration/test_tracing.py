@@ -274,6 +274,42 @@ def test_a_transactional_handler_runs_in_its_span(
     assert (run.attributes or {})["delaysvc.outcome"] == "succeeded"
 
 
+def test_a_durable_celery_task_is_traced_from_apply_async_to_its_publish(
+    producer: Producer, consumer: Consumer, engine: Any, spans: InMemorySpanExporter, monkeypatch
+) -> None:
+    """`apply_async(countdown=...)` of an app made durable is a send: its span is a child of
+    the caller's, and the run that publishes the task when due links to it; the publish
+    happens inside that run's span, where Celery's own instrumentation takes the trace on."""
+    from celery import Celery
+    from celery.signals import before_task_publish
+
+    from delaysvc.contrib import celery as durable_celery
+
+    monkeypatch.setattr(durable_celery, "_apps", {})
+    app = Celery("traced", broker="memory://", set_as_current=False)
+    durable_celery.durable(app, producer=producer)
+    published_in: list[Any] = []
+
+    def during_publish(**_: object) -> None:
+        published_in.append(trace.get_current_span().get_span_context().span_id)
+
+    before_task_publish.connect(during_publish, weak=False)
+    try:
+        with trace.get_tracer("the application").start_as_current_span("POST /orders") as request:
+            task_id = app.send_task("shop.remind", (1,), countdown=30).id
+        message = producer.find(durable_celery.topic_for("shop.remind"), task_id)
+        make_due(engine, producer, message.id)
+        assert consumer.run_once(message.topic).succeeded == 1
+    finally:
+        before_task_publish.disconnect(during_publish)
+        app.close()
+    (send,) = named(spans, "send celery.shop.remind")
+    assert send.parent is not None and send.parent.span_id == request.get_span_context().span_id
+    (run,) = named(spans, "process celery.shop.remind")
+    assert linked_to(run) == [ids(send)]
+    assert published_in == [run.get_span_context().span_id]
+
+
 def test_a_message_sent_untraced_runs_in_a_span_with_no_link(
     producer: Producer, consumer: Consumer, request: pytest.FixtureRequest
 ) -> None:
