@@ -419,6 +419,39 @@ def test_a_transactional_handler_that_raises_leaves_no_row_and_is_retried(
     assert producer.get(message.id).status == "succeeded"
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_an_orm_session_and_the_psycopg_connection_share_the_handlers_transaction(
+    producer, consumer, effects, fails
+):
+    """As docs/how-to/handlers.md says: `Session(bind=conn)` and
+    `conn.connection.driver_connection` write in the job's transaction, committed with its
+    success or rolled back with its failure."""
+    from sqlalchemy.orm import Session
+
+    @handler("tx.layers", transaction=True, max_retries=0)
+    def layers(message, conn):
+        session = Session(bind=conn)
+        session.execute(
+            text("INSERT INTO tx_effect (message_id, note) VALUES (:id, 'orm')"), {"id": message.id}
+        )
+        session.flush()
+        raw = conn.connection.driver_connection
+        raw.execute(
+            "INSERT INTO tx_effect (message_id, note) VALUES (%s, 'psycopg')", (-message.id,)
+        )
+        if fails:
+            raise ValueError("after both writes")
+
+    message = producer.send("tx.layers", {})
+    consumer.run_once("tx.layers")
+    if fails:
+        assert effects() == {}
+        assert producer.get(message.id).status == "dead"
+    else:
+        assert effects() == {message.id: "orm", -message.id: "psycopg"}
+        assert producer.get(message.id).status == "succeeded"
+
+
 def test_a_job_whose_handler_transaction_is_open_is_neither_rescued_nor_renewed(
     settings, engine, producer, effects
 ):
