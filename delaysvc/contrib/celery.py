@@ -158,7 +158,11 @@ class _DurableControl(Control):
         """Cancel the task's stored message (and its stored retries) in delaysvc, then revoke
         it as Celery does (a message already published is revoked by the workers)."""
         ids = [task_id] if isinstance(task_id, str) else list(task_id)
-        cancel_stored(_durability(self.app).producer, ids)
+        try:
+            cancel_stored(_durability(self.app).producer, ids)
+        except Exception:  # the database is away: the workers are told all the same
+            super().revoke(task_id, *args, **kwargs)
+            raise
         return super().revoke(task_id, *args, **kwargs)
 
 
