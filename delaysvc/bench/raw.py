@@ -4,9 +4,11 @@ between two plain tables in batches (what a delivery does, without the service).
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import psycopg
 
@@ -25,14 +27,24 @@ def _fresh(conn: psycopg.Connection, *names: str) -> None:
         conn.execute(_RAW_TABLE.format(name=name))
 
 
-def insert_one_row_per_transaction(url: str, clients: int, seconds: float) -> float:
-    """Rows/s with `clients` connections each committing one INSERT at a time."""
+def insert_one_row_per_transaction(
+    url: str, clients: int, seconds: float, processes: bool = False
+) -> float:
+    """Rows/s with `clients` connections each committing one INSERT at a time (`processes`:
+    each a process of its own, else a thread)."""
     with psycopg.connect(url, autocommit=True) as conn:
         _fresh(conn, "bench_raw_insert")
+    if processes:
+        return per_second_in_processes(_insert_client, url, clients, seconds)
+    return per_second(lambda stop: _insert_client(url)(stop), clients, seconds)
 
-    def client(stop: float) -> int:
+
+def _insert_client(url: str) -> Callable[[float], int]:
+    conn = psycopg.connect(url, autocommit=True)
+
+    def run(stop: float) -> int:
         done = 0
-        with psycopg.connect(url, autocommit=True) as conn:
+        with conn:
             while time.monotonic() < stop:
                 conn.execute(
                     "INSERT INTO bench_raw_insert (topic, body) VALUES (%s, %s)", ("t", BODY)
@@ -40,7 +52,7 @@ def insert_one_row_per_transaction(url: str, clients: int, seconds: float) -> fl
                 done += 1
         return done
 
-    return per_second(client, clients, seconds)
+    return run
 
 
 def per_second(client: Callable[[float], int], clients: int, seconds: float) -> float:
@@ -50,6 +62,45 @@ def per_second(client: Callable[[float], int], clients: int, seconds: float) -> 
     with ThreadPoolExecutor(clients) as pool:
         done = sum(pool.map(client, [stop] * clients))
     return done / seconds
+
+
+Client = Callable[[Any], Callable[[float], int]]
+"""A client of `per_second_in_processes`: a module-level function that gets ready (imports,
+connects, warms up) with its argument and returns what runs until the monotonic time `stop`,
+returning how much it did."""
+
+
+def per_second_in_processes(client: Client, arg: Any, clients: int, seconds: float) -> float:
+    """`per_second` with each client a process of its own (spawned: nothing of this process
+    is shared), as an application's clients are. The clock starts once every one is ready;
+    every process is ended before this returns, also when one fails."""
+    context = multiprocessing.get_context("spawn")
+    ready = context.Barrier(clients + 1)
+    results = context.Queue()
+    processes = [
+        context.Process(target=_run_client, args=(client, arg, ready, seconds, results))
+        for _ in range(clients)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        ready.wait(timeout=300)
+        done = sum(results.get(timeout=seconds + 300) for _ in processes)
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return done / seconds
+
+
+def _run_client(
+    client: Client, arg: Any, ready: Any, seconds: float, results: multiprocessing.Queue
+) -> None:
+    run = client(arg)
+    ready.wait(timeout=300)
+    results.put(run(time.monotonic() + seconds))
 
 
 def copy_rows(url: str, rows: int) -> float:
