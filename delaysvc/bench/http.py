@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,16 +28,25 @@ if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
 
 TOPIC = "bench.http"
-WRK_SCRIPT = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer %(token)s"
+BATCH_TOPIC = "bench.http.batch"
+BATCH = 1000
+"""Messages per call of `POST /api/v1/messages/batch` (and of the Python batch beside it)."""
+WRK_SINGLE = """
 local n = 0
 request = function()
   n = n + 1
   return wrk.format(nil, nil, nil,
     '{"topic": "%(topic)s", "body": {"order_id": ' .. n .. '}, "delay": "1h"}')
 end
+"""
+WRK_BATCH = """
+wrk.body = [=[%(body)s]=]
+"""
+WRK_SCRIPT = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer %(token)s"
+%(requests)s
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -53,18 +63,27 @@ def missing() -> str | None:
     return None if shutil.which("wrk") else "wrk is not installed: apt-get install wrk"
 
 
-def run_wrk(url: str, token: str, clients: int, seconds: float) -> dict[str, Any]:
-    """wrk against `url` (…/api/v1/messages); -> its RESULT line as a dict."""
+def batch_items() -> list[dict[str, Any]]:
+    return [{"topic": BATCH_TOPIC, "body": {"order_id": n}, "delay": "1h"} for n in range(BATCH)]
+
+
+def run_wrk(
+    url: str, token: str, clients: int, seconds: float, batch: bool = False
+) -> dict[str, Any]:
+    """wrk against `url`: single sends (…/api/v1/messages), each body its own, or batches of
+    BATCH (…/messages/batch), each the same 1,000 messages; -> its RESULT line as a dict."""
     wrk = shutil.which("wrk")
     if wrk is None:
         raise RuntimeError(missing())
+    body = json.dumps({"messages": batch_items()})
+    requests = WRK_BATCH % {"body": body} if batch else WRK_SINGLE % {"topic": TOPIC}
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write(WRK_SCRIPT % {"token": token, "topic": TOPIC})
+        script.write(WRK_SCRIPT % {"token": token, "requests": requests})
     try:
         out = subprocess.run(
             [
                 wrk,
-                "-t2",
+                f"-t{min(2, clients)}",
                 f"-c{clients}",
                 f"-d{int(seconds)}s",
                 "--timeout=10s",
@@ -105,6 +124,11 @@ def http_suite(ctx: BenchContext) -> Figures:
             raise RuntimeError("gunicorn did not answer within 60 s")
         step(f"wrk: {clients} connections for {seconds:g} s against gunicorn -w {workers}")
         result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)
+        batch_seconds = min(seconds, 10)
+        step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
+        batched = run_wrk(
+            f"http://127.0.0.1:{port}/api/v1/messages/batch", token, 1, batch_seconds, batch=True
+        )
     finally:
         web.terminate()
         web.wait(timeout=30)
@@ -135,4 +159,30 @@ def http_suite(ctx: BenchContext) -> Figures:
         "lost": max(0, acknowledged - stored),
         "python": sys.version.split()[0],
     }
+    step(f"send_batch of {BATCH:,} in this process, 1 client for {batch_seconds:g} s")
+    python_rate = _python_batches(ctx, batch_seconds)
+    http_rate = batched["requests"] * BATCH / (batched["duration_us"] / 1e6)
+    batch_errors = sum(batched[k] for k in ("connect", "read", "write", "status", "timeout"))
+    figures.results["http_batch"] = {
+        "batch": BATCH,
+        "http_msgs_per_s": round(http_rate),
+        "msgs_per_s": round(http_rate),
+        "python_batch_msgs_per_s": round(python_rate),
+        "ratio": round(http_rate / python_rate, 3),
+        "target_ratio": 0.5,
+        "errors": batch_errors,
+        "p99_ms": batched["p99_us"] / 1000,
+    }
     return figures
+
+
+def _python_batches(ctx: BenchContext, seconds: float) -> float:
+    """Messages/s of `send_batch` calls of BATCH, the items the HTTP calls send."""
+    from delaysvc.producer.sending import Producer
+
+    producer, items = Producer(ctx.settings, ctx.engine), batch_items()
+    producer.send_batch(items)
+    sent, started = 0, time.monotonic()
+    while time.monotonic() - started < seconds:
+        sent += len(producer.send_batch(items))
+    return sent / (time.monotonic() - started)

@@ -217,6 +217,13 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
             f"max {late.get('max')} ms; handler started p99 {start.get('p99')} ms | - | - | "
             f"0 lost, re-runs <= in flight, p99 <= {r['target_p99_ms']:g} ms |"
         ]
+    if "http_msgs_per_s" in r:
+        return [
+            f"| {name}: POST /api/v1/messages/batch of {r['batch']:,}, 1 connection, vs "
+            f"send_batch in Python | {r['http_msgs_per_s']:,} msgs/s; p99 {r['p99_ms']:.1f} ms; "
+            f"{r['errors']} errors | {r['python_batch_msgs_per_s']:,} msgs/s | "
+            f"{r['ratio']:.0%} | >= {r['target_ratio']:.0%} of Python's |"
+        ]
     if "requests_per_s" in r:
         late, errors = r["latency_ms"], sum(r["errors"].values())
         return [

@@ -8,16 +8,27 @@ from sqlalchemy import Engine
 from delaysvc.bench import BenchContext
 from delaysvc.bench.http import http_suite
 from delaysvc.config.settings import Settings
+from delaysvc.db.names import sql
 
 
 def test_http_suite_sends_through_gunicorn_with_no_error_and_loses_nothing(
     settings: Settings, engine: Engine, database_url: str
 ) -> None:
     sizes = {"http_clients": 4, "http_seconds": 2, "http_workers": 2}
-    result = http_suite(BenchContext(settings, engine, database_url, sizes)).results["http"]
+    results = http_suite(BenchContext(settings, engine, database_url, sizes)).results
+    result = results["http"]
     assert result["errors"] == {"connect": 0, "read": 0, "write": 0, "status": 0, "timeout": 0}
     assert result["requests"] > 20
     assert result["acknowledged"] == result["requests"]
     assert result["stored"] >= result["acknowledged"] and result["lost"] == 0
     assert 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"]
     assert result["raw_insert_per_s"] > 0
+    # the batch endpoint beside send_batch in Python: every call stored its 1,000
+    batch = results["http_batch"]
+    assert batch["errors"] == 0
+    assert batch["http_msgs_per_s"] > 0 and batch["python_batch_msgs_per_s"] > 0
+    with engine.connect() as conn:
+        stored = conn.execute(
+            sql("SELECT count(*) FROM delaysvc.message WHERE topic = 'bench.http.batch'")
+        ).scalar_one()
+    assert stored % 1000 == 0 and stored >= 2000
