@@ -118,15 +118,7 @@ class Service:
     def stop(self) -> None:
         """Warm shutdown, as `delaysvc up` does it: SIGTERM to each main process only (a
         prefork pool whose children are signalled too hangs on shutdown)."""
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+        stop_all([self])
 
     def log_tail(self, lines: int = 40) -> str:
         out = []
@@ -154,6 +146,22 @@ class Service:
             status=status,
             topic=topic,
         )
+
+
+def stop_all(services: list[Service]) -> None:
+    """`Service.stop` of several deployments at once: every process is told first, then each
+    is waited for, so their warm shutdowns (~6 s for a consume worker on the filesystem
+    broker) overlap instead of adding up."""
+    processes = [process for service in services for process in service.processes]
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def _named(command: list[str], name: str) -> list[str]:
@@ -218,8 +226,7 @@ def service_factory(
         return service
 
     yield make
-    for service in made:
-        service.stop()
+    stop_all(made)
 
 
 @pytest.fixture
