@@ -30,6 +30,18 @@ from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
 
 
+def second_pass_only(seconds: int) -> pytest.MarkDecorator:
+    """A bench suite at toy size runs the same on either server, but for the schema's name,
+    which CI's second pass sets to another (`jobs`): there a statement that names the schema
+    itself instead of going through delaysvc.db.names fails."""
+    return pytest.mark.skipif(
+        not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
+        reason=f"~{seconds} s, the same on either server but for the schema's name: "
+        "runs in CI's second pass (schema jobs) only",
+    )
+
+
+@second_pass_only(16)
 def test_every_suite_runs_and_writes_results_table_and_plots(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -165,6 +177,11 @@ def test_the_cli_lists_every_registered_size_as_a_flag_and_refuses_unknown_suite
     assert "unknown suite(s) ['sned']" in refused.output
 
 
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
+    reason="~30 s; strict (every peer must run) where Redis, RabbitMQ and PostgreSQL 15 are up: "
+    "runs in CI's second pass (Redis broker) only",
+)
 def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path: Path) -> None:
     """Toy size. Where CI's second pass runs (Redis broker, so Redis, RabbitMQ and PostgreSQL
     15 are up), every peer must have run; elsewhere a peer may be unavailable, but then it
@@ -227,6 +244,7 @@ def test_a_peer_whose_service_is_not_there_is_reported_unavailable(
     )
 
 
+@second_pass_only(11)
 def test_scale_measures_send_and_moves_empty_and_with_a_backlog(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -261,6 +279,7 @@ def _soak(settings: Settings, tmp_path: Path, messages: int) -> Path:
     )
 
 
+@second_pass_only(13)
 def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -329,6 +348,7 @@ def test_the_soak_sampler_sees_a_transaction_held_open(engine: Engine) -> None:
     json.dumps(list(seen.values()), default=str)  # goes into results.json as it is
 
 
+@second_pass_only(7)
 def test_a_soak_that_does_not_drain_keeps_the_workers_logs(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -4,6 +4,7 @@ killed in the middle of a drain (RocketMQ's ScheduleMessageService scenarios, po
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -134,6 +135,11 @@ def test_kill_9_of_the_worker_during_a_100k_drain_loses_and_duplicates_nothing(
     assert (offset[0].schedule_offset, offset[0].moved_total) == (total, total)
 
 
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
+    reason="~10 s; a cancel is the database's, the same on either server and broker: runs in "
+    "CI's second pass (Redis broker) only",
+)
 def test_cancelled_messages_are_never_delivered(service: Service, producer: Producer) -> None:
     keep = producer.send("e2e.record", {"n": 1}, delay_level=1)
     drop = producer.send("e2e.record", {"n": 2}, delay_level=1)

@@ -106,6 +106,12 @@ def test_a_handler_that_exits_its_process_is_run_again_after_the_lease(
     assert _runs_per_message(service, "done") == {sent.id: 1}
 
 
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
+    reason="~22 s; the lease is renewed by the worker process, the same on either server: a long"
+    " task is tried on Redis (visibility timeout): runs in CI's second pass (Redis "
+    "broker) only",
+)
 def test_a_handler_running_four_leases_in_a_live_process_is_run_once(
     service_factory,
     producer: Producer,  # type: ignore[no-untyped-def]
@@ -164,6 +170,11 @@ def test_kill_9_of_the_consumers_mid_batch_reruns_every_held_job_within_45_s(
     assert late <= 45, f"a held job ran again {late:.0f} s after the kill"
 
 
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="~14 s; the prefork pool's max memory per child, the same on either server and "
+    "broker: runs in CI's first pass (embedded PostgreSQL, filesystem broker) only",
+)
 def test_a_leaking_handler_gets_its_worker_process_replaced(
     service_factory,
     producer: Producer,  # type: ignore[no-untyped-def]
@@ -221,6 +232,11 @@ def _rabbitmq_up() -> bool:
     not _rabbitmq_up() and not os.environ.get("DELAYSVC_TEST_REQUIRE_RABBITMQ"),
     reason="needs a RabbitMQ on 127.0.0.1:5672 (CI starts one and sets "
     "DELAYSVC_TEST_REQUIRE_RABBITMQ, so there the test cannot be skipped)",
+)
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="~8 s; its own RabbitMQ broker in either pass, what it stores the same on either "
+    "server: runs in CI's first pass only",
 )
 def test_a_rabbitmq_broker_restart_loses_nothing_stored(
     service_factory,  # type: ignore[no-untyped-def]
@@ -486,6 +502,11 @@ def _post(url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
         return exc.code, None
 
 
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
+    reason="~27 s; gunicorn killed under keyed HTTP sends, the same on either server and broker "
+    "(the key decides): runs in CI's second pass (Redis broker) only",
+)
 def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
     service: Service, engine: Engine
 ) -> None:
@@ -555,6 +576,11 @@ def _faketime_env(clock_file: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="~12 s; beat's and the workers' clocks, the same on either server and broker: runs in"
+    " CI's first pass (embedded PostgreSQL, filesystem broker) only",
+)
 def test_a_clock_moved_backwards_on_the_workers_and_beat_changes_nothing(
     service: Service, producer: Producer, tmp_path: Path
 ) -> None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import schemathesis
 from flask import Flask
@@ -43,6 +45,11 @@ schema = schemathesis.pytest.from_fixture("api_schema")
     max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
+    reason="~14 s, the API's answers to generated input, the same on either server but for the "
+    "schema's name: runs in CI's second pass (schema jobs) only",
 )
 def test_no_input_gets_a_5xx_or_an_undocumented_response(case, admin):  # type: ignore[no-untyped-def]
     # Every check but "schema-valid input is accepted": the API has rules no JSON Schema

@@ -102,6 +102,11 @@ def test_bench_http_without_wrk_names_the_package(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="~4 s; runs a browser test, and those run in CI's first pass only "
+    "(tests/browser): so does this",
+)
 def test_browser_tests_without_chromium_fail_with_one_line(tmp_path: Path) -> None:
     """CI installs Chromium, so a browser test without it fails (not skips), saying how."""
     chromium = tmp_path / "chromium"
