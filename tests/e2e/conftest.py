@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -23,6 +24,23 @@ from delaysvc.runtime.supervisor import beat_command, web_command, worker_comman
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env
 
 pytestmark = pytest.mark.e2e
+
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+"""The RabbitMQ CI starts (and requires: DELAYSVC_TEST_REQUIRE_RABBITMQ)."""
+
+
+def rabbitmq_up() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def rabbitmq_wanted() -> bool:
+    """A RabbitMQ answers here, or CI says one must (then a test needing it cannot skip)."""
+    return rabbitmq_up() or bool(os.environ.get("DELAYSVC_TEST_REQUIRE_RABBITMQ"))
 
 
 def send_many(

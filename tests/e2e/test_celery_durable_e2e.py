@@ -10,7 +10,6 @@ import contextlib
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,20 +20,11 @@ from celery import Celery
 from sqlalchemy import text
 
 from delaysvc import store
-from tests.e2e.conftest import Service, wait_for
+from tests.e2e.conftest import RABBITMQ, Service, rabbitmq_wanted, wait_for
 
 pytestmark = pytest.mark.e2e
 
 COUNT = 1000
-RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def _rabbitmq_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def _redis_broker() -> str | None:
@@ -54,8 +44,7 @@ BROKERS = [
     pytest.param(
         "rabbitmq",
         marks=pytest.mark.skipif(
-            bool(os.environ.get("DELAYSVC_TEST_BROKER_URL"))
-            or not (_rabbitmq_up() or os.environ.get("DELAYSVC_TEST_REQUIRE_RABBITMQ")),
+            bool(os.environ.get("DELAYSVC_TEST_BROKER_URL")) or not rabbitmq_wanted(),
             reason="~90 s: runs in CI's first pass, with the RabbitMQ CI starts (127.0.0.1:5672)",
         ),
     ),

@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,14 @@ from delaysvc import auth
 from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer.sending import Producer
 from delaysvc.runtime.supervisor import free_port, wait_until_answering
-from tests.e2e.conftest import Service, restart_postgres, tolerant, wait_for
+from tests.e2e.conftest import (
+    RABBITMQ,
+    Service,
+    rabbitmq_wanted,
+    restart_postgres,
+    tolerant,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -217,19 +223,8 @@ def test_a_broker_restart_loses_nothing_stored(service: Service, producer: Produ
     assert sorted(_runs_per_message(service)) == sorted(first + later)
 
 
-RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
-
-
-def _rabbitmq_up() -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
-            return True
-    except OSError:
-        return False
-
-
 @pytest.mark.skipif(
-    not _rabbitmq_up() and not os.environ.get("DELAYSVC_TEST_REQUIRE_RABBITMQ"),
+    not rabbitmq_wanted(),
     reason="needs a RabbitMQ on 127.0.0.1:5672 (CI starts one and sets "
     "DELAYSVC_TEST_REQUIRE_RABBITMQ, so there the test cannot be skipped)",
 )
