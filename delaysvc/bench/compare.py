@@ -107,6 +107,7 @@ def compare(
 ) -> str:
     """Alternate the working tree and REF `rounds` times; write out/README.md; -> its table."""
     tree = checkout()
+    out = out.resolve()  # each side runs in a folder of its own: REF's in its venv's
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {"tree": [], "ref": []}
     with tempfile.TemporaryDirectory(prefix="delaysvc-compare-") as work:

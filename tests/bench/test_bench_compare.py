@@ -73,3 +73,24 @@ def test_the_cli_needs_a_ref_and_known_suites() -> None:
     unknown = runner.invoke(cli, ["bench", "compare", "HEAD", "sned"])
     assert unknown.exit_code == 2 and "unknown suite(s) ['sned']" in unknown.output
     assert sys.executable  # the tests run in the environment the tree is installed in
+
+
+def test_each_side_writes_into_the_out_folder_given_relative(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found running `compare REF --out docs/benchmarks/...`: REF's side runs in its venv's
+    folder, so a relative --out was written there and the run then failed to read it."""
+    from delaysvc.bench import compare as comparing
+
+    given: list[Path] = []
+
+    def bench_once(python, cwd, env, out, suites, flags):  # type: ignore[no-untyped-def]
+        given.append(out)
+        return {}
+
+    monkeypatch.setattr(comparing, "install_ref", lambda tree, ref, work: ("abc1234", tmp_path))
+    monkeypatch.setattr(comparing, "bench_once", bench_once)
+    monkeypatch.chdir(tmp_path)
+    comparing.compare("HEAD", ["send"], 1, Path("runs"), [], "delaysvc bench compare HEAD")
+    assert given == [tmp_path / "runs" / "tree-1", tmp_path / "runs" / "ref-1"]
+    assert (tmp_path / "runs" / "README.md").exists()
