@@ -75,8 +75,10 @@ def run_wrk(
     wrk = shutil.which("wrk")
     if wrk is None:
         raise RuntimeError(missing())
-    body = json.dumps({"messages": batch_items()})
-    requests = WRK_BATCH % {"body": body} if batch else WRK_SINGLE % {"topic": TOPIC}
+    if batch:
+        requests = WRK_BATCH % {"body": json.dumps({"messages": batch_items()})}
+    else:
+        requests = WRK_SINGLE % {"topic": TOPIC}
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(WRK_SCRIPT % {"token": token, "requests": requests})
     try:

@@ -160,10 +160,9 @@ class _DurableControl(Control):
         ids = [task_id] if isinstance(task_id, str) else list(task_id)
         try:
             cancel_stored(_durability(self.app).producer, ids)
-        except Exception:  # the database is away: the workers are told all the same
-            super().revoke(task_id, *args, **kwargs)
-            raise
-        return super().revoke(task_id, *args, **kwargs)
+        finally:  # the database may be away: the workers are told all the same
+            revoked = super().revoke(task_id, *args, **kwargs)
+        return revoked
 
 
 def _durability(app: Celery) -> _Durability:
@@ -288,10 +287,8 @@ def publish_when_due(message: Job) -> None:
         # the broker's TTL counts from the publish: what is left of it now
         expires = maybe_make_aware(datetime.fromisoformat(headers["expires"]), app.timezone)
         options["expiration"] = max((expires - datetime.now(UTC)).total_seconds(), 0)
-    sender = app.amqp.send_task_message
-    publish = sender.publish if isinstance(sender, _DurableSender) else sender
     with app.producer_or_acquire() as broker_producer:
-        publish(
+        app.amqp.send_task_message.publish(
             broker_producer,
             body["task"],
             task_message(headers, envelope["properties"], task_body, sent_event),
