@@ -424,18 +424,21 @@ def topic_limits(conn: Connection) -> list[Any]:
 # running jobs and its tokens are read and spent by one claim at a time. The lock is taken by a
 # statement of its own: a statement's subqueries read the snapshot it started with, from before
 # it waited for the lock, and would miss the jobs the previous claim took. The bucket holds one
-# second's starts (at least one); `available` is what it holds now.
+# second's starts (at least one); `available` is what it holds now, read from one clock
+# reading (two `clock_timestamp()` calls in one expression can differ by a microsecond either
+# way: a fresh bucket then held 4.99999 of its 5 tokens).
 _LOCK_LIMITS = """SELECT max_running, rate_per_s, tokens, tokens_at FROM delaysvc.topic_state
 WHERE topic = :topic AND (max_running IS NOT NULL OR rate_per_s IS NOT NULL) FOR UPDATE"""
 _READ_LIMITS = """SELECT CAST(:max_running AS integer) AS max_running,
-    CAST(:rate AS float8) AS rate_per_s, clock_timestamp() AS now,
+    CAST(:rate AS float8) AS rate_per_s, clock.now,
     CASE WHEN CAST(:rate AS float8) IS NOT NULL THEN LEAST(GREATEST(:rate, 1),
-        COALESCE(CAST(:tokens AS float8), GREATEST(:rate, 1)) + :rate * extract(epoch FROM
-        clock_timestamp() - COALESCE(CAST(:tokens_at AS timestamptz), clock_timestamp())))
+        COALESCE(CAST(:tokens AS float8), GREATEST(:rate, 1)) + :rate * GREATEST(0,
+        extract(epoch FROM clock.now - COALESCE(CAST(:tokens_at AS timestamptz), clock.now))))
     END AS available,
     CASE WHEN CAST(:max_running AS integer) IS NOT NULL THEN (SELECT count(*)
         FROM delaysvc.commit_log c WHERE c.status = 'running' AND c.topic = :topic)
-    END AS running"""
+    END AS running
+FROM (SELECT clock_timestamp() AS now) AS clock"""
 
 
 def lock_limits(conn: Connection, topic: str) -> Any:

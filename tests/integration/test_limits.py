@@ -76,6 +76,19 @@ def test_rate_spends_a_bucket_of_one_seconds_tokens_and_says_when_the_next_comes
     assert _claim(engine, settings, "lim.r", 100)[0] == 2
 
 
+def test_a_new_bucket_holds_exactly_one_seconds_tokens_every_time_it_is_read(
+    engine: Engine, producer: Producer
+) -> None:
+    """A bucket never spent has no `tokens_at`: its fill must not depend on which of two
+    clock readings in one statement came first (it once read 4.99999 tokens, a whole one
+    short, about one read in forty)."""
+    limits.set_limits(engine, "lim.fresh", rate="5/s")
+    for _ in range(300):
+        with engine.connect() as conn:
+            assert store.lock_limits(conn, "lim.fresh").available == 5
+            conn.rollback()
+
+
 def test_concurrent_claims_never_exceed_the_limits(
     engine: Engine, settings: Settings, producer: Producer
 ) -> None:
