@@ -14,7 +14,9 @@ Rules (docs/how-to/producing.md lists them for users):
 from __future__ import annotations
 
 import json
+import json.encoder
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from delaysvc.errors import ConfigError, TooLarge, ValidationError
@@ -117,17 +119,41 @@ def validate_properties(properties: object) -> dict[str, str] | None:
     return dict(properties)
 
 
+def _json_encoder() -> Callable[[Any], str]:
+    """`json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))` with its
+    encoder built once: `json.dumps` builds one per call, which costs twice what encoding a
+    small body does (1.5 of 2.3 us; a batch encodes every body). Without a circular check (its
+    one dict would be shared by every thread): a body that contains itself is refused as nested
+    too deeply, as a deep one is. Python without json's C encoder (PyPy) uses `json`'s own."""
+    python = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    make: Callable[..., Callable[[Any, int], Sequence[str]]] | None
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return python.encode
+    try:  # markers, default, encoder, indent, separators, sort_keys, skipkeys, allow_nan
+        encoder = make(None, python.default, json.encoder.encode_basestring, None, ":", ",",
+                       False, False, False)  # fmt: skip
+    except TypeError:  # another Python's signature
+        return python.encode
+    return lambda body: "".join(encoder(body, 0))
+
+
+_to_json = _json_encoder()
+
+
 def encode_body(body: Any, max_bytes: int) -> tuple[bytes, bool]:
     """-> (stored bytes, is_json). Bytes are kept as they are; anything else is JSON."""
     if isinstance(body, bytes | bytearray | memoryview):
         data, is_json = bytes(body), False
     else:
         try:
-            text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+            text = _to_json(body)
         except (TypeError, ValueError) as exc:
             raise ValidationError("body", f"must be JSON-serialisable or bytes ({exc})") from None
         except RecursionError:
-            raise ValidationError("body", "is nested too deeply to encode as JSON") from None
+            raise ValidationError(
+                "body", "is nested too deeply to encode as JSON, or contains itself"
+            ) from None
         try:
             data, is_json = text.encode("utf-8"), True
         except UnicodeEncodeError:

@@ -281,11 +281,12 @@ class Producer:
             return []
         if len(messages) > MAX_SEND_BATCH:
             raise ValidationError("messages", f"{len(messages)} items, at most {MAX_SEND_BATCH}")
-        items = batching.prepare(messages, self.settings, datetime.now().astimezone())
-        with tracing.sending(None, len(items)) as span:
-            if span is not None:
-                items = _carrying_context(span, items)
-            sent = self._write(connection, lambda conn: self._store_batch(conn, items))
+        with batching.collector_paused():
+            items = batching.prepare(messages, self.settings, datetime.now().astimezone())
+            with tracing.sending(None, len(items)) as span:
+                if span is not None:
+                    items = _carrying_context(span, items)
+                sent = self._write(connection, lambda conn: self._store_batch(conn, items))
         log.info("messages.sent", extra={"count": len(sent)})
         return sent
 
