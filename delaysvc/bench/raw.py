@@ -14,7 +14,7 @@ import psycopg
 
 from delaysvc.bench.progress import Progress
 
-_RAW_TABLE = """CREATE TABLE {name} (
+RAW_TABLE = """CREATE TABLE {name} (
     id bigserial PRIMARY KEY, topic text NOT NULL, body bytea NOT NULL,
     deliver_ts timestamptz NOT NULL DEFAULT now())"""
 BODY = b'{"order_id": 42, "action": "cancel"}'
@@ -24,7 +24,7 @@ def _fresh(conn: psycopg.Connection, *names: str) -> None:
     """Plain logged tables shaped like a narrow message row, as the service's are."""
     for name in names:
         conn.execute(f"DROP TABLE IF EXISTS {name}")
-        conn.execute(_RAW_TABLE.format(name=name))
+        conn.execute(RAW_TABLE.format(name=name))
 
 
 def insert_one_row_per_transaction(
