@@ -35,6 +35,8 @@ MEASURES = {
     "send_single_c4": "msgs_per_s",
     "send_single_level_vs_timer": "level_msgs_per_s",
     "send_batch_1000": "msgs_per_s",
+    "send_batch_10000": "msgs_per_s",
+    "send_batch_database_write": "msgs_per_s",
     "delivery_drain": "msgs_per_s",
     "consume_drain": "jobs_per_s",
 }

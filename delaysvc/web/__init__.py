@@ -5,7 +5,8 @@ from __future__ import annotations
 import secrets
 from datetime import timedelta
 
-from flask import Flask
+from flask import Flask, Request
+from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
 from werkzeug.routing import IntegerConverter
 
 from delaysvc.config import logs
@@ -14,6 +15,7 @@ from delaysvc.db.engines import make_engine
 from delaysvc.producer.sending import Producer
 
 SESSION_HOURS = 12
+API_PREFIX = "/api/v1"
 
 
 class AsciiIntegerConverter(IntegerConverter):
@@ -22,6 +24,17 @@ class AsciiIntegerConverter(IntegerConverter):
     here they match no route: 404."""
 
     regex = r"[0-9]+"
+
+
+class _DashboardSessions(SecureCookieSessionInterface):
+    """The dashboard's signed-cookie sessions, and none for the JSON API: its requests carry a
+    token, and opening a session builds a signing serializer each time (a tenth of a single
+    send's request). An API request gets Flask's null session: nothing read, no cookie set."""
+
+    def open_session(self, app: Flask, request: Request) -> SecureCookieSession | None:
+        if request.path.startswith(API_PREFIX + "/"):
+            return None
+        return super().open_session(app, request)
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -40,6 +53,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         SESSION_COOKIE_SECURE=settings.secure_cookies,  # DELAYSVC_SECURE_COOKIES, for https
         PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
     )
+    app.session_interface = _DashboardSessions()
     app.json.sort_keys = False  # type: ignore[attr-defined]  # answers keep the order built
     app.url_map.converters["int"] = AsciiIntegerConverter
     engine = make_engine(settings)
@@ -52,7 +66,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     from delaysvc.web.dashboard import dashboard
     from delaysvc.web.errors import register_error_handlers
 
-    app.register_blueprint(api, url_prefix="/api/v1")
+    app.register_blueprint(api, url_prefix=API_PREFIX)
     app.register_blueprint(dashboard)
     register_error_handlers(app)
     return app

@@ -746,3 +746,31 @@ def test_priority_is_sent_and_shown(client: FlaskClient, send_token: dict[str, s
         "/api/v1/messages", json={"topic": "t.p", "body": 1, "priority": 5000}, headers=send_token
     )
     assert "-1000 to 1000" in _error(bad, 400, "invalid")
+
+
+def test_the_api_opens_no_cookie_session_and_sets_no_cookie_while_the_dashboard_does(
+    app: Flask, client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    """An API request carries a token: reading a signed cookie session for it (a signing
+    serializer built per request) was a tenth of a send's request, for nothing. The
+    dashboard's login still gets its session cookie, and a session cookie sent to the API is
+    neither read nor renewed."""
+    opened: list[str] = []
+    sessions = app.session_interface
+    open_session = sessions.open_session
+
+    def counting(flask_app: Flask, request: Any) -> Any:
+        session = open_session(flask_app, request)
+        if session is not None and not sessions.is_null_session(session):
+            opened.append(request.path)
+        return session
+
+    sessions.open_session = counting  # type: ignore[method-assign]
+    sent = client.post("/api/v1/messages", json={"topic": "t", "body": 1}, headers=send_token)
+    assert sent.status_code == 201 and "Set-Cookie" not in sent.headers
+    client.set_cookie("delaysvc_session", "anything")
+    listed = client.get("/api/v1/topics", headers=send_token)
+    assert listed.status_code == 200 and "Set-Cookie" not in listed.headers
+    assert opened == []
+    assert client.get("/login").status_code == 200
+    assert opened == ["/login"]
