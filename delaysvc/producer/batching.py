@@ -79,7 +79,7 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off while a batch is checked and written. A
     batch keeps a few objects per message until it ends, and every collection its allocations
     set off walks them all again: a third of a 10,000 batch's time (docs/benchmarks/
-    2026-11-27-batch-python). A batch makes no cycles; those other threads make meanwhile are
+    2026-11-27-batch-gc-encoder). A batch makes no cycles; those other threads make meanwhile are
     collected when it is on again. Left as it is when the application had turned it off."""
     if not gc.isenabled():
         yield
