@@ -3,27 +3,37 @@ set against (issue 36: "single send at 50 clients >= 25% of the raw insert").
 
     python docs/benchmarks/http_ceiling.py postgresql://root@127.0.0.1:5432/SCRATCH [SECONDS]
 
-Three figures, each measured for SECONDS (default 20) in one run: the raw one-row insert at 50
+Four figures, each measured for SECONDS (default 20) in one run: the raw one-row insert at 50
 clients (`delaysvc.bench.raw`, as `delaysvc bench http` measures it); then gunicorn -w 4
 (sync workers, as `delaysvc web` runs it) serving a bare Flask app whose
 `POST /api/v1/messages` parses the JSON body and answers 201 with a small JSON object without
-touching any database, and the same app answering with a fixed bytes response and no JSON
-parsing; wrk with 50 connections posting `delaysvc bench http`'s single-send body. No
-delaysvc code serves these requests: what they reach is the most a Flask view can, here.
+touching any database, the same app answering with a fixed bytes response and no JSON
+parsing, and delaysvc's own app (`delaysvc web`'s command, the database migrated, a send
+token); wrk with 50 connections posting `delaysvc bench http`'s single-send body. The bare
+app's figure is the most a Flask view can reach here; each line also gives the CPU the
+gunicorn workers spent a request.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
+import psutil
+
+from delaysvc import auth
 from delaysvc.bench import raw
 from delaysvc.bench.http import run_wrk
-from delaysvc.db.engines import libpq_url
-from delaysvc.runtime.supervisor import free_port, wait_until_answering
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import libpq_url, make_engine
+from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
+from delaysvc.schema import migrate
+
+SECONDS = 20.0
 
 APP = textwrap.dedent(
     """
@@ -47,33 +57,55 @@ APP = textwrap.dedent(
 )
 
 
-def main(url: str, seconds: float) -> None:
-    raw_rate = raw.insert_one_row_per_transaction(libpq_url(url), 50, seconds)
-    rates = {}
+def served(
+    command: list[str], env: dict[str, str], port: int, views: dict[str, str], token: str
+) -> dict[str, tuple[float, int, float]]:
+    """Start gunicorn with `command`; wrk on each view for SECONDS. -> view -> (requests/s,
+    socket errors, the gunicorn workers' CPU a request in us)."""
+    web = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
+    try:
+        if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
+            raise RuntimeError("gunicorn did not answer within 60 s")
+        workers = psutil.Process(web.pid).children()
+        rates = {}
+        for name, path in views.items():
+            before = sum(sum(w.cpu_times()[:2]) for w in workers)
+            result = run_wrk(f"http://127.0.0.1:{port}{path}", token, 50, SECONDS)
+            used = sum(sum(w.cpu_times()[:2]) for w in workers) - before
+            failed = sum(result[k] for k in ("connect", "read", "write", "timeout"))
+            rates[name] = (result["requests"] / (result["duration_us"] / 1e6), failed,
+                           used / result["requests"] * 1e6)  # fmt: skip
+        return rates
+    finally:
+        web.terminate()
+        web.wait(timeout=30)
+
+
+def main(url: str) -> None:
+    raw_rate = raw.insert_one_row_per_transaction(libpq_url(url), 50, SECONDS)
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         Path(folder, "bare_flask.py").write_text(APP)
-        port = free_port()
         command = [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}", "-w", "4"]
         command += ["--log-level", "warning", "--chdir", folder, "bare_flask:app"]
-        web = subprocess.Popen(command)
-        try:
-            if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
-                raise RuntimeError("gunicorn did not answer within 60 s")
-            views = (("JSON view", "/api/v1/messages"), ("bare view", "/bare/api/v1/messages"))
-            for name, path in views:
-                result = run_wrk(f"http://127.0.0.1:{port}{path}", "unused", 50, seconds)
-                failed = sum(result[k] for k in ("connect", "read", "write", "timeout"))
-                rates[name] = (result["requests"] / (result["duration_us"] / 1e6), failed)
-        finally:
-            web.terminate()
-            web.wait(timeout=30)
+        views = {"a JSON view": "/api/v1/messages", "a bare view": "/bare/api/v1/messages"}
+        rates = served(command, dict(os.environ), port, views, "unused")
+    settings = Settings.from_env(database_url=url)
+    engine = make_engine(settings)
+    migrate.upgrade(engine, settings.levels)
+    token = auth.create_token(engine, f"http-ceiling-{os.getpid()}", scope="send")
+    engine.dispose()
+    command = list(web_command("127.0.0.1", port, 4, access_log=False))
+    env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
+    rates |= served(command, env, port, {"delaysvc's send": "/api/v1/messages"}, token)
     print(f"raw one-row insert, 50 clients: {raw_rate:,.0f} tx/s; 25% of it: {raw_rate / 4:,.0f}")
-    for name, (rate, failed) in rates.items():
+    for name, (rate, failed, cpu_us) in rates.items():
         print(
-            f"gunicorn -w 4 + Flask, {name}, 50 connections, no database: {rate:,.0f} req/s "
-            f"= {rate / raw_rate:.1%} of the raw insert ({failed} socket errors)"
+            f"gunicorn -w 4, {name}: {rate:,.0f} req/s = {rate / raw_rate:.1%} of the raw insert, "
+            f"{cpu_us:,.0f} us of the workers' CPU a request ({failed} socket errors)"
         )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else 20.0)
+    SECONDS = float(sys.argv[2]) if len(sys.argv) > 2 else 20.0
+    main(sys.argv[1])
