@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -263,3 +264,23 @@ def runtime() -> Runtime:
 
         _runtime = Runtime(current_app.conf.delaysvc_settings, os.getpid())
     return _runtime
+
+
+class Stopping:
+    """A worker's stop for its long-running tasks (lane runs, the periodic declarer), asked by
+    Celery's `worker_shutting_down`. Celery sends that signal inside the worker's SIGTERM
+    handler, and a second SIGTERM (the kernel's on the supervisor's death, a deploy's own)
+    runs the handler again in the same thread, interrupting the first: found inside
+    `Event.set`, holding the Event's lock, the first would be waited for forever (a delivery
+    worker once never stopped after its `up` was killed -9). Only the first request touches
+    the Event; the rest see the plain flag and return."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._asked = False
+
+    def ask(self) -> None:
+        if self._asked:
+            return
+        self._asked = True
+        self.event.set()

@@ -13,7 +13,6 @@ lock).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from celery import shared_task
@@ -21,17 +20,18 @@ from celery.signals import worker_ready, worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
 from delaysvc.maintenance.delivery import LaneRunner
-from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
+from delaysvc.tasks.app import DELIVERY_QUEUE, Stopping, runtime
 
 log = logging.getLogger(__name__)
-_stop = threading.Event()
+_stopping = Stopping()
+_stop = _stopping.event
 REARM_SECONDS = 1.0
 """A run that died holding its lane (its connection broke) sends the next one this soon."""
 
 
 @worker_shutting_down.connect
 def _stop_lanes(**_: object) -> None:
-    _stop.set()
+    _stopping.ask()  # in the SIGTERM handler: `Stopping` says why not `_stop.set()`
 
 
 @worker_ready.connect

@@ -17,11 +17,12 @@ from celery.signals import worker_ready, worker_shutting_down
 
 from delaysvc.maintenance import periodic
 from delaysvc.producer import caps
-from delaysvc.tasks.app import DELIVERY_QUEUE, runtime
+from delaysvc.tasks.app import DELIVERY_QUEUE, Stopping, runtime
 from delaysvc.worker import limits
 
 log = logging.getLogger(__name__)
-_stop = threading.Event()
+_stopping = Stopping()
+_stop = _stopping.event
 
 
 @shared_task(name="delaysvc.fire_schedules", ignore_result=True)
@@ -74,4 +75,4 @@ def _declare(declarer: periodic.Declarer) -> periodic.Declared | None:
 
 @worker_shutting_down.connect
 def _stop_declaring(**_: object) -> None:
-    _stop.set()
+    _stopping.ask()  # in the SIGTERM handler: `Stopping` says why not `_stop.set()`
