@@ -308,9 +308,12 @@ def run_processes(
         stopping["signal"] = signum
 
     def reload(_signum: int, _frame: object) -> None:
-        reloads.set()  # done by the loop, which alone starts children (`die_with_parent`)
+        # done by the loop, which alone starts children (`die_with_parent`). A plain flag, as
+        # `stopping`: a handler runs in the loop's thread, between any two of its steps, and
+        # one taking a lock the loop held (an Event's, being cleared) waited for it forever
+        reloads["asked"] = True
 
-    reloads = threading.Event()
+    reloads = {"asked": False}
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, reload)
     failed = False
@@ -322,8 +325,8 @@ def run_processes(
                 target=on_started, args=(supervisor,), name="on-started", daemon=True
             ).start()
         while not stopping["signal"]:
-            if reloads.is_set():
-                reloads.clear()
+            if reloads["asked"]:
+                reloads["asked"] = False
                 supervisor.reload()
             why = supervisor.check()
             if why is not None:

@@ -126,3 +126,44 @@ def test_no_child_outlives_a_supervisor_killed_with_sigkill(tmp_path: Path) -> N
         supervisor.kill()
         if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_a_flood_of_sighups_neither_stops_nor_hangs_the_supervisor(tmp_path: Path) -> None:
+    """SIGHUP's handler runs in the loop's thread, between any two of its steps: one that took
+    a lock the loop might hold (an Event's, while the loop clears it) waited on its own thread
+    forever (here: nested handlers until a RecursionError killed the supervisor, one run in
+    two). Thousands of SIGHUPs (each a reload: a signal passed to the child), then SIGTERM:
+    the supervisor stops at once, its child with it."""
+    pidfile = tmp_path / "child.pid"
+    child = (
+        "import os, signal, time; signal.signal(signal.SIGUSR1, lambda *_: None); "
+        f"open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal, sys; from delaysvc.runtime.supervisor import Command, run_processes; "
+            "child = Command('child', [sys.executable, '-c', "
+            f"{child!r}], reload_signal=signal.SIGUSR1); "
+            "sys.exit(run_processes([child]))",
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        wait_for(lambda: pidfile.exists() and pidfile.read_text(), 30, "the child to start")
+        child_pid = int(pidfile.read_text())
+        flood_until = time.monotonic() + 3
+        while time.monotonic() < flood_until:
+            for _ in range(100):
+                os.kill(supervisor.pid, signal.SIGHUP)
+            time.sleep(0.001)
+        assert supervisor.poll() is None  # a reload stops nothing
+        supervisor.send_signal(signal.SIGTERM)
+        assert supervisor.wait(timeout=15) == 0
+        wait_for(lambda: not _alive(child_pid), 10, "the child to stop with it")
+    finally:
+        supervisor.kill()
+        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), signal.SIGKILL)
