@@ -374,24 +374,18 @@ def _children_of(pid: int) -> dict[int, str]:
     return found
 
 
-def _command_line(pid: int) -> str:
+def _command_line(pid: int) -> str | None:
+    """The process's command line, None once it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
     except OSError:
-        return "(gone)"
+        return None
 
 
 def _not_postgres(pids: list[int]) -> list[int]:
     """Leaves out the embedded PostgreSQL, which outlives a killed `up` by design (the next
-    `up` attaches to it; the last process attached stops it)."""
-    kept = []
-    for pid in pids:
-        try:
-            if "postgres" not in Path(f"/proc/{pid}/cmdline").read_text():
-                kept.append(pid)
-        except OSError:
-            continue
-    return kept
+    `up` attaches to it; the last process attached stops it), and the processes gone."""
+    return [pid for pid in pids if "postgres" not in (_command_line(pid) or "postgres")]
 
 
 @FIRST_PASS_ONLY
