@@ -34,7 +34,14 @@ app.conf.update(
     task_acks_late=True,
     task_reject_on_worker_lost=True,
     worker_prefetch_multiplier=1,
-    broker_transport_options={"visibility_timeout": 10},  # Redis: unacked back after 10 s
+    # Redis: a task a killed worker held is back after 10 s, found by a sweep every 2 s (kombu
+    # 5.7 sweeps every interval x throttle: 100 s by default, which the test's waits outlast
+    # only on a quiet machine)
+    broker_transport_options={
+        "visibility_timeout": 10,
+        "unacked_restore_interval": 2,
+        "unacked_restore_throttle": 1,
+    },
     result_extended=True,
 )
 durable(app)

@@ -57,15 +57,23 @@ def send_many(
     return ids
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, every: float = 0.1) -> Any:
-    """Poll `condition` until it returns something truthy; fail naming `what` after timeout."""
+def wait_for(
+    condition: Callable[[], Any],
+    timeout: float,
+    what: str,
+    every: float = 0.1,
+    explain: Callable[[], str] | None = None,
+) -> Any:
+    """Poll `condition` until it returns something truthy; fail naming `what` after timeout,
+    with what `explain` finds then (where things stand) when given."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+            found = f": {explain()}" if explain else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {value!r}){found}")
         time.sleep(every)
 
 
