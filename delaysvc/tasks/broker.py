@@ -6,7 +6,8 @@ folder can take the file while it is still empty and crash on the empty JSON. He
 is written under a temporary name the consumers ignore and renamed into place: a rename within
 one folder is atomic, so a consumer sees a whole message or none. Each consumed file is
 deleted, so the folder does not grow. The folders are made by the first connection, so
-importing `delaysvc.tasks` writes nothing.
+importing `delaysvc.tasks` writes nothing. A worker drains it a quarter of a second at a time
+(`Transport.drain_events`), so it sees a stop request soon.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import tempfile
 import uuid
 from time import monotonic
+from typing import Any
 
 from kombu.transport import TRANSPORT_ALIASES, filesystem
 from kombu.utils.encoding import str_to_bytes
@@ -43,8 +45,20 @@ class Channel(filesystem.Channel):
             raise
 
 
+DRAIN_SECONDS = 0.25
+"""The longest one wait for messages lasts (they are still taken as they come, every 20 ms)."""
+
+
 class Transport(filesystem.Transport):
     Channel = Channel
+
+    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+        """kombu's drain, at most DRAIN_SECONDS long. Celery's loop for a transport without an
+        event loop (this one) drains for 2 s at a time and looks for a stop request (SIGTERM,
+        Ctrl-C on `delaysvc up`) only between drains: each worker stopped up to 2 s late."""
+        if timeout is not None:
+            timeout = min(timeout, DRAIN_SECONDS)
+        super().drain_events(connection, timeout=timeout)
 
 
 TRANSPORT_ALIASES[SCHEME] = "delaysvc.tasks.broker:Transport"
