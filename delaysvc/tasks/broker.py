@@ -52,13 +52,13 @@ DRAIN_SECONDS = 0.25
 class Transport(filesystem.Transport):
     Channel = Channel
 
-    def drain_events(self, connection: Any, timeout: float | None = None) -> None:
+    def drain_events(self, connection: Any, timeout: Any = None, **kwargs: Any) -> Any:
         """kombu's drain, at most DRAIN_SECONDS long. Celery's loop for a transport without an
         event loop (this one) drains for 2 s at a time and looks for a stop request (SIGTERM,
         Ctrl-C on `delaysvc up`) only between drains: each worker stopped up to 2 s late."""
         if timeout is not None:
             timeout = min(timeout, DRAIN_SECONDS)
-        super().drain_events(connection, timeout=timeout)
+        return super().drain_events(connection, timeout=timeout, **kwargs)
 
 
 TRANSPORT_ALIASES[SCHEME] = "delaysvc.tasks.broker:Transport"
