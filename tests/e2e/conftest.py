@@ -176,8 +176,8 @@ class Service:
 
 def stop_all(services: list[Service]) -> None:
     """`Service.stop` of several deployments at once: every process is told first, then each
-    is waited for, so their warm shutdowns (~6 s for a consume worker on the filesystem
-    broker) overlap instead of adding up."""
+    is waited for, so their warm shutdowns (~3 s for a consume worker: its pool's teardown)
+    overlap instead of adding up."""
     processes = [process for service in services for process in service.processes]
     for process in processes:
         if process.poll() is None:

@@ -259,4 +259,5 @@ def test_countdowns_survive_killed_workers(service_factory, engine, database_url
     with engine.connect() as conn:
         stats = {row.topic: row for row in store.topic_stats(conn)}
     assert stats["celery.e2e.remind"].handled and stats["celery.e2e.flaky"].handled
+    service.stop()  # the app's worker first: it would declare its queue again
     _purge(broker, queue)

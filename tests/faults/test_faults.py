@@ -47,6 +47,12 @@ def _runs_per_message(service: Service, note: str | None = None) -> dict[int, in
     return {row.message_id: row.n for row in rows}
 
 
+def _statuses(service: Service) -> str:
+    """Where a fault test's messages stand, by status and lane, for a failed wait to say."""
+    rows = service.rows("SELECT status, lane, count(*) AS n FROM message GROUP BY status, lane")
+    return ", ".join(f"{row.status} in lane {row.lane}: {row.n}" for row in rows)
+
+
 LANES: list[dict[str, Any]] = [{"delay_level": 1}, {"delay_level": 2}, {"delay_ms": 1500}]
 """The options the fault workloads cycle through: levels 1-2 and the timer lane."""
 
@@ -245,7 +251,12 @@ def test_a_rabbitmq_broker_restart_loses_nothing_stored(
         later = _send_over(producer, "e2e.record", 100, 1.0)  # stored while it is down
     finally:
         subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
-    wait_for(tolerant(lambda: service.count_status("succeeded") == 200), 180, "all 200 to run")
+    wait_for(
+        tolerant(lambda: service.count_status("succeeded") == 200),
+        180,
+        "all 200 to run",
+        explain=lambda: f"{_statuses(service)}\n{service.log_tail(80)}",
+    )
     assert sorted(_runs_per_message(service)) == sorted(first + later)
     assert service.scalar("SELECT sum(moved_total) FROM schedule_offset") == 200
 
