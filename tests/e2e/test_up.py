@@ -458,12 +458,17 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         # each child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops as it would on
         # Ctrl-C, in seconds (nothing runs now). A delivery worker once never stopped: a
         # second SIGTERM's handler waited on the first's lock (tests/unit/test_worker_stopping)
-        deadline = time.monotonic() + 30
-        while (left := _not_postgres(_processes_in(tmp_path))) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        still = {pid: _command_line(pid) for pid in left}
-        assert not still, f"30 s after up was killed, still running: {still}"
-        print(f"every child gone {30 - (deadline - time.monotonic()):.1f} s after up was killed")
+        killed = time.monotonic()
+        wait_for(
+            lambda: not _not_postgres(_processes_in(tmp_path)),
+            30,
+            "every child of the killed up to exit",
+            explain=lambda: (
+                "still running: "
+                + str({pid: _command_line(pid) for pid in _not_postgres(_processes_in(tmp_path))})
+            ),
+        )
+        print(f"every child gone {time.monotonic() - killed:.1f} s after up was killed")
     finally:
         if up.poll() is None:
             up.kill()
