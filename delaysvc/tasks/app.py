@@ -94,6 +94,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         *settings.handler_modules,
     ]
     app = Celery("delaysvc", broker=broker_url, include=include, loader=Loader)
+    app.steps["consumer"].add("delaysvc.tasks.delivery:LanesOnConnect")
     budget = settings.lane_budget_seconds
     # an expired lease is found within a third of a lease (and at least every RESCUE_SECONDS)
     rescue_every = min(RESCUE_SECONDS, settings.lease_seconds / 3)

@@ -76,12 +76,17 @@ def consume(topic: str) -> int:
 
 @shared_task(name="delaysvc.consume_sweep", ignore_result=True)
 def consume_sweep() -> int:
-    """Safety net: wake the consumer of every topic that has ready jobs."""
+    """Safety net: wake the consumer of every topic that has ready jobs (fired by beat, run by a
+    consume worker, which reports in by it)."""
+    record_heartbeat(runtime().engine, "consumer")
+    return wake_ready_topics()
+
+
+def wake_ready_topics() -> int:
+    """Wake the consumer of every topic that has ready jobs. -> how many topics."""
     from delaysvc import store
 
-    rt = runtime()
-    record_heartbeat(rt.engine, "consumer")
-    with rt.engine.connect() as conn:
+    with runtime().engine.connect() as conn:
         topics = store.topics_with_ready(conn)
     for topic in topics:
         consume.apply_async((topic,), expires=60)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from celery import shared_task
-from celery.signals import worker_ready, worker_shutting_down
+from celery import bootsteps, shared_task
+from celery.signals import worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
 from delaysvc.maintenance.delivery import LaneRunner
@@ -34,21 +34,35 @@ def _stop_lanes(**_: object) -> None:
     _stopping.ask()  # in the SIGTERM handler: `Stopping` says why not `_stop.set()`
 
 
-@worker_ready.connect
-def _start_lanes(sender: Any, **_: object) -> None:
-    """A worker that serves the delivery queue starts every lane now, not at beat's first
-    interval (beat's entries fire one budget after beat starts). The first runs go straight to
-    the worker's own thread pool, not through the broker: a burst of messages published from
-    the worker's thread at start left the worker stuck after a broker restart (the RabbitMQ
-    fault test); from their first hand-over on, the runs are ordinary messages."""
-    app = sender.app
-    if DELIVERY_QUEUE not in set(app.amqp.queues.consume_from):
-        return
-    lanes = range(app.conf.delaysvc_settings.levels.max_level + 1)
-    pool = sender.controller.pool
-    for lane in lanes:
-        pool.apply_async(_first_run, args=(lane,))
-    log.info("delivery.lanes_started", extra={"lanes": f"0-{lanes[-1]}"})
+class LanesOnConnect(bootsteps.StartStopStep):
+    """A worker that serves the delivery queue starts every lane each time it connects to the
+    broker: at start, not at beat's first interval (beat's entries fire one budget after beat
+    starts), and again after the broker was away, when the runs that ended meanwhile could not
+    send their next one (nor wake their topics' consumers). It also wakes the consumer of every
+    topic with ready jobs then, the wakes lost meanwhile among them. Beat stays the safety net,
+    not the engine: a broker restart that beat does not outlive stops nothing. A lane already
+    held by a run returns at once (`LaneRunner`'s advisory lock).
+
+    A step of the worker's consumer, which Celery starts again on every new connection. The
+    runs go straight to the worker's own thread pool, not through the broker: a burst of
+    messages published from the worker's thread at start left the worker stuck after a broker
+    restart (the RabbitMQ fault test); from their first hand-over on, the runs are ordinary
+    messages."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)
+
+    def start(self, parent: Any) -> None:
+        app = parent.app
+        if DELIVERY_QUEUE not in set(app.amqp.queues.consume_from):
+            return
+        lanes = range(app.conf.delaysvc_settings.levels.max_level + 1)
+        for lane in lanes:
+            parent.pool.apply_async(_first_run, args=(lane,))
+        parent.pool.apply_async(_wake_ready_topics)
+        log.info(
+            "delivery.lanes_started",
+            extra={"lanes": f"0-{lanes[-1]}", "connections": parent.restart_count},
+        )
 
 
 def _first_run(lane: int) -> None:
@@ -58,11 +72,22 @@ def _first_run(lane: int) -> None:
         log.exception("delivery.first_run_failed", extra={"lane": lane})
 
 
+def _wake_ready_topics() -> None:
+    """Wake every topic with ready jobs, its wake perhaps lost while the broker was away."""
+    from delaysvc.tasks.consume import wake_ready_topics
+
+    try:
+        wake_ready_topics()
+    except Exception:  # said in the log; beat's sweep wakes them
+        log.exception("delivery.wake_failed")
+
+
 def _wake_consumers(topics: tuple[str, ...]) -> None:
     """Wake the topics' consumers now. With the broker away this raises, and the run ends
-    without a next one (what it moved is in the database): beat fires the lane again once the
-    broker is back. (Runs that went on publishing from the pool's threads while the worker
-    reconnected corrupted its AMQP connection: py-amqp is not thread-safe.)"""
+    without a next one (what it moved is in the database): the worker starts the lane again
+    once it has reconnected (`LanesOnConnect`), and beat fires it too. (Runs that went on
+    publishing from the pool's threads while the worker reconnected corrupted its AMQP
+    connection: py-amqp is not thread-safe.)"""
     from delaysvc.tasks.consume import consume
 
     for topic in topics:

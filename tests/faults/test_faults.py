@@ -261,6 +261,49 @@ def test_a_rabbitmq_broker_restart_loses_nothing_stored(
     assert service.scalar("SELECT sum(moved_total) FROM schedule_offset") == 200
 
 
+@pytest.mark.skipif(
+    not rabbitmq_wanted(),
+    reason="needs a RabbitMQ on 127.0.0.1:5672 (CI starts one and sets "
+    "DELAYSVC_TEST_REQUIRE_RABBITMQ, so there the test cannot be skipped)",
+)
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="~20 s; its own RabbitMQ broker in either pass: runs in CI's first pass only",
+)
+def test_delivery_resumes_after_a_rabbitmq_restart_without_beat(
+    service_factory,  # type: ignore[no-untyped-def]
+    producer: Producer,
+) -> None:
+    """Beat is the safety net, not the engine: while the broker is away every lane's run ends
+    without sending its next one (nor waking its consumers), and once the delivery worker has
+    reconnected it starts its lanes and wakes the ready topics itself. Without beat, messages
+    stored before, during and after the outage all run (before `LanesOnConnect`, nothing moved
+    after the restart)."""
+    service = service_factory(broker_url=RABBITMQ)
+    service.delivery_worker()
+    service.consume_worker()
+    first = _send_over(producer, "e2e.record", 60, 1.0)
+    wait_for(
+        tolerant(lambda: service.count_status("succeeded") == 60),
+        60,
+        "the first 60 to run",
+        explain=lambda: f"{_statuses(service)}\n{service.log_tail(40)}",
+    )
+    subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
+    try:
+        during = _send_over(producer, "e2e.record", 60, 3.0)  # longer than a lane's budget
+    finally:
+        subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+    after = _send_over(producer, "e2e.record", 60, 1.0)
+    wait_for(
+        tolerant(lambda: service.count_status("succeeded") == 180),
+        90,
+        "all 180 to run with no beat",
+        explain=lambda: f"{_statuses(service)}\n{service.log_tail(80)}",
+    )
+    assert sorted(_runs_per_message(service)) == sorted(first + during + after)
+
+
 HOLD_SECONDS = float(os.environ.get("DELAYSVC_TEST_HOLD_SECONDS", "120"))
 """How long the long-transaction fault keeps its snapshot open (the issue says minutes)."""
 
