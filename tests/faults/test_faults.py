@@ -10,12 +10,14 @@ import http.client
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -25,7 +27,7 @@ from sqlalchemy import Engine, text
 from delaysvc import auth
 from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer.sending import Producer
-from delaysvc.runtime.supervisor import free_port, wait_until_answering
+from delaysvc.runtime.supervisor import die_with_parent, free_port, wait_until_answering
 from tests.e2e.conftest import (
     RABBITMQ,
     Service,
@@ -302,6 +304,98 @@ def test_delivery_resumes_after_a_rabbitmq_restart_without_beat(
         explain=lambda: f"{_statuses(service)}\n{service.log_tail(80)}",
     )
     assert sorted(_runs_per_message(service)) == sorted(first + during + after)
+
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+class OwnRedis:
+    """A redis-server of the test's own on a free port, keeping nothing on disk: killed, it
+    forgets every queued task, as a Redis broker restarted without persistence does. It dies
+    with the test's process, however that ends."""
+
+    def __init__(self) -> None:
+        assert REDIS_SERVER is not None
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        assert REDIS_SERVER is not None
+        nothing_kept = ["--save", "", "--appendonly", "no"]
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", *nothing_kept],
+            stdout=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(),
+        )
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        wait_for(tolerant_redis(client.ping), 30, "the test's redis-server to answer")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def tolerant_redis(ping: Callable[[], Any]) -> Callable[[], bool]:
+    def answered() -> bool:
+        import redis
+
+        try:
+            return bool(ping())
+        except redis.ConnectionError:
+            return False
+
+    return answered
+
+
+@pytest.mark.skipif(
+    REDIS_SERVER is None and not os.environ.get("DELAYSVC_TEST_BROKER_URL"),
+    reason="needs redis-server (CI's second pass has it, and there the test cannot be skipped)",
+)
+@pytest.mark.skipif(
+    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
+    reason="~20 s: runs in CI's second pass (Redis) only; the RabbitMQ restart runs in the first",
+)
+def test_a_redis_broker_that_forgets_every_queued_task_loses_no_message(
+    service_factory,  # type: ignore[no-untyped-def]
+    producer: Producer,
+) -> None:
+    """The broker only carries wakes and lane runs; the messages are in PostgreSQL. Redis is
+    killed -9 and started empty while messages come due and are sent, with no beat: once the
+    workers have reconnected, the delivery worker starts its lanes and wakes the ready topics
+    (`LanesOnConnect`), and every message runs, none twice."""
+    redis = OwnRedis()
+    redis.start()
+    service = service_factory(broker_url=redis.url)
+    try:
+        service.delivery_worker()
+        service.consume_worker()
+        first = _send_over(producer, "e2e.record", 60, 1.0)
+        wait_for(
+            tolerant(lambda: service.count_status("succeeded") >= 30),
+            60,
+            "half of the first 60 to run",
+            explain=lambda: f"{_statuses(service)}\n{service.log_tail(40)}",
+        )
+        redis.kill()
+        during = _send_over(producer, "e2e.record", 60, 3.0)  # longer than a lane's budget
+        redis.start()
+        after = _send_over(producer, "e2e.record", 60, 1.0)
+        wait_for(
+            tolerant(lambda: service.count_status("succeeded") == 180),
+            90,
+            "all 180 to run with no beat",
+            explain=lambda: f"{_statuses(service)}\n{service.log_tail(80)}",
+        )
+        runs = _runs_per_message(service)
+        assert sorted(runs) == sorted(first + during + after)
+        assert set(runs.values()) == {1}
+    finally:
+        service.stop()  # while its broker answers: a warm shutdown waits for it
+        redis.kill()
 
 
 HOLD_SECONDS = float(os.environ.get("DELAYSVC_TEST_HOLD_SECONDS", "120"))
