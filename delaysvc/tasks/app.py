@@ -105,6 +105,12 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         task_serializer="json",
         accept_content=["json"],
         worker_prefetch_multiplier=1,
+        # After a reconnect Celery lowers the prefetch while tasks run and raises it again from
+        # each task's acknowledgement, which the delivery worker's thread pool makes in its
+        # threads: their `basic.qos` waited on the consumer's AMQP connection beside the main
+        # thread (py-amqp is not thread-safe) and the worker took nothing more after a RabbitMQ
+        # restart (2 in 6 restarts here; the RabbitMQ fault tests). The prefetch stays as set.
+        worker_enable_prefetch_count_reduction=False,
         worker_hijack_root_logger=False,
         task_routes={
             "delaysvc.deliver_lane": {"queue": DELIVERY_QUEUE},

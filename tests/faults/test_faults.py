@@ -306,6 +306,68 @@ def test_delivery_resumes_after_a_rabbitmq_restart_without_beat(
     assert sorted(_runs_per_message(service)) == sorted(first + during + after)
 
 
+RESTARTS = 3
+
+
+@pytest.mark.skipif(
+    not rabbitmq_wanted(),
+    reason="needs a RabbitMQ on 127.0.0.1:5672 (CI starts one and sets "
+    "DELAYSVC_TEST_REQUIRE_RABBITMQ, so there the test cannot be skipped)",
+)
+@pytest.mark.skipif(
+    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
+    reason="~45 s; its own RabbitMQ broker in either pass: runs in CI's first pass only",
+)
+def test_the_workers_take_tasks_again_after_each_of_several_rabbitmq_restarts(
+    service_factory,  # type: ignore[no-untyped-def]
+    producer: Producer,
+) -> None:
+    """After each restart, beat's tasks are taken again: the `beat` heartbeat, which beat's
+    `sample_stats` records on the delivery worker, is fresh within 30 s. Before
+    `worker_enable_prefetch_count_reduction=False` the delivery worker took nothing more after
+    2 in 6 restarts: Celery raised its lowered prefetch from its pool's threads, whose
+    `basic.qos` waited on the consumer's connection beside the main thread (py-amqp is not
+    thread-safe); its queue grew with 10 tasks unacknowledged, and it stayed so."""
+    service = service_factory(broker_url=RABBITMQ)
+    service.start()
+    sent: list[int] = []
+    for restart in range(RESTARTS):
+        sent += _send_over(producer, "e2e.record", 30, 1.0)  # lanes busy when it goes
+        subprocess.run(["rabbitmqctl", "stop_app"], check=True, capture_output=True, timeout=120)
+        time.sleep(2)
+        subprocess.run(["rabbitmqctl", "start_app"], check=True, capture_output=True, timeout=120)
+        wait_for(
+            tolerant(_beat_seen_after(service, service.scalar("SELECT now()"))),
+            30,
+            f"beat's tasks to be taken again after restart {restart + 1}",
+            explain=lambda: f"{_rabbitmq_queues()}\n{service.log_tail(30)}",
+        )
+    wait_for(
+        tolerant(lambda: service.count_status("succeeded") == len(sent)),
+        60,
+        f"all {len(sent)} to run",
+        explain=lambda: f"{_statuses(service)}\n{service.log_tail(40)}",
+    )
+    assert sorted(_runs_per_message(service)) == sorted(sent)
+
+
+def _beat_seen_after(service: Service, moment: Any) -> Callable[[], bool]:
+    return lambda: bool(
+        service.scalar(
+            "SELECT max(seen_at) > :at FROM heartbeat WHERE component = 'beat'", at=moment
+        )
+    )
+
+
+def _rabbitmq_queues() -> str:
+    return subprocess.run(
+        ["rabbitmqctl", "list_queues", "name", "messages", "messages_unacknowledged", "consumers"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+
+
 REDIS_SERVER = shutil.which("redis-server")
 
 
