@@ -1,10 +1,13 @@
-"""delaysvc's HTTP single send under gunicorn (as `delaysvc web` runs it) and under Granian
-(a WSGI server written in Rust: `pip install granian`), taking turns, beside the raw insert.
+"""delaysvc's HTTP single send under gunicorn (as `delaysvc web` runs it), under gunicorn's
+gevent workers (`pip install gevent`: a worker serves many requests at once, switching to
+another while one waits on the database) and under Granian (a WSGI server written in Rust:
+`pip install granian`), taking turns, beside the raw insert.
 
     python docs/benchmarks/http_servers.py postgresql://root@127.0.0.1:5432/SCRATCH [SECONDS]
 
-The raw one-row insert at 50 clients, then twice each in turn: gunicorn -w 4 (sync workers)
-and Granian with 4 workers of 1 and of 2 threads, serving `delaysvc.web:create_app()`; wrk
+The raw one-row insert at 50 clients, then twice each in turn: gunicorn -w 4 (sync workers),
+gunicorn -w 2 and -w 4 with gevent workers, and Granian with 4 workers of 1 and of 2 threads
+(those of them installed), serving `delaysvc.web:create_app()`; wrk
 with 50 connections posting `delaysvc bench http`'s single-send body for SECONDS (default 15).
 Each line gives requests/s, its share of the raw insert and the servers' CPU a request (the
 workers' CPU, read from /proc before and after; issue 36's HTTP target is 25%).
@@ -12,6 +15,7 @@ workers' CPU, read from /proc before and after; issue 36's HTTP target is 25%).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -45,11 +49,16 @@ def main(url: str) -> None:
     engine.dispose()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
     port = free_port()
-    servers = {
-        "gunicorn -w 4": list(web_command("127.0.0.1", port, 4, access_log=False)),
-        "granian, 4 workers x 1 thread": granian(port, 1),
-        "granian, 4 workers x 2 threads": granian(port, 2),
-    }
+    gunicorn = list(web_command("127.0.0.1", port, 4, access_log=False))
+    servers = {"gunicorn -w 4": gunicorn}
+    if importlib.util.find_spec("gevent"):
+        for workers in (2, 4):
+            command = [*gunicorn, "-k", "gevent", "--worker-connections", "100"]
+            command[command.index("-w") + 1] = str(workers)
+            servers[f"gunicorn -w {workers} -k gevent"] = command
+    if importlib.util.find_spec("granian"):
+        servers["granian, 4 workers x 1 thread"] = granian(port, 1)
+        servers["granian, 4 workers x 2 threads"] = granian(port, 2)
     print(f"raw one-row insert, 50 clients: {raw_rate:,.0f} tx/s; 25% of it: {raw_rate / 4:,.0f}")
     for turn in (1, 2):
         for name, command in servers.items():
