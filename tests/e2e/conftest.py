@@ -282,14 +282,19 @@ def restart_postgres() -> None:
         embedded_pg_ctl("-w", "-m", "immediate", "restart")
 
 
-def tolerant(query: Callable[[], Any]) -> Callable[[], Any]:
-    """A wait_for condition that treats a dropped database connection as 'not yet'."""
+def tolerant(
+    query: Callable[[], Any], errors: type[Exception] | tuple[type[Exception], ...] = ()
+) -> Callable[[], Any]:
+    """A wait_for condition that treats a dropped database connection as 'not yet' (or, given
+    `errors`, those: a server not answering yet)."""
     from sqlalchemy.exc import OperationalError
+
+    caught = errors or OperationalError
 
     def attempt() -> Any:
         try:
             return query()
-        except OperationalError:
+        except caught:
             return None
 
     return attempt

@@ -405,24 +405,14 @@ class OwnRedis:
         import redis
 
         client = redis.Redis.from_url(self.url)
-        wait_for(tolerant_redis(client.ping), 30, "the test's redis-server to answer")
+        wait_for(
+            tolerant(client.ping, redis.ConnectionError), 30, "the test's redis-server to answer"
+        )
 
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait(timeout=30)
-
-
-def tolerant_redis(ping: Callable[[], Any]) -> Callable[[], bool]:
-    def answered() -> bool:
-        import redis
-
-        try:
-            return bool(ping())
-        except redis.ConnectionError:
-            return False
-
-    return answered
 
 
 @pytest.mark.skipif(
