@@ -217,7 +217,8 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
         for done in range(0, rows, BATCH):
             count = min(BATCH, rows - done)
             stored_at, ids, offsets = store_batches.reserve(cursor, count, [(item.lane, count)])
-            due = stored_at + timedelta(milliseconds=item.delay_ms or 0)
+            stored = store_batches.wire_time(stored_at)
+            due = store_batches.wire_time(stored_at + timedelta(milliseconds=item.delay_ms or 0))
             store_batches.copy_rows(
                 cursor,
                 "commit_log",
@@ -236,7 +237,7 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
                         item.lane,
                         offset,
                         "scheduled",
-                        stored_at,
+                        stored,
                         due,
                         None,
                     )

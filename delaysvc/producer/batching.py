@@ -309,9 +309,11 @@ def _copied(
     if not plan.creating:
         return _made(items, plan, [], datetime.now().astimezone(), [])
     stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
+    stored = batches.wire_time(stored_at)
     lane_offsets = _by_lane(plan.lanes, offsets)
-    due_after: dict[int, datetime] = {}  # delay (ms) -> stored_at + delay
-    dues: list[datetime] = []
+    due_after: dict[int, tuple[datetime, int]] = {}  # delay (ms) -> stored_at + delay, twice
+    dues: list[datetime] = []  # each created message's due time, for its Message
+    wire_dues: list[int] = []  # and for its rows (`batches.wire_time`)
     taken: list[int | None] = []  # each created message's queue offset (None: due now)
     refused: ValidationError | None = None
     with batches.copying(cursor, "commit_log", batches.MESSAGE_ROW) as copy:
@@ -326,11 +328,13 @@ def _copied(
             lane = item.lane
             if item.deliver_at is not None:
                 due = item.deliver_at.astimezone(stored_at.tzinfo)
+                wire_due = batches.wire_time(due)
             else:
                 delay = item.delay_ms or 0
                 if delay not in due_after:
-                    due_after[delay] = stored_at + timedelta(milliseconds=delay)
-                due = due_after[delay]
+                    after = stored_at + timedelta(milliseconds=delay)
+                    due_after[delay] = after, batches.wire_time(after)
+                due, wire_due = due_after[delay]
             offset = next(lane_offsets[lane]) if lane >= 0 else None
             write(
                 (
@@ -346,12 +350,13 @@ def _copied(
                     lane,
                     offset,
                     "scheduled" if lane >= 0 else "ready",
-                    stored_at,
-                    due,
-                    None if lane >= 0 else stored_at,
+                    stored,
+                    wire_due,
+                    None if lane >= 0 else stored,
                 )
             )
             dues.append(due)
+            wire_dues.append(wire_due)
             taken.append(offset)
     if refused is not None:
         if dues:
@@ -359,7 +364,7 @@ def _copied(
         raise refused
     created = [items[index] for index in plan.creating]
     sent = _copy_lanes(
-        cursor, created, ids, dues, taken, lambda: _made(items, plan, ids, stored_at, dues)
+        cursor, created, ids, wire_dues, taken, lambda: _made(items, plan, ids, stored_at, dues)
     )
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
@@ -376,13 +381,14 @@ def _copy_lanes(
     cursor: Cursor[Any],
     created: Sequence[Item],
     ids: Sequence[int],
-    dues: Sequence[datetime],
+    dues: Sequence[int],
     taken: Sequence[int | None],
     meanwhile: Callable[[], list[Message]],
 ) -> list[Message]:
-    """COPY the lanes' rows of the messages just COPYed into the commit log: a level's queue,
-    the timer lane, or (due now) the topic's queue. -> `meanwhile()`, called when the last of
-    these rows are sent, while PostgreSQL is still storing them."""
+    """COPY the lanes' rows of the messages just COPYed into the commit log (`dues`: their due
+    times as `batches.wire_time`s): a level's queue, the timer lane, or (due now) the topic's
+    queue. -> `meanwhile()`, called when the last of these rows are sent, while PostgreSQL is
+    still storing them."""
     rows = list(zip(created, ids, dues, taken, strict=True))
     lanes = {item.lane for item in created}
     copies: list[tuple[str, Sequence[tuple[str, str]], Iterator[tuple[Any, ...]]]] = []

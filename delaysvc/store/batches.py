@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
 from psycopg import Copy, Cursor
+from psycopg.adapt import PyFormat
 
 from delaysvc.db.names import driver_sql, qualify
 from delaysvc.store.shared import _PLACED_LANE
@@ -51,6 +52,21 @@ SELECT statement_timestamp() AS stored_at,
         SELECT l.seq FROM lanes l CROSS JOIN generate_series(1, l.n) AS g ORDER BY l.pos, g
     ) s) AS offsets"""
 
+WIRE_TIME = "int8"
+"""How the layouts below take a time (a timestamptz column): as `wire_time` gives it, the value
+binary COPY carries, sent as an int8. psycopg's datetime dumper costs ~0.6 us a value, and a
+batch message has three: a third of its rows' whole `write_row` (measured in
+docs/benchmarks/2026-11-27-batch-wire-times)."""
+
+_POSTGRES_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
+
+
+def wire_time(at: datetime) -> int:
+    """`at` (aware) as binary COPY carries a timestamptz: microseconds since 2000-01-01 UTC."""
+    since = at - _POSTGRES_EPOCH
+    return (since.days * 86_400 + since.seconds) * 1_000_000 + since.microseconds
+
+
 MESSAGE_ROW = (
     ("id", "int8"),
     ("topic", "text"),
@@ -64,23 +80,23 @@ MESSAGE_ROW = (
     ("lane", "int2"),
     ("queue_offset", "int8"),
     ("status", "text"),
-    ("stored_at", "timestamptz"),
-    ("deliver_ts", "timestamptz"),
-    ("delivered_at", "timestamptz"),
+    ("stored_at", WIRE_TIME),
+    ("deliver_ts", WIRE_TIME),
+    ("delivered_at", WIRE_TIME),
 )
-"""A commit-log row as `copying_messages` takes it: (column, type), in order. `properties` is
-a dict, `tags` a list."""
+"""A commit-log row as `copying` takes it: (column, type), in order. `properties` is a dict,
+`tags` a list, times `wire_time`s."""
 LEVEL_ROW = (
     ("level", "int2"),
     ("queue_offset", "int8"),
     ("message_id", "int8"),
     ("topic", "text"),
-    ("deliver_ts", "timestamptz"),
+    ("deliver_ts", WIRE_TIME),
     ("priority", "int2"),
 )
 """A level's queue row (`consume_queue`, routed to the level's partition)."""
 TIMER_ROW = (
-    ("deliver_ts", "timestamptz"),
+    ("deliver_ts", WIRE_TIME),
     ("queue_offset", "int8"),
     ("message_id", "int8"),
     ("topic", "text"),
@@ -90,7 +106,7 @@ TIMER_ROW = (
 READY_ROW = (
     ("message_id", "int8"),
     ("topic", "text"),
-    ("deliver_ts", "timestamptz"),
+    ("deliver_ts", WIRE_TIME),
     ("priority", "int2"),
 )
 """A topic-queue row of a message due now (`topic_queue`; its `seq` and `enqueued_at` are the
@@ -145,6 +161,10 @@ def copying(cursor: Cursor[Any], table: str, row: Sequence[tuple[str, str]]) -> 
     sent as they are written, so a batch is never held whole; the COPY ends with the block."""
     columns = ", ".join(name for name, _ in row)
     statement = qualify(f"COPY delaysvc.{table} ({columns}) FROM STDIN (FORMAT BINARY)")
+    # A bytea column set by type name gets the dumper psycopg registered last for bytea: the
+    # one of its DB-API `Binary` wrapper, Python code run for every body. This cursor's own
+    # adapters (the connection's are left alone) take bytes' own, C in psycopg's binary build.
+    cursor.adapters.register_dumper(bytes, cursor.adapters.get_dumper(bytes, PyFormat.BINARY))
     with cursor.copy(statement) as copy:
         copy.set_types([kind for _, kind in row])
         yield copy

@@ -24,7 +24,7 @@ import psycopg
 from delaysvc.bench import raw
 from delaysvc.bench.raw import BODY
 from delaysvc.db.engines import libpq_url
-from delaysvc.store.batches import LEVEL_ROW, MESSAGE_ROW
+from delaysvc.store.batches import LEVEL_ROW, MESSAGE_ROW, wire_time
 
 SCHEMA = "batch_costs"
 
@@ -73,9 +73,9 @@ def make_tables(conn: psycopg.Connection, drops: dict[str, str | None]) -> dict[
 
 def rows(count: int) -> list[tuple[object, ...]]:
     now = datetime.now(UTC)
-    due = now + timedelta(hours=1)
+    stored, due = wire_time(now), wire_time(now + timedelta(hours=1))  # as the layouts take times
     return [
-        (n, "bench.noop", None, None, BODY, True, None, 1, 0, 1, n, "scheduled", now, due, None)
+        (n, "bench.noop", None, None, BODY, True, None, 1, 0, 1, n, "scheduled", stored, due, None)
         for n in range(1, count + 1)
     ]
 

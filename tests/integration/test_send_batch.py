@@ -8,6 +8,7 @@ import threading
 import time
 import tracemalloc
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
@@ -79,6 +80,38 @@ def test_single_sends_return_what_is_stored_in_every_kind_of_lane(
     )
     again = producer.send("t", "other", key="k1")
     assert (again.created, again.id, again.body) == (False, timer.id, [1, 2])
+
+
+def test_a_batchs_rows_hold_the_times_its_messages_give_in_every_lane(
+    producer: Producer, engine: Engine
+) -> None:
+    """The times a batch COPYs (as int8s: `batches.wire_time`) are its messages' own, in the
+    commit log and in each lane, a time given in another zone with microseconds included."""
+    at = datetime.now(ZoneInfo("America/New_York")).replace(microsecond=123457)
+    sent = producer.send_batch(
+        [
+            {"topic": "t", "body": 0, "delay_level": 2},
+            {"topic": "t", "body": 1, "delay": "7s"},
+            {"topic": "t", "body": 2, "deliver_at": at + timedelta(minutes=5)},
+            {"topic": "t", "body": 3},
+        ]
+    )
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text(
+                "SELECT c.id, c.stored_at, c.deliver_ts, c.delivered_at, "
+                "coalesce(q.deliver_ts, t.deliver_ts, r.deliver_ts) AS in_lane "
+                "FROM commit_log c LEFT JOIN consume_queue q ON q.message_id = c.id "
+                "LEFT JOIN timer_queue t ON t.message_id = c.id "
+                "LEFT JOIN topic_queue r ON r.message_id = c.id ORDER BY c.id"
+            )
+        ).all()
+    assert [(row.id, row.stored_at, row.deliver_ts, row.in_lane) for row in stored] == [
+        (m.id, m.stored_at, m.deliver_at, m.deliver_at) for m in sent
+    ]
+    assert sent[2].deliver_at == at + timedelta(minutes=5)
+    assert [row.delivered_at for row in stored] == [None, None, None, sent[3].stored_at]
+    assert sent[1].deliver_at - sent[1].stored_at == timedelta(seconds=7)
 
 
 def test_a_batch_dedups_keys_inside_itself_and_against_stored_rows(

@@ -1,16 +1,19 @@
 """A batch's items checked before anything is written (`batching.prepare`), with a timing and a
 topic resolved once per batch, and the Messages a batch returns made without `__init__`."""
 
-from datetime import UTC, datetime, timedelta
+import struct
+from datetime import UTC, datetime, timedelta, timezone
+from zoneinfo import ZoneInfo
 
 import pytest
+from psycopg.adapt import PyFormat, Transformer
 
 from delaysvc.config.settings import Settings
 from delaysvc.errors import TooLarge, ValidationError
 from delaysvc.producer import batching
 from delaysvc.producer.message import Message
 from delaysvc.schema.tables import NO_LANE, TIMER_LANE
-from delaysvc.store import NewMessage, Stored
+from delaysvc.store import NewMessage, Stored, batches
 
 SETTINGS = Settings(database_url="postgresql://u@h/d", topic_delays="t.slow=5s")
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
@@ -100,3 +103,19 @@ def test_a_batchs_message_is_the_message_a_single_send_returns() -> None:
     assert one.tags is not two.tags and one.errors is not two.errors  # each its own
     with pytest.raises(AttributeError):
         one.id = 3  # type: ignore[misc]  # frozen as any Message
+
+
+@pytest.mark.parametrize(
+    "at",
+    [
+        datetime(2026, 11, 27, 18, 0, 0, 123456, tzinfo=UTC),
+        datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=ZoneInfo("America/New_York")),
+        datetime(2026, 3, 29, 2, 30, tzinfo=ZoneInfo("Europe/Berlin")),  # in a DST gap
+        datetime(1970, 1, 1, tzinfo=timezone(timedelta(hours=5, minutes=30))),
+    ],
+)
+def test_a_batch_row_carries_a_time_as_psycopg_would_send_the_datetime(at: datetime) -> None:
+    """A batch COPYs its times as int8s (`batches.wire_time`): the same 8 bytes psycopg's own
+    binary dumper sends for the aware datetime."""
+    dumper = Transformer().get_dumper(at, PyFormat.BINARY)
+    assert struct.pack(">q", batches.wire_time(at)) == bytes(dumper.dump(at))

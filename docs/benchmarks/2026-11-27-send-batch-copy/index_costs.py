@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from delaysvc.bench.raw import copy_rows  # noqa: E402
-from delaysvc.store.batches import LEVEL_ROW, MESSAGE_ROW, TIMER_ROW  # noqa: E402
+from delaysvc.store.batches import LEVEL_ROW, MESSAGE_ROW, TIMER_ROW, wire_time  # noqa: E402
 
 BODY = b'{"order_id":42,"action":"cancel"}'
 INDEXES = {
@@ -122,8 +122,8 @@ def _make_tables(conn: psycopg.Connection) -> dict[str, tuple[str, tuple]]:
 def _copy(conn: psycopg.Connection, target: tuple[str, tuple], ids: range) -> float:
     """Seconds to COPY rows with these ids (and offsets) into the table, and commit."""
     table, layout = target
-    now = datetime.now(UTC)
-    due = now + timedelta(hours=1)
+    at = datetime.now(UTC)
+    now, due = wire_time(at), wire_time(at + timedelta(hours=1))  # as the layouts take times
     columns = ", ".join(name for name, _ in layout)
     started = time.perf_counter()
     statement = f"COPY {table} ({columns}) FROM STDIN (FORMAT BINARY)"
