@@ -99,6 +99,8 @@ def test_a_batchs_message_is_the_message_a_single_send_returns() -> None:
         made = Message.sent_in_batch(item, 7, NOW, NOW, created)
         assert made == Message.sent(new, row, created)
         assert vars(made) == vars(Message.sent(new, row, created))
+        # in `__init__`'s order, so the dict shares its keys with other Messages' as `sent`'s
+        assert list(vars(made)) == list(vars(Message.sent(new, row, created)))
     one, two = (Message.sent_in_batch(item, n, NOW, NOW, True) for n in (1, 2))
     assert one.tags is not two.tags and one.errors is not two.errors  # each its own
     with pytest.raises(AttributeError):
