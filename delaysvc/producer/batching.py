@@ -213,7 +213,7 @@ def messages(items: Sequence[Item], results: Sequence[Result]) -> list[Message]:
     """The Messages of a batch stored through the staged insert (its (row, created, origin)
     per item)."""
     return [
-        Message.sent_in_batch(items[origin], row.id, row.stored_at, row.deliver_ts, created)
+        Message.sent(items[origin], row.id, row.stored_at, row.deliver_ts, created)
         if origin is not None
         else Message.from_row(row, created=False)
         for row, created, origin in results
@@ -447,16 +447,16 @@ def _made(
     """A Message per item, in order."""
     if len(plan.creating) == len(items):  # no key held or repeated: each item created one
         return [
-            Message.sent_in_batch(item, message_id, stored_at, due, True)
+            Message.sent(item, message_id, stored_at, due, True)
             for item, message_id, due in zip(items, ids, dues, strict=True)
         ]
     made: list[Message | None] = [None] * len(items)
     for index, message_id, due in zip(plan.creating, ids, dues, strict=True):
-        made[index] = Message.sent_in_batch(items[index], message_id, stored_at, due, True)
+        made[index] = Message.sent(items[index], message_id, stored_at, due, True)
     for index, origin in plan.repeats.items():
         first = made[origin]
         assert first is not None
-        made[index] = Message.sent_in_batch(
+        made[index] = Message.sent(
             items[origin], first.id, first.stored_at, first.deliver_at, False
         )
     for index, row in plan.holders.items():

@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
-from delaysvc import store
 from delaysvc.config.validation import decode_body
 
 
 class Sent(Protocol):
-    """What a message was sent with, as `Message.sent_in_batch` reads it (a batch's item)."""
+    """What a message was sent with, as `Message.sent` reads it (a `NewMessage`, a batch's
+    item)."""
 
     @property
     def topic(self) -> str: ...
@@ -88,17 +88,21 @@ class Message:
         )
 
     @classmethod
-    def sent_in_batch(
-        cls, item: Sent, id: int, stored_at: datetime, deliver_ts: datetime, created: bool
+    def sent(
+        cls, item: Sent, id: int, stored_at: datetime, deliver_ts: datetime, created: bool = True
     ) -> Message:
-        """`sent` for a batch's item, made without `__init__`: a frozen dataclass's sets each of
-        its 20 fields through `object.__setattr__`, 2.5 us a message (25 ms of a batch of
-        10,000); this sets them in a new instance's dict one by one, in half the time of
+        """A message just stored: what the database decided (`id`, `stored_at`, `deliver_ts`)
+        and what it was sent with (`item`: a single send's `NewMessage`, a batch's item); not
+        its body (the caller has it).
+
+        Made without `__init__`: a frozen dataclass's sets each of its 20 fields through
+        `object.__setattr__`, 2.5 us a message (25 ms of a batch of 10,000); this sets them in
+        a new instance's dict one by one, in half the time of
         `dict.update(zip(fields, values))` (1.5 against 2.7-3.0 us, side by side on a slow
         day of this 2-core machine). They go in in the fields' order, as
         `__init__` puts them, so the dict shares its keys with every other Message's (a third
         of the memory of a dict of its own; a dict merged in whole gets its own).
-        tests/unit/test_batching.py checks that it makes what `sent` makes."""
+        tests/unit/test_batching.py checks that it makes what `__init__` makes."""
         message = object.__new__(cls)
         ready = item.lane < 0
         values = message.__dict__
@@ -123,26 +127,6 @@ class Message:
         values["priority"] = item.priority
         values["replaced_id"] = None
         return message
-
-    @classmethod
-    def sent(cls, new: store.NewMessage, row: Any, created: bool = True) -> Message:
-        """A message just stored: what the database decided (`id, stored_at, deliver_ts`) and
-        what was sent. The body is not carried back (the caller has it)."""
-        ready = new.lane < 0
-        return cls(
-            id=row.id,
-            topic=new.topic,
-            key=new.key,
-            status="ready" if ready else "scheduled",
-            delay_level=new.delay_level,
-            deliver_at=row.deliver_ts,
-            stored_at=row.stored_at,
-            created=created,
-            tags=list(new.tags) if new.tags else [],
-            properties=dict(new.properties) if new.properties else {},
-            delivered_at=row.stored_at if ready else None,
-            priority=new.priority,
-        )
 
 
 def _bytes(data: bytes | memoryview) -> bytes:

@@ -234,7 +234,8 @@ class Producer:
         if not created:
             log.info("message.duplicate_key", extra={"message_id": row.id, "topic": new.topic})
             return Message.from_row(row, created=False)
-        message = dataclasses.replace(Message.sent(new, row), replaced_id=replaced)
+        sent = Message.sent(new, row.id, row.stored_at, row.deliver_ts)
+        message = dataclasses.replace(sent, replaced_id=replaced)
         log.info(
             "message.replaced" if replaced else "message.sent",
             extra={"message_id": message.id, "topic": message.topic, "replaced": replaced},
@@ -252,7 +253,10 @@ class Producer:
             ((row, created, _),) = self._write(
                 connection, lambda conn: self._store(conn, [new], capped=capped)
             )
-        message = Message.sent(new, row) if created else Message.from_row(row, created=False)
+        if created:
+            message = Message.sent(new, row.id, row.stored_at, row.deliver_ts)
+        else:
+            message = Message.from_row(row, created=False)
         if created and new.lane > 0 and row.lane == TIMER_LANE:
             log.warning(
                 "message.level_differs",

@@ -8,7 +8,7 @@ step of `delaysvc.producer.batching`, Python's cyclic GC off (it is measured bes
 - encode: the bodies encoded (`config.validation.encode_body`, a JSON encoder made per body);
 - rows: the COPY loop's own work, the rows built and handed to a COPY that drops them (the
   statements stubbed out: what psycopg's `write_row` costs is timed apart, on a real COPY);
-- messages: the Messages returned (`Message.sent_in_batch`).
+- messages: the Messages returned (`Message.sent`; `sent_in_batch` when this was run).
 """
 
 from __future__ import annotations
