@@ -55,8 +55,8 @@ SELECT statement_timestamp() AS stored_at,
 WIRE_TIME = "int8"
 """How the layouts below take a time (a timestamptz column): as `wire_time` gives it, the value
 binary COPY carries, sent as an int8. psycopg's datetime dumper costs ~0.6 us a value, and a
-batch message has three: a third of its rows' whole `write_row` (measured in
-docs/benchmarks/2026-11-27-batch-wire-times)."""
+batch message has three: two thirds of a commit-log row's `write_row` went to its two
+(docs/benchmarks/2026-11-27-batch-wire-times)."""
 
 _POSTGRES_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
