@@ -20,7 +20,12 @@ from delaysvc import store
 from delaysvc.config.settings import Settings
 from delaysvc.db.names import qualify
 from delaysvc.producer.sending import Producer
-from delaysvc.runtime.supervisor import beat_command, web_command, worker_commands
+from delaysvc.runtime.supervisor import (
+    beat_command,
+    die_with_parent,
+    web_command,
+    worker_commands,
+)
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env
 
 pytestmark = pytest.mark.e2e
@@ -108,6 +113,9 @@ class Service:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # a test process killed outright runs no teardown: its deployment ends with it
+            # all the same, and no worker lives on to take the next run's tasks
+            preexec_fn=die_with_parent(),
         )
         self.processes.append(process)
         return process

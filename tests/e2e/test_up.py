@@ -26,7 +26,7 @@ from sqlalchemy import text
 
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, start_embedded
-from delaysvc.runtime.supervisor import free_port, wait_until_answering
+from delaysvc.runtime.supervisor import die_with_parent, free_port, wait_until_answering
 from tests.conftest import ROOT, outside_env
 from tests.e2e.conftest import Service, assert_check_clean, wait_for
 
@@ -75,6 +75,7 @@ def start_up(folder: Path, env: dict[str, str], port: int) -> subprocess.Popen[s
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=die_with_parent(),
     )
 
 
@@ -311,6 +312,7 @@ def test_up_dashboard_charts_move_live_while_a_load_runs(tmp_path: Path) -> None
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=die_with_parent(),
         )
         try:
             with sync_playwright() as playwright:
@@ -488,6 +490,7 @@ def test_worker_says_ready_once_its_lanes_and_consumers_run(service: Service) ->
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        preexec_fn=die_with_parent(),
     )
     output = Output(worker)
     try:
@@ -538,6 +541,7 @@ def test_an_applications_own_tasks_web_and_migrations_never_shadow_delaysvcs(
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         for args in (["worker", "-c", "1"], ["web", "--port", str(port)])
     ]

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from delaysvc.runtime.supervisor import die_with_parent
 from tests.conftest import ROOT, TEST_LEVELS, outside_env
 
 Record = dict[str, Any]
@@ -111,7 +112,13 @@ class Process:
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: Path):
         self.popen = subprocess.Popen(
-            argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv,
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=die_with_parent(),  # gone with the test process, however it ends
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
