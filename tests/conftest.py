@@ -105,6 +105,15 @@ def embedded_pg_ctl(*args: str) -> None:
     pg_ctl(list(args), pgdata=EMBEDDED_PGDATA, user=user, timeout=120)
 
 
+def process_alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def postmaster_pid(pgdata: Path) -> int | None:
     """The running server's pid from its postmaster.pid, or None when it is not running."""
     try:

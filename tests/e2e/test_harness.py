@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT, outside_env
+from tests.conftest import ROOT, outside_env, process_alive
 from tests.e2e.conftest import wait_for
 
 # Starts a process the way a test's deployment starts its workers (`Service._start`), says its
@@ -23,14 +23,6 @@ worker = service._start([sys.executable, "-c", "import time; time.sleep(600)"], 
 print(worker.pid, flush=True)
 time.sleep(600)
 """
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_deployments_processes_end_when_the_test_process_is_killed(tmp_path: Path) -> None:
@@ -49,12 +41,12 @@ def test_a_deployments_processes_end_when_the_test_process_is_killed(tmp_path: P
     assert test_process.stdout is not None
     worker = int(test_process.stdout.readline())
     try:
-        assert _running(worker)
+        assert process_alive(worker)
         test_process.kill()
         test_process.wait(timeout=30)
-        wait_for(lambda: not _running(worker), 10, "the worker to end with its test process")
+        wait_for(lambda: not process_alive(worker), 10, "the worker to end with its test process")
     finally:
         if test_process.poll() is None:
             test_process.kill()
-        if _running(worker):
+        if process_alive(worker):
             os.kill(worker, signal.SIGKILL)

@@ -17,6 +17,7 @@ import pytest
 
 from delaysvc.runtime import supervisor as up
 from delaysvc.runtime.supervisor import Command, run_processes
+from tests.conftest import process_alive
 from tests.e2e.conftest import wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
@@ -26,14 +27,6 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(up, "RESTART_BACKOFF_SECONDS", (0.1, 0.2))
     monkeypatch.setattr(up, "STEADY_SECONDS", 5.0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
 
 
 class ThenStop:
@@ -84,7 +77,7 @@ def test_a_child_that_dies_is_restarted_and_the_others_run_on(
     assert "first exited with -9; restarting it in 0.1 s" in out.err
     assert "restarting first" in out.out
     assert seen["second"][0] == seen["second"][1]  # the other child ran on, untouched
-    assert not any(_alive(pid) for pid in seen["first"] + seen["second"])  # all stopped
+    assert not any(process_alive(pid) for pid in seen["first"] + seen["second"])  # all stopped
 
 
 def test_a_child_that_cannot_start_stops_everything_with_a_clear_line(
@@ -118,13 +111,13 @@ def test_no_child_outlives_a_supervisor_killed_with_sigkill(tmp_path: Path) -> N
     try:
         wait_for(lambda: pidfile.exists() and pidfile.read_text(), 30, "the child to start")
         child_pid = int(pidfile.read_text())
-        assert _alive(child_pid)
+        assert process_alive(child_pid)
         supervisor.kill()
         supervisor.wait(timeout=10)
-        wait_for(lambda: not _alive(child_pid), 10, "the child to die with its supervisor")
+        wait_for(lambda: not process_alive(child_pid), 10, "the child to die with its supervisor")
     finally:
         supervisor.kill()
-        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
+        if pidfile.exists() and pidfile.read_text() and process_alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
@@ -162,8 +155,8 @@ def test_a_flood_of_sighups_neither_stops_nor_hangs_the_supervisor(tmp_path: Pat
         assert supervisor.poll() is None  # a reload stops nothing
         supervisor.send_signal(signal.SIGTERM)
         assert supervisor.wait(timeout=15) == 0
-        wait_for(lambda: not _alive(child_pid), 10, "the child to stop with it")
+        wait_for(lambda: not process_alive(child_pid), 10, "the child to stop with it")
     finally:
         supervisor.kill()
-        if pidfile.exists() and pidfile.read_text() and _alive(int(pidfile.read_text())):
+        if pidfile.exists() and pidfile.read_text() and process_alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
