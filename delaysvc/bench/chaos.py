@@ -60,6 +60,7 @@ from delaysvc.bench.chaos_workload import client_main
 from delaysvc.db.names import sql
 from delaysvc.maintenance.check import run_check
 from delaysvc.producer.sending import Producer
+from delaysvc.runtime.supervisor import die_with_parent
 from delaysvc.worker.limits import set_limits
 
 __all__ = ["FAULT_KINDS", "ChaosConfig", "Deployment", "Outcome", "evaluate", "run_chaos"]
@@ -319,7 +320,12 @@ def _start_client(
     ]
     log = (folder / f"client-{number}.log").open("wb")
     return subprocess.Popen(
-        command, env=deployment.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        env=deployment.env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent(),  # a killed bench leaves no client sending
     )
 
 

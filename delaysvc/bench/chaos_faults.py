@@ -244,7 +244,7 @@ class BenchDeployment:
 
     def spawn(self, role: str) -> subprocess.Popen[bytes]:
         from delaysvc.config.settings import Settings
-        from delaysvc.runtime.supervisor import beat_command, worker_commands
+        from delaysvc.runtime.supervisor import beat_command, die_with_parent, worker_commands
 
         settings = Settings.from_env(self._env)
         self.started += 1
@@ -261,7 +261,12 @@ class BenchDeployment:
             command[command.index("-n") + 1] = f"{role}{self.started}@%h"
         log = (self.folder / f"{role}-{self.started}.log").open("wb")
         return subprocess.Popen(
-            command, env=self._env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env=self._env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # a killed bench leaves no worker on the broker
         )
 
     def use_levels(self, levels: str) -> None:

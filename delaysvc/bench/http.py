@@ -22,7 +22,12 @@ from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.db.engines import libpq_url
 from delaysvc.db.names import sql
-from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
+from delaysvc.runtime.supervisor import (
+    die_with_parent,
+    free_port,
+    wait_until_answering,
+    web_command,
+)
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -120,7 +125,13 @@ def http_suite(ctx: BenchContext) -> Figures:
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
     command = web_command("127.0.0.1", port, workers)
     command[command.index("--access-logfile") + 1] = "/dev/null"
-    web = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    web = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent(),  # a killed bench leaves no server on its port
+    )
     try:
         if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
             raise RuntimeError("gunicorn did not answer within 60 s")

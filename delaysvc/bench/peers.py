@@ -43,6 +43,7 @@ from delaysvc.bench.suites import Figures, percentiles, reset_tables
 from delaysvc.db.engines import libpq_url
 from delaysvc.db.names import sql
 from delaysvc.producer.sending import Producer
+from delaysvc.runtime.supervisor import die_with_parent
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -568,7 +569,12 @@ def _start(peer: Peer, workers: int) -> list[subprocess.Popen[bytes]]:
         log = (peer.folder / f"{peer.name}-{n}.out").open("wb")
         started.append(
             subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),  # a killed bench leaves no peer running
             )
         )
     return started

@@ -31,6 +31,7 @@ from delaysvc.bench.suites import BODY, Figures, percentiles
 from delaysvc.db.names import sql
 from delaysvc.maintenance import heartbeats
 from delaysvc.producer.sending import Producer
+from delaysvc.runtime.supervisor import die_with_parent
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
@@ -60,7 +61,12 @@ class Deployment:
         log = (self.peer.folder / f"{name}-{self.started}.out").open("wb")
         self.started += 1
         process = subprocess.Popen(
-            command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            command,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent(),  # so started from the main thread: see rolling_suite
         )
         self.running[name] = process
         return process
@@ -122,16 +128,28 @@ def rolling_suite(ctx: BenchContext) -> Figures:
                     replaced[name] = done
                     step(f"rolling: {name} worker replaced ({done})")
 
-            restarter = threading.Thread(target=restarts, name="rolling-restarts", daemon=True)
-            restarter.start()
+            # the flow from a thread, the replacements from this one: a worker dies with the
+            # thread that started it (`die_with_parent`), and this thread outlives them all
             producer = Producer(ctx.settings, ctx.engine)
-            sent = send_at_rate(
-                producer,
-                rate,
-                seconds,
-                lambda n: [{"topic": SOAK_TOPIC, "body": BODY, "delay_level": 1}] * n,
+            flow: list[int] = []
+            sender = threading.Thread(
+                target=lambda: flow.append(
+                    send_at_rate(
+                        producer,
+                        rate,
+                        seconds,
+                        lambda n: [{"topic": SOAK_TOPIC, "body": BODY, "delay_level": 1}] * n,
+                    )
+                ),
+                name="rolling-flow",
+                daemon=True,
             )
-            restarter.join()
+            sender.start()
+            restarts()
+            sender.join()
+            if not flow:
+                raise RuntimeError("the flow's thread failed: its traceback is above")
+            (sent,) = flow
             drained = _wait_until_run(ctx.engine, first_id, sent)
             rows = _window(ctx.engine, first_id)
         finally:
