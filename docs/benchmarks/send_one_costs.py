@@ -1,0 +1,126 @@
+"""What a single send costs the database, statement by statement, against a raw one-row insert.
+
+A single send is one call of the server-side function `send_one` (migration 0017), which runs
+a handful of statements. Each statement pays the executor's setup again: it opens the table's
+indexes and compiles their predicates and the table's CHECK constraints, work a COPY of many
+rows does once. Here each variant runs N times inside one PL/pgSQL loop (one transaction, no
+commit, no client round trip), so what is timed is the database's CPU alone, per statement:
+
+- the raw one-row insert (a two-column table with a primary key), the service's statements
+  one by one, and `send_one` into a level and into the timer lane;
+- `send_one` with the commit log's CHECK constraint on `status` dropped, with its three partial
+  indexes that no new message enters dropped, and with both (in a transaction rolled back:
+  nothing is changed).
+
+Each round measures every variant once, in turn; the figures are each variant's per-call
+times over the rounds (this machine's speed varies from minute to minute).
+
+Run from the repository root:
+    python docs/benchmarks/send_one_costs.py [SERVER_URL] [ROUNDS]
+(default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch import scratch_database
+
+from delaysvc.db.engines import libpq_url
+
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+N = 5000
+RAW_TABLE = "CREATE TABLE raw_insert (id bigserial PRIMARY KEY, topic text, body bytea)"
+
+LEVEL_SEND = (
+    "PERFORM delaysvc.send_one('t', NULL, NULL, '\\x7b7d'::bytea, true, NULL, 1::smallint, "
+    "0::smallint, 1, 1000, NULL, false)"
+)
+TIMER_SEND = (
+    "PERFORM delaysvc.send_one('t', NULL, NULL, '\\x7b7d'::bytea, true, NULL, NULL::smallint, "
+    "0::smallint, 0, 3600000, NULL, false)"
+)
+DROP_CHECK = "ALTER TABLE delaysvc.commit_log DROP CONSTRAINT ck_commit_log_status"
+DROP_LATER_INDEXES = (
+    "DROP INDEX delaysvc.ix_commit_log_running_lease, delaysvc.ix_commit_log_retrying_topic, "
+    "delaysvc.ix_commit_log_finished"
+)
+
+# name -> (statements run first in the transaction, the statement looped)
+VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "raw one-row INSERT": ((), "INSERT INTO raw_insert (topic, body) VALUES ('t', '\\x7b7d')"),
+    "  level's delay checked (schedule_offset)": (
+        (),
+        "PERFORM 1 WHERE EXISTS (SELECT 1 FROM delaysvc.schedule_offset so "
+        "WHERE so.lane = 1 AND so.delay_ms = 1000)",
+    ),
+    "  caps looked for (backlog_cap)": (
+        (),
+        "PERFORM 1 WHERE EXISTS (SELECT 1 FROM delaysvc.backlog_cap bc WHERE "
+        "(bc.scope = 'topic' AND bc.target = 't') OR (bc.scope = 'level' AND bc.target = '1'))",
+    ),
+    "  offset drawn (nextval of the level's sequence)": (
+        (),
+        "PERFORM nextval(format('delaysvc.consume_queue_%s_seq', 1)::regclass)",
+    ),
+    "  commit_log row (INSERT)": (
+        (),
+        "INSERT INTO delaysvc.commit_log (topic, body, body_is_json, delay_level, lane, "
+        "queue_offset, status, deliver_ts) VALUES ('t', '\\x7b7d', true, 1, 1, i, 'scheduled', "
+        "now())",
+    ),
+    "  level's queue row (consume_queue)": (
+        (),
+        "INSERT INTO delaysvc.consume_queue (level, queue_offset, message_id, topic, "
+        "deliver_ts) VALUES (2, i, i, 't', now())",
+    ),
+    "  lane counted (lane_count)": (
+        (),
+        "INSERT INTO delaysvc.lane_count (lane, delta) VALUES (1, 1)",
+    ),
+    "send_one, a level": ((), LEVEL_SEND),
+    "send_one, the timer lane": ((), TIMER_SEND),
+    "send_one, a level, without the status CHECK": ((DROP_CHECK,), LEVEL_SEND),
+    "send_one, a level, without the 3 later indexes": ((DROP_LATER_INDEXES,), LEVEL_SEND),
+    "send_one, a level, without both": ((DROP_CHECK, DROP_LATER_INDEXES), LEVEL_SEND),
+}
+
+
+def per_call_us(conn: psycopg.Connection, setup: tuple[str, ...], statement: str) -> float:
+    """`statement` run N times in one PL/pgSQL loop, in a transaction rolled back after."""
+    with conn.transaction(force_rollback=True):
+        for each in setup:
+            conn.execute(each)
+        started = time.perf_counter()
+        conn.execute(f"DO $$ BEGIN FOR i IN 1..{N} LOOP {statement}; END LOOP; END $$")
+        return (time.perf_counter() - started) / N * 1e6
+
+
+def main() -> None:
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with scratch_database(SERVER, "delaysvc_send_one_costs") as (_, settings):
+        conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
+        with conn:
+            conn.execute(RAW_TABLE)
+            for _, statement in VARIANTS.values():  # warm: plans cached, pages in memory
+                per_call_us(conn, (), statement)
+            for round_ in range(1, ROUNDS + 1):
+                for name, (setup, statement) in VARIANTS.items():
+                    times[name].append(per_call_us(conn, setup, statement))
+                print(f"round {round_} of {ROUNDS} done", file=sys.stderr, flush=True)
+    print(f"{N:,} calls in one PL/pgSQL loop, {ROUNDS} rounds; us a call")
+    print(f"{'statement':52} {'median':>7} {'min':>7} {'max':>7}")
+    for name, values in times.items():
+        ordered = sorted(values)
+        median = ordered[len(ordered) // 2]
+        print(f"{name:52} {median:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
