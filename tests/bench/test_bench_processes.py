@@ -4,16 +4,11 @@ on a shared broker and no server on a port."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, outside_env, process_alive
-from tests.e2e.conftest import wait_for
+from tests.e2e.conftest import children_end_with_their_killed_parent
 
 # Starts three processes the way a bench suite does, says their pids, and waits to be killed.
 STARTS = """
@@ -41,30 +36,10 @@ time.sleep(600)
 
 @pytest.mark.parametrize("starter", ["peers", "rolling"])
 def test_a_killed_benchs_processes_end_with_it(starter: str, tmp_path: Path) -> None:
-    env = outside_env()
-    env["PYTHONPATH"] = str(ROOT)
-    bench = subprocess.Popen(
-        [sys.executable, "-c", STARTS, starter, str(tmp_path)],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
+    children_end_with_their_killed_parent(
+        STARTS,
+        starter,
+        str(tmp_path),
+        children=3,
+        what=f"the {starter} bench's processes to end with it",
     )
-    assert bench.stdout is not None
-    children = [int(pid) for pid in bench.stdout.readline().split()]
-    try:
-        assert len(children) == 3
-        assert all(process_alive(pid) for pid in children)
-        bench.kill()
-        bench.wait(timeout=30)
-        wait_for(
-            lambda: not any(process_alive(pid) for pid in children),
-            10,
-            f"the {starter} bench's processes to end with it",
-        )
-    finally:
-        if bench.poll() is None:
-            bench.kill()
-        for pid in children:
-            if process_alive(pid):
-                os.kill(pid, signal.SIGKILL)

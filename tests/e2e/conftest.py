@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from delaysvc.runtime.supervisor import (
     web_command,
     worker_commands,
 )
-from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env
+from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env, process_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +81,33 @@ def wait_for(
             found = f": {explain()}" if explain else ""
             pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {value!r}){found}")
         time.sleep(every)
+
+
+def children_end_with_their_killed_parent(
+    script: str, *args: str, children: int, what: str
+) -> None:
+    """Run `script` (Python) as a process that starts `children` children, prints their pids
+    on one line and waits; kill it outright (SIGKILL: no teardown runs) and fail unless every
+    child ends too within 10 s. Whatever is left is killed after."""
+    env = outside_env()
+    env["PYTHONPATH"] = str(ROOT)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    started = [int(pid) for pid in parent.stdout.readline().split()]
+    try:
+        assert len(started) == children
+        assert all(process_alive(pid) for pid in started)
+        parent.kill()
+        parent.wait(timeout=30)
+        wait_for(lambda: not any(process_alive(pid) for pid in started), 10, what)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in started:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 class Service:
