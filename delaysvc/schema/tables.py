@@ -29,7 +29,7 @@ from sqlalchemy import (
     Text,
     text,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, TIMESTAMP
+from sqlalchemy.dialects.postgresql import ARRAY, DOMAIN, JSONB, TIMESTAMP
 
 metadata = MetaData()
 Timestamp = TIMESTAMP(timezone=True)
@@ -46,9 +46,16 @@ HOT_TABLE_STORAGE = {
 }
 
 
-def _status_check() -> CheckConstraint:
-    listed = ", ".join(f"'{s}'" for s in STATUSES)
-    return CheckConstraint(f"status IN ({listed})", name="ck_commit_log_status")
+# A message's status: text, whose rule is a domain's rather than a table CHECK, because
+# PostgreSQL compiles a table's CHECKs again for every statement that writes it and keeps a
+# domain's compiled per connection (migration 0018: a seventh of a single send's database work).
+MessageStatus = DOMAIN(
+    "message_status",
+    Text,
+    constraint_name="ck_message_status",
+    check="VALUE IN (" + ", ".join(f"'{s}'" for s in STATUSES) + ")",
+    create_type=False,
+)
 
 
 commit_log = Table(
@@ -65,7 +72,7 @@ commit_log = Table(
     Column("priority", SmallInteger, nullable=False, server_default=text("0")),
     Column("lane", SmallInteger, nullable=False),
     Column("queue_offset", BigInteger),
-    Column("status", Text, nullable=False),
+    Column("status", MessageStatus, nullable=False),
     Column("stored_at", Timestamp, nullable=False, server_default=text("now()")),
     Column("deliver_ts", Timestamp, nullable=False),
     Column("delivered_at", Timestamp),
@@ -77,7 +84,6 @@ commit_log = Table(
     Column("claim_id", BigInteger),
     Column("last_error", Text),
     Column("errors", JSONB),
-    _status_check(),
     Index(
         "uq_commit_log_topic_key",
         "topic",

@@ -14,8 +14,11 @@ from delaysvc.schema.migrate import upgrade
 
 
 @contextmanager
-def scratch_database(server: str, name: str, **settings: Any) -> Iterator[tuple[Engine, Settings]]:
-    """(engine, settings) of a fresh, migrated database `name` on `server`'s PostgreSQL."""
+def scratch_database(
+    server: str, name: str, revision: str = "head", **settings: Any
+) -> Iterator[tuple[Engine, Settings]]:
+    """(engine, settings) of a fresh database `name` on `server`'s PostgreSQL, migrated to
+    `revision`."""
     admin = create_engine(sqlalchemy_url(server), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
@@ -23,7 +26,7 @@ def scratch_database(server: str, name: str, **settings: Any) -> Iterator[tuple[
     url = server.rsplit("/", 1)[0] + "/" + name
     configured = Settings(database_url=url, **settings)
     engine = make_engine(configured, url)
-    upgrade(engine, configured.levels)
+    upgrade(engine, configured.levels, revision)
     try:
         yield engine, configured
     finally:

@@ -13,6 +13,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import Engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
 from delaysvc import store
@@ -306,3 +307,53 @@ def test_0013_an_install_with_finished_history_upgrades_in_place_and_loses_no_me
         back = conn.execute(text("SELECT status, count(*) FROM commit_log GROUP BY 1")).all()
     assert dict(back) == {"succeeded": 8, "cancelled": 1}
     assert "message_history" not in _tables(empty_engine)
+
+
+def test_0018_the_status_rule_moves_to_a_domain_keeping_every_status_and_index(
+    empty_engine: Engine,
+) -> None:
+    """0018 takes the status rule off the commit log (a CHECK) and puts it on a domain: the
+    stored statuses stay, the partial indexes over them stay usable, a status outside the list
+    is refused by name either way, and a downgrade puts the CHECK back."""
+    from delaysvc.producer.sending import Producer
+
+    upgrade(empty_engine, _levels(TEST_LEVELS), revision="0017")
+    producer = Producer(Settings(delay_levels=TEST_LEVELS), empty_engine)
+    ids = [producer.send("t.job", {"n": n}, delay_level=1).id for n in range(3)]
+    with empty_engine.begin() as conn:
+        for status, id_ in [("running", ids[0]), ("retrying", ids[1])]:
+            conn.execute(
+                text("UPDATE commit_log SET status = :s, lease_until = now() WHERE id = :id"),
+                {"s": status, "id": id_},
+            )
+
+    def statuses() -> list[str]:
+        with empty_engine.connect() as conn:
+            return list(conn.execute(text("SELECT status FROM message ORDER BY id")).scalars())
+
+    def refused_by(rule: str) -> None:
+        with pytest.raises(IntegrityError, match=rule), empty_engine.begin() as conn:
+            conn.execute(
+                text("UPDATE commit_log SET status = 'lost' WHERE id = :id"), {"id": ids[2]}
+            )
+
+    refused_by("ck_commit_log_status")
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    assert statuses() == ["running", "retrying", "scheduled"]
+    refused_by("ck_message_status")
+    with empty_engine.begin() as conn:
+        conn.execute(text("SET LOCAL enable_seqscan = off"))
+        for index, where in [
+            ("ix_commit_log_running_lease", "status = 'running' AND lease_until < now()"),
+            ("ix_commit_log_waiting_topic", "status IN ('scheduled', 'retrying') AND topic = 't'"),
+            ("ix_commit_log_retrying_topic", "status = 'retrying' AND topic = 't'"),
+        ]:
+            plan = conn.execute(text(f"EXPLAIN SELECT id FROM commit_log WHERE {where}"))
+            assert index in "\n".join(plan.scalars()), where
+        typed = "SELECT pg_typeof(status)::text FROM {} LIMIT 1"
+        assert conn.execute(text(typed.format("commit_log"))).scalar_one() == "message_status"
+        assert conn.execute(text(typed.format("message"))).scalar_one() == "message_status"
+
+    downgrade(empty_engine, "0017")
+    assert statuses() == ["running", "retrying", "scheduled"]
+    refused_by("ck_commit_log_status")
