@@ -23,7 +23,8 @@ Lock: the commit log is locked (ACCESS EXCLUSIVE) for this revision's transactio
 partial indexes whose predicates name `status` are built again inside it
 (`ix_commit_log_waiting_topic` holds every waiting message; `ix_commit_log_running_lease`, the
 running ones; `ix_commit_log_retrying_topic`, the retrying ones): sends wait for as long as
-those builds take over the backlog. Measured here: see docs/explanation/upgrading.md.
+those builds take over the backlog: 3.5-3.8 s for 1,000,000 waiting messages on a 2-core
+machine (docs/benchmarks/2026-11-28-status-domain; docs/how-to/upgrades.md says so).
 """
 
 from alembic import op
