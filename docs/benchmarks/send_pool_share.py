@@ -1,0 +1,84 @@
+"""What the pool costs a single send: `Producer.send` as it is (a pooled connection checked out
+and returned around its one statement, `db.autocommit_cursor`), the same send's parts on a
+connection held open (its checks, the same statement on the same kind of cursor, the returned
+Message), and the checkout and return alone. Each round measures the three in turn.
+
+Run from the repository root, with the disk's flush taken out if the machine's varies:
+    PGOPTIONS="-c synchronous_commit=off" \
+        python docs/benchmarks/send_pool_share.py [SERVER_URL] [ROUNDS]
+(default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch import scratch_database
+
+from delaysvc import store
+from delaysvc.db import engines as db
+from delaysvc.db.engines import libpq_url
+from delaysvc.producer.message import Message
+from delaysvc.producer.sending import Producer
+
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+N = 3000
+BODY = {"order": 42}
+
+
+def per_call_us(call: Callable[[], object]) -> float:
+    for _ in range(100):
+        call()
+    started = time.perf_counter()
+    for _ in range(N):
+        call()
+    return (time.perf_counter() - started) / N * 1e6
+
+
+def main() -> None:
+    with scratch_database(SERVER, "delaysvc_send_pool_share") as (engine, settings):
+        producer = Producer(settings, engine)
+        held = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
+        cursor = held.cursor()
+
+        def pooled() -> object:
+            return producer.send("t", BODY, delay_level=1)
+
+        def on_held_connection() -> object:
+            new = producer.prepare("t", BODY, delay_level=1)
+            inserted = store.insert_message(cursor, new, caps_held=False)
+            assert inserted is not None
+            row = inserted[0]
+            return Message.sent(new, row.id, row.stored_at, row.deliver_ts)
+
+        def checkout_and_return() -> None:
+            with db.autocommit_cursor(engine):
+                pass
+
+        variants = {
+            "Producer.send (pooled)": pooled,
+            "the same on a held connection": on_held_connection,
+            "the pool's checkout and return alone": checkout_and_return,
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for round_ in range(1, ROUNDS + 1):
+            for name, call in variants.items():
+                times[name].append(per_call_us(call))
+            print(f"round {round_} of {ROUNDS} done", file=sys.stderr, flush=True)
+        held.close()
+    print(f"{N:,} calls a variant a round, {ROUNDS} rounds; us a call")
+    print(f"{'variant':40} {'median':>7} {'min':>7} {'max':>7}")
+    for name, values in times.items():
+        ordered = sorted(values)
+        print(f"{name:40} {ordered[len(ordered) // 2]:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
