@@ -1,0 +1,84 @@
+"""A single send's statement against its parts, each its own autocommitted transaction through
+one psycopg connection (prepared): the round trip (`SELECT 1`), a raw one-row insert, an empty
+PL/pgSQL function taking `send_one`'s twelve parameters and returning its one row, and
+`send_one` into a level. `send_one_costs.py` times the same body looped inside one transaction
+(the server's CPU alone); the difference between the two is what each transaction of its own
+adds (locks, commit, the function's setup).
+
+Run from the repository root, with the disk's flush taken out if the machine's varies:
+    PGOPTIONS="-c synchronous_commit=off" python docs/benchmarks/send_statement_parts.py
+It works in a database of its own on the local server; five alternating rounds.
+"""
+
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch import scratch_database
+
+from delaysvc.db.engines import libpq_url
+from delaysvc.producer.sending import Producer
+from delaysvc.store import producing
+
+N = 3000
+ROUNDS = 5
+EMPTY_ONE = """
+CREATE FUNCTION delaysvc.empty_one(p_topic text, p_key text, p_tags text[], p_body bytea,
+    p_body_is_json boolean, p_properties jsonb, p_delay_level smallint, p_priority smallint,
+    p_lane integer, p_delay_ms bigint, p_deliver_at timestamptz, p_caps_held boolean,
+    OUT sent_id bigint, OUT sent_at timestamptz, OUT due_at timestamptz, OUT sent_lane smallint)
+RETURNS SETOF record LANGUAGE plpgsql AS $$
+BEGIN
+    sent_id := 1; sent_at := now(); due_at := now(); sent_lane := 1;
+    RETURN NEXT;
+END $$"""
+
+
+def per_call_us(call: Callable[[], object]) -> float:
+    for _ in range(100):
+        call()
+    started = time.perf_counter()
+    for _ in range(N):
+        call()
+    return (time.perf_counter() - started) / N * 1e6
+
+
+def main() -> None:
+    server = "postgresql://root@127.0.0.1:5432/postgres"
+    with scratch_database(server, "delaysvc_send_statement_parts") as (engine, settings):
+        new = Producer(settings, engine).prepare("t", {"n": 1}, delay_level=1)
+        params = {**producing._message_params(new), "caps_held": False}
+        send_one = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
+        empty_one = send_one.replace("delaysvc.send_one(", "delaysvc.empty_one(")
+        conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
+        conn.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, topic text, body bytea)")
+        conn.execute(EMPTY_ONE)
+        raw = "INSERT INTO raw (topic, body) VALUES (%s, %s)"
+        variants: dict[str, Callable[[], object]] = {
+            "SELECT 1": lambda: conn.execute("SELECT 1", prepare=True).fetchone(),
+            "raw one-row insert": lambda: conn.execute(raw, ("t", b"{}"), prepare=True),
+            "empty function, send_one's params": lambda: conn.execute(
+                empty_one, params, prepare=True
+            ).fetchone(),
+            "send_one, a level": lambda: conn.execute(send_one, params, prepare=True).fetchone(),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for round_ in range(1, ROUNDS + 1):
+            for name, call in variants.items():
+                times[name].append(per_call_us(call))
+            print(f"round {round_} of {ROUNDS} done", file=sys.stderr, flush=True)
+        conn.close()
+    print(f"{N:,} calls a variant a round, {ROUNDS} rounds; us a call")
+    print(f"{'statement':36} {'median':>7} {'min':>7} {'max':>7}")
+    for name, values in times.items():
+        ordered = sorted(values)
+        print(f"{name:36} {ordered[len(ordered) // 2]:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
