@@ -26,6 +26,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import scratch_database
+from timing import per_call_us
 
 from delaysvc.auth import create_token
 from delaysvc.db.engines import libpq_url
@@ -37,12 +38,8 @@ N = 3000
 
 
 def cpu_us(call: Callable[[], Any]) -> float:
-    for _ in range(300):
-        call()
-    started = time.process_time()
-    for _ in range(N):
-        call()
-    return (time.process_time() - started) / N * 1e6
+    """This process's CPU a call, in microseconds."""
+    return per_call_us(call, N, warm=300, clock=time.process_time)
 
 
 def main() -> None:

@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import scratch_database
+from timing import alternate, print_spread
 
 from delaysvc.db.engines import libpq_url
 
@@ -98,7 +100,7 @@ VARIANTS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def per_call_us(conn: psycopg.Connection, setup: tuple[str, ...], statement: str) -> float:
+def looped_us(conn: psycopg.Connection, setup: tuple[str, ...], statement: str) -> float:
     """`statement` run N times in one PL/pgSQL loop, in a transaction rolled back after."""
     with conn.transaction(force_rollback=True):
         for each in setup:
@@ -109,23 +111,18 @@ def per_call_us(conn: psycopg.Connection, setup: tuple[str, ...], statement: str
 
 
 def main() -> None:
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     with scratch_database(SERVER, "delaysvc_send_one_costs") as (_, settings):
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
         with conn:
             conn.execute(RAW_TABLE)
             for _, statement in VARIANTS.values():  # warm: plans cached, pages in memory
-                per_call_us(conn, (), statement)
-            for round_ in range(1, ROUNDS + 1):
-                for name, (setup, statement) in VARIANTS.items():
-                    times[name].append(per_call_us(conn, setup, statement))
-                print(f"round {round_} of {ROUNDS} done", file=sys.stderr, flush=True)
+                looped_us(conn, (), statement)
+            times = alternate(
+                {name: partial(looped_us, conn, *variant) for name, variant in VARIANTS.items()},
+                ROUNDS,
+            )
     print(f"{N:,} calls in one PL/pgSQL loop, {ROUNDS} rounds; us a call")
-    print(f"{'statement':52} {'median':>7} {'min':>7} {'max':>7}")
-    for name, values in times.items():
-        ordered = sorted(values)
-        median = ordered[len(ordered) // 2]
-        print(f"{name:52} {median:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
+    print_spread(times, "statement")
 
 
 if __name__ == "__main__":

@@ -12,14 +12,15 @@ Run from the repository root, with the disk's flush taken out if the machine's v
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import scratch_database
+from timing import alternate, per_call_us, print_spread
 
 from delaysvc import store
 from delaysvc.db import engines as db
@@ -31,15 +32,6 @@ SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 N = 3000
 BODY = {"order": 42}
-
-
-def per_call_us(call: Callable[[], object]) -> float:
-    for _ in range(100):
-        call()
-    started = time.perf_counter()
-    for _ in range(N):
-        call()
-    return (time.perf_counter() - started) / N * 1e6
 
 
 def main() -> None:
@@ -62,22 +54,17 @@ def main() -> None:
             with db.autocommit_cursor(engine):
                 pass
 
-        variants = {
+        variants: dict[str, Callable[[], object]] = {
             "Producer.send (pooled)": pooled,
             "the same on a held connection": on_held_connection,
             "the pool's checkout and return alone": checkout_and_return,
         }
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for round_ in range(1, ROUNDS + 1):
-            for name, call in variants.items():
-                times[name].append(per_call_us(call))
-            print(f"round {round_} of {ROUNDS} done", file=sys.stderr, flush=True)
+        times = alternate(
+            {name: partial(per_call_us, call, N) for name, call in variants.items()}, ROUNDS
+        )
         held.close()
     print(f"{N:,} calls a variant a round, {ROUNDS} rounds; us a call")
-    print(f"{'variant':40} {'median':>7} {'min':>7} {'max':>7}")
-    for name, values in times.items():
-        ordered = sorted(values)
-        print(f"{name:40} {ordered[len(ordered) // 2]:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
+    print_spread(times, "variant")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from sqlalchemy import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from scratch import scratch_database
+from timing import per_call_us
 
 from delaysvc.bench.raw import BODY, _fresh
 from delaysvc.config.settings import Settings
@@ -29,15 +29,6 @@ from delaysvc.store import producing
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 DATABASE = "delaysvc_send_profile"
 N = 4000
-
-
-def per_call_us(call, n: int = N) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(100):
-        call()
-    started = time.perf_counter()
-    for _ in range(n):
-        call()
-    return (time.perf_counter() - started) / n * 1e6
 
 
 def main() -> None:
@@ -57,10 +48,11 @@ def profile(engine: Engine, settings: Settings) -> None:
         raw = per_call_us(
             lambda: conn.execute(
                 "INSERT INTO bench_raw_insert (topic, body) VALUES (%s, %s)", ("t", BODY)
-            )
+            ),
+            N,
         )
-        ours = per_call_us(lambda: conn.execute(statement, params, prepare=True).fetchone())
-    send = per_call_us(lambda: producer.send("profile.t", BODY, delay="1h"))
+        ours = per_call_us(lambda: conn.execute(statement, params, prepare=True).fetchone(), N)
+    send = per_call_us(lambda: producer.send("profile.t", BODY, delay="1h"), N)
     print(f"raw one-row INSERT, autocommit:          {raw:6.0f} us")
     print(f"the service's insert statement, psycopg: {ours:6.0f} us ({raw / ours:.0%} of raw)")
     print(f"Producer.send:                           {send:6.0f} us ({raw / send:.0%} of raw)")

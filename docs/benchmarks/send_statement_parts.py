@@ -6,27 +6,30 @@ PL/pgSQL function taking `send_one`'s twelve parameters and returning its one ro
 adds (locks, commit, the function's setup).
 
 Run from the repository root, with the disk's flush taken out if the machine's varies:
-    PGOPTIONS="-c synchronous_commit=off" python docs/benchmarks/send_statement_parts.py
-It works in a database of its own on the local server; five alternating rounds.
+    PGOPTIONS="-c synchronous_commit=off" \
+        python docs/benchmarks/send_statement_parts.py [SERVER_URL] [ROUNDS]
+(default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
 """
 
 import re
 import sys
-import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import scratch_database
+from timing import alternate, per_call_us, print_spread
 
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
 from delaysvc.store import producing
 
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
 N = 3000
-ROUNDS = 5
 EMPTY_ONE = """
 CREATE FUNCTION delaysvc.empty_one(p_topic text, p_key text, p_tags text[], p_body bytea,
     p_body_is_json boolean, p_properties jsonb, p_delay_level smallint, p_priority smallint,
@@ -39,18 +42,8 @@ BEGIN
 END $$"""
 
 
-def per_call_us(call: Callable[[], object]) -> float:
-    for _ in range(100):
-        call()
-    started = time.perf_counter()
-    for _ in range(N):
-        call()
-    return (time.perf_counter() - started) / N * 1e6
-
-
 def main() -> None:
-    server = "postgresql://root@127.0.0.1:5432/postgres"
-    with scratch_database(server, "delaysvc_send_statement_parts") as (engine, settings):
+    with scratch_database(SERVER, "delaysvc_send_statement_parts") as (engine, settings):
         new = Producer(settings, engine).prepare("t", {"n": 1}, delay_level=1)
         params = {**producing._message_params(new), "caps_held": False}
         send_one = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
@@ -67,17 +60,12 @@ def main() -> None:
             ).fetchone(),
             "send_one, a level": lambda: conn.execute(send_one, params, prepare=True).fetchone(),
         }
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for round_ in range(1, ROUNDS + 1):
-            for name, call in variants.items():
-                times[name].append(per_call_us(call))
-            print(f"round {round_} of {ROUNDS} done", file=sys.stderr, flush=True)
+        times = alternate(
+            {name: partial(per_call_us, call, N) for name, call in variants.items()}, ROUNDS
+        )
         conn.close()
     print(f"{N:,} calls a variant a round, {ROUNDS} rounds; us a call")
-    print(f"{'statement':36} {'median':>7} {'min':>7} {'max':>7}")
-    for name, values in times.items():
-        ordered = sorted(values)
-        print(f"{name:36} {ordered[len(ordered) // 2]:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
+    print_spread(times, "statement")
 
 
 if __name__ == "__main__":

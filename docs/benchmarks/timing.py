@@ -1,0 +1,45 @@
+"""Timing for the measuring scripts in this folder: a call's time, variants measured in turn
+round after round (this machine's speed varies from minute to minute), and each variant's
+median and spread."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+
+def per_call_us(
+    call: Callable[[], object],
+    n: int,
+    warm: int = 100,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """`call`'s time in microseconds, over `n` calls after `warm` untimed ones (`clock`:
+    `time.process_time` for this process's CPU alone)."""
+    for _ in range(warm):
+        call()
+    started = clock()
+    for _ in range(n):
+        call()
+    return (clock() - started) / n * 1e6
+
+
+def alternate(measures: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each measure once a round, in turn, for `rounds` rounds: its results in round order."""
+    results: dict[str, list[float]] = {name: [] for name in measures}
+    for round_ in range(1, rounds + 1):
+        for name, measure in measures.items():
+            results[name].append(measure())
+        print(f"round {round_} of {rounds} done", file=sys.stderr, flush=True)
+    return results
+
+
+def print_spread(results: Mapping[str, list[float]], what: str) -> None:
+    """A table of each measure's median, min and max, its first column headed `what`."""
+    width = max(len(what), *(len(name) for name in results))
+    print(f"{what:{width}} {'median':>7} {'min':>7} {'max':>7}")
+    for name, values in results.items():
+        ordered = sorted(values)
+        median = ordered[len(ordered) // 2]
+        print(f"{name:{width}} {median:7.1f} {ordered[0]:7.1f} {ordered[-1]:7.1f}")
