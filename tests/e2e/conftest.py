@@ -28,6 +28,7 @@ from delaysvc.runtime.supervisor import (
     worker_commands,
 )
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env, process_alive
+from tests.support.machine import holding
 
 pytestmark = pytest.mark.e2e
 
@@ -42,6 +43,14 @@ def rabbitmq_up() -> bool:
             return True
     except OSError:
         return False
+
+
+@pytest.fixture
+def rabbitmq() -> Iterator[str]:
+    """The machine's RabbitMQ, this test's alone while it runs: a fault test stops it, and CI's
+    other pass, running at the same time, uses it too (tests/support/machine.py)."""
+    with holding("rabbitmq"):
+        yield RABBITMQ
 
 
 def rabbitmq_wanted() -> bool:

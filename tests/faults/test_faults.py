@@ -29,7 +29,6 @@ from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer.sending import Producer
 from delaysvc.runtime.supervisor import die_with_parent, free_port, wait_until_answering
 from tests.e2e.conftest import (
-    RABBITMQ,
     Service,
     rabbitmq_wanted,
     restart_postgres,
@@ -255,10 +254,11 @@ def test_a_broker_restart_loses_nothing_stored(service: Service, producer: Produ
 @NEEDS_RABBITMQ
 @rabbitmq_first_pass("~8 s")
 def test_a_rabbitmq_broker_restart_loses_nothing_stored(
+    rabbitmq: str,  # first: held while the service starts and stops
     service_factory,  # type: ignore[no-untyped-def]
     producer: Producer,
 ) -> None:
-    service = service_factory(broker_url=RABBITMQ)
+    service = service_factory(broker_url=rabbitmq)
     service.start()
     first = _send_over(producer, "e2e.record", 100, 1.0)
     _rabbitmq("stop_app")
@@ -279,6 +279,7 @@ def test_a_rabbitmq_broker_restart_loses_nothing_stored(
 @NEEDS_RABBITMQ
 @rabbitmq_first_pass("~20 s")
 def test_delivery_resumes_after_a_rabbitmq_restart_without_beat(
+    rabbitmq: str,  # first: held while the service starts and stops
     service_factory,  # type: ignore[no-untyped-def]
     producer: Producer,
 ) -> None:
@@ -287,7 +288,7 @@ def test_delivery_resumes_after_a_rabbitmq_restart_without_beat(
     reconnected it starts its lanes and wakes the ready topics itself. Without beat, messages
     stored before, during and after the outage all run (before `LanesOnConnect`, nothing moved
     after the restart)."""
-    service = service_factory(broker_url=RABBITMQ)
+    service = service_factory(broker_url=rabbitmq)
     _broker_away_without_beat(
         service, producer, lambda: _rabbitmq("stop_app"), lambda: _rabbitmq("start_app")
     )
@@ -331,6 +332,7 @@ RESTARTS = 3
 @NEEDS_RABBITMQ
 @rabbitmq_first_pass("~30 s")
 def test_the_workers_take_tasks_again_after_each_of_several_rabbitmq_restarts(
+    rabbitmq: str,  # first: held while the service starts and stops
     service_factory,  # type: ignore[no-untyped-def]
     producer: Producer,
 ) -> None:
@@ -340,7 +342,7 @@ def test_the_workers_take_tasks_again_after_each_of_several_rabbitmq_restarts(
     2 in 6 restarts: Celery raised its lowered prefetch from its pool's threads, whose
     `basic.qos` waited on the consumer's connection beside the main thread (py-amqp is not
     thread-safe); its queue grew with 10 tasks unacknowledged, and it stayed so."""
-    service = service_factory(broker_url=RABBITMQ)
+    service = service_factory(broker_url=rabbitmq)
     service.start()
     sent: list[int] = []
     for restart in range(RESTARTS):
