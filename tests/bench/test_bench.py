@@ -29,20 +29,17 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
 from tests.support.machine import holding
+from tests.support.passes import first_pass_only, second_pass_only
 
 
-def second_pass_only(seconds: int) -> pytest.MarkDecorator:
+def in_schema_jobs(seconds: int) -> pytest.MarkDecorator:
     """A bench suite at toy size runs the same on either server, but for the schema's name,
     which CI's second pass sets to another (`jobs`): there a statement that names the schema
     itself instead of going through delaysvc.db.names fails."""
-    return pytest.mark.skipif(
-        not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
-        reason=f"~{seconds} s, the same on either server but for the schema's name: "
-        "runs in CI's second pass (schema jobs) only",
-    )
+    return second_pass_only(f"~{seconds} s, the same on either server but for the schema's name")
 
 
-@second_pass_only(16)
+@in_schema_jobs(16)
 def test_every_suite_runs_and_writes_results_table_and_plots(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -178,10 +175,8 @@ def test_the_cli_lists_every_registered_size_as_a_flag_and_refuses_unknown_suite
     assert "unknown suite(s) ['sned']" in refused.output
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="~30 s; strict (every peer must run) where Redis, RabbitMQ and PostgreSQL 15 are up: "
-    "runs in CI's second pass (Redis broker) only",
+@second_pass_only(
+    "~30 s; strict (every peer must run) where Redis, RabbitMQ and PostgreSQL 15 are up"
 )
 def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path: Path) -> None:
     """Toy size. Where CI's second pass runs (Redis broker, so Redis, RabbitMQ and PostgreSQL
@@ -246,7 +241,7 @@ def test_a_peer_whose_service_is_not_there_is_reported_unavailable(
     )
 
 
-@second_pass_only(11)
+@in_schema_jobs(11)
 def test_scale_measures_send_and_moves_empty_and_with_a_backlog(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -281,7 +276,7 @@ def _soak(settings: Settings, tmp_path: Path, messages: int) -> Path:
     )
 
 
-@second_pass_only(13)
+@in_schema_jobs(13)
 def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
     settings: Settings, tmp_path: Path
 ) -> None:
@@ -350,7 +345,7 @@ def test_the_soak_sampler_sees_a_transaction_held_open(engine: Engine) -> None:
     json.dumps(list(seen.values()), default=str)  # goes into results.json as it is
 
 
-@second_pass_only(7)
+@in_schema_jobs(7)
 def test_a_soak_that_does_not_drain_keeps_the_workers_logs(
     settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -383,10 +378,7 @@ def test_a_suite_that_raises_is_reported_failed_and_the_others_still_run(
     }
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="starts three worker hosts three times (~1 min): runs in CI's first pass only",
-)
+@first_pass_only("starts three worker hosts three times (~1 min), the same on either server")
 def test_hosts_runs_every_job_once_with_one_two_and_three_hosts(
     settings: Settings, tmp_path: Path
 ) -> None:

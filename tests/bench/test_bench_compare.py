@@ -14,12 +14,10 @@ from click.testing import CliRunner
 from delaysvc.bench.compare import checkout, install_ref, table
 from delaysvc.cli import cli
 from delaysvc.errors import ValidationError
+from tests.support.passes import first_pass_only
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="builds a wheel, no database: runs in CI's first pass (embedded PostgreSQL) only",
-)
+@first_pass_only("builds a wheel, no database")
 def test_ref_is_installed_alone_into_a_virtualenv_that_imports_its_code(tmp_path: Path) -> None:
     tree = checkout()
     commit, python = install_ref(tree, "HEAD", tmp_path)

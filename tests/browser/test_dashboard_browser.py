@@ -28,6 +28,7 @@ from delaysvc.producer.sending import Producer
 from delaysvc.store import dashboard as dash
 from delaysvc.web import create_app
 from delaysvc.worker.consumer import Consumer, handler
+from tests.support.passes import first_pass_only
 
 SCREENSHOTS = Path(
     os.environ.get("DELAYSVC_TEST_SCREENSHOTS")
@@ -44,10 +45,9 @@ ADMIN = ("ada", "admin-password-1")
 REFRESH_MS = 400
 
 expect.set_options(timeout=10_000)
-pytestmark = pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~18 s, the pages' scripts in Chromium, the same on either server (their queries "
-    "run on both in tests/integration/dashboard): runs in CI's first pass only",
+pytestmark = first_pass_only(
+    "~18 s, the pages' scripts in Chromium, the same on either server (their queries run on "
+    "both in tests/integration/dashboard)"
 )
 
 

@@ -3,7 +3,6 @@ redrive, a worker killed mid-job, several consumers on one topic, Celery-task to
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.producer.sending import Producer
 from tests.e2e.conftest import Service, wait_for
+from tests.support.passes import first_pass_only, second_pass_only
 
 pytestmark = pytest.mark.e2e
 
@@ -31,10 +31,9 @@ def _message(service: Service, message_id: int):  # type: ignore[no-untyped-def]
     return service.rows("SELECT * FROM message WHERE id = :id", id=message_id)[0]
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="~17 s of retry delays; the retry levels are the database's, the same on either "
-    "server and broker: runs in CI's second pass (Redis broker) only",
+@second_pass_only(
+    "~17 s of retry delays; the retry levels are the database's, the same on either server "
+    "and broker"
 )
 def test_a_handler_failing_twice_then_succeeding_ends_succeeded_with_two_errors(
     service: Service, producer: Producer
@@ -62,11 +61,9 @@ def test_a_handler_failing_twice_then_succeeding_ends_succeeded_with_two_errors(
     assert (starts[2] - starts[1]).total_seconds() >= 5.0
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~26 s of retry delays; dead letters and redrive are the database's, the same on "
-    "either server and broker: runs in CI's first pass (embedded PostgreSQL, filesystem "
-    "broker) only",
+@first_pass_only(
+    "~26 s of retry delays; dead letters and redrive are the database's, the same on either "
+    "server and broker"
 )
 def test_a_handler_that_always_fails_goes_dead_and_redrive_runs_it_again(
     service: Service, producer: Producer
@@ -108,10 +105,7 @@ def test_kill_9_of_a_worker_mid_job_runs_the_job_again_after_its_lease(
     assert row.last_error == "lease expired: the worker running attempt 1 was lost"  # but told
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="kills real workers, ~16 s: runs in CI's second pass (Redis broker) only",
-)
+@second_pass_only("kills real workers, ~16 s; the handler's transaction, the same on either broker")
 def test_a_transactional_handler_killed_mid_transaction_leaves_each_jobs_row_exactly_once(
     service_factory,
     producer: Producer,  # type: ignore[no-untyped-def]

@@ -4,7 +4,6 @@ killed in the middle of a drain (RocketMQ's ScheduleMessageService scenarios, po
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from delaysvc import store
 from delaysvc.producer.sending import Producer
 from tests.e2e.conftest import Service, restart_postgres, send_many, tolerant, wait_for
+from tests.support.passes import second_pass_only
 
 pytestmark = pytest.mark.e2e
 
@@ -135,11 +135,7 @@ def test_kill_9_of_the_worker_during_a_100k_drain_loses_and_duplicates_nothing(
     assert (offset[0].schedule_offset, offset[0].moved_total) == (total, total)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="~10 s; a cancel is the database's, the same on either server and broker: runs in "
-    "CI's second pass (Redis broker) only",
-)
+@second_pass_only("~10 s; a cancel is the database's, the same on either server and broker")
 def test_cancelled_messages_are_never_delivered(service: Service, producer: Producer) -> None:
     keep = producer.send("e2e.record", {"n": 1}, delay_level=1)
     drop = producer.send("e2e.record", {"n": 2}, delay_level=1)

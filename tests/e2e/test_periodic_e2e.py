@@ -7,7 +7,6 @@ schedules."""
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 from datetime import datetime, timedelta
 
@@ -16,6 +15,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc.maintenance.periodic import Schedules, schedule
 from tests.e2e.conftest import wait_for
+from tests.support.passes import first_pass_only, second_pass_only
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +29,9 @@ def _ticks(service, name: str) -> list[tuple[datetime, int]]:  # type: ignore[no
     return [(datetime.fromisoformat(row.tick), row.id) for row in rows]
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~17 s; a tick is fired once by the database's lock, the same on either server "
-    "and broker: runs in CI's first pass only (the second runs the longer periodic test)",
+@first_pass_only(
+    "~17 s; a tick is fired once by the database's lock, the same on either server and "
+    "broker (the second pass runs the longer periodic test)"
 )
 def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
     service_factory,
@@ -73,10 +72,7 @@ def test_two_beats_and_two_delivery_workers_fire_every_tick_once(
     assert not_once == 0  # each tick's message ran once
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
-    reason="about 70 s (it waits for a real minute's round): CI's second pass runs it",
-)
+@second_pass_only("about 70 s (it waits for a real minute's round), the same on either server")
 def test_delivery_workers_of_two_handler_modules_keep_each_others_schedules(
     service_factory,  # type: ignore[no-untyped-def]
     engine: Engine,

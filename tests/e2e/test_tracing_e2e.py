@@ -7,7 +7,6 @@ attempt, with the attempt and its outcome."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -18,6 +17,7 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.e2e.conftest import Service, wait_for
+from tests.support.passes import second_pass_only
 
 pytestmark = pytest.mark.e2e
 
@@ -32,10 +32,7 @@ def _ids(context: dict[str, str]) -> tuple[str, str]:
     return context["trace_id"], context["span_id"]
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="real processes, ~7 s: runs in CI's second pass (Redis broker) only",
-)
+@second_pass_only("real processes, ~7 s; the trace's links, the same on either server")
 def test_each_run_in_the_worker_links_to_the_send_in_the_producer_one_span_per_attempt(
     service: Service, tmp_path: Path
 ) -> None:

@@ -29,18 +29,15 @@ from delaysvc.db.engines import make_engine, start_embedded
 from delaysvc.runtime.supervisor import die_with_parent, free_port, wait_until_answering
 from tests.conftest import ROOT, outside_env
 from tests.e2e.conftest import Service, assert_check_clean, wait_for
+from tests.support.passes import first_pass_only, second_pass_only
 
 pytestmark = pytest.mark.e2e
-FIRST_PASS_ONLY = pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="`delaysvc up` runs its own embedded PostgreSQL and broker in either pass, so this "
-    "long run (~30 s) is the same in both: CI's first pass runs it",
+FIRST_PASS_ONLY = first_pass_only(
+    "~30 s; `delaysvc up` runs its own embedded PostgreSQL and broker in either pass"
 )
-SECOND_PASS_ONLY = pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
-    reason="~22 s; `delaysvc up` runs its own embedded PostgreSQL and broker in either pass, "
-    "with the tests' schema name, so this one runs in CI's second pass (schema jobs) only, "
-    "the other long ones in the first (schema delaysvc)",
+SECOND_PASS_ONLY = second_pass_only(
+    "~22 s; `delaysvc up` runs its own embedded PostgreSQL and broker in either pass, with "
+    "the tests' schema name: this one in schema jobs, the other long ones in schema delaysvc"
 )
 
 
@@ -506,11 +503,7 @@ def test_worker_says_ready_once_its_lanes_and_consumers_run(service: Service) ->
     assert code == 0, output.tail()
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~11 s, which modules an import finds, the same on either server and broker: runs "
-    "in CI's first pass only",
-)
+@first_pass_only("~11 s, which modules an import finds, the same on either server and broker")
 def test_an_applications_own_tasks_web_and_migrations_never_shadow_delaysvcs(
     service: Service, tmp_path: Path
 ) -> None:

@@ -35,6 +35,7 @@ from tests.e2e.conftest import (
     tolerant,
     wait_for,
 )
+from tests.support.passes import first_pass_only, second_pass_only
 
 pytestmark = pytest.mark.e2e
 
@@ -66,12 +67,9 @@ NEEDS_RABBITMQ = pytest.mark.skipif(
 
 
 def rabbitmq_first_pass(takes: str) -> pytest.MarkDecorator:
-    """A RabbitMQ fault test runs in CI's first pass only: its broker is its own in either pass,
-    and what it stores is the same on either server."""
-    return pytest.mark.skipif(
-        bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-        reason=f"{takes}; its own RabbitMQ broker in either pass: runs in CI's first pass only",
-    )
+    """A RabbitMQ fault test: its broker is its own in either pass, and what it stores is the
+    same on either server."""
+    return first_pass_only(f"{takes}; its own RabbitMQ broker in either pass")
 
 
 def _rabbitmq(action: str) -> None:
@@ -140,11 +138,9 @@ def test_a_handler_that_exits_its_process_is_run_again_after_the_lease(
     assert _runs_per_message(service, "done") == {sent.id: 1}
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="~22 s; the lease is renewed by the worker process, the same on either server: a long"
-    " task is tried on Redis (visibility timeout): runs in CI's second pass (Redis "
-    "broker) only",
+@second_pass_only(
+    "~22 s; the lease is renewed by the worker process, the same on either server: a long "
+    "task is tried on Redis (visibility timeout)"
 )
 def test_a_handler_running_four_leases_in_a_live_process_is_run_once(
     service_factory,
@@ -167,10 +163,7 @@ def test_a_handler_running_four_leases_in_a_live_process_is_run_once(
     assert (row[0].attempts, row[0].last_error) == (1, None)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="45 s long: runs in CI's Redis pass only",
-)
+@second_pass_only("45 s long; the consumers' leases, the same on either server and broker")
 def test_kill_9_of_the_consumers_mid_batch_reruns_every_held_job_within_45_s(
     service_factory,
     producer: Producer,  # type: ignore[no-untyped-def]
@@ -204,10 +197,8 @@ def test_kill_9_of_the_consumers_mid_batch_reruns_every_held_job_within_45_s(
     assert late <= 45, f"a held job ran again {late:.0f} s after the kill"
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~14 s; the prefork pool's max memory per child, the same on either server and "
-    "broker: runs in CI's first pass (embedded PostgreSQL, filesystem broker) only",
+@first_pass_only(
+    "~14 s; the prefork pool's max memory per child, the same on either server and broker"
 )
 def test_a_leaking_handler_gets_its_worker_process_replaced(
     service_factory,
@@ -421,9 +412,8 @@ class OwnRedis:
     REDIS_SERVER is None and not os.environ.get("DELAYSVC_TEST_BROKER_URL"),
     reason="needs redis-server (CI's second pass has it, and there the test cannot be skipped)",
 )
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
-    reason="~20 s: runs in CI's second pass (Redis) only; the RabbitMQ restart runs in the first",
+@second_pass_only(
+    "~20 s; a Redis broker of its own in either pass (the RabbitMQ restarts run in the first)"
 )
 def test_a_redis_broker_that_forgets_every_queued_task_loses_no_message(
     service_factory,  # type: ignore[no-untyped-def]
@@ -550,10 +540,7 @@ def _unremovable_dead_rows(engine: Engine) -> int:
         )
 
 
-@pytest.mark.skipif(
-    os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="two minutes long: runs in CI's first pass (embedded PostgreSQL) only",
-)
+@first_pass_only("two minutes long; vacuum held back, the same on either server and broker")
 def test_a_long_transaction_holding_back_vacuum_for_minutes_degrades_gracefully_and_recovers(
     service: Service, producer: Producer
 ) -> None:
@@ -690,10 +677,9 @@ def _post(url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
         return exc.code, None
 
 
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="~27 s; gunicorn killed under keyed HTTP sends, the same on either server and broker "
-    "(the key decides): runs in CI's second pass (Redis broker) only",
+@second_pass_only(
+    "~27 s; gunicorn killed under keyed HTTP sends, the same on either server and broker "
+    "(the key decides)"
 )
 def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
     service: Service, engine: Engine
@@ -764,11 +750,7 @@ def _faketime_env(clock_file: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~12 s; beat's and the workers' clocks, the same on either server and broker: runs in"
-    " CI's first pass (embedded PostgreSQL, filesystem broker) only",
-)
+@first_pass_only("~12 s; beat's and the workers' clocks, the same on either server and broker")
 def test_a_clock_moved_backwards_on_the_workers_and_beat_changes_nothing(
     service: Service, producer: Producer, tmp_path: Path
 ) -> None:

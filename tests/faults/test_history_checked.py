@@ -26,6 +26,7 @@ from delaysvc.bench.chaos_faults import migrate
 from delaysvc.config.settings import Settings
 from tests.conftest import ROOT
 from tests.e2e.conftest import Service, restart_postgres
+from tests.support.passes import first_pass_only
 
 pytestmark = pytest.mark.e2e
 
@@ -67,10 +68,7 @@ class ServiceDeployment:
         return dict(self.service.env)
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="about 3 minutes: runs in CI's first pass (embedded PostgreSQL) only",
-)
+@first_pass_only("about 3 minutes; a seeded history, the same on either server and broker")
 def test_a_seeded_history_of_sends_cancels_and_faults_keeps_every_property(
     service_factory: Callable[..., Service], engine: Engine, tmp_path: Path
 ) -> None:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import schemathesis
 from flask import Flask
@@ -12,6 +10,7 @@ from hypothesis import HealthCheck, settings
 from sqlalchemy import Engine
 
 from delaysvc import auth
+from tests.support.passes import second_pass_only
 
 
 @pytest.fixture
@@ -46,10 +45,9 @@ schema = schemathesis.pytest.from_fixture("api_schema")
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
-    reason="~14 s, the API's answers to generated input, the same on either server but for the "
-    "schema's name: runs in CI's second pass (schema jobs) only",
+@second_pass_only(
+    "~14 s, the API's answers to generated input, the same on either server but for the "
+    "schema's name"
 )
 def test_no_input_gets_a_5xx_or_an_undocumented_response(case, admin):  # type: ignore[no-untyped-def]
     # Every check but "schema-valid input is accepted": the API has rules no JSON Schema

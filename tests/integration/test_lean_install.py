@@ -5,17 +5,16 @@ says in one line which extra to install. A real `pip install` from the package i
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import venv
 from pathlib import Path
 
 import click
-import pytest
 from sqlalchemy import Engine, text
 
 from tests.conftest import ROOT, outside_env
+from tests.support.passes import second_pass_only
 
 HEAVY = {
     "celery",
@@ -29,10 +28,7 @@ HEAVY = {
     "pandas",
 }
 
-pytestmark = pytest.mark.skipif(
-    not os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="installs from the package index (~1 min): runs in CI's Redis pass only",
-)
+pytestmark = second_pass_only("installs from the package index (~1 min), no broker")
 
 
 def test_the_library_alone_installs_lean_and_sends(

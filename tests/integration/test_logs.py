@@ -20,6 +20,7 @@ import pytest
 
 from delaysvc.runtime.supervisor import die_with_parent
 from tests.conftest import ROOT, TEST_LEVELS, outside_env
+from tests.support.passes import first_pass_only
 
 Record = dict[str, Any]
 
@@ -164,10 +165,9 @@ def running(argv: list[str], env: dict[str, str], cwd: Path) -> Iterator[Process
 CELERY = [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "--quiet"]
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~7 s; Celery's records as JSON, on the filesystem broker in either pass, the "
-    "same on either server: runs in CI's first pass only",
+@first_pass_only(
+    "~7 s; Celery's records as JSON, on the filesystem broker in either pass, the same on "
+    "either server"
 )
 @pytest.mark.timeout(180)
 def test_celery_worker_and_beat_log_their_own_records_as_json(

@@ -16,6 +16,7 @@ import pytest
 
 from delaysvc.pipeline.requirements import missing_jdbc_driver
 from tests.conftest import ROOT, outside_env
+from tests.support.passes import first_pass_only
 
 NO_DATABASE = "postgresql://nobody@127.0.0.1:1/nothing"
 HIDE_PYSPARK = "import sys; sys.modules['pyspark'] = None; from delaysvc.cli import main; main()"
@@ -102,11 +103,7 @@ def test_bench_http_without_wrk_names_the_package(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~4 s; runs a browser test, and those run in CI's first pass only "
-    "(tests/browser): so does this",
-)
+@first_pass_only("~4 s; runs a browser test, and those run in the first pass (tests/browser)")
 def test_browser_tests_without_chromium_fail_with_one_line(tmp_path: Path) -> None:
     """CI installs Chromium, so a browser test without it fails (not skips), saying how."""
     chromium = tmp_path / "chromium"

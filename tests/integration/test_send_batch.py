@@ -3,7 +3,6 @@ exactly what is stored, keys dedup inside a batch and against stored rows, caps 
 caller's transaction decides."""
 
 import gc
-import os
 import threading
 import time
 import tracemalloc
@@ -20,6 +19,7 @@ from delaysvc.config.validation import encode_body
 from delaysvc.db.engines import libpq_url
 from delaysvc.errors import BacklogFull, NotFound, ValidationError
 from delaysvc.producer.sending import Message, Producer
+from tests.support.passes import first_pass_only
 
 COMPARED = (
     "id",
@@ -417,10 +417,7 @@ def test_no_garbage_collection_runs_while_a_batch_is_checked_and_written(
         gc.callbacks.remove(seen)
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~15 s, the same on either server: runs in CI's first pass (embedded PostgreSQL) only",
-)
+@first_pass_only("~15 s, a batch's memory, the same on either server")
 def test_a_batch_of_100000_is_streamed_not_held(producer: Producer, engine: Engine) -> None:
     """The bodies are encoded as their rows are sent: what the call holds at its peak is well
     under one copy of the encoded batch (a copy held whole, as a list of encoded messages or

@@ -6,7 +6,6 @@ whichever plan PostgreSQL picks for the prepared statement."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from delaysvc.bench.scale import fill_lane
 from delaysvc.db.names import qualify
 from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
 from delaysvc.store import delivery as store_delivery
+from tests.support.passes import first_pass_only
 
 BATCH = 100
 
@@ -185,10 +185,7 @@ def _index_names(node: dict) -> set[str]:
     return found
 
 
-@pytest.mark.skipif(
-    os.environ.get("DELAYSVC_TEST_BROKER_URL", "").startswith("redis://"),
-    reason="fills a million rows: runs in CI's first pass (embedded PostgreSQL) only",
-)
+@first_pass_only("fills a million rows (~1 min), the same plan on either server")
 @pytest.mark.parametrize("plan_cache_mode", PLANS)
 def test_a_claim_by_priority_stays_an_index_scan_at_a_million_ready_jobs(
     engine: Engine, plan_cache_mode: str

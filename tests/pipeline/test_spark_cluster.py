@@ -27,14 +27,12 @@ from delaysvc.config.settings import DEBIAN_JDBC_JAR
 from delaysvc.db.engines import sqlalchemy_url
 from delaysvc.runtime.supervisor import die_with_parent
 from tests.conftest import ROOT, TEST_LEVELS, TEST_SCHEMA, Server, outside_env
+from tests.support.passes import second_pass_only
 from tests.support.spark_cluster import Cluster, spark_home, standalone_cluster
 
 pytestmark = [
     pytest.mark.timeout(900),  # JVMs on two cores
-    pytest.mark.skipif(
-        not os.environ.get("DELAYSVC_TEST_DATABASE_URL"),
-        reason="starts a Spark cluster: runs in CI's second pass (PostgreSQL 15) only",
-    ),
+    second_pass_only("starts a Spark cluster (~1 min), the same JDBC reads on either server"),
 ]
 FINISHED_AT = "2026-01-01 10:00:00+00"
 

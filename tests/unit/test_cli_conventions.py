@@ -4,7 +4,6 @@ and the groups share one grammar, `<noun> <verb>`, with `list` in each."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import pytest
 
 from delaysvc.cli import cli
 from tests.conftest import outside_env
+from tests.support.passes import first_pass_only
 
 
 def _commands(group: click.Group, path: str = "delaysvc") -> Iterator[tuple[str, click.Command]]:
@@ -53,10 +53,7 @@ def test_every_group_lists_with_list() -> None:
     assert no_list == ["delaysvc pipeline"]  # jobs, not things kept
 
 
-@pytest.mark.skipif(
-    bool(os.environ.get("DELAYSVC_TEST_DATABASE_URL")),
-    reason="~6 s of commands started, no database: runs in CI's first pass only",
-)
+@first_pass_only("~6 s of commands started, no database")
 @pytest.mark.parametrize("command", ["send", "dead list", "pipeline archive", "up", "topics"])
 def test_help_works_with_a_bad_setting(command: str) -> None:
     env = outside_env() | {"DELAYSVC_DELAY_LEVELS": "bogus", "DELAYSVC_LOG_FORMAT": "xml"}
