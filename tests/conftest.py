@@ -28,6 +28,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, start_embedded
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.migrate import upgrade
+from tests.support.interrupt import pytest_configure  # noqa: F401  (SIGTERM: as Ctrl-C)
 
 TEST_LEVELS = "1s 2s 3s 5s 8s"
 TEST_SCHEMA = os.environ.get("DELAYSVC_TEST_SCHEMA") or "delaysvc"

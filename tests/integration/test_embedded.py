@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import postmaster_pid
+from tests.support.passes import first_pass_only
 
 # attaches to the embedded server under VAR, says so, then waits for a line on stdin
 ATTACH = (
@@ -140,3 +141,63 @@ def _killed_then_last_exits(var: Path, first: subprocess.Popen[str], server: int
     assert _running(server)  # the first process still holds it
     _exits(first)  # the last live one
     _gone(var, server)
+
+
+# a test run that attaches to the embedded server under VAR, then waits for its end
+ATTACHED_RUN = """
+import os, time
+from pathlib import Path
+from delaysvc.db import start_embedded
+
+def test_attached() -> None:
+    start_embedded(Path(os.environ["ATTACH_VAR"]))
+    print("attached", flush=True)
+    time.sleep(300)
+"""
+
+
+@first_pass_only("~10 s; its own embedded PostgreSQL in either pass")
+def test_a_test_run_stopped_by_sigterm_leaves_no_embedded_server_running(tmp_path: Path) -> None:
+    """CI stops a pass with SIGTERM (.ci/run), as `kill` and job runners' timeouts do: the run
+    ends as on Ctrl-C (tests/support/interrupt.py), its atexit handlers run, and the server it
+    attached to stops with it. Without the plugin, pytest died on the spot and left it up."""
+    (tmp_path / "test_attached.py").write_text(ATTACHED_RUN)
+    var = tmp_path / "var"
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.support.interrupt",
+            str(tmp_path / "test_attached.py"),
+        ],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "ATTACH_VAR": str(var)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert run.stdout is not None
+        for line in run.stdout:
+            if "attached" in line:
+                break
+        server = postmaster_pid(var / "pg")
+        assert server is not None and _running(server)
+        try:
+            run.send_signal(signal.SIGTERM)
+            output = run.communicate(timeout=60)[0]
+            _gone(var, server)
+            assert "KeyboardInterrupt" in output, output  # ended as on Ctrl-C
+        finally:
+            if _running(server):
+                os.kill(server, signal.SIGINT)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
