@@ -1,0 +1,92 @@
+"""What each part of `send_one` costs a send that is its own transaction: `send_one` into a
+level against copies of it with one part taken out, each call autocommitted through one
+psycopg connection (prepared), the variants in turn round after round. The parts: the check
+that the level's delay is the database's (`schedule_offset`), the backlog caps' check
+(`backlog_cap`: skipped as when the producer holds the caps' locks), the level's pending count
+(`lane_count`), the queue row (`consume_queue`). A part taken out is not a design: it says what
+the part costs, so what taking it out of the send's path would save.
+
+Run from the repository root, with the disk's flush taken out if the machine's varies:
+    PGOPTIONS="-c synchronous_commit=off" \
+        python docs/benchmarks/send_one_parts.py [SERVER_URL] [ROUNDS]
+(default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
+"""
+
+import re
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch import scratch_database
+from timing import alternate, per_call_us, print_spread
+
+from delaysvc.db.engines import libpq_url
+from delaysvc.producer.sending import Producer
+from delaysvc.store import producing
+
+SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+N = 3000
+
+# a copy of send_one's body without a part: (the variant's name, the text taken out)
+WITHOUT = {
+    "without the delay check (schedule_offset)": re.compile(
+        r"    IF sent_lane > 0 AND NOT EXISTS \(SELECT 1 FROM .*?END IF;\n", re.S
+    ),
+    "without the pending count (lane_count)": re.compile(
+        r"        INSERT INTO \S+\.lane_count \(lane, delta\) VALUES \(sent_lane, 1\);\n"
+    ),
+    "without the queue row (consume_queue)": re.compile(
+        r"        INSERT INTO \S+\.consume_queue .*?priority\);\n", re.S
+    ),
+    "without ON CONFLICT (the key is null)": re.compile(
+        r"    ON CONFLICT \(topic, key\) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING\n"
+    ),
+}
+
+
+def main() -> None:
+    with scratch_database(SERVER, "delaysvc_send_one_parts") as (engine, settings):
+        new = Producer(settings, engine).prepare("t", {"n": 1}, delay_level=1)
+        params = {**producing._message_params(new), "caps_held": False}
+        send_one = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
+        conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
+        source = conn.execute("SELECT pg_get_functiondef('delaysvc.send_one'::regproc)").fetchone()
+        assert source is not None
+        variants: dict[str, Callable[[], object]] = {
+            "send_one, a level": lambda: conn.execute(send_one, params, prepare=True).fetchone(),
+            "without the caps' check (backlog_cap)": lambda: conn.execute(
+                send_one, {**params, "caps_held": True}, prepare=True
+            ).fetchone(),
+        }
+        for number, (name, part) in enumerate(WITHOUT.items()):
+            copy, found = part.subn("", source[0])
+            assert found == 1, name
+            function = f"send_one_part{number}"
+            conn.execute(copy.replace("delaysvc.send_one(", f"delaysvc.{function}(", 1))
+            statement = send_one.replace("delaysvc.send_one(", f"delaysvc.{function}(")
+            variants[name] = partial(
+                lambda s: conn.execute(s, params, prepare=True).fetchone(), statement
+            )
+        everything = source[0]
+        for part in WITHOUT.values():
+            everything = part.sub("", everything)
+        conn.execute(everything.replace("delaysvc.send_one(", "delaysvc.send_one_bare(", 1))
+        bare = send_one.replace("delaysvc.send_one(", "delaysvc.send_one_bare(")
+        variants["the commit log's insert alone (all of the above out)"] = lambda: conn.execute(
+            bare, {**params, "caps_held": True}, prepare=True
+        ).fetchone()
+        times = alternate(
+            {name: partial(per_call_us, call, N) for name, call in variants.items()}, ROUNDS
+        )
+        conn.close()
+    print(f"{N:,} calls a variant a round, {ROUNDS} rounds; us a call, each its own transaction")
+    print_spread(times, "send_one")
+
+
+if __name__ == "__main__":
+    main()
