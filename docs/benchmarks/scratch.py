@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -11,6 +13,7 @@ from sqlalchemy import Engine, create_engine, text
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, sqlalchemy_url
 from delaysvc.schema.migrate import upgrade
+from delaysvc.store import producing
 
 
 @contextmanager
@@ -34,3 +37,18 @@ def scratch_database(
         with admin.connect() as conn:
             conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
         admin.dispose()
+
+
+def server_and_rounds(rounds: int = 5) -> tuple[str, int]:
+    """A measuring script's arguments, `[SERVER_URL] [ROUNDS]`: the PostgreSQL to work on
+    (default the local one) and how many alternating rounds to run."""
+    server = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
+    return server, int(sys.argv[2]) if len(sys.argv) > 2 else rounds
+
+
+def send_one_call(new: producing.NewMessage) -> tuple[str, dict[str, Any]]:
+    """`send_one`'s statement as psycopg runs it (its `%(name)s` placeholders) and its
+    parameters for `new` (a `Producer.prepare` result), caps not held: a single send's one
+    statement, run by hand."""
+    statement = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
+    return statement, {**producing._message_params(new), "caps_held": False}

@@ -31,13 +31,12 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database
+from scratch import scratch_database, server_and_rounds
 from timing import alternate, print_spread
 
 from delaysvc.db.engines import libpq_url
 
-SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+SERVER, ROUNDS = server_and_rounds()
 N = 5000
 RAW_TABLE = "CREATE TABLE raw_insert (id bigserial PRIMARY KEY, topic text, body bytea)"
 

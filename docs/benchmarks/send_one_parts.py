@@ -21,15 +21,13 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database
+from scratch import scratch_database, send_one_call, server_and_rounds
 from timing import alternate, per_call_us, print_spread
 
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
-from delaysvc.store import producing
 
-SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+SERVER, ROUNDS = server_and_rounds()
 N = 3000
 
 # a copy of send_one's body without a part: (the variant's name, the text taken out)
@@ -52,8 +50,7 @@ WITHOUT = {
 def main() -> None:
     with scratch_database(SERVER, "delaysvc_send_one_parts") as (engine, settings):
         new = Producer(settings, engine).prepare("t", {"n": 1}, delay_level=1)
-        params = {**producing._message_params(new), "caps_held": False}
-        send_one = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
+        send_one, params = send_one_call(new)
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
         source = conn.execute("SELECT pg_get_functiondef('delaysvc.send_one'::regproc)").fetchone()
         assert source is not None

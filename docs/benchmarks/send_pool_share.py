@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database
+from scratch import scratch_database, server_and_rounds
 from timing import alternate, per_call_us, print_spread
 
 from delaysvc import store
@@ -28,8 +28,7 @@ from delaysvc.db.engines import libpq_url
 from delaysvc.producer.message import Message
 from delaysvc.producer.sending import Producer
 
-SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+SERVER, ROUNDS = server_and_rounds()
 N = 3000
 BODY = {"order": 42}
 

@@ -8,7 +8,6 @@ Run from the repository root: python docs/benchmarks/send_profile.py [SERVER_URL
 
 from __future__ import annotations
 
-import re
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -17,14 +16,13 @@ import psycopg
 from sqlalchemy import Engine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from scratch import scratch_database
+from scratch import scratch_database, send_one_call
 from timing import per_call_us
 
 from delaysvc.bench.raw import BODY, _fresh
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
-from delaysvc.store import producing
 
 SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
 DATABASE = "delaysvc_send_profile"
@@ -40,9 +38,7 @@ def profile(engine: Engine, settings: Settings) -> None:
     url = settings.database_url
     producer = Producer(settings, engine)
     new = producer.prepare("profile.t", BODY, delay="1h")
-    params = {**producing._message_params(new), "caps_held": False}
-    statement = producing.SEND_ONE.replace("%", "%%")
-    statement = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", statement)  # psycopg's placeholders
+    statement, params = send_one_call(new)
     with psycopg.connect(libpq_url(url), autocommit=True) as conn:
         _fresh(conn, "bench_raw_insert")
         raw = per_call_us(

@@ -11,7 +11,6 @@ Run from the repository root, with the disk's flush taken out if the machine's v
 (default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
 """
 
-import re
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -20,15 +19,13 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database
+from scratch import scratch_database, send_one_call, server_and_rounds
 from timing import alternate, per_call_us, print_spread
 
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
-from delaysvc.store import producing
 
-SERVER = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
-ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+SERVER, ROUNDS = server_and_rounds()
 N = 3000
 EMPTY_ONE = """
 CREATE FUNCTION delaysvc.empty_one(p_topic text, p_key text, p_tags text[], p_body bytea,
@@ -45,8 +42,7 @@ END $$"""
 def main() -> None:
     with scratch_database(SERVER, "delaysvc_send_statement_parts") as (engine, settings):
         new = Producer(settings, engine).prepare("t", {"n": 1}, delay_level=1)
-        params = {**producing._message_params(new), "caps_held": False}
-        send_one = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
+        send_one, params = send_one_call(new)
         empty_one = send_one.replace("delaysvc.send_one(", "delaysvc.empty_one(")
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
         conn.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, topic text, body bytea)")
