@@ -208,7 +208,12 @@ def test_a_leaking_handler_gets_its_worker_process_replaced(
     service.start()
     for n in range(6):  # one at a time, so each job is a task of its own
         producer.send("e2e.leaks", {"n": n})
-        wait_for(lambda k=n: service.count_status("succeeded") == k + 1, 60, f"leak job {n}")
+        wait_for(
+            lambda k=n: service.count_status("succeeded") == k + 1,
+            60,
+            f"leak job {n}",
+            explain=lambda: f"{_statuses(service)}\n{service.log_tail(40)}",
+        )
     pids = service.scalar("SELECT count(DISTINCT pid) FROM e2e_run")
     assert pids >= 2, "the leaking process was replaced"
 
