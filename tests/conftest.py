@@ -29,6 +29,7 @@ from delaysvc.db.engines import make_engine, start_embedded
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.migrate import upgrade
 from tests.support.interrupt import pytest_configure  # noqa: F401  (SIGTERM: as Ctrl-C)
+from tests.support.machine import RABBITMQ, holding
 
 TEST_LEVELS = "1s 2s 3s 5s 8s"
 TEST_SCHEMA = os.environ.get("DELAYSVC_TEST_SCHEMA") or "delaysvc"
@@ -78,6 +79,14 @@ def _server_from_url(url: str) -> Server:
 
     where = Where.of(url)
     return Server(where.user, where.host, where.port, urlsplit(url).password or None)
+
+
+@pytest.fixture
+def rabbitmq() -> Iterator[str]:
+    """The machine's RabbitMQ, this test's alone while it runs: a fault test stops it, and CI's
+    other pass, running at the same time, uses it too (tests/support/machine.py)."""
+    with holding("rabbitmq"):
+        yield RABBITMQ
 
 
 @pytest.fixture(scope="session")

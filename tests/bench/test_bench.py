@@ -28,7 +28,6 @@ from delaysvc.cli import cli
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
-from tests.support.machine import holding
 from tests.support.passes import first_pass_only, second_pass_only
 
 
@@ -178,20 +177,20 @@ def test_the_cli_lists_every_registered_size_as_a_flag_and_refuses_unknown_suite
 @second_pass_only(
     "~30 s; strict (every peer must run) where Redis, RabbitMQ and PostgreSQL 15 are up"
 )
+@pytest.mark.usefixtures("rabbitmq")  # a peer's broker, which a fault test of the other pass stops
 def test_peers_run_one_workload_each_or_say_why_not(settings: Settings, tmp_path: Path) -> None:
     """Toy size. Where CI's second pass runs (Redis broker, so Redis, RabbitMQ and PostgreSQL
     15 are up), every peer must have run; elsewhere a peer may be unavailable, but then it
     says why, and delaysvc itself always runs."""
-    with holding("rabbitmq"):  # a peer's broker, which a fault test of the other pass stops
-        out = run(
-            settings,
-            ["peers"],
-            tmp_path / "peers",
-            peer_jobs=30,
-            peer_delay=1.0,
-            peer_pending=40,
-            peer_workers=1,
-        )
+    out = run(
+        settings,
+        ["peers"],
+        tmp_path / "peers",
+        peer_jobs=30,
+        peer_delay=1.0,
+        peer_pending=40,
+        peer_workers=1,
+    )
     results = json.loads((out / "results.json").read_text())["results"]
     assert set(results) == {"peer_raw"} | {f"peer_{name}" for name in PEERS}
     assert results.pop("peer_raw")["raw_insert_per_s"] > 0

@@ -28,13 +28,8 @@ from delaysvc.runtime.supervisor import (
     worker_commands,
 )
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env, process_alive
-from tests.support.machine import holding
 
 pytestmark = pytest.mark.e2e
-
-
-RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
-"""The RabbitMQ CI starts (and requires: DELAYSVC_TEST_REQUIRE_RABBITMQ)."""
 
 
 def rabbitmq_up() -> bool:
@@ -43,14 +38,6 @@ def rabbitmq_up() -> bool:
             return True
     except OSError:
         return False
-
-
-@pytest.fixture
-def rabbitmq() -> Iterator[str]:
-    """The machine's RabbitMQ, this test's alone while it runs: a fault test stops it, and CI's
-    other pass, running at the same time, uses it too (tests/support/machine.py)."""
-    with holding("rabbitmq"):
-        yield RABBITMQ
 
 
 def rabbitmq_wanted() -> bool:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,8 +24,7 @@ from sqlalchemy import text
 
 from delaysvc import store
 from delaysvc.contrib.celery import key_for
-from tests.e2e.conftest import RABBITMQ, Service, rabbitmq_wanted, wait_for
-from tests.support.machine import holding
+from tests.e2e.conftest import Service, rabbitmq_wanted, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -153,16 +151,14 @@ def _lost_explained(service: Service, broker: str, lost: list[Any], kills: list[
 
 
 @pytest.fixture
-def app_broker(request: pytest.FixtureRequest) -> Iterator[str]:
+def app_broker(request: pytest.FixtureRequest) -> str:
     """The application's broker: the Redis of CI's second pass (another database of it), or
-    the machine's RabbitMQ, held by this test while its workers run (tests/support/machine.py)."""
+    the machine's RabbitMQ, held by this test while its workers run (the `rabbitmq` fixture)."""
     if request.param == "redis":
         broker = _redis_broker()
         assert broker is not None
-        yield broker
-        return
-    with holding("rabbitmq"):
-        yield RABBITMQ
+        return broker
+    return str(request.getfixturevalue("rabbitmq"))
 
 
 @pytest.mark.parametrize("app_broker", BROKERS, indirect=True)

@@ -2,7 +2,6 @@
 
 from tests.e2e.conftest import (  # noqa: F401  (fixtures)
     check_clean_at_the_end,
-    rabbitmq,
     service,
     service_factory,
 )

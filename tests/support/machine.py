@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+"""The machine's RabbitMQ, which CI starts (and requires: DELAYSVC_TEST_REQUIRE_RABBITMQ)."""
+
 
 @contextmanager
 def holding(service: str) -> Iterator[None]:
