@@ -29,6 +29,7 @@ from delaysvc.producer.sending import Producer
 
 SERVER, ROUNDS = server_and_rounds()
 N = 3000
+Call = Callable[[], object]
 
 # a copy of send_one's body without a part: (the variant's name, the text taken out)
 WITHOUT = {
@@ -54,29 +55,29 @@ def main() -> None:
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
         source = conn.execute("SELECT pg_get_functiondef('delaysvc.send_one'::regproc)").fetchone()
         assert source is not None
-        variants: dict[str, Callable[[], object]] = {
+        variants: dict[str, Call] = {
             "send_one, a level": lambda: conn.execute(send_one, params, prepare=True).fetchone(),
             "without the caps' check (backlog_cap)": lambda: conn.execute(
                 send_one, {**params, "caps_held": True}, prepare=True
             ).fetchone(),
         }
-        for number, (name, part) in enumerate(WITHOUT.items()):
-            copy, found = part.subn("", source[0])
-            assert found == 1, name
-            function = f"send_one_part{number}"
-            conn.execute(copy.replace("delaysvc.send_one(", f"delaysvc.{function}(", 1))
+
+        def copy_without(parts: list[re.Pattern[str]], function: str, caps_held: bool) -> Call:
+            """A copy of send_one named `function`, each of `parts` taken out: its call."""
+            body = source[0]
+            for part in parts:
+                body, found = part.subn("", body)
+                assert found == 1, part.pattern
+            conn.execute(body.replace("delaysvc.send_one(", f"delaysvc.{function}(", 1))
             statement = send_one.replace("delaysvc.send_one(", f"delaysvc.{function}(")
-            variants[name] = partial(
-                lambda s: conn.execute(s, params, prepare=True).fetchone(), statement
-            )
-        everything = source[0]
-        for part in WITHOUT.values():
-            everything = part.sub("", everything)
-        conn.execute(everything.replace("delaysvc.send_one(", "delaysvc.send_one_bare(", 1))
-        bare = send_one.replace("delaysvc.send_one(", "delaysvc.send_one_bare(")
-        variants["the commit log's insert alone (all of the above out)"] = lambda: conn.execute(
-            bare, {**params, "caps_held": True}, prepare=True
-        ).fetchone()
+            values = {**params, "caps_held": caps_held}
+            return lambda: conn.execute(statement, values, prepare=True).fetchone()
+
+        for number, (name, part) in enumerate(WITHOUT.items()):
+            variants[name] = copy_without([part], f"send_one_part{number}", caps_held=False)
+        variants["the commit log's insert alone (all of the above out)"] = copy_without(
+            list(WITHOUT.values()), "send_one_bare", caps_held=True
+        )
         times = alternate(
             {name: partial(per_call_us, call, N) for name, call in variants.items()}, ROUNDS
         )

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import postmaster_pid
+from tests.conftest import ROOT, postmaster_pid
 from tests.support.passes import first_pass_only
 
 # attaches to the embedded server under VAR, says so, then waits for a line on stdin
@@ -176,7 +176,7 @@ def test_a_test_run_stopped_by_sigterm_leaves_no_embedded_server_running(tmp_pat
             "tests.support.interrupt",
             str(tmp_path / "test_attached.py"),
         ],
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=ROOT,
         env={**os.environ, "ATTACH_VAR": str(var)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
