@@ -40,7 +40,7 @@ from delaysvc.errors import (
     NotFound,
     ValidationError,
 )
-from delaysvc.producer import batching, caps
+from delaysvc.producer import batching, caps, grouping
 from delaysvc.producer.message import Message as Message
 from delaysvc.producer.placement import Placement as Placement
 from delaysvc.producer.placement import resolve_schedule
@@ -88,6 +88,9 @@ class Producer:
         self._autocommitted_sends = (
             engine.dialect.driver == "psycopg" and not engine.dialect.is_async
         )
+        # sends of this process's threads that come while one is under way are written
+        # together (`delaysvc.producer.grouping`)
+        self._sends = grouping.Grouped(self._insert_autocommitted, self._insert_group)
 
     # -- building -------------------------------------------------------------
 
@@ -245,7 +248,7 @@ class Producer:
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
         inserted = None
         if connection is None and not self.settings.caps and self._autocommitted_sends:
-            inserted = self._retried(lambda: self._insert_autocommitted(new))
+            inserted = self._sends.write(new)
         if inserted is not None:
             row, created, _ = inserted
         else:  # in a transaction, or a cap covers it (nothing was stored)
@@ -357,16 +360,33 @@ class Producer:
 
     def _insert_autocommitted(self, new: store.NewMessage) -> tuple[Any, bool, int | None] | None:
         """A single send: one statement committing by itself, so one round trip instead of
-        three (BEGIN, statement, COMMIT), on a pooled connection's driver cursor. None: a cap
-        covers it, nothing was stored (`store.insert_message`)."""
-        sent = False
-        try:
-            with db.autocommit_cursor(self.engine) as cursor:
-                sent = True  # from here on, a statement sent may have committed
-                return store.insert_message(cursor, new, caps_held=False)
-        except DBAPIError as exc:
-            _raise_domain_error(exc, connected=sent, maybe_stored=sent)
-            raise
+        three (BEGIN, statement, COMMIT). None: a cap covers it, nothing was stored
+        (`store.insert_message`)."""
+        return self._autocommitted(lambda cursor: store.insert_message(cursor, new, False))
+
+    def _insert_group(
+        self, group: Sequence[store.NewMessage]
+    ) -> Sequence[tuple[Any, bool, int | None] | None]:
+        """Single sends of several threads in one autocommitted statement
+        (`store.insert_group`; None: one it did not store, to be sent alone)."""
+        return self._autocommitted(lambda cursor: store.insert_group(cursor, group))
+
+    def _autocommitted(self, write: Callable[[Any], _T]) -> _T:
+        """`write(cursor)` on a pooled connection's driver cursor whose statement commits by
+        itself (`db.autocommit_cursor`), tried again if the first could not reach the database
+        (`_retried`)."""
+
+        def attempt() -> _T:
+            sent = False
+            try:
+                with db.autocommit_cursor(self.engine) as cursor:
+                    sent = True  # from here on, a statement sent may have committed
+                    return write(cursor)
+            except DBAPIError as exc:
+                _raise_domain_error(exc, connected=sent, maybe_stored=sent)
+                raise
+
+        return self._retried(attempt)
 
     def _store(
         self,

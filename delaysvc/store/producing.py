@@ -96,6 +96,59 @@ def insert_message(
     )
 
 
+# Several single sends in one statement (`delaysvc.producer.grouping`: sends of one process's
+# threads that waited for each other): `send_one` called once per message, in order, so each
+# message is placed, capped and keyed exactly as if sent alone, and later calls see what earlier
+# ones stored (a key repeated in the group is held by its first message). One round trip and one
+# commit for all of them. Tags travel as JSON text (an array of text arrays must be rectangular).
+SEND_GROUP = """
+SELECT s.sent_id, s.sent_at, s.due_at, s.sent_lane
+FROM unnest(CAST(:topic AS text[]), CAST(:key AS text[]), CAST(:tags AS jsonb[]),
+    CAST(:body AS bytea[]), CAST(:body_is_json AS boolean[]), CAST(:properties AS jsonb[]),
+    CAST(:delay_level AS smallint[]), CAST(:priority AS smallint[]), CAST(:lane AS integer[]),
+    CAST(:delay_ms AS bigint[]), CAST(:deliver_at AS timestamptz[])) WITH ORDINALITY
+    AS m(topic, key, tags, body, body_is_json, properties, delay_level, priority, lane,
+        delay_ms, deliver_at, ord)
+LEFT JOIN LATERAL delaysvc.send_one(m.topic, m.key,
+    CASE WHEN m.tags IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(m.tags)) END,
+    m.body, m.body_is_json, m.properties, m.delay_level, m.priority, m.lane, m.delay_ms,
+    m.deliver_at, false) s ON true
+ORDER BY m.ord
+"""
+
+
+def insert_group(
+    cursor: Cursor[Any], messages: Sequence[NewMessage]
+) -> list[tuple[Stored, bool, int] | None]:
+    """Store `messages` (each a single send), in one statement on `cursor` (a psycopg 3 driver
+    cursor; autocommitted: `db.autocommit_cursor`), caps not held. -> per message, in order,
+    (row, True, 0) as `insert_message` gives a new one, or None: nothing stored for it (a cap
+    covers it, or an unfinished message holds its key), to be sent alone (`insert_message`)."""
+    params: dict[str, list[Any]] = {name: [] for name in _GROUP_PARAMS}
+    for message in messages:
+        for name, value in _message_params(message).items():
+            params[name].append(value)
+    params["tags"] = [None if tags is None else json.dumps(tags) for tags in params["tags"]]
+    prepare = None if cursor.connection.prepare_threshold is None else True
+    rows = cursor.execute(_driver_sql(SEND_GROUP), params, prepare=prepare).fetchall()
+    return [None if row[0] is None else (Stored(*row), True, 0) for row in rows]
+
+
+_GROUP_PARAMS = (
+    "topic",
+    "key",
+    "tags",
+    "body",
+    "body_is_json",
+    "properties",
+    "delay_level",
+    "priority",
+    "lane",
+    "delay_ms",
+    "deliver_at",
+)
+
+
 def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:
     """`insert_message` through any `Statements` (any driver), by a caller holding the caps'
     locks or sending due now (never capped)."""
