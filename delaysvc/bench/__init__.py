@@ -30,6 +30,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import database_url, make_engine, sqlalchemy_url
 from delaysvc.db.names import sql
 from delaysvc.errors import MissingPart
+from delaysvc.runtime.supervisor import WEB_THREADS
 from delaysvc.schema.migrate import upgrade
 
 BENCH_DATABASE = "delaysvc_bench"
@@ -230,6 +231,7 @@ SUITES: dict[str, Suite] = {
             Size("http_clients", 50, 10, "Concurrent HTTP connections (wrk)."),
             Size("http_seconds", 300.0, 10.0, "Load duration, seconds."),
             Size("http_workers", 4, 4, "gunicorn worker processes."),
+            Size("http_threads", WEB_THREADS, WEB_THREADS, "Threads of each gunicorn worker."),
         ),
         "POST /api/v1/messages under wrk: requests/s, latency percentiles, errors",
         _missing_in("http"),

@@ -39,6 +39,7 @@ MEASURES = {
     "send_batch_database_write": "msgs_per_s",
     "delivery_drain": "msgs_per_s",
     "consume_drain": "jobs_per_s",
+    "http": "requests_per_s",
 }
 """Each figure compared: a suite's result and the number in it (higher is better)."""
 LATENESS = {"delivery_flow": "lateness_ms", "consume_flow": "deliver_to_start_ms"}
@@ -155,6 +156,7 @@ def table(runs: dict[str, list[dict]], title: str, command: str) -> str:
     for name, key in MEASURES.items():
         row(f"{name}: {key}", _reader(name, key))
         row(f"{name}: ratio", _reader(name, "ratio"))
+        row(f"{name}: ratio", _reader(name, "ratio_to_raw"))  # http's name for it
     for name, key in LATENESS.items():
         row(f"{name}: p99 {key} (lower is better)", _reader(name, key, "p99"))
     return "\n".join(lines) + "\n"

@@ -115,7 +115,7 @@ def http_suite(ctx: BenchContext) -> Figures:
         step(f"http: NOT RUN: {reason}")
         return Figures(results={"http": {"skipped": reason}})
     clients, seconds = ctx.size("http_clients"), ctx.seconds("http_seconds")
-    workers = ctx.size("http_workers")
+    workers, threads = ctx.size("http_workers"), ctx.size("http_threads")
     figures = Figures()
     step(f"raw: one-row INSERT per transaction, {clients} clients")
     raw_rate = raw.insert_one_row_per_transaction(libpq_url(ctx.url), clients, min(seconds, 10))
@@ -123,7 +123,7 @@ def http_suite(ctx: BenchContext) -> Figures:
     port = free_port()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=ctx.url, PYTHONPATH=str(Path.cwd()))
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
-    command = web_command("127.0.0.1", port, workers)
+    command = web_command("127.0.0.1", port, workers, threads=threads)
     command[command.index("--access-logfile") + 1] = "/dev/null"
     web = subprocess.Popen(
         command,
@@ -135,7 +135,8 @@ def http_suite(ctx: BenchContext) -> Figures:
     try:
         if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
             raise RuntimeError("gunicorn did not answer within 60 s")
-        step(f"wrk: {clients} connections for {seconds:g} s against gunicorn -w {workers}")
+        served = f"gunicorn -w {workers} --threads {threads}"
+        step(f"wrk: {clients} connections for {seconds:g} s against {served}")
         result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)
         batch_seconds = min(seconds, 10)
         step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
@@ -156,6 +157,7 @@ def http_suite(ctx: BenchContext) -> Figures:
         "clients": clients,
         "seconds": seconds,
         "gunicorn_workers": workers,
+        "gunicorn_threads": threads,
         "requests": result["requests"],
         "requests_per_s": round(rate, 1),
         "raw_insert_per_s": round(raw_rate, 1),

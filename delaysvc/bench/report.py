@@ -228,7 +228,8 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         late, errors = r["latency_ms"], sum(r["errors"].values())
         return [
             f"| {name}: POST /api/v1/messages, {r['clients']} clients for {r['seconds']:g} s "
-            f"(gunicorn -w {r['gunicorn_workers']}) | {r['requests_per_s']:,} req/s; p50 "
+            f"(gunicorn -w {r['gunicorn_workers']}{_threads(r)}) | "
+            f"{r['requests_per_s']:,} req/s; p50 "
             f"{late['p50']:.1f} ms, p99 {late['p99']:.1f} ms; {errors} errors; lost "
             f"{r['lost']} | {r['raw_insert_per_s']:,} tx/s | {r['ratio_to_raw']:.1%} | "
             "0 errors, p99 reported |"
@@ -547,3 +548,8 @@ def _plots(out: Path, figures: Figures) -> list[str]:
             )
         )
     return made
+
+
+def _threads(r: dict[str, Any]) -> str:
+    """An HTTP run's threads a worker, as gunicorn's option (runs before 2026-11-28: none)."""
+    return f" --threads {r['gunicorn_threads']}" if r.get("gunicorn_threads", 1) > 1 else ""

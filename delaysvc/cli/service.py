@@ -7,6 +7,7 @@ import sys
 import click
 
 from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
+from delaysvc.runtime.supervisor import WEB_THREADS
 
 HOST = click.option(
     "--host", default="127.0.0.1", show_default=True, help="The web app's address (0.0.0.0: all)."
@@ -69,12 +70,20 @@ def beat(ctx: Context) -> None:
 @HOST
 @PORT
 @click.option("--workers", default=2, show_default=True, help="gunicorn worker processes.")
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=WEB_THREADS,
+    show_default=True,
+    help="Requests each worker serves at once (1: one at a time, gunicorn's sync workers).",
+)
 @pass_ctx
-def web(ctx: Context, host: str, port: int, workers: int) -> None:
+def web(ctx: Context, host: str, port: int, workers: int, threads: int) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
     from delaysvc.config import extras
     from delaysvc.runtime.supervisor import run_processes, web_command
 
     extras.require("delaysvc web", "server")
     require_levels(ctx)
-    sys.exit(run_processes([web_command(host, port, workers, log_format=ctx.settings.log_format)]))
+    command = web_command(host, port, workers, log_format=ctx.settings.log_format, threads=threads)
+    sys.exit(run_processes([command]))

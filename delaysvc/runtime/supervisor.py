@@ -83,8 +83,20 @@ def beat_command(settings: Settings) -> Command:
     return Command("beat", [*CELERY, "beat", "-l", "warning"])
 
 
+WEB_THREADS = 16
+"""Requests a web worker serves at once (gunicorn's threaded workers): while one waits on the
+database, the others run, and their single sends are written together (group commit,
+`delaysvc.producer.grouping`): 1.3-1.5x the requests a second of one request at a time
+(docs/benchmarks/2026-11-28-group-commit)."""
+
+
 def web_command(
-    host: str, port: int, workers: int = 2, access_log: bool = True, log_format: str = "text"
+    host: str,
+    port: int,
+    workers: int = 2,
+    access_log: bool = True,
+    log_format: str = "text",
+    threads: int = WEB_THREADS,
 ) -> Command:
     logs = ["--access-logfile", "-"] if access_log else []
     if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
@@ -100,6 +112,8 @@ def web_command(
             f"{host}:{port}",
             "-w",
             str(workers),
+            "--threads",
+            str(threads),
             *logs,
             "--log-level",
             "warning",

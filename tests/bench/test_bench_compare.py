@@ -46,6 +46,7 @@ def test_the_table_gives_each_figures_runs_and_the_ratio_of_the_medians() -> Non
         results = {
             "send_single_c1": {"msgs_per_s": c1, "ratio": ratio},
             "delivery_flow": {"lateness_ms": {"p50": 1, "p99": p99}},
+            "http": {"requests_per_s": c1 / 2, "ratio_to_raw": ratio / 4},
         }
         if extra:  # a suite's figure REF does not have yet
             results["send_single_level_vs_timer"] = {"level_msgs_per_s": 9, "ratio": 1.0}
@@ -56,10 +57,12 @@ def test_the_table_gives_each_figures_runs_and_the_ratio_of_the_medians() -> Non
         "ref": [run(2000, 0.4, 80, False), run(2400, 0.44, 90, False), run(2200, 0.5, 85, False)],
     }
     lines = table(runs, "t", "delaysvc bench compare X").splitlines()
-    rows = [line for line in lines if line.startswith("| send_") or line.startswith("| deliv")]
+    rows = [line for line in lines if line.startswith(("| send_", "| deliv", "| http"))]
     assert rows == [
         "| send_single_c1: msgs_per_s | 3,000, 3,200, 2,800 | 2,000, 2,400, 2,200 | 1.36 |",
         "| send_single_c1: ratio | 0.6, 0.62, 0.58 | 0.4, 0.44, 0.5 | 1.36 |",
+        "| http: requests_per_s | 1,500.0, 1,600.0, 1,400.0 | 1,000.0, 1,200.0, 1,100.0 | 1.36 |",
+        "| http: ratio | 0.15, 0.155, 0.145 | 0.1, 0.11, 0.125 | 1.36 |",
         "| delivery_flow: p99 lateness_ms (lower is better) | 40, 50, 45 | 80, 90, 85 | 0.53 |",
     ]
 

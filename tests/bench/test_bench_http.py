@@ -14,7 +14,7 @@ from delaysvc.db.names import sql
 def test_http_suite_sends_through_gunicorn_with_no_error_and_loses_nothing(
     settings: Settings, engine: Engine, database_url: str
 ) -> None:
-    sizes = {"http_clients": 4, "http_seconds": 2, "http_workers": 2}
+    sizes = {"http_clients": 4, "http_seconds": 2, "http_workers": 2, "http_threads": 4}
     results = http_suite(BenchContext(settings, engine, database_url, sizes)).results
     result = results["http"]
     assert result["errors"] == {"connect": 0, "read": 0, "write": 0, "status": 0, "timeout": 0}
