@@ -1,17 +1,19 @@
 """Group commit: the single sends of one process's threads, written together while they wait.
 
-A send with no other under way in the process is written at once, alone, as always. A send
-that comes while another is on its way to the database waits for it; when that write ends,
-every send that waited meanwhile (up to `MOST`) is written in one statement
-(`store.insert_group`): one round trip and one commit for all of them, where each alone would
-pay both (docs/benchmarks/2026-11-28-group-commit). Each message is still its own send, placed,
+A producer made with `group_writers=N` (the web app's: `delaysvc.web.create_app`) writes a
+single send at once while fewer than N writes are under way in the process, as always. A send
+that comes while N are waits, and when one of them ends, every send that waited meanwhile (up
+to `MOST`) is written in one statement (`store.insert_group`): one round trip and one commit
+for all of them, where each alone would pay both. Each message is still its own send, placed,
 capped and keyed as if sent alone, and each caller returns only once its group has committed.
 A group is one transaction: if its write fails, nothing of it is stored and every send in it
 raises the error (each its own copy).
 
-This is what a web worker serving several requests at once (`delaysvc web --threads`), or any
-threaded application, gains; a process that sends from one thread at a time never waits and
-never groups. Nothing is shared across processes: a forked child starts with no group.
+It pays where many threads of one process send at once, as a web worker's do under load: the
+HTTP single send 1.2-1.25x with 16 threads a worker, 16 threads of one process 1.13-1.3x; with
+4 threads, where PostgreSQL already commits their transactions together, it costs 15%, so a
+producer groups nothing unless asked (docs/benchmarks/2026-11-28-group-commit). Nothing is
+shared across processes: a forked child starts with no group.
 """
 
 from __future__ import annotations
@@ -35,15 +37,15 @@ R = TypeVar("R")  # what writing it gives
 
 class _Waiting(Generic[M, R]):
     """A send waiting for its group: the thread sleeps on `_done` until the group's writer
-    (or, when it is to write the next group itself, `writes`) wakes it."""
+    wakes it, or a write ending hands it a `group` (itself first) to write."""
 
-    __slots__ = ("_done", "error", "message", "result", "writes")
+    __slots__ = ("_done", "error", "group", "message", "result")
 
     def __init__(self, message: M):
         self.message = message
         self.result: object = None  # R, or _ALONE
         self.error: BaseException | None = None
-        self.writes = False
+        self.group: list[_Waiting[M, R]] | None = None  # set when this thread writes them
         self._done = threading.Lock()
         self._done.acquire()
 
@@ -55,14 +57,18 @@ class _Waiting(Generic[M, R]):
 
 
 class Grouped(Generic[M, R]):
-    """Writes each message by `write_one` (nothing else under way) or, with those that came
-    while a write was under way, by `write_group` (-> one result per message, in order; None
-    for one it did not store, which is then written by `write_one` in its own thread). A group
-    of one is written by `write_one`."""
+    """Writes each message by `write_one` (fewer than `writers` writes under way) or, with
+    those that came while `writers` were, by `write_group` (-> one result per message, in
+    order; None for one it did not store, which is then written by `write_one` in its own
+    thread). A group of one is written by `write_one`."""
 
     def __init__(
-        self, write_one: Callable[[M], R], write_group: Callable[[Sequence[M]], Sequence[R]]
+        self,
+        write_one: Callable[[M], R],
+        write_group: Callable[[Sequence[M]], Sequence[R]],
+        writers: int,
     ):
+        self.writers = writers
         self._write_one = write_one
         self._write_group = write_group
         self._reset()
@@ -72,13 +78,13 @@ class Grouped(Generic[M, R]):
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._waiting: deque[_Waiting[M, R]] = deque()
-        self._writing = False
+        self._writing = 0  # writes under way
 
     def write(self, message: M) -> R:
         with self._lock:
-            alone = not self._writing
+            alone = self._writing < self.writers
             if alone:
-                self._writing = True
+                self._writing += 1
             else:
                 waiting: _Waiting[M, R] = _Waiting(message)
                 self._waiting.append(waiting)
@@ -88,19 +94,17 @@ class Grouped(Generic[M, R]):
             finally:
                 self._pass_on()
         waiting.wait()
-        if waiting.writes:
-            self._write_waiting()
+        if waiting.group is not None:
+            self._write_group_of(waiting.group)
         if waiting.error is not None:
             raise _own_copy(waiting.error) from waiting.error
         if waiting.result is _ALONE:  # the group did not store it
             return self._write_one(message)
         return cast(R, waiting.result)
 
-    def _write_waiting(self) -> None:
-        """Write the sends waiting now (this thread's first among them) as one group, wake
-        each with its result or the error, and pass the writing on."""
-        with self._lock:
-            group = [self._waiting.popleft() for _ in range(min(MOST, len(self._waiting)))]
+    def _write_group_of(self, group: list[_Waiting[M, R]]) -> None:
+        """Write `group` (this thread's send first) as one, wake each of the others with its
+        result or the error, and pass the writing on."""
         try:
             messages = [waiting.message for waiting in group]
             if len(group) == 1:
@@ -118,14 +122,15 @@ class Grouped(Generic[M, R]):
             self._pass_on()
 
     def _pass_on(self) -> None:
-        """After a write: the first send waiting writes the next group, else no one writes."""
+        """After a write: the sends waiting (up to MOST) go to the first of them to write as
+        a group; none waiting, this writer is done."""
         with self._lock:
             if not self._waiting:
-                self._writing = False
+                self._writing -= 1
                 return
-            first = self._waiting[0]
-        first.writes = True
-        first.wake()
+            group = [self._waiting.popleft() for _ in range(min(MOST, len(self._waiting)))]
+        group[0].group = group
+        group[0].wake()
 
 
 def _own_copy(error: BaseException) -> BaseException:

@@ -80,7 +80,10 @@ def _not_earlier(conn: Any, new: store.NewMessage, due: datetime) -> store.NewMe
 class Producer:
     """Validates and stores messages. Build one per process with the settings and an engine."""
 
-    def __init__(self, settings: Settings, engine: Engine):
+    def __init__(self, settings: Settings, engine: Engine, group_writers: int | None = None):
+        """`group_writers`: single sends of this process's threads that come while this many
+        are being written wait and are written together (`delaysvc.producer.grouping`); None
+        (the default): each is written at once, alone."""
         self.settings = settings
         self.engine = engine
         # a single send is one autocommitted statement on the driver's cursor (psycopg 3);
@@ -88,9 +91,12 @@ class Producer:
         self._autocommitted_sends = (
             engine.dialect.driver == "psycopg" and not engine.dialect.is_async
         )
-        # sends of this process's threads that come while one is under way are written
-        # together (`delaysvc.producer.grouping`)
-        self._sends = grouping.Grouped(self._insert_autocommitted, self._insert_group)
+        self._write_single: Callable[[store.NewMessage], Any] = self._insert_autocommitted
+        if group_writers is not None:
+            self._sends = grouping.Grouped(
+                self._insert_autocommitted, self._insert_group, group_writers
+            )
+            self._write_single = self._sends.write
 
     # -- building -------------------------------------------------------------
 
@@ -248,7 +254,7 @@ class Producer:
     def _send_one(self, new: store.NewMessage, connection: Joinable | None) -> Message:
         inserted = None
         if connection is None and not self.settings.caps and self._autocommitted_sends:
-            inserted = self._sends.write(new)
+            inserted = self._write_single(new)
         if inserted is not None:
             row, created, _ = inserted
         else:  # in a transaction, or a cap covers it (nothing was stored)

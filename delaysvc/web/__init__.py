@@ -15,6 +15,8 @@ from delaysvc.db.engines import make_engine
 from delaysvc.producer.sending import Producer
 
 SESSION_HOURS = 12
+WEB_GROUP_WRITERS = 2
+"""Single sends a web worker writes at once before the next ones wait and go together."""
 API_PREFIX = "/api/v1"
 
 
@@ -60,7 +62,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["delaysvc"] = {
         "settings": settings,
         "engine": engine,
-        "producer": Producer(settings, engine),
+        # requests served at once by a worker's threads: their single sends are written
+        # together (group commit, `delaysvc.producer.grouping`)
+        "producer": Producer(settings, engine, group_writers=WEB_GROUP_WRITERS),
     }
     from delaysvc.web.api import api
     from delaysvc.web.dashboard import dashboard

@@ -1,8 +1,9 @@
 """Group commit on a real database: single sends of several threads that wait behind one under
 way are stored together, in one statement, each as if sent alone (`delaysvc.producer.grouping`).
 
-A first send is held on a table lock (a due-now send waits to insert into `topic_queue`), the
-sends under test queue behind it, and the lock is let go: they are then written as one group."""
+A producer writing one send at a time (`group_writers=1`): a first send is held on a table lock
+(a due-now send waits to insert into `topic_queue`), the sends under test queue behind it, and
+the lock is let go: they are then written as one group."""
 
 from __future__ import annotations
 
@@ -16,9 +17,17 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, text
 
+from delaysvc.config.settings import Settings
 from delaysvc.errors import BacklogFull, DatabaseUnavailable
 from delaysvc.producer.sending import Producer
+from delaysvc.store import insert_group
+from delaysvc.web import WEB_GROUP_WRITERS
 from tests.integration.test_caps import _producer
+
+
+@pytest.fixture
+def producer(settings: Settings, engine: Engine) -> Producer:
+    return Producer(settings, engine, group_writers=1)
 
 
 @contextmanager
@@ -163,8 +172,9 @@ def test_a_key_repeated_in_a_group_or_held_already_gives_its_holder(
     assert dict(keys) == {None: 1, "k0": 1, "k1": 1, "k2": 1}
 
 
-def test_a_capped_send_in_a_group_is_refused_alone(settings: Any, engine: Engine) -> None:
-    producer = _producer(settings, engine, "topic:t.capped=1:reject")
+def test_a_capped_send_in_a_group_is_refused_alone(settings: Settings, engine: Engine) -> None:
+    _producer(settings, engine, "topic:t.capped=1:reject")  # the database's caps
+    producer = Producer(settings, engine, group_writers=1)
     kept = producer.send("t.capped", "kept", delay_level=1)
     sends = Sends(producer)
     with locked(engine, "topic_queue"):
@@ -214,12 +224,14 @@ def test_a_group_whose_connection_is_lost_fails_every_send_in_it_and_stores_none
     assert producer.send("t.lost", "again", delay_level=1).created
 
 
-@pytest.mark.parametrize("threads", [8])
+@pytest.mark.parametrize("writers", [1, WEB_GROUP_WRITERS])
 def test_many_threads_sending_get_one_message_each(
-    producer: Producer, engine: Engine, threads: int
+    settings: Settings, engine: Engine, writers: int
 ) -> None:
     """No coordination by the test: whatever groups form, every send is one message, counted
     once in its lane."""
+    producer = Producer(settings, engine, group_writers=writers)
+    threads = 8
     results: list[Any] = []
 
     def send(worker: int) -> None:
@@ -238,3 +250,26 @@ def test_many_threads_sending_get_one_message_each(
         queued = conn.execute(text("SELECT count(*) FROM consume_queue")).scalar_one()
         counted = conn.execute(text("SELECT sum(delta) FROM lane_count")).scalar_one()
     assert stored == queued == counted == len(results)
+
+
+def test_the_group_statement_keeps_one_plan(producer: Producer, engine: Engine) -> None:
+    """PostgreSQL takes the group statement's generic plan after its first few runs instead of
+    planning it again each time (migration 0019: `send_one` is estimated at one row)."""
+    new = producer.prepare("t.plan", {"n": 1}, delay_level=1)
+    raw = engine.raw_connection()
+    try:
+        driver = raw.driver_connection
+        assert driver is not None
+        driver.autocommit = True
+        with driver.cursor() as cursor:
+            for size in [2, 3, 2, 5, 2, 4, 3, 2, 6, 2]:
+                insert_group(cursor, [new] * size)
+            plans = cursor.execute(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement LIKE '%LATERAL %send_one(m.topic%'"
+            ).fetchall()
+        driver.autocommit = False
+    finally:
+        raw.close()
+    ((generic, custom),) = plans
+    assert generic >= 4 and custom <= 5, (generic, custom)

@@ -74,7 +74,7 @@ def in_threads(
 
 def test_a_write_with_none_under_way_is_written_alone_at_once():
     writes = Writes()
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     assert grouped.write("a") == "a: alone"
     assert grouped.write("b") == "b: alone"
     assert writes.calls == [("one", ["a"]), ("one", ["b"])]
@@ -82,7 +82,7 @@ def test_a_write_with_none_under_way_is_written_alone_at_once():
 
 def test_writes_that_wait_behind_one_are_written_together_in_order():
     writes = Writes()
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     writes.hold()
     first, first_threads = in_threads(grouped, ["first"])
     assert writes.started.wait(10)
@@ -102,7 +102,7 @@ def test_writes_that_wait_behind_one_are_written_together_in_order():
 def test_each_waiting_write_gets_its_own_result_and_one_not_stored_is_written_alone():
     writes = Writes()
     writes.refuse = {"c"}
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     writes.hold()
     _, first = in_threads(grouped, ["first"])
     assert writes.started.wait(10)
@@ -121,7 +121,7 @@ def test_each_waiting_write_gets_its_own_result_and_one_not_stored_is_written_al
 
 def test_a_group_of_one_is_written_as_one():
     writes = Writes()
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     writes.hold()
     _, first = in_threads(grouped, ["first"])
     assert writes.started.wait(10)
@@ -137,7 +137,7 @@ def test_a_group_of_one_is_written_as_one():
 def test_a_failed_group_fails_every_write_in_it_each_with_its_own_error():
     writes = Writes()
     writes.fail = ConnectionError("the database went away")
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     writes.hold()
     _, first = in_threads(grouped, ["first"])
     assert writes.started.wait(10)
@@ -158,7 +158,7 @@ def test_a_failed_group_fails_every_write_in_it_each_with_its_own_error():
 def test_more_waiting_than_a_group_takes_go_in_the_next(monkeypatch):
     monkeypatch.setattr(grouping, "MOST", 2)
     writes = Writes()
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     writes.hold()
     _, first = in_threads(grouped, ["first"])
     assert writes.started.wait(10)
@@ -174,7 +174,7 @@ def test_more_waiting_than_a_group_takes_go_in_the_next(monkeypatch):
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_while_the_parent_writes_does_not_wait_for_it():
     writes = Writes()
-    grouped = grouping.Grouped(writes.one, writes.group)
+    grouped = grouping.Grouped(writes.one, writes.group, 1)
     writes.hold()
     _, first = in_threads(grouped, ["first"])
     assert writes.started.wait(10)
@@ -191,3 +191,22 @@ def test_a_child_forked_while_the_parent_writes_does_not_wait_for_it():
     for thread in first:
         thread.join(10)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_with_two_writers_a_second_write_goes_at_once_and_a_third_waits():
+    writes = Writes()
+    grouped = grouping.Grouped(writes.one, writes.group, 2)
+    writes.hold()
+    _, first = in_threads(grouped, ["first"])
+    assert writes.started.wait(10)
+    writes.started.clear()
+    _, second = in_threads(grouped, ["second"])
+    assert writes.started.wait(10)  # written alone beside the first
+    results, threads = in_threads(grouped, ["b", "c"])
+    queued(grouped, 2)
+    writes.release()
+    for thread in first + second + threads:
+        thread.join(10)
+    assert writes.calls[:2] == [("one", ["first"]), ("one", ["second"])]
+    assert writes.calls[2] == ("group", ["b", "c"])
+    assert results == {"b": "b: in a group of 2", "c": "c: in a group of 2"}
