@@ -75,7 +75,8 @@ def beat(ctx: Context) -> None:
     type=click.IntRange(min=1),
     default=WEB_THREADS,
     show_default=True,
-    help="Requests each worker serves at once (1: one at a time, gunicorn's sync workers).",
+    help="Requests each worker serves at once (more than 1: gunicorn's threaded workers, "
+    "whose single sends are written together).",
 )
 @pass_ctx
 def web(ctx: Context, host: str, port: int, workers: int, threads: int) -> None:

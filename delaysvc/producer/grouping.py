@@ -9,11 +9,11 @@ capped and keyed as if sent alone, and each caller returns only once its group h
 A group is one transaction: if its write fails, nothing of it is stored and every send in it
 raises the error (each its own copy).
 
-It pays where many threads of one process send at once, as a web worker's do under load: the
-HTTP single send 1.2-1.25x with 16 threads a worker, 16 threads of one process 1.13-1.3x; with
-4 threads, where PostgreSQL already commits their transactions together, it costs 15%, so a
-producer groups nothing unless asked (docs/benchmarks/2026-11-28-group-commit). Nothing is
-shared across processes: a forked child starts with no group.
+It pays where many threads of one process send at once: 16 threads, N = 2, 1.42x the sends a
+second of each written alone; with 4 threads it is even (N = 1 costs a third there: PostgreSQL
+already commits concurrent transactions together), so a producer groups nothing unless asked
+(docs/benchmarks/2026-11-28-group-commit). Nothing is shared across processes: a forked child
+starts with no group.
 """
 
 from __future__ import annotations
