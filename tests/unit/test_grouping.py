@@ -72,6 +72,26 @@ def in_threads(
     return results, threads
 
 
+def held_first(grouped: grouping.Grouped, writes: Writes) -> list[threading.Thread]:
+    """A first write (from a thread of its own) under way and held. -> its thread."""
+    writes.hold()
+    _, first = in_threads(grouped, ["first"])
+    assert writes.started.wait(10)
+    return first
+
+
+def behind_a_first(grouped: grouping.Grouped, writes: Writes, messages: list[str]) -> dict:
+    """A first write held until `messages` (each from a thread of its own, all at once) wait
+    behind it, then let go. -> message -> its result or error."""
+    first = held_first(grouped, writes)
+    results, threads = in_threads(grouped, messages)
+    queued(grouped, len(messages))
+    writes.release()
+    for thread in first + threads:
+        thread.join(10)
+    return results
+
+
 def test_a_write_with_none_under_way_is_written_alone_at_once():
     writes = Writes()
     grouped = grouping.Grouped(writes.one, writes.group, 1)
@@ -83,9 +103,7 @@ def test_a_write_with_none_under_way_is_written_alone_at_once():
 def test_writes_that_wait_behind_one_are_written_together_in_order():
     writes = Writes()
     grouped = grouping.Grouped(writes.one, writes.group, 1)
-    writes.hold()
-    first, first_threads = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
+    first_threads = held_first(grouped, writes)
     results: dict[str, object] = {}
     threads: list[threading.Thread] = []
     for message in ["b", "c", "d"]:  # one at a time, so their order is known
@@ -94,7 +112,6 @@ def test_writes_that_wait_behind_one_are_written_together_in_order():
     writes.release()
     for thread in first_threads + threads:
         thread.join(10)
-    assert first == {"first": "first: alone"}
     assert writes.calls == [("one", ["first"]), ("group", ["b", "c", "d"])]
     assert results == {m: f"{m}: in a group of 3" for m in "bcd"}
 
@@ -103,14 +120,7 @@ def test_each_waiting_write_gets_its_own_result_and_one_not_stored_is_written_al
     writes = Writes()
     writes.refuse = {"c"}
     grouped = grouping.Grouped(writes.one, writes.group, 1)
-    writes.hold()
-    _, first = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
-    results, threads = in_threads(grouped, ["b", "c", "d"])
-    queued(grouped, 3)
-    writes.release()
-    for thread in first + threads:
-        thread.join(10)
+    results = behind_a_first(grouped, writes, ["b", "c", "d"])
     assert results == {
         "b": "b: in a group of 3",
         "c": "c: alone",
@@ -122,14 +132,7 @@ def test_each_waiting_write_gets_its_own_result_and_one_not_stored_is_written_al
 def test_a_group_of_one_is_written_as_one():
     writes = Writes()
     grouped = grouping.Grouped(writes.one, writes.group, 1)
-    writes.hold()
-    _, first = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
-    results, threads = in_threads(grouped, ["b"])
-    queued(grouped, 1)
-    writes.release()
-    for thread in first + threads:
-        thread.join(10)
+    results = behind_a_first(grouped, writes, ["b"])
     assert results == {"b": "b: alone"}
     assert [kind for kind, _ in writes.calls] == ["one", "one"]
 
@@ -138,14 +141,7 @@ def test_a_failed_group_fails_every_write_in_it_each_with_its_own_error():
     writes = Writes()
     writes.fail = ConnectionError("the database went away")
     grouped = grouping.Grouped(writes.one, writes.group, 1)
-    writes.hold()
-    _, first = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
-    results, threads = in_threads(grouped, ["b", "c", "d"])
-    queued(grouped, 3)
-    writes.release()
-    for thread in first + threads:
-        thread.join(10)
+    results = behind_a_first(grouped, writes, ["b", "c", "d"])
     errors = [results[m] for m in "bcd"]
     assert all(isinstance(e, ConnectionError) for e in errors), errors
     assert all(str(e) == "the database went away" for e in errors)
@@ -159,14 +155,7 @@ def test_more_waiting_than_a_group_takes_go_in_the_next(monkeypatch):
     monkeypatch.setattr(grouping, "MOST", 2)
     writes = Writes()
     grouped = grouping.Grouped(writes.one, writes.group, 1)
-    writes.hold()
-    _, first = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
-    results, threads = in_threads(grouped, ["b", "c", "d", "e", "f"])
-    queued(grouped, 5)
-    writes.release()
-    for thread in first + threads:
-        thread.join(10)
+    results = behind_a_first(grouped, writes, ["b", "c", "d", "e", "f"])
     assert sorted(len(messages) for kind, messages in writes.calls[1:]) == [1, 2, 2]
     assert len(results) == 5 and all(isinstance(r, str) for r in results.values())
 
@@ -175,9 +164,7 @@ def test_more_waiting_than_a_group_takes_go_in_the_next(monkeypatch):
 def test_a_child_forked_while_the_parent_writes_does_not_wait_for_it():
     writes = Writes()
     grouped = grouping.Grouped(writes.one, writes.group, 1)
-    writes.hold()
-    _, first = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
+    first = held_first(grouped, writes)
     pid = os.fork()
     if pid == 0:  # the child: its copy of the parent's write will never end
         signal.alarm(10)  # a child left waiting for it ends here, failing the test
@@ -196,9 +183,7 @@ def test_a_child_forked_while_the_parent_writes_does_not_wait_for_it():
 def test_with_two_writers_a_second_write_goes_at_once_and_a_third_waits():
     writes = Writes()
     grouped = grouping.Grouped(writes.one, writes.group, 2)
-    writes.hold()
-    _, first = in_threads(grouped, ["first"])
-    assert writes.started.wait(10)
+    first = held_first(grouped, writes)
     writes.started.clear()
     _, second = in_threads(grouped, ["second"])
     assert writes.started.wait(10)  # written alone beside the first
