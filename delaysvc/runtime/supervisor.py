@@ -87,9 +87,10 @@ WEB_THREADS = 1
 """Requests a web worker serves at once by default: one (gunicorn's sync workers). With more
 (`delaysvc web --threads N`, gunicorn's threaded workers) a worker serves others while one
 waits on the database, and their single sends are written together (group commit,
-`delaysvc.producer.grouping`); on the 2-core machine of docs/benchmarks/2026-11-28-group-commit
-16 threads a worker gave 0.6-1.3x the sync workers' requests a second from one run to the next,
-and a p99 nearly twice theirs, so it is not the default."""
+`delaysvc.producer.grouping`). But a threaded worker keeps every kept-alive client it accepts,
+and one may accept them all: on the 2-core machine of docs/benchmarks/2026-11-28-group-commit
+16 threads a worker gave 0.6-1.3x the sync workers' requests a second from one start to the
+next, so it is not the default."""
 
 
 def web_command(
