@@ -120,33 +120,17 @@ ORDER BY m.ord
 def insert_group(
     cursor: Cursor[Any], messages: Sequence[NewMessage]
 ) -> list[tuple[Stored, bool, int] | None]:
-    """Store `messages` (each a single send), in one statement on `cursor` (a psycopg 3 driver
-    cursor; autocommitted: `db.autocommit_cursor`), caps not held. -> per message, in order,
-    (row, True, 0) as `insert_message` gives a new one, or None: nothing stored for it (a cap
-    covers it, or an unfinished message holds its key), to be sent alone (`insert_message`)."""
-    params: dict[str, list[Any]] = {name: [] for name in _GROUP_PARAMS}
-    for message in messages:
-        for name, value in _message_params(message).items():
-            params[name].append(value)
+    """Store `messages` (each a single send; at least one), in one statement on `cursor` (a
+    psycopg 3 driver cursor; autocommitted: `db.autocommit_cursor`), caps not held. -> per
+    message, in order, (row, True, 0) as `insert_message` gives a new one, or None: nothing
+    stored for it (a cap covers it, or an unfinished message holds its key), to be sent alone
+    (`insert_message`)."""
+    each = [_message_params(message) for message in messages]
+    params = {name: [one[name] for one in each] for name in each[0]}
     params["tags"] = [None if tags is None else json.dumps(tags) for tags in params["tags"]]
     prepare = None if cursor.connection.prepare_threshold is None else True
     rows = cursor.execute(_driver_sql(SEND_GROUP), params, prepare=prepare).fetchall()
     return [None if row[0] is None else (Stored(*row), True, 0) for row in rows]
-
-
-_GROUP_PARAMS = (
-    "topic",
-    "key",
-    "tags",
-    "body",
-    "body_is_json",
-    "properties",
-    "delay_level",
-    "priority",
-    "lane",
-    "delay_ms",
-    "deliver_at",
-)
 
 
 def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:
