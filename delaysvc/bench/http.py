@@ -125,16 +125,25 @@ def http_suite(ctx: BenchContext) -> Figures:
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
     command = web_command("127.0.0.1", port, workers, threads=threads)
     command[command.index("--access-logfile") + 1] = "/dev/null"
-    web = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        preexec_fn=die_with_parent(),  # a killed bench leaves no server on its port
-    )
+    # gunicorn's own lines go to a file: a pipe nobody reads would stop it once full
+    folder = ctx.out or Path(tempfile.mkdtemp(prefix="delaysvc-bench-http-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / "http-gunicorn.log"
+    with log_path.open("wb") as log:
+        web = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            preexec_fn=die_with_parent(),  # a killed bench leaves no server on its port
+        )
     try:
-        if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
-            raise RuntimeError("gunicorn did not answer within 60 s")
+        if not wait_until_answering(f"http://127.0.0.1:{port}/healthz", process=web):
+            said = log_path.read_text(errors="replace").strip().splitlines()[-20:]
+            state = "did not answer within 60 s" if web.poll() is None else "exited"
+            raise RuntimeError(
+                f"gunicorn {state}; its last lines ({log_path}):\n" + "\n".join(said)
+            )
         served = f"gunicorn -w {workers} --threads {threads}"
         step(f"wrk: {clients} connections for {seconds:g} s against {served}")
         result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)

@@ -76,7 +76,7 @@ def beat(ctx: Context) -> None:
     default=WEB_THREADS,
     show_default=True,
     help="Requests each worker serves at once (more than 1: gunicorn's threaded workers, "
-    "whose single sends are written together).",
+    "each holding at most 2N client connections, whose single sends are written together).",
 )
 @pass_ctx
 def web(ctx: Context, host: str, port: int, workers: int, threads: int) -> None:

@@ -87,10 +87,19 @@ WEB_THREADS = 1
 """Requests a web worker serves at once by default: one (gunicorn's sync workers). With more
 (`delaysvc web --threads N`, gunicorn's threaded workers) a worker serves others while one
 waits on the database, and their single sends are written together (group commit,
-`delaysvc.producer.grouping`). But a threaded worker keeps every kept-alive client it accepts,
-and one may accept them all: on the 2-core machine of docs/benchmarks/2026-11-28-group-commit
-16 threads a worker gave 0.6-1.3x the sync workers' requests a second from one start to the
-next, so it is not the default."""
+`delaysvc.producer.grouping`): 1.1-1.4x the sync workers' single sends on the 2-core machine of
+docs/benchmarks/2026-11-28-http-idle-clients, at two to three times their p99 latency, so it is
+not the default."""
+
+CONNECTIONS_PER_THREAD = 2
+"""Client connections a threaded web worker holds at most, per thread (gunicorn's
+`--worker-connections`). A threaded worker keeps every kept-alive client it accepts, and
+gunicorn's own limit (1,000) lets one worker accept them all: 50 of 50 wrk connections on one
+of four workers, half the requests a second (docs/benchmarks/2026-11-28-group-commit). Twice
+the threads spreads them and leaves a kept-alive slot a thread. A worker that holds its most
+accepts no more until one closes: with 1.25x the threads and 40 idle kept-alive clients beside
+wrk's 50, every request's p99 was 0.9-1 s; with twice, 112-121 ms
+(docs/benchmarks/2026-11-28-http-idle-clients)."""
 
 
 def web_command(
@@ -102,6 +111,7 @@ def web_command(
     threads: int = WEB_THREADS,
 ) -> Command:
     logs = ["--access-logfile", "-"] if access_log else []
+    held = ["--worker-connections", str(threads * CONNECTIONS_PER_THREAD)] if threads > 1 else []
     if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
         logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
     return Command(
@@ -117,6 +127,7 @@ def web_command(
             str(workers),
             "--threads",
             str(threads),
+            *held,
             *logs,
             "--log-level",
             "warning",
@@ -369,9 +380,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def wait_until_answering(url: str, timeout: float = 60.0) -> bool:
+def wait_until_answering(
+    url: str, timeout: float = 60.0, process: subprocess.Popen[Any] | None = None
+) -> bool:
+    """Until `url` answers (True), `timeout` passes or `process` (the server) exits (False)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and (process is None or process.poll() is None):
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status < 500:

@@ -3,6 +3,9 @@ full size (50 clients for 5 minutes) is `delaysvc bench http`; figures in docs/r
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from sqlalchemy import Engine
 
 from delaysvc.bench import BenchContext
@@ -32,3 +35,17 @@ def test_http_suite_sends_through_gunicorn_with_no_error_and_loses_nothing(
             sql("SELECT count(*) FROM delaysvc.message WHERE topic = 'bench.http.batch'")
         ).scalar_one()
     assert stored % 1000 == 0 and stored >= 2000
+
+
+def test_http_suite_stops_at_once_with_gunicorn_s_own_words_when_the_app_cannot_start(
+    settings: Settings, engine: Engine, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the bench's own process never reads it; the web app refuses it at start
+    monkeypatch.setenv("DELAYSVC_LOG_FORMAT", "bogus")
+    sizes = {"http_clients": 2, "http_seconds": 1, "http_workers": 1, "http_threads": 1}
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        http_suite(BenchContext(settings, engine, database_url, sizes))
+    assert time.monotonic() - started < 40  # not the 60 s wait for an answer
+    assert "gunicorn exited" in str(raised.value)
+    assert "DELAYSVC_LOG_FORMAT: 'bogus' is not a log format" in str(raised.value)

@@ -1,0 +1,64 @@
+"""`delaysvc web --threads N` (gunicorn's threaded workers): a worker holds at most
+`CONNECTIONS_PER_THREAD` client connections a thread, so one worker cannot take every kept-alive
+client (docs/benchmarks/2026-11-28-http-idle-clients). A real gunicorn, as `delaysvc web`
+starts it."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+import psutil
+
+from delaysvc.runtime.supervisor import (
+    CONNECTIONS_PER_THREAD,
+    die_with_parent,
+    free_port,
+    wait_until_answering,
+    web_command,
+)
+from tests.conftest import outside_env
+
+
+def _held(web: subprocess.Popen[bytes], port: int) -> list[int]:
+    """Client connections on `port` each of `web`'s workers has accepted."""
+    return [
+        sum(
+            1
+            for c in w.net_connections("tcp")
+            if c.status == "ESTABLISHED" and c.laddr.port == port
+        )
+        for w in psutil.Process(web.pid).children()
+    ]
+
+
+def test_a_threaded_worker_accepts_no_more_connections_than_its_cap(database_url: str) -> None:
+    threads = 2
+    cap = threads * CONNECTIONS_PER_THREAD
+    port = free_port()
+    command = web_command("127.0.0.1", port, workers=1, access_log=False, threads=threads)
+    assert command[command.index("--worker-connections") + 1] == str(cap)
+    env = outside_env() | {"DELAYSVC_DATABASE_URL": database_url}
+    web = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, preexec_fn=die_with_parent()
+    )
+    clients: list[socket.socket] = []
+    try:
+        assert wait_until_answering(f"http://127.0.0.1:{port}/healthz", process=web)
+        time.sleep(0.5)  # the health check's connection closed
+        # idle clients, as a proxy's pool keeps them: connected, asking nothing yet
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 3)]
+        time.sleep(0.5)
+        assert _held(web, port) == [cap]  # the other 3 wait in the listen queue
+    finally:
+        for client in clients:
+            client.close()
+        web.terminate()
+        web.wait(timeout=30)
+
+
+def test_sync_workers_take_no_connection_cap() -> None:
+    command = web_command("127.0.0.1", 8080, workers=2)
+    assert "--worker-connections" not in command
+    assert command[command.index("--threads") + 1] == "1"
