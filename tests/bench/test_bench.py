@@ -23,7 +23,13 @@ from delaysvc.bench import (
     run,
 )
 from delaysvc.bench.peers import PEERS
-from delaysvc.bench.suites import NOOP_TOPIC, Figures, _batch_database_write
+from delaysvc.bench.suites import (
+    NOOP_TOPIC,
+    SIDE_BY_SIDE,
+    Figures,
+    _batch_database_write,
+    _in_turn,
+)
 from delaysvc.cli import cli
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url
@@ -76,6 +82,12 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
     assert "| delivery_drain: msgs/s |" in table
     assert "| send_batch_database_write: msgs/s through a batch's own statements" in table
     assert "| send_single_level_vs_timer: msgs/s of a single send to the longest level" in table
+    # each send ratio from SIDE_BY_SIDE rounds of the raw limit and the service in turn
+    for name in ("send_single_c1", "send_single_c4", "send_batch_1000", "send_batch_10000"):
+        rounds = results[name]["round_ratios"]
+        assert len(rounds) == SIDE_BY_SIDE and min(rounds) <= results[name]["ratio"] <= max(rounds)
+    c1 = results["send_single_c1"]
+    assert f"| {c1['ratio']:.0%} ({min(c1['round_ratios']):.0%}-" in table
     versus = results["send_single_level_vs_timer"]
     assert versus["level_msgs_per_s"] > 0 and versus["timer_msgs_per_s"] > 0
     for plot in ("lateness_ms.png", "start_latency_ms.png", "backlog.png"):
@@ -418,3 +430,15 @@ def test_history_measures_with_and_without_a_finished_history_and_drops_a_day(
     }
     table = (out / "results.md").read_text()
     assert "| history: retention: drop the oldest day (1,000 messages) |" in table
+
+
+def test_measures_taken_in_turn_round_after_round() -> None:
+    done: list[str] = []
+
+    def measure(name: str, figure: float) -> float:
+        done.append(name)
+        return figure
+
+    taken = _in_turn({"raw": lambda: measure("raw", 10.0), "send": lambda: measure("send", 4.0)}, 3)
+    assert done == ["raw", "send"] * 3
+    assert taken == {"raw": [10.0] * 3, "send": [4.0] * 3}
