@@ -24,14 +24,12 @@ import textwrap
 from pathlib import Path
 
 import psutil
+from scratch import send_token
 
-from delaysvc import auth
 from delaysvc.bench import raw
 from delaysvc.bench.http import run_wrk
-from delaysvc.config.settings import Settings
-from delaysvc.db.engines import libpq_url, make_engine
+from delaysvc.db.engines import libpq_url
 from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
-from delaysvc.schema import migrate
 
 SECONDS = 20.0
 
@@ -90,11 +88,7 @@ def main(url: str) -> None:
         command += ["--log-level", "warning", "--chdir", folder, "bare_flask:app"]
         views = {"a JSON view": "/api/v1/messages", "a bare view": "/bare/api/v1/messages"}
         rates = served(command, dict(os.environ), port, views, "unused")
-    settings = Settings.from_env(database_url=url)
-    engine = make_engine(settings)
-    migrate.upgrade(engine, settings.levels)
-    token = auth.create_token(engine, f"http-ceiling-{os.getpid()}", scope="send")
-    engine.dispose()
+    token = send_token(url, "http-ceiling")
     command = list(web_command("127.0.0.1", port, 4, access_log=False))
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
     rates |= served(command, env, port, {"delaysvc's send": "/api/v1/messages"}, token)

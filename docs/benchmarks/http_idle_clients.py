@@ -31,12 +31,10 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from delaysvc import auth
+from scratch import send_token
+
 from delaysvc.bench.http import run_wrk
-from delaysvc.config.settings import Settings
-from delaysvc.db.engines import make_engine
 from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
-from delaysvc.schema import migrate
 
 PAGE = b"GET /no-such-page HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"  # a 404: Flask, no database
 
@@ -115,11 +113,7 @@ def spread_into(held: list[int], web: subprocess.Popen, port: int) -> None:
 
 
 def main(url: str, seconds: float, rounds: int, idle: int) -> None:
-    settings = Settings.from_env(database_url=url)
-    engine = make_engine(settings)
-    migrate.upgrade(engine, settings.levels)
-    token = auth.create_token(engine, f"http-idle-{os.getpid()}", scope="send")
-    engine.dispose()
+    token = send_token(url, "http-idle")
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
     port = free_port()
     sync = list(web_command("127.0.0.1", port, 4, access_log=False))

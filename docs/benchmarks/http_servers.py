@@ -22,13 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import http_ceiling
+from scratch import send_token
 
-from delaysvc import auth
 from delaysvc.bench import raw
-from delaysvc.config.settings import Settings
-from delaysvc.db.engines import libpq_url, make_engine
+from delaysvc.db.engines import libpq_url
 from delaysvc.runtime.supervisor import free_port, web_command
-from delaysvc.schema import migrate
 
 
 def granian(port: int, threads: int) -> list[str]:
@@ -42,11 +40,7 @@ def granian(port: int, threads: int) -> list[str]:
 
 def main(url: str) -> None:
     raw_rate = raw.insert_one_row_per_transaction(libpq_url(url), 50, http_ceiling.SECONDS)
-    settings = Settings.from_env(database_url=url)
-    engine = make_engine(settings)
-    migrate.upgrade(engine, settings.levels)
-    token = auth.create_token(engine, f"http-servers-{os.getpid()}", scope="send")
-    engine.dispose()
+    token = send_token(url, "http-servers")
     env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
     port = free_port()
     gunicorn = list(web_command("127.0.0.1", port, 4, access_log=False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -52,3 +53,17 @@ def send_one_call(new: producing.NewMessage) -> tuple[str, dict[str, Any]]:
     statement, run by hand."""
     statement = re.sub(r"(?<!:):([a-z_]+)", r"%(\1)s", producing.SEND_ONE.replace("%", "%%"))
     return statement, {**producing._message_params(new), "caps_held": False}
+
+
+def send_token(url: str, name: str) -> str:
+    """A new `send` API token in the database at `url`, migrated first (for a web server the
+    script starts on it); `name` and this process's id name the token."""
+    from delaysvc import auth
+
+    settings = Settings(database_url=url)
+    engine = make_engine(settings, url)
+    try:
+        upgrade(engine, settings.levels)
+        return auth.create_token(engine, f"{name}-{os.getpid()}", scope="send")
+    finally:
+        engine.dispose()
