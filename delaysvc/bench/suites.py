@@ -20,7 +20,7 @@ import multiprocessing
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from functools import partial
@@ -114,7 +114,7 @@ minute to minute (the single send's ratio read 16% in one run there and 65% in a
 from one raw measurement and one of the service's, minutes apart)."""
 
 
-def _in_turn(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+def _in_turn(measures: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
     """Each of `measures` once a round, in the order given, `rounds` times. -> name -> its
     figures, a round each."""
     taken: dict[str, list[float]] = {name: [] for name in measures}
@@ -166,12 +166,8 @@ def send_suite(
         "level": {"delay_level": top},
         "timer": {"delay_ms": settings.levels.delay_ms(top) + 420_000},
     }
-    lanes: dict[str, list[float]] = {"level": [], "timer": []}
-    for _ in range(2):
-        for lane, where in ways.items():
-            step(f"send: Producer.send to the {lane} lane, 1 client, {seconds:g}s")
-            reset_tables(engine)
-            lanes[lane].append(_send_single(producer, 1, seconds, **where))
+    sends = {lane: partial(_lane_sends, producer, seconds, lane, way) for lane, way in ways.items()}
+    lanes = _in_turn(sends, 2)
     level, timer = (statistics.median(lanes[lane]) for lane in ("level", "timer"))
     figures.results["send_single_level_vs_timer"] = {
         "level_msgs_per_s": round(level),
@@ -179,26 +175,15 @@ def send_suite(
         "ratio": round(level / timer, 3),
         "target_ratio": 0.9,
     }
-
-    def raw_copy() -> float:
-        step(f"send: raw COPY of {batch_rows:,} rows")
-        return raw.copy_rows(libpq_url(url), batch_rows)
-
-    def batches(size: int) -> Callable[[], float]:
-        def measure() -> float:
-            reset_tables(engine)
-            step(f"send: send_batch of {size:,}, {batch_rows:,} messages")
-            return _send_batches(producer, batch_rows, size)
-
-        return measure
-
-    def database_write() -> float:
-        reset_tables(engine)
-        step(f"send: the batch's database write alone, {batch_rows:,} messages")
-        return _batch_database_write(libpq_url(url), producer, batch_rows)
-
-    measures = {"raw": raw_copy, "1000": batches(1000), str(BATCH): batches(BATCH)}
-    taken = _in_turn({**measures, "write": database_write}, rounds)
+    taken = _in_turn(
+        {
+            "raw": partial(_raw_copies, url, batch_rows),
+            "1000": partial(_timed_batches, producer, batch_rows, 1000),
+            str(BATCH): partial(_timed_batches, producer, batch_rows, BATCH),
+            "write": partial(_timed_database_write, producer, url, batch_rows),
+        },
+        rounds,
+    )
     raw_copies = round(statistics.median(taken["raw"]))
     for size in (1000, BATCH):
         figures.results[f"send_batch_{size}"] = {
@@ -230,6 +215,30 @@ def _single_sends(producer: Producer, clients: int, seconds: float) -> float:
     if clients > 1:
         return raw.per_second_in_processes(_send_client, producer.settings, clients, seconds)
     return _send_single(producer, clients, seconds)
+
+
+def _lane_sends(producer: Producer, seconds: float, lane: str, where: dict[str, Any]) -> float:
+    """Single sends a second to one lane (`where`: send's timing options), 1 client."""
+    step(f"send: Producer.send to the {lane} lane, 1 client, {seconds:g}s")
+    reset_tables(producer.engine)
+    return _send_single(producer, 1, seconds, **where)
+
+
+def _raw_copies(url: str, rows: int) -> float:
+    step(f"send: raw COPY of {rows:,} rows")
+    return raw.copy_rows(libpq_url(url), rows)
+
+
+def _timed_batches(producer: Producer, rows: int, size: int) -> float:
+    reset_tables(producer.engine)
+    step(f"send: send_batch of {size:,}, {rows:,} messages")
+    return _send_batches(producer, rows, size)
+
+
+def _timed_database_write(producer: Producer, url: str, rows: int) -> float:
+    reset_tables(producer.engine)
+    step(f"send: the batch's database write alone, {rows:,} messages")
+    return _batch_database_write(libpq_url(url), producer, rows)
 
 
 def _send_batches(producer: Producer, rows: int, size: int) -> float:
