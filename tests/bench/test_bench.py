@@ -44,7 +44,7 @@ def in_schema_jobs(seconds: int) -> pytest.MarkDecorator:
     return second_pass_only(f"~{seconds} s, the same on either server but for the schema's name")
 
 
-@in_schema_jobs(16)
+@in_schema_jobs(50)
 def test_every_suite_runs_and_writes_results_table_and_plots(
     settings: Settings, tmp_path: Path
 ) -> None:
