@@ -294,7 +294,9 @@ def test_soak_runs_messages_through_the_whole_path_and_samples_the_tables(
     out = _soak(settings, tmp_path, 6000)
     document = json.loads((out / "results.json").read_text())
     result = document["results"]["soak"]
-    assert (result["messages"], result["drained"]) == (6000, True)
+    # `drained`: every message sent ran. The sender holds 1,000/s for 6 s, or nearly: on a
+    # loaded machine it falls a tick or two behind (5,900 sent in a parallel CI run)
+    assert result["drained"] is True and 4800 <= result["messages"] <= 6000
     assert result["claimed_per_s_start"] > 0 and result["claimed_per_s_end"] > 0
     assert result["peak_bytes"]["commit_log"] > 0
     assert len(document["series"]["soak_throughput"]) >= 2
