@@ -13,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,14 +127,23 @@ def http_suite(ctx: BenchContext) -> Figures:
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
     command = web_command("127.0.0.1", port, workers, threads=threads)
     command[command.index("--access-logfile") + 1] = "/dev/null"
-    served = f"gunicorn -w {workers} --threads {threads}"
+    batch_seconds = min(seconds, 10)
     with tempfile.TemporaryDirectory(prefix="delaysvc-bench-http-") as scratch:
         if ctx.out is not None:
             ctx.out.mkdir(parents=True, exist_ok=True)
         log_path = (ctx.out or Path(scratch)) / "http-gunicorn.log"
-        result, batched = _against_gunicorn(
-            command, port, env, log_path, served, token, clients, seconds
-        )
+        with _gunicorn(command, env, port, log_path):
+            served = f"gunicorn -w {workers} --threads {threads}"
+            step(f"wrk: {clients} connections for {seconds:g} s against {served}")
+            result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)
+            step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
+            batched = run_wrk(
+                f"http://127.0.0.1:{port}/api/v1/messages/batch",
+                token,
+                1,
+                batch_seconds,
+                batch=True,
+            )
     with ctx.engine.connect() as conn:
         stored = conn.execute(
             sql("SELECT count(*) FROM delaysvc.message WHERE topic = :t"), {"t": TOPIC}
@@ -161,7 +172,6 @@ def http_suite(ctx: BenchContext) -> Figures:
         "lost": max(0, acknowledged - stored),
         "python": sys.version.split()[0],
     }
-    batch_seconds = min(seconds, 10)
     step(f"send_batch of {BATCH:,} in this process, 1 client for {batch_seconds:g} s")
     python_rate = _python_batches(ctx, batch_seconds)
     http_rate = batched["requests"] * BATCH / (batched["duration_us"] / 1e6)
@@ -179,19 +189,11 @@ def http_suite(ctx: BenchContext) -> Figures:
     return figures
 
 
-def _against_gunicorn(
-    command: list[str],
-    port: int,
-    env: dict[str, str],
-    log_path: Path,
-    served: str,
-    token: str,
-    clients: int,
-    seconds: float,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """gunicorn started with `command` (serving on `port`), its own lines written to
-    `log_path` (a pipe nobody read would stop it once full); wrk's single sends for `seconds`,
-    then its batches. -> the two wrk results."""
+@contextmanager
+def _gunicorn(command: list[str], env: dict[str, str], port: int, log_path: Path) -> Iterator[None]:
+    """gunicorn started with `command`, answering on `port`, until the block ends; its own
+    lines go to `log_path` (a pipe nobody read would stop it once full). One that exits or
+    does not answer within 60 s stops the suite with its last lines."""
     with log_path.open("wb") as log:
         web = subprocess.Popen(
             command,
@@ -205,17 +207,10 @@ def _against_gunicorn(
             said = "\n".join(log_path.read_text(errors="replace").strip().splitlines()[-20:])
             state = "did not answer within 60 s" if web.poll() is None else "exited"
             raise RuntimeError(f"gunicorn {state}; its last lines ({log_path}):\n{said}")
-        step(f"wrk: {clients} connections for {seconds:g} s against {served}")
-        result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)
-        batch_seconds = min(seconds, 10)
-        step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
-        batched = run_wrk(
-            f"http://127.0.0.1:{port}/api/v1/messages/batch", token, 1, batch_seconds, batch=True
-        )
+        yield
     finally:
         web.terminate()
         web.wait(timeout=30)
-    return result, batched
 
 
 def _python_batches(ctx: BenchContext, seconds: float) -> float:
