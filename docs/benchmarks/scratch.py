@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -67,3 +67,15 @@ def send_token(url: str, name: str) -> str:
         return auth.create_token(engine, f"{name}-{os.getpid()}", scope="send")
     finally:
         engine.dispose()
+
+
+RAW_TABLE = "CREATE TABLE raw (id bigserial PRIMARY KEY, topic text, body bytea)"
+RAW_INSERT = "INSERT INTO raw (topic, body) VALUES (%s, %s)"
+
+
+def raw_insert_on(conn: Any) -> Callable[[], object]:
+    """The raw one-row insert a single send is compared with, on `conn` (a psycopg connection
+    in autocommit): a two-column table with a primary key, made here; each call one prepared
+    insert, its own transaction."""
+    conn.execute(RAW_TABLE)
+    return lambda: conn.execute(RAW_INSERT, ("t", b"{}"), prepare=True)

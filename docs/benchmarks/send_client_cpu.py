@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, send_one_call, server_and_rounds
+from scratch import raw_insert_on, scratch_database, send_one_call, server_and_rounds
 from timing import alternate, per_call_us, print_spread
 
 from delaysvc.db.engines import libpq_url
@@ -35,10 +35,8 @@ def main() -> None:
         producer = Producer(settings, engine)
         send_one, params = send_one_call(producer.prepare("t", BODY, delay_level=1))
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
-        conn.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, topic text, body bytea)")
-        raw = "INSERT INTO raw (topic, body) VALUES (%s, %s)"
         calls: dict[str, Callable[[], object]] = {
-            "raw one-row insert": lambda: conn.execute(raw, ("t", b"{}"), prepare=True),
+            "raw one-row insert": raw_insert_on(conn),
             "send_one statement alone": lambda: conn.execute(
                 send_one, params, prepare=True
             ).fetchone(),

@@ -31,7 +31,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, send_one_call, server_and_rounds
+from scratch import raw_insert_on, scratch_database, send_one_call, server_and_rounds
 from timing import alternate, per_call_us
 
 from delaysvc.db.engines import libpq_url
@@ -74,13 +74,11 @@ def main() -> None:
         producer = Producer(settings, engine)
         send_one, params = send_one_call(producer.prepare("t", BODY, delay_level=1))
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
-        conn.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, topic text, body bytea)")
+        raw_insert = raw_insert_on(conn)
         conn.execute(LEAST)
         due = datetime.now().astimezone() + timedelta(days=400)  # never delivered here
         calls: dict[str, Callable[[], object]] = {
-            "raw one-row insert": lambda: conn.execute(
-                "INSERT INTO raw (topic, body) VALUES (%s, %s)", ("t", b"{}"), prepare=True
-            ),
+            "raw one-row insert": raw_insert,
             "least send: log row + queue row": lambda: conn.execute(
                 LEAST_SEND, ("t", b"{}"), prepare=True
             ).fetchone(),

@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, send_one_call, server_and_rounds
+from scratch import raw_insert_on, scratch_database, send_one_call, server_and_rounds
 from timing import alternate, per_call_us, print_spread
 
 from delaysvc.db.engines import libpq_url
@@ -45,12 +45,11 @@ def main() -> None:
         send_one, params = send_one_call(new)
         empty_one = send_one.replace("delaysvc.send_one(", "delaysvc.empty_one(")
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
-        conn.execute("CREATE TABLE raw (id bigserial PRIMARY KEY, topic text, body bytea)")
+        raw_insert = raw_insert_on(conn)
         conn.execute(EMPTY_ONE)
-        raw = "INSERT INTO raw (topic, body) VALUES (%s, %s)"
         variants: dict[str, Callable[[], object]] = {
             "SELECT 1": lambda: conn.execute("SELECT 1", prepare=True).fetchone(),
-            "raw one-row insert": lambda: conn.execute(raw, ("t", b"{}"), prepare=True),
+            "raw one-row insert": raw_insert,
             "empty function, send_one's params": lambda: conn.execute(
                 empty_one, params, prepare=True
             ).fetchone(),
