@@ -203,7 +203,10 @@ def test_a_group_whose_connection_is_lost_fails_every_send_in_it_and_stores_none
             held_first(engine, sends)
             for n in range(3):
                 sends.queue("t.lost", {"n": n}, delay_level=1)
-        # the first send ends; the group now waits on lane_count's lock: cut its connection
+        # the first send ends (wait for it: until then it may still show as waiting on the
+        # lock of topic_queue); the group then waits on lane_count's lock: cut its connection
+        sends.threads[0].join(15)
+        assert not sends.threads[0].is_alive(), "the first send did not return"
         until(lambda: _waiting_on_a_lock(engine) == 1, "the group to wait on the lock")
         with engine.connect() as conn:
             cut = conn.execute(
