@@ -105,16 +105,60 @@ def prepare(messages: Sequence[Any], settings: Settings, now: datetime) -> list[
     return items
 
 
+class _Shape(NamedTuple):
+    """What an item's field names (in their order) say about it, worked out once a batch for
+    each order of names met (a batch's items mostly have one): the one timing option it
+    names, if any, and whether it names any of the fields checked one by one."""
+
+    timing: str | None
+    key: bool
+    rest: bool  # tags, properties or priority
+
+
 class _Checker:
-    """One batch's checks, remembering the topics and timings it has seen."""
+    """One batch's checks, remembering the topics, timings and field names it has seen: an
+    item like one seen before (a plain dict whose names come in an order seen, its topic and
+    its timing's value seen) is checked by `item`'s few lookups; any other goes through every
+    check (`checked`), which gives the same Item, or the same error."""
 
     def __init__(self, settings: Settings, now: datetime):
         self.settings = settings
         self.now = now
         self.topics: dict[str, int | None] = {}  # a valid topic -> its default delay
         self.placements: dict[tuple[Any, ...], Placement] = {}
+        self.shapes: dict[tuple[str, ...], _Shape | None] = {}  # None: not for the quick way
 
     def item(self, item: object) -> Item:
+        if type(item) is not dict:
+            return self.checked(item)
+        names = tuple(item)
+        shape = self.shapes.get(names, _UNSEEN)
+        if shape is _UNSEEN:
+            shape = self.shapes[names] = _shape_of(names)
+        if shape is None:
+            return self.checked(item)
+        topic = item["topic"]
+        if type(topic) is not str or topic not in self.topics:
+            return self.checked(item)
+        value = None if shape.timing is None else item[shape.timing]
+        if value is None:
+            remembered: tuple[Any, ...] = ("default", topic)
+        elif type(value) in _REMEMBERED:
+            remembered = (shape.timing, value)
+        else:
+            return self.checked(item)
+        placed = self.placements.get(remembered)
+        if placed is None:
+            return self.checked(item)
+        if shape.rest:
+            return Item(topic, item["body"], placed.lane, placed.delay_level, placed.delay_ms,
+                        placed.deliver_at, *self.rest(item))  # fmt: skip
+        key = validate_key(item["key"]) if shape.key else None
+        return Item(topic, item["body"], placed.lane, placed.delay_level, placed.delay_ms,
+                    placed.deliver_at, key, None, None, 0)  # fmt: skip
+
+    def checked(self, item: object) -> Item:
+        """`item` through every check."""
         if type(item) is not dict and not isinstance(item, Mapping):
             raise ValidationError("item", "must be an object with topic and body")
         if item.get("on_duplicate", "keep") != "keep":
@@ -128,17 +172,19 @@ class _Checker:
             raise ValidationError("topic" if "topic" not in item else "body", "is required")
         topic = self.topic(item["topic"])
         placed = self.placement(topic, item)
+        return Item(topic, item["body"], placed.lane, placed.delay_level, placed.delay_ms,
+                    placed.deliver_at, *self.rest(item))  # fmt: skip
+
+    @staticmethod
+    def rest(
+        item: Mapping[str, Any],
+    ) -> tuple[str | None, list[str] | None, dict[str, str] | None, int]:
+        """An item's key, tags, properties and priority, checked."""
         tags = item.get("tags")
         properties = item.get("properties")
         if properties is not None and type(properties) is not dict:
             properties = dict(properties) if isinstance(properties, Mapping) else properties
-        return Item(
-            topic,
-            item["body"],
-            placed.lane,
-            placed.delay_level,
-            placed.delay_ms,
-            placed.deliver_at,
+        return (
             validate_key(item.get("key")),
             validate_tags(list(tags) if isinstance(tags, tuple) else tags),
             validate_properties(properties),
@@ -174,6 +220,22 @@ class _Checker:
         if remembered is not None:
             self.placements[remembered] = placed
         return placed
+
+
+_UNSEEN = _Shape(None, False, False)  # a marker: names not met before in this batch
+_REST = frozenset({"tags", "properties", "priority"})
+
+
+def _shape_of(names: tuple[str, ...]) -> _Shape | None:
+    """The shape of an item with these field names; None where the quick way would miss a
+    check: a name not allowed (or `on_duplicate`), topic or body missing, two timings."""
+    given = set(names)
+    if not given <= ALLOWED or not {"topic", "body"} <= given:
+        return None
+    timings = given & _TIMING
+    if len(timings) > 1:
+        return None
+    return _Shape(next(iter(timings), None), "key" in given, bool(given & _REST))
 
 
 def encoded(items: Sequence[Item], max_body_bytes: int) -> list[store.NewMessage]:

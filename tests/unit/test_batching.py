@@ -3,6 +3,8 @@ topic resolved once per batch, and the Messages a batch returns made without `__
 
 import struct
 from datetime import UTC, datetime, timedelta, timezone
+from random import Random
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -76,6 +78,74 @@ def test_a_bad_item_is_named_by_its_index_even_after_good_ones_like_it(
     with pytest.raises(ValidationError) as refused:
         _prepare(*good, bad)
     assert refused.value.field == f"messages[3].{field}"
+
+
+def _mostly(good: list[object], bad: list[object]) -> list[object]:
+    """A field's values to pick from: good ones three times in four (a bad one ends the quick
+    way's use)."""
+    return [*good * (3 * len(bad)), *bad * len(good)]
+
+
+_VALUES = {  # good and bad values of each field, and a name no item may have
+    "topic": _mostly(["t", "t.slow", "u"], ["bad topic!", 7, None, ["t"]]),
+    "body": [1, {"a": 1}, b"x", None],
+    "delay_level": _mostly([1, 2, 0, None], [99, True, 1.0, "2"]),
+    "delay": _mostly(["5s", "7s", "1h", timedelta(seconds=5), None], ["soon", 5]),
+    "delay_ms": _mostly([5000, 7000, 0, None], [-1, 1.0]),
+    "deliver_at": _mostly([NOW + timedelta(hours=1), None], ["tomorrow", NOW - timedelta(1)]),
+    "key": _mostly(["k", "j", None], ["", "a\x00b", 3]),
+    "tags": _mostly([["a"], ("a", "b"), None], ["a", ["bad tag!"]]),
+    "properties": _mostly([{"p": "v"}, [("p", "v")], None], [{"p": 1}, "p"]),
+    "priority": _mostly([0, 3], [5000, True, None]),
+    "on_duplicate": ["keep", "replace"],
+    "color": ["red"],
+}
+_TIMINGS = ["delay_level", "delay", "delay_ms", "deliver_at"]
+_NAMES = (  # parts of an item's names: mostly what the quick way takes, now and then not
+    _mostly([("topic", "body")], [("topic",), ("body",)]),
+    _mostly([(), *((name,) for name in _TIMINGS)],
+            [("delay", "delay_ms"), ("deliver_at", "delay_level")]),
+    _mostly([(), ("key",), ("tags",), ("properties",), ("priority",), ("key", "tags")],
+            [("key", "priority", "properties")]),
+    _mostly([()], [("on_duplicate",), ("color",)]),
+)  # fmt: skip
+
+
+def _batch(random: Random) -> list[object]:
+    """An item list of a few sets of names (so names, topics and timings repeat: the quick
+    way's condition), each item with values of its own, the names sometimes in another order;
+    now and then not an item at all."""
+    shapes = [[name for part in _NAMES for name in random.choice(part)] for _ in range(3)]
+    batch: list[object] = []
+    for _ in range(40):
+        names = random.choice(shapes)
+        if random.random() < 0.2:
+            names = random.sample(names, len(names))
+        batch.append({name: random.choice(_VALUES[name]) for name in names})
+        if random.random() < 0.03:
+            batch.append("not an item")
+    return batch
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_an_item_like_one_seen_is_checked_the_quick_way_with_the_same_outcome(seed: int) -> None:
+    """`prepare` checks an item like one already checked in its batch by a few lookups
+    (`_Checker.item`): whatever the items, it gives what every check of every item gives, or
+    the same error (the batch would stop at the first; the test goes on)."""
+    random = Random(seed)
+    for _ in range(25):
+        batch = _batch(random)
+        quick = batching._Checker(SETTINGS, NOW)
+        everything = batching._Checker(SETTINGS, NOW)
+        for item in batch:
+            assert _outcome(quick.item, item) == _outcome(everything.checked, item), item
+
+
+def _outcome(check: Any, item: object) -> object:
+    try:
+        return check(item)
+    except ValidationError as exc:
+        return type(exc), exc.field, exc.detail
 
 
 def test_bodies_are_checked_when_encoded_and_named_by_their_index() -> None:
