@@ -141,9 +141,12 @@ def _json_encoder() -> Callable[[Any], str]:
 _to_json = _json_encoder()
 
 
+_BINARY = (bytes, bytearray, memoryview)  # a tuple: `bytes | ...` makes a new union each call
+
+
 def encode_body(body: Any, max_bytes: int) -> tuple[bytes, bool]:
     """-> (stored bytes, is_json). Bytes are kept as they are; anything else is JSON."""
-    if isinstance(body, bytes | bytearray | memoryview):
+    if isinstance(body, _BINARY):
         data, is_json = bytes(body), False
     else:
         try:

@@ -21,6 +21,7 @@ cursor, asyncio connections) have no COPY here: their batches take that staged i
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
@@ -341,9 +342,15 @@ def _placed(cursor: Cursor[Any], items: Sequence[Item]) -> Sequence[Item]:
 def _plan(conn: store.Statements, items: Sequence[Item]) -> _Plan:
     """Which items create a message: not one whose key an unfinished message holds, nor a
     key's repeat in the batch."""
-    holders = store.find_unfinished_by_keys(
-        conn, [(item.topic, item.key) for item in items if item.key is not None]
-    )
+    keys = [(item.topic, item.key) for item in items if item.key is not None]
+    if not keys:  # each item creates a message
+        return _Plan(
+            list(range(len(items))),
+            {},
+            {},
+            dict(Counter(item.lane for item in items if item.lane >= 0)),
+        )
+    holders = store.find_unfinished_by_keys(conn, keys)
     plan = _Plan([], {}, {}, {})
     first: dict[tuple[str, str], int] = {}
     for index, item in enumerate(items):
