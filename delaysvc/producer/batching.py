@@ -94,8 +94,10 @@ def collector_paused() -> Iterator[None]:
 
 def prepare(messages: Sequence[Any], settings: Settings, now: datetime) -> list[Item]:
     """Check every item as `Producer.prepare` does, but for its body (encoded as it is written:
-    `store`); errors name the item (`messages[3].topic`). A topic, and a timing option
-    (`"delay": "5m"`), is checked once per batch however many items repeat it."""
+    `store`); errors name the item (`messages[3].topic`). A topic, a timing option
+    (`"delay": "5m"`) and a set of field names are checked once per batch however many items
+    repeat them: an item like one seen takes a few lookups, half the time of every check
+    (docs/benchmarks/2026-11-28-batch-checks-compare)."""
     checker = _Checker(settings, now)
     items = []
     for index, item in enumerate(messages):
