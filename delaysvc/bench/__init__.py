@@ -31,7 +31,6 @@ from delaysvc.db.engines import database_url, make_engine, sqlalchemy_url
 from delaysvc.db.names import sql
 from delaysvc.errors import MissingPart
 from delaysvc.runtime.supervisor import WEB_THREADS
-from delaysvc.schema.migrate import upgrade
 
 BENCH_DATABASE = "delaysvc_bench"
 
@@ -309,6 +308,8 @@ def bench_database(settings: Settings, name: str = BENCH_DATABASE, migrate: bool
     admin.dispose()
     url = server.set(database=name).render_as_string(hide_password=False)
     if migrate:
+        from delaysvc.schema.migrate import upgrade  # Alembic: only when a database is made
+
         engine = make_engine(settings, url)
         upgrade(engine, settings.levels)
         engine.dispose()

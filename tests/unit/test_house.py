@@ -106,6 +106,13 @@ def test_a_send_loads_neither_the_worker_nor_celery_nor_flask() -> None:
     assert not {"celery", "flask", "delaysvc.worker.consumer", "delaysvc.runtime.tasks"} & loaded
 
 
+def test_the_cli_loads_alembic_only_for_the_commands_that_migrate() -> None:
+    """Every `delaysvc` command imports the CLI; Alembic (and Mako and Pygments under it, a
+    fifth of a second here) is for `migrate`, `up` and `bench`'s databases."""
+    loaded = _loaded_after("import delaysvc.cli")
+    assert not {"alembic", "mako", "pygments", "celery", "flask"} & loaded
+
+
 @pytest.mark.parametrize("old", sorted(_moved.MOVED))
 def test_a_module_path_from_before_the_packages_is_the_module_it_became(old: str) -> None:
     assert importlib.import_module(old) is importlib.import_module(_moved.MOVED[old])
