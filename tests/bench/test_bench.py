@@ -76,7 +76,11 @@ def test_every_suite_runs_and_writes_results_table_and_plots(
     }
     assert results["delivery_drain"]["messages"] == 3000
     assert results["consume_drain"]["jobs"] == 2000
-    assert results["delivery_flow"]["sent"] == results["delivery_flow"]["delivered"] == 1000
+    # every message sent was delivered; the sender holds 500/s for 2 s on a quiet machine (1,000)
+    # and sent 675 on a loaded CI one: its count is the machine's, not the check
+    flow = results["delivery_flow"]
+    assert flow["sent"] == flow["delivered"]
+    assert 0 < flow["sent"] <= 1000
     assert document["machine"]["cores"] >= 1
     table = (out / "results.md").read_text()
     assert "| delivery_drain: msgs/s |" in table
