@@ -154,11 +154,11 @@ class _Checker:
         if placed is None:
             return self.checked(item)
         if shape.rest:
-            return Item(topic, item["body"], placed.lane, placed.delay_level, placed.delay_ms,
-                        placed.deliver_at, *self.rest(item))  # fmt: skip
-        key = validate_key(item["key"]) if shape.key else None
+            rest = self.rest(item)
+        else:
+            rest = (validate_key(item["key"]) if shape.key else None, None, None, 0)
         return Item(topic, item["body"], placed.lane, placed.delay_level, placed.delay_ms,
-                    placed.deliver_at, key, None, None, 0)  # fmt: skip
+                    placed.deliver_at, *rest)  # fmt: skip
 
     def checked(self, item: object) -> Item:
         """`item` through every check."""
@@ -345,29 +345,22 @@ def _plan(conn: store.Statements, items: Sequence[Item]) -> _Plan:
     """Which items create a message: not one whose key an unfinished message holds, nor a
     key's repeat in the batch."""
     keys = [(item.topic, item.key) for item in items if item.key is not None]
-    if not keys:  # each item creates a message
-        return _Plan(
-            list(range(len(items))),
-            {},
-            {},
-            dict(Counter(item.lane for item in items if item.lane >= 0)),
-        )
-    holders = store.find_unfinished_by_keys(conn, keys)
-    plan = _Plan([], {}, {}, {})
-    first: dict[tuple[str, str], int] = {}
-    for index, item in enumerate(items):
-        if item.key is not None:
-            pair = (item.topic, item.key)
-            if pair in holders:
-                plan.holders[index] = holders[pair]
-                continue
-            if pair in first:
-                plan.repeats[index] = first[pair]
-                continue
-            first[pair] = index
-        plan.creating.append(index)
-        if item.lane >= 0:
-            plan.lanes[item.lane] = plan.lanes.get(item.lane, 0) + 1
+    plan = _Plan([] if keys else list(range(len(items))), {}, {}, {})
+    if keys:
+        holders = store.find_unfinished_by_keys(conn, keys)
+        first: dict[tuple[str, str], int] = {}
+        for index, item in enumerate(items):
+            if item.key is not None:
+                pair = (item.topic, item.key)
+                if pair in holders:
+                    plan.holders[index] = holders[pair]
+                    continue
+                if pair in first:
+                    plan.repeats[index] = first[pair]
+                    continue
+                first[pair] = index
+            plan.creating.append(index)
+    plan.lanes.update(Counter(items[i].lane for i in plan.creating if items[i].lane >= 0))
     return plan
 
 
