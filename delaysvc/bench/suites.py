@@ -280,7 +280,7 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
         started = time.perf_counter()
         for done in range(0, rows, BATCH):
             count = min(BATCH, rows - done)
-            stored_at, ids, offsets = store_batches.reserve(cursor, count, [(item.lane, count)])
+            stored_at, ids, (offsets,) = store_batches.reserve(cursor, count, [(item.lane, count)])
             stored = store_batches.wire_time(stored_at)
             due = store_batches.wire_time(stored_at + timedelta(milliseconds=item.delay_ms or 0))
             store_batches.copy_rows(

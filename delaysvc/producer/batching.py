@@ -25,7 +25,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from itertools import islice
 from typing import Any, NamedTuple
 
 from psycopg import Cursor
@@ -374,7 +373,7 @@ def _copied(
         return _made(items, plan, [], datetime.now().astimezone(), [])
     stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
     stored = batches.wire_time(stored_at)
-    lane_offsets = _by_lane(plan.lanes, offsets)
+    lane_offsets = {lane: iter(drawn) for lane, drawn in zip(plan.lanes, offsets, strict=True)}
     due_after: dict[int, tuple[datetime, int]] = {}  # delay (ms) -> stored_at + delay, twice
     dues: list[datetime] = []  # each created message's due time, for its Message
     wire_dues: list[int] = []  # and for its rows (`batches.wire_time`)
@@ -433,12 +432,6 @@ def _copied(
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
     return sent
-
-
-def _by_lane(lanes: Mapping[int, int], offsets: Sequence[int]) -> dict[int, Iterator[int]]:
-    """Each lane's own offsets, from `reserve`'s, which come lane after lane."""
-    flat = iter(offsets)
-    return {lane: iter(list(islice(flat, count))) for lane, count in lanes.items()}
 
 
 def _copy_lanes(

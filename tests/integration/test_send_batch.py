@@ -114,6 +114,36 @@ def test_a_batchs_rows_hold_the_times_its_messages_give_in_every_lane(
     assert sent[1].deliver_at - sent[1].stored_at == timedelta(seconds=7)
 
 
+def test_a_batch_mixing_lanes_gives_each_lane_its_offsets_in_batch_order(
+    producer: Producer, engine: Engine
+) -> None:
+    """Items of two levels and the timer lane, interleaved: each lane's queue holds its
+    messages in batch order by queue offset, and each commit-log row names the offset its lane
+    row has (`batches.reserve` draws each lane's offsets as an array of its own). Level 2 and
+    the timer lane hold earlier messages, so each lane's sequence is at a point of its own."""
+    before = [producer.send("t", "earlier", delay_level=2).id for _ in range(3)]
+    before_timer = [producer.send("t", "earlier", delay="9s").id for _ in range(2)]
+    timings = [{"delay_level": 1}, {"delay": "7s"}, {"delay_level": 2}] * 4
+    sent = producer.send_batch(
+        [{"topic": "t", "body": n, **timing} for n, timing in enumerate(timings)]
+    )
+    with engine.connect() as conn:
+        levels = conn.execute(
+            text(
+                "SELECT level, queue_offset, message_id FROM consume_queue ORDER BY level, queue_offset"
+            )
+        ).all()
+        timer = conn.execute(
+            text("SELECT queue_offset, message_id FROM timer_queue ORDER BY queue_offset")
+        ).all()
+        logged = dict(conn.execute(text("SELECT id, queue_offset FROM commit_log")).tuples().all())
+    ids = [m.id for m in sent]
+    assert [row.message_id for row in levels] == ids[0::3] + before + ids[2::3]
+    assert [row.message_id for row in timer] == before_timer + ids[1::3]
+    for lane_row in (*levels, *timer):
+        assert logged[lane_row.message_id] == lane_row.queue_offset
+
+
 def test_a_batch_dedups_keys_inside_itself_and_against_stored_rows(
     producer: Producer, engine: Engine
 ) -> None:
