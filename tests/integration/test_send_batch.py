@@ -130,7 +130,8 @@ def test_a_batch_mixing_lanes_gives_each_lane_its_offsets_in_batch_order(
     with engine.connect() as conn:
         levels = conn.execute(
             text(
-                "SELECT level, queue_offset, message_id FROM consume_queue ORDER BY level, queue_offset"
+                "SELECT level, queue_offset, message_id FROM consume_queue "
+                "ORDER BY level, queue_offset"
             )
         ).all()
         timer = conn.execute(
