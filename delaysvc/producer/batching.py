@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -367,18 +367,21 @@ def _copied(
     cursor: Cursor[Any], items: Sequence[Item], plan: _Plan, max_body_bytes: int
 ) -> list[Message]:
     """COPY the plan's messages into the commit log, then into their lanes, and count them.
-    A body that cannot be encoded ends the COPY there: the rows sent are deleted, and the
-    error raised."""
+    Each created message's Message is made as its row is written: PostgreSQL stores the
+    commit log's rows slower than Python writes them, so the Messages are made while it
+    catches up. A body that cannot be encoded ends the COPY there: the rows sent are deleted,
+    and the error raised."""
     if not plan.creating:
-        return _made(items, plan, [], datetime.now().astimezone(), [])
+        return _made(items, plan, [])
     stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
     stored = batches.wire_time(stored_at)
     lane_offsets = {lane: iter(drawn) for lane, drawn in zip(plan.lanes, offsets, strict=True)}
     due_after: dict[int, tuple[datetime, int]] = {}  # delay (ms) -> stored_at + delay, twice
-    dues: list[datetime] = []  # each created message's due time, for its Message
-    wire_dues: list[int] = []  # and for its rows (`batches.wire_time`)
-    taken: list[int | None] = []  # each created message's queue offset (None: due now)
+    created: list[Message] = []  # each created message's Message
+    wire_dues: list[int] = []  # and its due time for its lane's row (`batches.wire_time`)
+    taken: list[int | None] = []  # and its queue offset (None: due now)
     refused: ValidationError | None = None
+    sent = Message.sent
     with batches.copying(cursor, "commit_log", batches.MESSAGE_ROW) as copy:
         write = copy.write_row
         for index, message_id in zip(plan.creating, ids, strict=True):
@@ -418,20 +421,17 @@ def _copied(
                     None if lane >= 0 else stored,
                 )
             )
-            dues.append(due)
+            created.append(sent(item, message_id, stored_at, due, True))
             wire_dues.append(wire_due)
             taken.append(offset)
     if refused is not None:
-        if dues:
-            batches.unsend(cursor, ids[: len(dues)])
+        if created:
+            batches.unsend(cursor, ids[: len(created)])
         raise refused
-    created = [items[index] for index in plan.creating]
-    sent = _copy_lanes(
-        cursor, created, ids, wire_dues, taken, lambda: _made(items, plan, ids, stored_at, dues)
-    )
+    _copy_lanes(cursor, [items[index] for index in plan.creating], ids, wire_dues, taken)
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
-    return sent
+    return _made(items, plan, created)
 
 
 def _copy_lanes(
@@ -440,76 +440,55 @@ def _copy_lanes(
     ids: Sequence[int],
     dues: Sequence[int],
     taken: Sequence[int | None],
-    meanwhile: Callable[[], list[Message]],
-) -> list[Message]:
+) -> None:
     """COPY the lanes' rows of the messages just COPYed into the commit log (`dues`: their due
     times as `batches.wire_time`s): a level's queue, the timer lane, or (due now) the topic's
-    queue. -> `meanwhile()`, called when the last of these rows are sent, while PostgreSQL is
-    still storing them."""
+    queue."""
     rows = list(zip(created, ids, dues, taken, strict=True))
     lanes = {item.lane for item in created}
-    copies: list[tuple[str, Sequence[tuple[str, str]], Iterator[tuple[Any, ...]]]] = []
     if any(lane > 0 for lane in lanes):
-        copies.append(
+        batches.copy_rows(
+            cursor,
+            "consume_queue",
+            batches.LEVEL_ROW,
             (
-                "consume_queue",
-                batches.LEVEL_ROW,
-                (
-                    (item.lane, offset, message_id, item.topic, due, item.priority)
-                    for item, message_id, due, offset in rows
-                    if item.lane > 0
-                ),
-            )
+                (item.lane, offset, message_id, item.topic, due, item.priority)
+                for item, message_id, due, offset in rows
+                if item.lane > 0
+            ),
         )
     if 0 in lanes:
-        copies.append(
+        batches.copy_rows(
+            cursor,
+            "timer_queue",
+            batches.TIMER_ROW,
             (
-                "timer_queue",
-                batches.TIMER_ROW,
-                (
-                    (due, offset, message_id, item.topic, item.priority)
-                    for item, message_id, due, offset in rows
-                    if item.lane == 0
-                ),
-            )
+                (due, offset, message_id, item.topic, item.priority)
+                for item, message_id, due, offset in rows
+                if item.lane == 0
+            ),
         )
     if any(lane < 0 for lane in lanes):
-        copies.append(
+        batches.copy_rows(
+            cursor,
+            "topic_queue",
+            batches.READY_ROW,
             (
-                "topic_queue",
-                batches.READY_ROW,
-                (
-                    (message_id, item.topic, due, item.priority)
-                    for item, message_id, due, _ in rows
-                    if item.lane < 0
-                ),
-            )
+                (message_id, item.topic, due, item.priority)
+                for item, message_id, due, _ in rows
+                if item.lane < 0
+            ),
         )
-    for table, layout, values in copies[:-1]:
-        batches.copy_rows(cursor, table, layout, values)
-    table, layout, values = copies[-1]
-    with batches.copying(cursor, table, layout) as copy:
-        for row in values:
-            copy.write_row(row)
-        return meanwhile()
 
 
-def _made(
-    items: Sequence[Item],
-    plan: _Plan,
-    ids: Sequence[int],
-    stored_at: datetime,
-    dues: Sequence[datetime],
-) -> list[Message]:
-    """A Message per item, in order."""
-    if len(plan.creating) == len(items):  # no key held or repeated: each item created one
-        return [
-            Message.sent(item, message_id, stored_at, due, True)
-            for item, message_id, due in zip(items, ids, dues, strict=True)
-        ]
+def _made(items: Sequence[Item], plan: _Plan, created: list[Message]) -> list[Message]:
+    """A Message per item, in order, from those of the messages created (`created`, in the
+    order of `plan.creating`)."""
+    if len(created) == len(items):  # no key held or repeated: each item created one
+        return created
     made: list[Message | None] = [None] * len(items)
-    for index, message_id, due in zip(plan.creating, ids, dues, strict=True):
-        made[index] = Message.sent(items[index], message_id, stored_at, due, True)
+    for index, message in zip(plan.creating, created, strict=True):
+        made[index] = message
     for index, origin in plan.repeats.items():
         first = made[origin]
         assert first is not None
