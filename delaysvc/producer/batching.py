@@ -367,10 +367,10 @@ def _copied(
     cursor: Cursor[Any], items: Sequence[Item], plan: _Plan, max_body_bytes: int
 ) -> list[Message]:
     """COPY the plan's messages into the commit log, then into their lanes, and count them.
-    Each created message's Message is made as its row is written: PostgreSQL stores the
-    commit log's rows slower than Python writes them, so the Messages are made while it
-    catches up. A body that cannot be encoded ends the COPY there: the rows sent are deleted,
-    and the error raised."""
+    Each created message's Message is made as its row is written, while PostgreSQL, the
+    slower side of this COPY, catches up (side by side with making them during the lanes'
+    COPY: within the spread, docs/benchmarks/2026-11-28-batch-messages-compare). A body that
+    cannot be encoded ends the COPY there: the rows sent are deleted, and the error raised."""
     if not plan.creating:
         return _made(items, plan, [])
     stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
