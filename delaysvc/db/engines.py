@@ -184,12 +184,17 @@ def _closed_by_server(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     on its socket: an idle connection is sent nothing else. Seen without a round trip, it is
     replaced before anyone writes to it (SQLAlchemy retries the checkout on a
     DisconnectionError), so a statement sent on it is never in doubt."""
+    if server_closed(dbapi_connection):
+        raise exc.DisconnectionError("the server closed this pooled connection")
+
+
+def server_closed(dbapi_connection: Any) -> bool:
+    """An idle psycopg connection has something to read only when the server ended it."""
     try:
         readable, _, _ = select.select([dbapi_connection.pgconn.socket], [], [], 0)
     except Exception:  # psycopg: "the connection is lost" (no socket any more)
-        readable = [True]
-    if readable:
-        raise exc.DisconnectionError("the server closed this pooled connection")
+        return True
+    return bool(readable)
 
 
 _AUTOCOMMIT_CURSOR = "delaysvc.autocommit_cursor"

@@ -32,7 +32,7 @@ from delaysvc.config.validation import (
     validate_topic,
 )
 from delaysvc.db import connections as joining
-from delaysvc.db import engines as db
+from delaysvc.db.held import HeldConnections
 from delaysvc.errors import (
     DatabaseUnavailable,
     DuplicateKey,
@@ -92,6 +92,7 @@ class Producer:
             engine.dialect.driver == "psycopg" and not engine.dialect.is_async
         )
         self._write_single: Callable[[store.NewMessage], Any] = self._insert_autocommitted
+        self._held = HeldConnections(engine)  # used by autocommitted sends only
         if group_writers is not None:
             self._sends = grouping.Grouped(
                 self._insert_autocommitted, self._insert_group, group_writers
@@ -378,14 +379,14 @@ class Producer:
         return self._autocommitted(lambda cursor: store.insert_group(cursor, group))
 
     def _autocommitted(self, write: Callable[[Any], _T]) -> _T:
-        """`write(cursor)` on a pooled connection's driver cursor whose statement commits by
-        itself (`db.autocommit_cursor`), tried again if the first could not reach the database
-        (`_retried`)."""
+        """`write(cursor)` on a driver cursor whose statement commits by itself, of a
+        connection this producer keeps for single sends (`db.held`), tried again if the first
+        could not reach the database (`_retried`)."""
 
         def attempt() -> _T:
             sent = False
             try:
-                with db.autocommit_cursor(self.engine) as cursor:
+                with self._held.cursor() as cursor:
                     sent = True  # from here on, a statement sent may have committed
                     return write(cursor)
             except DBAPIError as exc:

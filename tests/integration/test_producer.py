@@ -3,6 +3,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from psycopg import pq
@@ -245,26 +246,26 @@ def test_a_level_the_database_was_never_given_goes_to_the_timer_lane_due_as_comp
 
 @contextmanager
 def wire(engine: Engine) -> Iterator[list[tuple[str, str]]]:
-    """The protocol messages the client sends ("F") on every connection checked out meanwhile,
-    as libpq traces them: [(message type, its first field)], e.g. ("Query", '"BEGIN"')."""
+    """The protocol messages the client sends ("F") on every connection checked out meanwhile
+    (a producer's kept connection too, from the send that opens it on), as libpq traces them:
+    [(message type, its first field)], e.g. ("Query", '"BEGIN"')."""
     sent: list[tuple[str, str]] = []
+    traced: list[Any] = []
     with tempfile.TemporaryFile() as trace:
 
         def start(dbapi_connection, *_):  # type: ignore[no-untyped-def]
             dbapi_connection.pgconn.trace(trace.fileno())
             dbapi_connection.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS)
-
-        def stop(dbapi_connection, *_):  # type: ignore[no-untyped-def]
-            if not dbapi_connection.closed:
-                dbapi_connection.pgconn.untrace()
+            traced.append(dbapi_connection)
 
         event.listen(engine, "checkout", start)
-        event.listen(engine, "checkin", stop)
         try:
             yield sent
         finally:
             event.remove(engine, "checkout", start)
-            event.remove(engine, "checkin", stop)
+            for dbapi_connection in traced:
+                if not dbapi_connection.closed:
+                    dbapi_connection.pgconn.untrace()
         trace.seek(0)
         for line in trace.read().decode().splitlines():
             if line.startswith("F\t"):  # not a continuation line of a multi-line statement
@@ -273,14 +274,18 @@ def wire(engine: Engine) -> Iterator[list[tuple[str, str]]]:
 
 
 def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
-    producer: Producer, engine: Engine
+    settings: Settings, engine: Engine
 ) -> None:
-    """A single send (no caps) is one autocommitted, prepared statement: one round trip, no
-    BEGIN, no COMMIT; a batch (its COPYs into the tables) is one transaction."""
-    producer.send("rt.one", {"n": 0}, delay="1h")  # the pooled connection prepares it
+    """A single send (no caps) is one autocommitted, prepared statement on a connection the
+    producer keeps: one round trip, no BEGIN, no COMMIT; a batch (its COPYs into the tables) is
+    one transaction."""
+    producer = Producer(settings, engine)
     with wire(engine) as sent:
+        producer.send("rt.one", {"n": 0}, delay="1h")  # opens its connection and prepares
         producer.send("rt.one", {"n": 1}, delay="1h")
-    assert sent == [("Bind", '""'), ("Describe", "P"), ("Execute", '""'), ("Sync", "")]
+    assert sent[-4:] == [("Bind", '""'), ("Describe", "P"), ("Execute", '""'), ("Sync", "")]
+    assert [kind for kind, _ in sent].count("Parse") == 1  # prepared once, by the first
+    assert not [text for kind, text in sent if kind == "Query"]  # no BEGIN, no COMMIT
     with wire(engine) as sent:
         producer.send_batch([{"topic": "rt.one", "body": {"n": n}} for n in range(3)])
     queries = [text for kind, text in sent if kind == "Query"]
