@@ -67,6 +67,26 @@ def test_the_table_gives_each_figures_runs_and_the_ratio_of_the_medians() -> Non
     ]
 
 
+def test_the_pgbouncer_suite_is_compared_and_a_suite_without_figures_says_so() -> None:
+    """Found comparing the kept connections through PgBouncer: `compare REF pgbouncer` wrote a
+    table with no row at all."""
+
+    def run(through: float, direct: float) -> dict:
+        figures = {"pgbouncer_msgs_per_s": through, "direct_msgs_per_s": direct}
+        return {
+            f"pgbouncer_send_c{n}": {**figures, "ratio": round(through / direct, 3)}
+            for n in (1, 4, 16)
+        }
+
+    runs = {"tree": [run(1600, 2000), run(1500, 2100)], "ref": [run(1500, 2000), run(1450, 1950)]}
+    lines = table(runs, "t", "delaysvc bench compare X pgbouncer").splitlines()
+    assert "| pgbouncer_send_c1: pgbouncer_msgs_per_s | 1,600, 1,500 | 1,500, 1,450 | 1.05 |" in lines
+    assert "| pgbouncer_send_c1: ratio | 0.8, 0.714 | 0.75, 0.744 | 1.01 |" in lines
+    assert "| pgbouncer_send_c16: direct_msgs_per_s | 2,000, 2,100 | 2,000, 1,950 | 1.04 |" in lines
+    empty = table({"tree": [{"peers": {}}], "ref": [{"peers": {}}]}, "t", "c").splitlines()
+    assert empty[-1] == "No figure of these suites is compared here: see each run's results.md."
+
+
 def test_the_cli_needs_a_ref_and_known_suites() -> None:
     runner = CliRunner()
     missing = runner.invoke(cli, ["bench", "compare"])
