@@ -34,10 +34,6 @@ from delaysvc.db.engines import autocommit_cursor, server_closed, sqlalchemy_err
 MOST = 2
 """Connections a producer keeps for single sends, at most."""
 
-_INHERITED: list[object] = []
-"""A forked child's copies of its parent's kept connections, never used and never closed:
-closing one would end the parent's session on the socket both share."""
-
 
 class HeldConnections:
     """`cursor()`: a cursor of a kept connection of `engine` (psycopg 3) in autocommit."""
@@ -120,9 +116,10 @@ class HeldConnections:
 
     def _forked(self) -> None:
         """In a forked child (one thread, and a lock another thread of the parent may have held
-        when it forked): forget the parent's connections, kept but never closed."""
+        when it forked): forget the parent's connections, never closing them, which would end
+        the parent's sessions on the sockets both share (psycopg closes nothing of another
+        process's when its objects are dropped)."""
         self._lock = threading.Lock()
-        _INHERITED.append(self._free.copy())
         self._free.clear()
         self._kept = 0
         self._owner[0] = os.getpid()
@@ -145,7 +142,7 @@ def _close_free(reference: weakref.ref[HeldConnections]) -> None:
 
 def _close_all(free: deque[tuple[Any, Any]], owner: list[int]) -> None:
     """The producer is gone (or the process is ending): close the connections it kept, unless
-    they are a parent's that this forked child has not looked at yet."""
+    they are a parent's that this forked child has not looked at (`_forked`) yet."""
     while free and owner[0] == os.getpid():
         driver, _ = free.pop()
         with suppress(Exception):
