@@ -200,6 +200,15 @@ def server_closed(dbapi_connection: Any) -> bool:
 _AUTOCOMMIT_CURSOR = "delaysvc.autocommit_cursor"
 
 
+def pooled_connection(engine: Engine) -> Any:
+    """A connection checked out of the engine's pool (`Engine.raw_connection`); a failure to
+    connect raised as SQLAlchemy's OperationalError, as `Connection.execute` raises it."""
+    try:
+        return engine.raw_connection()
+    except engine.dialect.loaded_dbapi.Error as error:
+        raise sqlalchemy_error(error, engine.dialect) from error
+
+
 @contextmanager
 def autocommit_cursor(engine: Engine) -> Iterator[Any]:
     """A cursor of a pooled connection's driver (psycopg) whose statements each commit by
@@ -212,10 +221,7 @@ def autocommit_cursor(engine: Engine) -> Iterator[Any]:
     before anything is yielded; a lost connection is invalidated (never pooled again) and
     reported as `connection_invalidated`."""
     dialect = engine.dialect
-    try:
-        pooled = engine.raw_connection()
-    except dialect.loaded_dbapi.Error as error:
-        raise sqlalchemy_error(error, dialect) from error
+    pooled = pooled_connection(engine)
     driver = pooled.driver_connection
     assert driver is not None
     # one cursor per connection, kept with it in the pool (its `info` goes when it does):

@@ -29,7 +29,12 @@ from typing import Any
 from psycopg.pq import TransactionStatus
 from sqlalchemy import Engine, event
 
-from delaysvc.db.engines import autocommit_cursor, server_closed, sqlalchemy_error
+from delaysvc.db.engines import (
+    autocommit_cursor,
+    pooled_connection,
+    server_closed,
+    sqlalchemy_error,
+)
 
 MOST = 2
 """Connections a producer keeps for single sends, at most."""
@@ -44,10 +49,10 @@ class HeldConnections:
         self._free: deque[tuple[Any, Any]] = deque()  # (psycopg connection, its cursor)
         self._lock = threading.Lock()
         self._kept = 0  # free and in use
-        self._owner = [os.getpid()]  # the process whose connections these are
-        weakref.finalize(self, _close_all, self._free, self._owner)
+        weakref.finalize(self, _close_all, self._free)
         reference = weakref.ref(self)
-        event.listen(engine, "engine_disposed", lambda _: _close_free(reference))
+        event.listen(engine, "engine_disposed", lambda _: _call(reference, "close_free"))
+        os.register_at_fork(after_in_child=lambda: _call(reference, "_forked"))
 
     @contextmanager
     def cursor(self) -> Iterator[Any]:
@@ -75,8 +80,6 @@ class HeldConnections:
 
     def _take(self) -> tuple[Any, Any] | None:
         """A free connection, or a new one while fewer than `most` are kept; else None."""
-        if os.getpid() != self._owner[0]:
-            self._forked()
         while self._free:
             try:
                 driver, cursor = self._free.pop()
@@ -97,11 +100,7 @@ class HeldConnections:
             raise
 
     def _open(self) -> tuple[Any, Any]:
-        dialect = self.engine.dialect
-        try:
-            pooled = self.engine.raw_connection()
-        except dialect.loaded_dbapi.Error as error:
-            raise sqlalchemy_error(error, dialect) from error
+        pooled = pooled_connection(self.engine)
         driver = pooled.driver_connection
         assert driver is not None
         pooled.detach()  # ours now, out of the pool's count
@@ -115,14 +114,13 @@ class HeldConnections:
             driver.close()
 
     def _forked(self) -> None:
-        """In a forked child (one thread, and a lock another thread of the parent may have held
-        when it forked): forget the parent's connections, never closing them, which would end
-        the parent's sessions on the sockets both share (psycopg closes nothing of another
-        process's when its objects are dropped)."""
+        """In a forked child, as it starts (one thread, and a lock another thread of the parent
+        may have held when it forked): forget the parent's connections, never closing them,
+        which would end the parent's sessions on the sockets both share (psycopg closes nothing
+        of another process's when its objects are dropped)."""
         self._lock = threading.Lock()
         self._free.clear()
         self._kept = 0
-        self._owner[0] = os.getpid()
 
     def close_free(self) -> None:
         """Close the connections no send is using."""
@@ -134,16 +132,17 @@ class HeldConnections:
             self._drop(driver)
 
 
-def _close_free(reference: weakref.ref[HeldConnections]) -> None:
+def _call(reference: weakref.ref[HeldConnections], method: str) -> None:
+    """`method` of the kept connections, if the producer holding them is still there."""
     held = reference()
-    if held is not None and held._owner[0] == os.getpid():
-        held.close_free()
+    if held is not None:
+        getattr(held, method)()
 
 
-def _close_all(free: deque[tuple[Any, Any]], owner: list[int]) -> None:
-    """The producer is gone (or the process is ending): close the connections it kept, unless
-    they are a parent's that this forked child has not looked at (`_forked`) yet."""
-    while free and owner[0] == os.getpid():
+def _close_all(free: deque[tuple[Any, Any]]) -> None:
+    """The producer is gone (or the process is ending): close the connections it kept (in a
+    forked child, its own only: the parent's were forgotten as it started)."""
+    while free:
         driver, _ = free.pop()
         with suppress(Exception):
             driver.close()
