@@ -59,18 +59,17 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]  # answers keep the order built
     app.url_map.converters["int"] = AsciiIntegerConverter
     engine = make_engine(settings)
-    app.extensions["delaysvc"] = {
-        "settings": settings,
-        "engine": engine,
-        # requests served at once by a worker's threads: their single sends are written
-        # together (group commit, `delaysvc.producer.grouping`)
-        "producer": Producer(settings, engine, group_writers=WEB_GROUP_WRITERS),
-    }
+    # requests served at once by a worker's threads: their single sends are written together
+    # (group commit, `delaysvc.producer.grouping`)
+    producer = Producer(settings, engine, group_writers=WEB_GROUP_WRITERS)
+    app.extensions["delaysvc"] = {"settings": settings, "engine": engine, "producer": producer}
     from delaysvc.web.api import api
     from delaysvc.web.dashboard import dashboard
     from delaysvc.web.errors import register_error_handlers
+    from delaysvc.web.quick import QuickSends
 
     app.register_blueprint(api, url_prefix=API_PREFIX)
     app.register_blueprint(dashboard)
     register_error_handlers(app)
+    app.wsgi_app = QuickSends(app, producer, engine)  # type: ignore[method-assign]
     return app

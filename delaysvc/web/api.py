@@ -17,7 +17,7 @@ from delaysvc.errors import NotFound, ValidationError
 from delaysvc.maintenance.periodic import Schedules, schedule
 from delaysvc.producer.caps import all_caps, check_target, set_cap
 from delaysvc.producer.dead_letters import DeadLetters
-from delaysvc.producer.sending import MAX_BATCH
+from delaysvc.producer.sending import MAX_BATCH, Producer
 from delaysvc.serialize import (
     SentInBatchJson,
     cap_json,
@@ -73,9 +73,10 @@ def token() -> ApiToken:
     return found
 
 
-def require_topic(item: dict[str, Any]) -> None:
-    """A token limited to topics may send only to those: 403 naming the topic and them."""
-    allowed = token().topics
+def require_topic(item: dict[str, Any], sender: ApiToken | None = None) -> None:
+    """A token (the request's, or `sender`) limited to topics may send only to those: 403
+    naming the topic and them."""
+    allowed = (sender or token()).topics
     if allowed is not None:
         topic = validate_topic(item.get("topic"))
         if topic not in allowed:
@@ -126,11 +127,18 @@ def message_options(item: dict[str, Any]) -> dict[str, Any]:
 @api.post("/messages")
 @requires("send")
 def send_message():
-    options = message_options(json_body())
-    require_topic(options)
-    producer = services()["producer"]
+    answer, status = send_one(services()["producer"], token(), json_body())
+    return jsonify(answer), status
+
+
+def send_one(producer: Producer, sender: ApiToken, data: dict[str, Any]) -> tuple[Any, int]:
+    """`POST /messages`: the request's JSON object sent for the `sender` token. -> the answer
+    and its status: 201 stored, 200 the message holding its key. Flask's view and the quick
+    way (`delaysvc.web.quick`) both send by this."""
+    options = message_options(data)
+    require_topic(options, sender)
     message = producer.send_item(options)
-    return jsonify(sent_message_json(message)), 201 if message.created else 200
+    return sent_message_json(message), 201 if message.created else 200
 
 
 @api.post("/messages/batch")

@@ -1,0 +1,116 @@
+"""`POST /api/v1/messages`, the API's most frequent request, answered without Flask's request
+machinery.
+
+A single send's request spent more of a web worker's CPU in Flask's and Werkzeug's request,
+context and response objects than in the send itself: under gunicorn -w 4, 689 us a request
+with the thinnest Flask view calling the producer against 487 us for a WSGI callable doing the
+same (docs/benchmarks/2026-11-29-http-send-floor). `QuickSends` wraps the app's WSGI callable
+and takes such a request when it is the plain case: a JSON body (`Content-Type:
+application/json`) whose length is given and within the app's limit, a live API token, an
+object in the body. That request is sent by the API's own `api.send_one`, and its answer
+written straight, as Flask's `jsonify` writes it. Everything else goes to the Flask app whole
+(a body already read is put back), which answers it as it always did; an error the send raises
+is answered by the app's own error handlers, in a request context made for it. Both ways give
+the same answers: the API's tests run through this wrapper.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from io import BytesIO
+from typing import Any
+
+from flask import Flask, got_request_exception, request_finished, request_started
+from sqlalchemy import Engine
+
+from delaysvc.auth import ApiToken, authenticate_token
+from delaysvc.producer.sending import Producer
+from delaysvc.web import API_PREFIX
+from delaysvc.web.api import send_one
+
+PATH = API_PREFIX + "/messages"
+_STATUS = {201: "201 CREATED", 200: "200 OK"}  # as Werkzeug's responses spell them
+
+_REQUEST_SIGNALS = (request_started, request_finished, got_request_exception)
+
+StartResponse = Callable[..., Any]
+
+
+class QuickSends:
+    """The Flask `app`'s WSGI callable, with single sends taken the quick way."""
+
+    def __init__(self, app: Flask, producer: Producer, engine: Engine):
+        self.app = app
+        self.flask = app.wsgi_app  # the callable this one stands in front of
+        self.producer = producer
+        self.engine = engine
+        self.limit: int | None = app.config["MAX_CONTENT_LENGTH"]
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if (
+            environ.get("PATH_INFO") != PATH
+            or environ.get("REQUEST_METHOD") != "POST"
+            or self._hooked()
+        ):
+            return self.flask(environ, start_response)
+        try:
+            sender = self._sender(environ)
+        except Exception as exc:  # the database down, say: the app's 503
+            return self._error(environ, start_response, exc)
+        size = _length(environ)
+        if sender is None or size is None or (self.limit is not None and size > self.limit):
+            return self.flask(environ, start_response)
+        body = environ["wsgi.input"].read(size)
+        environ["wsgi.input"] = BytesIO(body)  # for Flask, if it answers after all
+        try:
+            data = json.loads(body)
+        except (ValueError, RecursionError):  # Flask's own answer names the problem
+            data = None
+        if type(data) is not dict or len(body) != size:
+            return self.flask(environ, start_response)
+        try:
+            answer, status = send_one(self.producer, sender, data)
+        except Exception as exc:  # every error is the app's handlers' to answer
+            environ["wsgi.input"].seek(0)
+            return self._error(environ, start_response, exc)
+        payload = self.app.json.response(answer).get_data()  # type: ignore[attr-defined]
+        start_response(
+            _STATUS[status],
+            [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
+        )
+        return [payload]
+
+    def _hooked(self) -> bool:
+        """Whether an application that made this app hooked code into its requests (a
+        `before_request`, `after_request` or `teardown_request` of the app or the API, a
+        receiver of Flask's request signals): then every request is Flask's, so it runs."""
+        app = self.app
+        hooks = (app.before_request_funcs, app.after_request_funcs, app.teardown_request_funcs)
+        return any(hook.get(None) or hook.get("api") for hook in hooks) or any(
+            next(signal.receivers_for(app), None) is not None for signal in _REQUEST_SIGNALS
+        )
+
+    def _sender(self, environ: dict[str, Any]) -> ApiToken | None:
+        """The request's live token, if it is a JSON request with one (else Flask answers)."""
+        kind = environ.get("CONTENT_TYPE", "").partition(";")[0].strip().lower()
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        if kind != "application/json" or not header.startswith("Bearer "):
+            return None
+        return authenticate_token(self.engine, header[len("Bearer ") :].strip())
+
+    def _error(
+        self, environ: dict[str, Any], start_response: StartResponse, exc: Exception
+    ) -> Iterable[bytes]:
+        """`exc` answered as Flask answers an error its view raised: the app's handlers."""
+        with self.app.request_context(environ):
+            response = self.app.finalize_request(
+                self.app.handle_user_exception(exc), from_error_handler=True
+            )
+        return response(environ, start_response)
+
+
+def _length(environ: dict[str, Any]) -> int | None:
+    """The body's length as the request gives it (None: not given, or not a length)."""
+    given = environ.get("CONTENT_LENGTH", "")
+    return int(given) if given.isdigit() and given.isascii() else None
