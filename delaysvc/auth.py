@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,8 @@ class ApiToken:
 TOKEN_CACHE_SECONDS = 5
 _live_tokens: TTLCache[tuple[str, str], ApiToken] = TTLCache(maxsize=4096, ttl=TOKEN_CACHE_SECONDS)
 _live_tokens_lock = threading.Lock()
+_databases: weakref.WeakKeyDictionary[Engine, str] = weakref.WeakKeyDictionary()
+"""Each engine's database as the cache's keys name it: its URL, rendered once an engine."""
 
 # What a login for a name that is not a user is checked against: a hash of a password nobody
 # knows, made by generate_password_hash with its defaults (scrypt, n=2**15, r=8, p=1) like the
@@ -91,7 +94,10 @@ def authenticate_token(engine: Engine, token: str) -> ApiToken | None:
     """-> the live token or None. Looked up by its SHA-256: an attacker cannot steer the
     hash, so the lookup leaks nothing about stored tokens through timing. Live tokens (with
     their topics) are remembered for TOKEN_CACHE_SECONDS."""
-    key = (str(engine.url), _hash_token(token))
+    database = _databases.get(engine)
+    if database is None:
+        database = _databases[engine] = str(engine.url)
+    key = (database, _hash_token(token))
     with _live_tokens_lock:
         found = _live_tokens.get(key)
     if found is not None:

@@ -74,12 +74,20 @@ class QuickSends:
         except Exception as exc:  # every error is the app's handlers' to answer
             environ["wsgi.input"].seek(0)
             return self._error(environ, start_response, exc)
-        payload = self.app.json.response(answer).get_data()  # type: ignore[attr-defined]
+        payload = self._json(answer)
         start_response(
             _STATUS[status],
             [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
         )
         return [payload]
+
+    def _json(self, answer: Any) -> bytes:
+        """`answer` as the app's `jsonify` writes it (`DefaultJSONProvider.response`): compact
+        but in debug mode, and a newline."""
+        provider = self.app.json
+        pretty = provider.compact is False or (provider.compact is None and self.app.debug)  # type: ignore[attr-defined]
+        shape = {"indent": 2} if pretty else {"separators": (",", ":")}
+        return (provider.dumps(answer, **shape) + "\n").encode()
 
     def _hooked(self) -> bool:
         """Whether an application that made this app hooked code into its requests (a
@@ -88,7 +96,8 @@ class QuickSends:
         app = self.app
         hooks = (app.before_request_funcs, app.after_request_funcs, app.teardown_request_funcs)
         return any(hook.get(None) or hook.get("api") for hook in hooks) or any(
-            next(signal.receivers_for(app), None) is not None for signal in _REQUEST_SIGNALS
+            signal.receivers and next(signal.receivers_for(app), None) is not None
+            for signal in _REQUEST_SIGNALS
         )
 
     def _sender(self, environ: dict[str, Any]) -> ApiToken | None:
