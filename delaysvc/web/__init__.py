@@ -71,5 +71,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(api, url_prefix=API_PREFIX)
     app.register_blueprint(dashboard)
     register_error_handlers(app)
-    app.wsgi_app = QuickSends(app, producer, engine)  # type: ignore[method-assign]
+    app.wsgi_app = QuickSends(app, API_PREFIX + "/messages", producer, engine)  # type: ignore[method-assign]
     return app

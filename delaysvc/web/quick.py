@@ -26,10 +26,8 @@ from sqlalchemy import Engine
 
 from delaysvc.auth import ApiToken, authenticate_token
 from delaysvc.producer.sending import Producer
-from delaysvc.web import API_PREFIX
 from delaysvc.web.api import send_one
 
-PATH = API_PREFIX + "/messages"
 _STATUS = {201: "201 CREATED", 200: "200 OK"}  # as Werkzeug's responses spell them
 
 _REQUEST_SIGNALS = (request_started, request_finished, got_request_exception)
@@ -40,8 +38,9 @@ StartResponse = Callable[..., Any]
 class QuickSends:
     """The Flask `app`'s WSGI callable, with single sends taken the quick way."""
 
-    def __init__(self, app: Flask, producer: Producer, engine: Engine):
+    def __init__(self, app: Flask, path: str, producer: Producer, engine: Engine):
         self.app = app
+        self.path = path  # the API's single sends: `/api/v1/messages`
         self.flask = app.wsgi_app  # the callable this one stands in front of
         self.producer = producer
         self.engine = engine
@@ -49,7 +48,7 @@ class QuickSends:
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         if (
-            environ.get("PATH_INFO") != PATH
+            environ.get("PATH_INFO") != self.path
             or environ.get("REQUEST_METHOD") != "POST"
             or self._hooked()
         ):
