@@ -21,7 +21,16 @@ from collections.abc import Callable, Iterable
 from io import BytesIO
 from typing import Any
 
-from flask import Flask, got_request_exception, request_finished, request_started
+from flask import (
+    Flask,
+    appcontext_popped,
+    appcontext_pushed,
+    appcontext_tearing_down,
+    got_request_exception,
+    request_finished,
+    request_started,
+    request_tearing_down,
+)
 from sqlalchemy import Engine
 
 from delaysvc.auth import ApiToken, authenticate_token
@@ -30,7 +39,15 @@ from delaysvc.web.api import send_one
 
 _STATUS = {201: "201 CREATED", 200: "200 OK"}  # as Werkzeug's responses spell them
 
-_REQUEST_SIGNALS = (request_started, request_finished, got_request_exception)
+_SIGNALS = (
+    request_started,
+    request_finished,
+    got_request_exception,
+    request_tearing_down,
+    appcontext_pushed,
+    appcontext_popped,
+    appcontext_tearing_down,
+)
 
 StartResponse = Callable[..., Any]
 
@@ -90,13 +107,23 @@ class QuickSends:
 
     def _hooked(self) -> bool:
         """Whether an application that made this app hooked code into its requests (a
-        `before_request`, `after_request` or `teardown_request` of the app or the API, a
-        receiver of Flask's request signals): then every request is Flask's, so it runs."""
+        `before_request`, `after_request`, `teardown_request` or URL value preprocessor of the
+        app or the API, a `teardown_appcontext`, a receiver of Flask's request or app context
+        signals): then every request is Flask's, so it runs."""
         app = self.app
-        hooks = (app.before_request_funcs, app.after_request_funcs, app.teardown_request_funcs)
-        return any(hook.get(None) or hook.get("api") for hook in hooks) or any(
-            signal.receivers and next(signal.receivers_for(app), None) is not None
-            for signal in _REQUEST_SIGNALS
+        hooks = (
+            app.before_request_funcs,
+            app.after_request_funcs,
+            app.teardown_request_funcs,
+            app.url_value_preprocessors,
+        )
+        return (
+            any(hook.get(None) or hook.get("api") for hook in hooks)
+            or bool(app.teardown_appcontext_funcs)
+            or any(
+                signal.receivers and next(signal.receivers_for(app), None) is not None
+                for signal in _SIGNALS
+            )
         )
 
     def _sender(self, environ: dict[str, Any]) -> ApiToken | None:

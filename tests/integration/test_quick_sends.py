@@ -146,6 +146,15 @@ def test_an_app_with_request_hooks_answers_every_send_through_flask(
     assert flask_requests == [URL] and stamped == ["after"]
 
 
+def test_an_app_context_teardown_runs_for_every_send(
+    app: Flask, client: FlaskClient, token: dict[str, str], flask_requests: list[str]
+) -> None:
+    closed: list[str] = []
+    app.teardown_appcontext(lambda error: closed.append("session"))  # Flask-SQLAlchemy's way
+    assert client.post(URL, json=ORDER, headers=token).status_code == 201
+    assert flask_requests == [URL] and closed == ["session"]
+
+
 def test_a_receiver_of_flasks_request_signals_sees_every_send(
     app: Flask, client: FlaskClient, token: dict[str, str], flask_requests: list[str]
 ) -> None:
