@@ -61,7 +61,6 @@ class QuickSends:
         self.flask = app.wsgi_app  # the callable this one stands in front of
         self.producer = producer
         self.engine = engine
-        self.limit: int | None = app.config["MAX_CONTENT_LENGTH"]
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         if (
@@ -75,7 +74,8 @@ class QuickSends:
         except Exception as exc:  # the database down, say: the app's 503
             return self._error(environ, start_response, exc)
         size = _length(environ)
-        if sender is None or size is None or (self.limit is not None and size > self.limit):
+        limit = self.app.config["MAX_CONTENT_LENGTH"]  # as Flask reads it: at each request
+        if sender is None or size is None or (limit is not None and size > limit):
             return self.flask(environ, start_response)
         body = environ["wsgi.input"].read(size)
         environ["wsgi.input"] = BytesIO(body)  # for Flask, if it answers after all

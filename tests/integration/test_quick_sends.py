@@ -171,3 +171,13 @@ def test_a_receiver_of_flasks_request_signals_sees_every_send(
     assert seen == ["started"] and flask_requests == [URL]
     assert client.post(URL, json=ORDER, headers=token).status_code == 200
     assert flask_requests == [URL]  # the receiver gone, the quick way again
+
+
+def test_a_limit_the_application_lowers_after_create_app_is_kept(
+    app: Flask, client: FlaskClient, token: dict[str, str], flask_requests: list[str]
+) -> None:
+    app.config["MAX_CONTENT_LENGTH"] = 64  # as Flask reads it: at each request
+    long = {**ORDER, "properties": {"note": "x" * 100}}
+    refused = client.post(URL, json=long, headers=token)
+    assert refused.status_code == 413
+    assert flask_requests == [URL]
