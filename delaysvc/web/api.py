@@ -49,10 +49,10 @@ def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def decorate(view: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(view)
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            header = request.headers.get("Authorization", "")
-            if not header.startswith("Bearer "):
+            given = bearer_token(request.headers.get("Authorization", ""))
+            if given is None:
                 return error_response(401, "unauthorized", "send Authorization: Bearer <token>")
-            token = authenticate_token(services()["engine"], header[len("Bearer ") :].strip())
+            token = authenticate_token(services()["engine"], given)
             if token is None:
                 return error_response(401, "unauthorized", "unknown or revoked token")
             if scope == "admin" and token.scope != "admin":
@@ -64,6 +64,13 @@ def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         return guarded
 
     return decorate
+
+
+def bearer_token(header: str) -> str | None:
+    """The token an `Authorization: Bearer <token>` header carries; None for any other."""
+    if not header.startswith("Bearer "):
+        return None
+    return header[len("Bearer ") :].strip()
 
 
 def token() -> ApiToken:

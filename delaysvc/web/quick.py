@@ -35,7 +35,7 @@ from sqlalchemy import Engine
 
 from delaysvc.auth import ApiToken, authenticate_token
 from delaysvc.producer.sending import Producer
-from delaysvc.web.api import send_one
+from delaysvc.web.api import bearer_token, send_one
 
 _STATUS = {201: "201 CREATED", 200: "200 OK"}  # as Werkzeug's responses spell them
 
@@ -90,20 +90,12 @@ class QuickSends:
         except Exception as exc:  # every error is the app's handlers' to answer
             environ["wsgi.input"].seek(0)
             return self._error(environ, start_response, exc)
-        payload = self._json(answer)
+        payload = self.app.json.response(answer).get_data()  # type: ignore[attr-defined]
         start_response(
             _STATUS[status],
             [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))],
         )
         return [payload]
-
-    def _json(self, answer: Any) -> bytes:
-        """`answer` as the app's `jsonify` writes it (`DefaultJSONProvider.response`): compact
-        but in debug mode, and a newline."""
-        provider = self.app.json
-        pretty = provider.compact is False or (provider.compact is None and self.app.debug)  # type: ignore[attr-defined]
-        shape = {"indent": 2} if pretty else {"separators": (",", ":")}
-        return (provider.dumps(answer, **shape) + "\n").encode()
 
     def _hooked(self) -> bool:
         """Whether an application that made this app hooked code into its requests (a
@@ -129,10 +121,10 @@ class QuickSends:
     def _sender(self, environ: dict[str, Any]) -> ApiToken | None:
         """The request's live token, if it is a JSON request with one (else Flask answers)."""
         kind = environ.get("CONTENT_TYPE", "").partition(";")[0].strip().lower()
-        header = environ.get("HTTP_AUTHORIZATION", "")
-        if kind != "application/json" or not header.startswith("Bearer "):
+        given = bearer_token(environ.get("HTTP_AUTHORIZATION", ""))
+        if kind != "application/json" or given is None:
             return None
-        return authenticate_token(self.engine, header[len("Bearer ") :].strip())
+        return authenticate_token(self.engine, given)
 
     def _error(
         self, environ: dict[str, Any], start_response: StartResponse, exc: Exception
