@@ -32,6 +32,7 @@ import textwrap
 from pathlib import Path
 
 import http_ceiling
+from http_servers import granian
 from scratch import scratch_database, send_token
 
 from delaysvc.bench import raw
@@ -89,18 +90,10 @@ def servers(folder: str, port: int) -> dict[str, list[str]]:
         "WSGI + send_item, gunicorn -w 4": [*gunicorn, "floor_apps:wsgi_app"],
     }
     if importlib.util.find_spec("granian"):
-        granian = [
-            sys.executable, "-m", "granian", "--interface", "wsgi", "--host", "127.0.0.1",
-            "--port", str(port), "--workers", "4", "--blocking-threads", "1",
-            "--runtime-threads", "1", "--no-access-log", "--log-level", "warning",
-            "--working-dir", folder,
-        ]  # fmt: skip
-        found["delaysvc's app, granian 4 workers"] = [
-            *granian,
-            "--factory",
-            "delaysvc.web:create_app",
-        ]
-        found["WSGI + send_item, granian 4 workers"] = [*granian, "floor_apps:wsgi_app"]
+        found["delaysvc's app, granian 4 workers"] = granian(port, 1)
+        found["WSGI + send_item, granian 4 workers"] = granian(
+            port, 1, "--working-dir", folder, "floor_apps:wsgi_app"
+        )
     return found
 
 

@@ -29,12 +29,15 @@ from delaysvc.db.engines import libpq_url
 from delaysvc.runtime.supervisor import free_port, web_command
 
 
-def granian(port: int, threads: int) -> list[str]:
+def granian(port: int, threads: int, *target: str) -> list[str]:
+    """Granian serving `target` (default delaysvc's app factory; or e.g. `--working-dir DIR
+    module:app`) with 4 workers of `threads` blocking threads each on `port`."""
     return [
-        sys.executable, "-m", "granian", "--interface", "wsgi", "--factory",
+        sys.executable, "-m", "granian", "--interface", "wsgi",
         "--host", "127.0.0.1", "--port", str(port), "--workers", "4",
         "--blocking-threads", str(threads), "--runtime-threads", "1",
-        "--no-access-log", "--log-level", "warning", "delaysvc.web:create_app",
+        "--no-access-log", "--log-level", "warning",
+        *(target or ("--factory", "delaysvc.web:create_app")),
     ]  # fmt: skip
 
 
