@@ -7,8 +7,8 @@ Rules (docs/how-to/producing.md lists them for users):
 - tags: at most 16, each 1-64 characters of `A-Z a-z 0-9 . _ - :`;
 - properties: at most 64 string -> string pairs, names 1-128 characters, values up to 4096,
   no NUL;
-- body: bytes, or anything `json.dumps` takes (no NaN/Infinity), encoded size at most
-  `max_body_bytes`.
+- body: bytes, or anything `json.dumps` takes (no NaN/Infinity), UUIDs (as their text) and
+  enum members (as their value) too; encoded size at most `max_body_bytes`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ import json
 import json.encoder
 import re
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
+from uuid import UUID
+
+try:
+    import orjson
+except ImportError:  # no wheel for this Python (PyPy): json's encoder alone
+    orjson = None  # type: ignore[assignment]
 
 from delaysvc.errors import ConfigError, TooLarge, ValidationError
 
@@ -119,19 +126,32 @@ def validate_properties(properties: object) -> dict[str, str] | None:
     return dict(properties)
 
 
+def _beyond_json(value: object) -> object:
+    """What a body may hold beyond JSON's own types, as orjson writes it: a UUID as its text,
+    an enum member as its value. Anything else is refused, in json's words."""
+    if isinstance(value, UUID):
+        return str(value)
+    if isinstance(value, Enum):
+        return value.value
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
 def _json_encoder() -> Callable[[Any], str]:
-    """`json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))` with its
-    encoder built once: `json.dumps` builds one per call, which costs twice what encoding a
-    small body does (1.5 of 2.3 us; a batch encodes every body). Without a circular check (its
-    one dict would be shared by every thread): a body that contains itself is refused as nested
-    too deeply, as a deep one is. Python without json's C encoder (PyPy) uses `json`'s own."""
-    python = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    """`json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+    default=_beyond_json)` with its encoder built once: `json.dumps` builds one per call, which
+    costs twice what encoding a small body does (1.5 of 2.3 us; a batch encodes every body).
+    Without a circular check (its one dict would be shared by every thread): a body that
+    contains itself is refused as nested too deeply, as a deep one is. Python without json's C
+    encoder (PyPy) uses `json`'s own."""
+    python = json.JSONEncoder(
+        ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=_beyond_json
+    )
     make: Callable[..., Callable[[Any, int], Sequence[str]]] | None
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:
         return python.encode
     try:  # markers, default, encoder, indent, separators, sort_keys, skipkeys, allow_nan
-        encoder = make(None, python.default, json.encoder.encode_basestring, None, ":", ",",
+        encoder = make(None, _beyond_json, json.encoder.encode_basestring, None, ":", ",",
                        False, False, False)  # fmt: skip
     except TypeError:  # another Python's signature
         return python.encode
@@ -139,6 +159,30 @@ def _json_encoder() -> Callable[[Any], str]:
 
 
 _to_json = _json_encoder()
+
+# orjson writes the same JSON (compact, key order kept, UTF-8 unescaped; a float may be
+# spelled otherwise, `1e16` for `1e+16`, the same number) 5-10x faster than json's C encoder
+# (0.14 against 0.69 us a two-field body, 1.1 against 11.6 a body of ten items). What it takes
+# and json does not is handed back to json: times and dataclasses (passed to `_beyond_json`,
+# which refuses them), integers beyond 64 bits, keys that are not strings, nesting past 254.
+# It writes NaN and Infinity as null, which json refuses: a body whose JSON has `null` in it
+# is encoded by json again, which refuses those or writes the same null.
+_ORJSON_OPTIONS = (
+    0 if orjson is None else orjson.OPT_PASSTHROUGH_DATETIME | orjson.OPT_PASSTHROUGH_DATACLASS
+)
+
+
+def _json_bytes(body: Any) -> bytes:
+    """`body` as JSON in UTF-8; raises as `_to_json` does, or UnicodeEncodeError."""
+    if orjson is not None:
+        try:
+            data = orjson.dumps(body, default=_beyond_json, option=_ORJSON_OPTIONS)
+        except TypeError:  # orjson.JSONEncodeError: json decides
+            pass
+        else:
+            if b"null" not in data:
+                return data
+    return _to_json(body).encode("utf-8")
 
 
 _BINARY = (bytes, bytearray, memoryview)  # a tuple: `bytes | ...` makes a new union each call
@@ -150,17 +194,15 @@ def encode_body(body: Any, max_bytes: int) -> tuple[bytes, bool]:
         data, is_json = bytes(body), False
     else:
         try:
-            text = _to_json(body)
-        except (TypeError, ValueError) as exc:
+            data, is_json = _json_bytes(body), True
+        except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError: first
+            if isinstance(exc, UnicodeEncodeError):
+                raise ValidationError("body", "contains text that is not valid Unicode") from None
             raise ValidationError("body", f"must be JSON-serialisable or bytes ({exc})") from None
         except RecursionError:
             raise ValidationError(
                 "body", "is nested too deeply to encode as JSON, or contains itself"
             ) from None
-        try:
-            data, is_json = text.encode("utf-8"), True
-        except UnicodeEncodeError:
-            raise ValidationError("body", "contains text that is not valid Unicode") from None
     if len(data) > max_bytes:
         raise TooLarge("body", f"is {len(data)} bytes, the limit is {max_bytes}")
     return data, is_json
