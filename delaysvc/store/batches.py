@@ -24,7 +24,9 @@ from typing import Any, NamedTuple
 
 from psycopg import Copy, Cursor
 from psycopg.adapt import PyFormat
+from psycopg.types.json import set_json_dumps
 
+from delaysvc.config.validation import json_text
 from delaysvc.db.names import driver_sql, qualify
 from delaysvc.store.shared import _PLACED_LANE
 
@@ -170,6 +172,8 @@ def copying(cursor: Cursor[Any], table: str, row: Sequence[tuple[str, str]]) -> 
     # one of its DB-API `Binary` wrapper, Python code run for every body. This cursor's own
     # adapters (the connection's are left alone) take bytes' own, C in psycopg's binary build.
     cursor.adapters.register_dumper(bytes, cursor.adapters.get_dumper(bytes, PyFormat.BINARY))
+    # and `properties` (a dict, jsonb) is written by `json_text` rather than psycopg's json.dumps
+    set_json_dumps(json_text, cursor)
     with cursor.copy(statement) as copy:
         copy.set_types([kind for _, kind in row])
         yield copy

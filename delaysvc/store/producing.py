@@ -4,7 +4,6 @@ by key."""
 from __future__ import annotations
 
 import base64
-import json
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
@@ -12,6 +11,7 @@ from typing import Any, NamedTuple
 from psycopg import Cursor
 from psycopg.rows import namedtuple_row
 
+from delaysvc.config.validation import json_text
 from delaysvc.db.names import driver_sql as _driver_sql
 from delaysvc.db.names import sql
 from delaysvc.errors import DuplicateKey
@@ -49,7 +49,7 @@ def _message_params(message: NewMessage) -> dict[str, Any]:
         "tags": message.tags,
         "body": message.body,
         "body_is_json": message.body_is_json,
-        "properties": json.dumps(message.properties) if message.properties is not None else None,
+        "properties": json_text(message.properties) if message.properties is not None else None,
         "delay_level": message.delay_level,
         "priority": message.priority,
         "lane": message.lane,
@@ -127,7 +127,7 @@ def insert_group(
     (`insert_message`)."""
     each = [_message_params(message) for message in messages]
     params = {name: [one[name] for one in each] for name in each[0]}
-    params["tags"] = [None if tags is None else json.dumps(tags) for tags in params["tags"]]
+    params["tags"] = [None if tags is None else json_text(tags) for tags in params["tags"]]
     prepare = None if cursor.connection.prepare_threshold is None else True
     rows = cursor.execute(_driver_sql(SEND_GROUP), params, prepare=prepare).fetchall()
     return [None if row[0] is None else (Stored(*row), True, 0) for row in rows]
@@ -243,7 +243,7 @@ def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
         message.tags,
         message.body,
         message.body_is_json,
-        json.dumps(properties) if properties is not None else None,
+        json_text(properties) if properties is not None else None,
         message.delay_level,
         message.lane,
         message.delay_ms,
@@ -253,7 +253,7 @@ def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
 
 
 def _stage_document(messages: Sequence[NewMessage]) -> str:
-    return json.dumps(
+    return json_text(
         [
             {
                 "ord": ord_,

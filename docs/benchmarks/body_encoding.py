@@ -3,7 +3,9 @@ encoder alone (`_to_json(body).encode()`, as it did before 2026-12-01), side by 
 process: each way's time to encode a body and lay out its commit-log row for a batch COPY
 (psycopg's binary row formatting, as `send_batch` does), then `send_batch` of 10,000 messages
 with each way, alternating, on one database. Bodies: the bench's two fields, an order of ten
-lines (~0.6 KB), an order of a hundred lines (~6 KB).
+lines (~0.8 KB), an order of a hundred lines (~6.9 KB). Then a batch whose messages carry three
+properties (as a traced application's do: `traceparent`), their jsonb written by
+`validation.json_text` (orjson, now) or by psycopg's own `json.dumps` (before), in turn.
 
 Run from the repository root: python docs/benchmarks/body_encoding.py [SERVER_URL] [ROUNDS]
 (default the local PostgreSQL, 3 rounds); it works in a database of its own. Set
@@ -13,6 +15,7 @@ PGOPTIONS="-c synchronous_commit=off" to take the disk's flush out of the batche
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import sys
 import time
@@ -136,10 +139,56 @@ def batches_side_by_side(server: str, rounds: int) -> None:
             )
 
 
+PROPERTIES = {
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "tenant": "acme",
+    "source": "checkout",
+}
+
+
+def properties_side_by_side(server: str, rounds: int) -> None:
+    print(f"send_batch of {SIZE:,} with three properties each, msg/s (in turn; median)")
+    ways: dict[str, Callable[[Any], str]] = {
+        "json_text (now)": validation.json_text,
+        "json.dumps (before)": json.dumps,
+    }
+    with scratch_database(server, "delaysvc_body_encoding") as (engine, settings):
+        producer = Producer(settings, engine)
+        items = [
+            {
+                "topic": "bench.noop",
+                "body": {"order_id": n},
+                "delay": "1h",
+                "properties": PROPERTIES,
+            }
+            for n in range(SIZE)
+        ]
+        producer.send_batch(items)
+        rates: dict[str, list[float]] = {way: [] for way in ways}
+        for _ in range(rounds):
+            for way, dumps in ways.items():
+                batches.json_text = dumps  # type: ignore[assignment]
+                try:
+                    started = time.perf_counter()
+                    producer.send_batch(items)
+                    rates[way].append(SIZE / (time.perf_counter() - started))
+                finally:
+                    batches.json_text = validation.json_text  # type: ignore[assignment]
+        medians = [statistics.median(r) for r in rates.values()]
+        print(
+            "  "
+            + "; ".join(
+                f"{way} " + ", ".join(f"{rate:,.0f}" for rate in r) for way, r in rates.items()
+            )
+            + f"; {medians[0] / medians[1]:.2f}x"
+        )
+
+
 def main() -> None:
     server, rounds = server_and_rounds(3)
     encoding(libpq_url(server), rounds)
     batches_side_by_side(server, rounds)
+    properties_side_by_side(server, rounds)
 
 
 if __name__ == "__main__":

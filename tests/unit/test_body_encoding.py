@@ -178,3 +178,23 @@ def test_one_body_encoded_by_many_threads_at_once_is_never_taken_for_a_circular_
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "t": "ä ✓"},
+        ["vip", "eu-west"],
+        [{"ord": 0, "body": "e30=", "deliver_at": None, "tags": ["a"], "properties": {}}],
+        {"lone": "\udc80"},  # orjson refuses it: json's text, which the database refuses
+    ],
+    ids=["properties", "tags", "staged rows", "lone surrogate"],
+)
+def test_json_text_is_the_same_value_as_json_dumps_writes(value: Any) -> None:
+    text = validation.json_text(value)
+    assert isinstance(text, str)
+    assert json.loads(text) == json.loads(json.dumps(value))
+    if value == {"lone": "\udc80"}:
+        assert text == json.dumps(value)
+    else:
+        assert text == orjson.dumps(value).decode()
