@@ -112,31 +112,42 @@ def encoding(url: str, rounds: int) -> None:
         )
 
 
+def _batches_in_turn(
+    producer: Producer,
+    items: list[dict[str, Any]],
+    module: Any,
+    name: str,
+    ways: dict[str, Any],
+    rounds: int,
+) -> str:
+    """`send_batch(items)` with `module.name` set to each of `ways` in turn, `rounds` times
+    (put back as it was after each); -> each way's rates and the first's median over the
+    second's, as a line."""
+    kept = getattr(module, name)
+    producer.send_batch(items)  # warm: connections, plans
+    rates: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way, function in ways.items():
+            setattr(module, name, function)
+            try:
+                started = time.perf_counter()
+                producer.send_batch(items)
+                rates[way].append(SIZE / (time.perf_counter() - started))
+            finally:
+                setattr(module, name, kept)
+    now, before = (statistics.median(r) for r in rates.values())
+    spelled = (f"{way} " + ", ".join(f"{rate:,.0f}" for rate in r) for way, r in rates.items())
+    return "; ".join(spelled) + f"; {now / before:.2f}x"
+
+
 def batches_side_by_side(server: str, rounds: int) -> None:
     print(f"send_batch of {SIZE:,}, msg/s (each way's rounds, in turn; median)")
     with scratch_database(server, "delaysvc_body_encoding") as (engine, settings):
         producer = Producer(settings, engine)
         for body_name, make in BODIES.items():
             items = [{"topic": "bench.noop", "body": make(n), "delay": "1h"} for n in range(SIZE)]
-            producer.send_batch(items)  # warm: connections, plans
-            rates: dict[str, list[float]] = {way: [] for way in WAYS}
-            for _ in range(rounds):
-                for way, encode in WAYS.items():
-                    validation._json_bytes = encode  # type: ignore[assignment]
-                    try:
-                        started = time.perf_counter()
-                        producer.send_batch(items)
-                        rates[way].append(SIZE / (time.perf_counter() - started))
-                    finally:
-                        validation._json_bytes = WAYS["orjson (now)"]  # type: ignore[assignment]
-            medians = [statistics.median(r) for r in rates.values()]
-            print(
-                f"  {body_name}: "
-                + "; ".join(
-                    f"{way} " + ", ".join(f"{rate:,.0f}" for rate in r) for way, r in rates.items()
-                )
-                + f"; {medians[0] / medians[1]:.2f}x"
-            )
+            line = _batches_in_turn(producer, items, validation, "_json_bytes", WAYS, rounds)
+            print(f"  {body_name}: {line}")
 
 
 PROPERTIES = {
@@ -148,40 +159,12 @@ PROPERTIES = {
 
 def properties_side_by_side(server: str, rounds: int) -> None:
     print(f"send_batch of {SIZE:,} with three properties each, msg/s (in turn; median)")
-    ways: dict[str, Callable[[Any], str]] = {
-        "json_text (now)": validation.json_text,
-        "json.dumps (before)": json.dumps,
-    }
+    ways = {"json_text (now)": validation.json_text, "json.dumps (before)": json.dumps}
     with scratch_database(server, "delaysvc_body_encoding") as (engine, settings):
         producer = Producer(settings, engine)
-        items = [
-            {
-                "topic": "bench.noop",
-                "body": {"order_id": n},
-                "delay": "1h",
-                "properties": PROPERTIES,
-            }
-            for n in range(SIZE)
-        ]
-        producer.send_batch(items)
-        rates: dict[str, list[float]] = {way: [] for way in ways}
-        for _ in range(rounds):
-            for way, dumps in ways.items():
-                batches.json_text = dumps  # type: ignore[assignment]
-                try:
-                    started = time.perf_counter()
-                    producer.send_batch(items)
-                    rates[way].append(SIZE / (time.perf_counter() - started))
-                finally:
-                    batches.json_text = validation.json_text  # type: ignore[assignment]
-        medians = [statistics.median(r) for r in rates.values()]
-        print(
-            "  "
-            + "; ".join(
-                f"{way} " + ", ".join(f"{rate:,.0f}" for rate in r) for way, r in rates.items()
-            )
-            + f"; {medians[0] / medians[1]:.2f}x"
-        )
+        body = {"topic": "bench.noop", "delay": "1h", "properties": PROPERTIES}
+        items = [{**body, "body": {"order_id": n}} for n in range(SIZE)]
+        print("  " + _batches_in_turn(producer, items, batches, "json_text", ways, rounds))
 
 
 def main() -> None:
