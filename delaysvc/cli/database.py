@@ -27,6 +27,9 @@ def migrate(ctx: Context) -> None:
         from delaysvc.producer.caps import apply_configured
 
         apply_configured(engine, ctx.settings.caps)
+    from delaysvc.maintenance import caps_index
+
+    caps_index.run_once(engine)  # the index of the capped topics' waiting messages
     click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
 
 

@@ -188,6 +188,10 @@ def caps_set(ctx: Context, target: str, max_waiting: int | None, policy: str | N
     scope, name = producer_caps.parse_target(target)
     found = producer_caps.set_cap(ctx.engine, scope, name, max_waiting, policy)
     click.echo(f"{scope}:{found.target if found else name}: {_cap_text(found)}")
+    if scope == "topic":  # the index its counts read, made now rather than by a worker's round
+        from delaysvc.maintenance import caps_index
+
+        caps_index.run_once(ctx.engine)
 
 
 def _cap_text(item: Any) -> str:

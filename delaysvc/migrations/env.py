@@ -15,7 +15,12 @@ from sqlalchemy import Connection, text
 
 from delaysvc.db import names as sql
 from delaysvc.schema import migrate
-from delaysvc.schema.tables import is_history_partition, is_level_partition, metadata
+from delaysvc.schema.tables import (
+    CAPPED_INDEX_PREFIX,
+    is_history_partition,
+    is_level_partition,
+    metadata,
+)
 
 config = context.config
 
@@ -23,8 +28,11 @@ config = context.config
 def include_object(
     obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
 ) -> bool:
-    """Level partitions are made by `ensure_levels` from the settings, and history partitions
-    by the history sweep, day by day, not by a revision."""
+    """Level partitions are made by `ensure_levels` from the settings, history partitions by
+    the history sweep, day by day, and the capped topics' index by `caps_index` when the caps
+    change, not by a revision."""
+    if type_ == "index":
+        return name is None or not name.startswith(CAPPED_INDEX_PREFIX)
     made_later = name is not None and (is_level_partition(name) or is_history_partition(name))
     return not (type_ == "table" and made_later)
 

@@ -24,8 +24,9 @@ a replace or debounce takes its holder out as it puts the new message in. Such a
 refused and delivers nothing early.
 
 Counts are exact: a level cap reads the level's `lane_count` deltas (a few thousand rows at
-most between two folds), a topic cap scans at most the cap's worth of its index on every send
-to that topic.
+most between two folds), a topic cap scans at most the cap's worth of the capped topics' index
+on every send to that topic (`delaysvc.maintenance.caps_index`, which builds it when the caps
+change; until then the same count scans the commit log).
 """
 
 from __future__ import annotations

@@ -94,13 +94,8 @@ commit_log = Table(
     Index(
         "ix_commit_log_running_lease", "lease_until", postgresql_where=text("status = 'running'")
     ),
-    # waiting messages of a topic, oldest first: backlog caps count and deliver early by it
-    Index(
-        "ix_commit_log_waiting_topic",
-        "topic",
-        "deliver_ts",
-        postgresql_where=text("status IN ('scheduled', 'retrying')"),
-    ),
+    # (the waiting messages of the capped topics, oldest first, are indexed by an index made to
+    # fit the caps: CAPPED_INDEX_PREFIX below)
     # retrying messages per topic (the dashboard's and /api/v1/topics' retrying counts)
     Index("ix_commit_log_retrying_topic", "topic", postgresql_where=text("status = 'retrying'")),
     # finished messages not yet moved into message_history, oldest first
@@ -112,6 +107,13 @@ commit_log = Table(
     # old pages all over a big table (migration 0006 has the measurement)
     postgresql_with={"fillfactor": "100", **HOT_TABLE_STORAGE},
 )
+
+CAPPED_INDEX_PREFIX = "ix_commit_log_capped_"
+"""The waiting messages of the topics a backlog cap covers, oldest first, indexed by
+(topic, deliver_ts) with the capped topics in the index's predicate: a topic cap counts and
+delivers early by it, and a send to any other topic writes nothing into it. No migration makes
+it: `delaysvc.maintenance.caps_index` builds it again whenever the topic caps change (migration
+0020 has the measurement)."""
 
 # Finished messages, moved out of commit_log in batches by `delaysvc.maintenance.history` (beat's
 # `move_history`, every few seconds), so commit_log holds the messages in flight and stays the

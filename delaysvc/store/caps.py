@@ -1,13 +1,16 @@
-"""Backlog caps: the caps, their lock, the waiting counts they compare, early delivery."""
+"""Backlog caps: the caps, their lock, the waiting counts they compare, early delivery, and the
+index of the capped topics' waiting messages."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 
 from delaysvc.db.names import LOCK_KEY, lock_name, sql
+from delaysvc.schema.tables import CAPPED_INDEX_PREFIX
 from delaysvc.store.producing import find_unfinished_by_keys
 from delaysvc.store.shared import NOT_MOVED, WAITING, Statements
 
@@ -101,14 +104,23 @@ SELECT count(*) FROM gone"""
 
 
 def topic_pending(conn: Statements, topic: str, up_to: int) -> int:
-    """Waiting (scheduled or retrying) messages of a topic, never counted beyond `up_to`."""
+    """Waiting (scheduled or retrying) messages of a topic, never counted beyond `up_to`: on
+    the capped topics' index (`_of_topic`)."""
     return conn.execute(
         sql(
-            "SELECT count(*) FROM (SELECT 1 FROM delaysvc.commit_log c WHERE c.topic = :topic "
-            f"AND {WAITING} AND {NOT_MOVED} LIMIT :up_to) w"
+            "SELECT count(*) FROM (SELECT 1 FROM delaysvc.commit_log c "
+            f"WHERE {_of_topic(topic)} AND {WAITING} AND {NOT_MOVED} LIMIT :up_to) w"
         ),
-        {"topic": topic, "up_to": up_to},
+        {"up_to": up_to},
     ).scalar_one()
+
+
+def _of_topic(topic: str) -> str:
+    """`c.topic = 'topic'`, the topic written into the statement: PostgreSQL uses an index whose
+    predicate names the topic among others (the capped topics' index) only for a plan made
+    knowing the value, which a prepared statement's generic plan is not. A topic is letters,
+    digits, '.', '_' and '-' (`validate_topic`); a quote is doubled all the same."""
+    return "c.topic = '" + topic.replace("'", "''") + "'"
 
 
 def lock_key_holders(
@@ -134,11 +146,11 @@ def oldest_waiting_in_level(conn: Statements, level: int, count: int) -> list[in
 def oldest_waiting_of_topic(conn: Statements, topic: str, count: int) -> list[int]:
     rows = conn.execute(
         sql(
-            "SELECT c.id FROM delaysvc.commit_log c WHERE c.topic = :topic "
+            f"SELECT c.id FROM delaysvc.commit_log c WHERE {_of_topic(topic)} "
             f"AND {WAITING} AND {NOT_MOVED} "
             "ORDER BY c.deliver_ts LIMIT :count"
         ),
-        {"topic": topic, "count": count},
+        {"count": count},
     )
     return [row.id for row in rows]
 
@@ -181,3 +193,77 @@ def deliver_now(conn: Statements, message_ids: Sequence[int]) -> int:
     overflow), counted per lane in `early_total`. -> how many moved (a message being moved
     by its lane at the same moment is left to it)."""
     return conn.execute(sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
+
+
+# ---------------------------------------------------------------- the capped topics' index
+
+LISTED_AT_MOST = 100
+"""Capped topics the index names in its predicate at most. PostgreSQL proves that
+`topic = 'x'` implies `topic IN (...)` for a list of up to 100 values (MAX_SAOP_ARRAY_SIZE in
+its predtest.c); with more topic caps the index holds every waiting message, as before 0020."""
+
+
+class CappedIndex(NamedTuple):
+    """One of the capped topics' indexes found on the commit log."""
+
+    name: str
+    valid: bool  # built; false while a build runs, and after one failed
+    building: bool  # a CREATE INDEX CONCURRENTLY is building it now
+
+
+def capped_topics(conn: Connection) -> list[str]:
+    """The topics a backlog cap covers, in order."""
+    return list(
+        conn.execute(
+            sql("SELECT target FROM delaysvc.backlog_cap WHERE scope = 'topic' ORDER BY target")
+        ).scalars()
+    )
+
+
+def capped_index_for(topics: Sequence[str]) -> tuple[str, list[str] | None] | None:
+    """The index that fits these capped topics: (its name, the topics its predicate names, or
+    None for every waiting message); None when no topic is capped. The name is the topics'
+    digest, so an index names what it holds, and two workers making it make one."""
+    if not topics:
+        return None
+    if len(topics) > LISTED_AT_MOST:
+        return CAPPED_INDEX_PREFIX + "all", None
+    digest = hashlib.sha256(",".join(sorted(topics)).encode()).hexdigest()[:16]
+    return CAPPED_INDEX_PREFIX + digest, sorted(topics)
+
+
+def capped_indexes(conn: Connection) -> list[CappedIndex]:
+    """The capped topics' indexes on the commit log, built or not."""
+    rows = conn.execute(
+        sql(
+            "SELECT i.relname AS name, x.indisvalid AS valid, EXISTS ("
+            "SELECT 1 FROM pg_stat_progress_create_index p WHERE p.index_relid = i.oid"
+            ") AS building FROM pg_index x JOIN pg_class i ON i.oid = x.indexrelid "
+            "WHERE x.indrelid = CAST('delaysvc.commit_log' AS regclass) "
+            "AND starts_with(i.relname, :prefix) ORDER BY i.relname"
+        ),
+        {"prefix": CAPPED_INDEX_PREFIX},
+    )
+    return [CappedIndex(row.name, row.valid, row.building) for row in rows]
+
+
+def build_capped_index(conn: Connection, name: str, topics: Sequence[str] | None) -> None:
+    """Build the index `name` of the waiting messages of `topics` (None: of every topic) without
+    stopping a send (CONCURRENTLY: on a connection that autocommits); nothing if it exists."""
+    waiting = "status IN ('scheduled', 'retrying')"
+    where = waiting if topics is None else f"topic IN ({_literals(topics)}) AND {waiting}"
+    conn.execute(
+        sql(
+            f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} "
+            f"ON delaysvc.commit_log (topic, deliver_ts) WHERE {where}"
+        )
+    )
+
+
+def drop_capped_index(conn: Connection, name: str) -> None:
+    """Drop one of the capped topics' indexes, without stopping a send (autocommitting)."""
+    conn.execute(sql(f"DROP INDEX CONCURRENTLY IF EXISTS delaysvc.{name}"))
+
+
+def _literals(topics: Sequence[str]) -> str:
+    return ", ".join("'" + topic.replace("'", "''") + "'" for topic in topics)

@@ -3,7 +3,8 @@
 schedules its handler modules declare (`@periodic`), the configured topic limits
 (`delaysvc.worker.limits`) and backlog caps (`delaysvc.producer.caps`) when it starts. From then on
 a thread of the worker declares its schedules again every minute and removes those no worker
-declares any more (`periodic.Declarer`): the rounds run in every delivery worker, which a task fired
+declares any more (`periodic.Declarer`), and keeps the capped topics' index in step with the caps
+(`delaysvc.maintenance.caps_index`): the rounds run in every delivery worker, which a task fired
 by beat would not (it runs in one)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from celery import shared_task
 from celery.signals import worker_ready, worker_shutting_down
 
-from delaysvc.maintenance import periodic
+from delaysvc.maintenance import caps_index, periodic
 from delaysvc.producer import caps
 from delaysvc.tasks.app import DELIVERY_QUEUE, Stopping, runtime
 from delaysvc.worker import limits
@@ -57,8 +58,19 @@ def _store_declared(sender: Any, **_: object) -> None:
 
 
 def _keep_declaring(declarer: periodic.Declarer) -> None:
+    _index_caps()
     while not _stop.wait(periodic.DECLARE_EVERY.total_seconds()):
         _declare(declarer)
+        _index_caps()
+
+
+def _index_caps() -> None:
+    """The capped topics' index in step with the topic caps (`caps_index`), in this thread:
+    its build waits for older transactions to end, which the worker's start must not."""
+    try:
+        caps_index.run_once(runtime().engine)
+    except Exception:
+        log.warning("caps.index_failed", exc_info=True)
 
 
 def _declare(declarer: periodic.Declarer) -> periodic.Declared | None:

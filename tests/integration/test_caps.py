@@ -10,7 +10,7 @@ import sys
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import auth
+from delaysvc import auth, store
 from delaysvc.config.settings import BacklogCap, Settings
 from delaysvc.errors import BacklogFull, ConfigError
 from delaysvc.producer import caps
@@ -291,6 +291,10 @@ def test_a_cap_set_with_the_cli_binds_a_producer_without_caps_of_its_own(
             {"scope": "topic", "target": "t.cli", "max_waiting": 1, "policy": "reject"},
         ]
     }
+    with engine.connect() as conn:  # the CLI made the capped topic's index
+        assert [index.name for index in store.capped_indexes(conn)] == [
+            store.capped_index_for(["t.cli"])[0]  # type: ignore[index]
+        ]
     producer.send("t.cli", {"n": 0}, delay="1h")
     with pytest.raises(BacklogFull, match=r"topic t\.cli holds 1 waiting messages"):
         producer.send("t.cli", {"n": 1}, delay_level=3)  # the single send's statement
@@ -305,6 +309,8 @@ def test_a_cap_set_with_the_cli_binds_a_producer_without_caps_of_its_own(
     assert _cli(database_url, "cap", "queue:x").returncode == 2
     lifted = _cli(database_url, "cap", "topic:t.cli")
     assert lifted.stdout == "topic:t.cli: no cap\n"
+    with engine.connect() as conn:
+        assert store.capped_indexes(conn) == []
     producer.send("t.cli", {"n": 2}, delay_level=3)  # lifted: stored at once
     assert _waiting(engine, "t.cli") == 2
 
@@ -322,6 +328,10 @@ def test_delaysvc_backlog_caps_is_stored_by_migrate_for_every_producer(
         BacklogCap("topic", "kept", 9, "reject"),
         BacklogCap("topic", "t.env", 1, "reject"),
     ]
+    with engine.connect() as conn:  # and the capped topics' index made to fit them
+        assert [index.name for index in store.capped_indexes(conn)] == [
+            store.capped_index_for(["kept", "t.env"])[0]  # type: ignore[index]
+        ]
     producer = Producer(settings, engine)
     producer.send("t.env", {"n": 0}, delay_level=1)
     with pytest.raises(BacklogFull):

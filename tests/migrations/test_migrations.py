@@ -22,7 +22,12 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine
 from delaysvc.errors import SchemaNotReady
 from delaysvc.schema.migrate import downgrade, heads, upgrade
-from delaysvc.schema.tables import is_history_partition, is_level_partition, metadata
+from delaysvc.schema.tables import (
+    CAPPED_INDEX_PREFIX,
+    is_history_partition,
+    is_level_partition,
+    metadata,
+)
 from tests.conftest import TEST_LEVELS, Server
 
 _names = itertools.count()
@@ -94,17 +99,24 @@ def test_upgrade_from_empty_creates_every_table_and_level(empty_engine: Engine) 
 
 def test_migrated_schema_matches_the_models(empty_engine: Engine) -> None:
     upgrade(empty_engine, _levels(TEST_LEVELS))
+    assert _differences(empty_engine) == []
+
+
+def _differences(engine: Engine) -> list[object]:
+    """What the models and the migrated schema differ in, but for what is made later: level
+    and history partitions, the capped topics' index."""
 
     def include(obj, name, type_, reflected, compare_to) -> bool:  # type: ignore[no-untyped-def]
+        if type_ == "index":
+            return not name.startswith(CAPPED_INDEX_PREFIX)
         made_later = is_level_partition(name) or is_history_partition(name)
         return not (type_ == "table" and (made_later or name == "delaysvc_version"))
 
-    with empty_engine.connect() as conn:
+    with engine.connect() as conn:
         context = MigrationContext.configure(
             conn, opts={"compare_type": True, "include_object": include}
         )
-        differences = compare_metadata(context, metadata)
-    assert differences == []
+        return list(compare_metadata(context, metadata))
 
 
 def test_downgrade_to_base_removes_everything_and_upgrade_works_again(
@@ -338,7 +350,7 @@ def test_0018_the_status_rule_moves_to_a_domain_keeping_every_status_and_index(
             )
 
     refused_by("ck_commit_log_status")
-    upgrade(empty_engine, _levels(TEST_LEVELS))
+    upgrade(empty_engine, _levels(TEST_LEVELS), revision="0019")  # 0020 drops the waiting index
     assert statuses() == ["running", "retrying", "scheduled"]
     refused_by("ck_message_status")
     with empty_engine.begin() as conn:
@@ -357,3 +369,28 @@ def test_0018_the_status_rule_moves_to_a_domain_keeping_every_status_and_index(
     downgrade(empty_engine, "0017")
     assert statuses() == ["running", "retrying", "scheduled"]
     refused_by("ck_commit_log_status")
+
+
+def test_0020_drops_the_index_of_every_waiting_message_for_one_of_the_capped_topics(
+    empty_engine: Engine,
+) -> None:
+    """0020 drops `ix_commit_log_waiting_topic`; `caps_index` then indexes the capped topics
+    alone, and the models (which name neither) still match; a downgrade drops the capped
+    topics' index and builds the old one again."""
+    from delaysvc.maintenance import caps_index
+    from delaysvc.producer import caps
+
+    def indexes() -> list[str]:
+        names = inspect(empty_engine).get_indexes("commit_log")
+        return sorted(i["name"] for i in names if "waiting" in i["name"] or "capped" in i["name"])
+
+    upgrade(empty_engine, _levels(TEST_LEVELS), revision="0019")
+    assert indexes() == ["ix_commit_log_waiting_topic"]
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    assert indexes() == []
+    caps.set_cap(empty_engine, "topic", "t.capped", 10)
+    built = caps_index.run_once(empty_engine).built
+    assert built is not None and indexes() == [built]
+    assert _differences(empty_engine) == []
+    downgrade(empty_engine, "0019")
+    assert indexes() == ["ix_commit_log_waiting_topic"]
