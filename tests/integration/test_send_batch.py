@@ -137,7 +137,7 @@ def test_a_batch_mixing_lanes_gives_each_lane_its_offsets_in_batch_order(
         timer = conn.execute(
             text("SELECT queue_offset, message_id FROM timer_queue ORDER BY queue_offset")
         ).all()
-        logged = dict(conn.execute(text("SELECT id, queue_offset FROM commit_log")).tuples().all())
+        logged = dict(conn.execute(text("SELECT id, queue_offset FROM commit_log")).all())
     ids = [m.id for m in sent]
     assert [row.message_id for row in levels] == ids[0::3] + before + ids[2::3]
     assert [row.message_id for row in timer] == before_timer + ids[1::3]
