@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
@@ -367,19 +367,21 @@ def _copied(
     cursor: Cursor[Any], items: Sequence[Item], plan: _Plan, max_body_bytes: int
 ) -> list[Message]:
     """COPY the plan's messages into the commit log, then into their lanes, and count them.
-    A body that cannot be encoded ends the COPY there: the rows sent are deleted, and the error
-    raised. Each created message's Message is made as its lane's row is written
-    (`_copy_lanes`), while PostgreSQL, the slower side of that COPY, catches up: the commit
-    log's COPY keeps Python busy enough (docs/benchmarks/2026-12-02-batch-messages-in-lanes)."""
+    Each created message's Message is made as its row is written, while PostgreSQL, the
+    slower side of this COPY, catches up (side by side with making them during the lanes'
+    COPY: within the spread, docs/benchmarks/2026-11-28-batch-messages-compare). A body that
+    cannot be encoded ends the COPY there: the rows sent are deleted, and the error raised."""
     if not plan.creating:
         return _made(items, plan, [])
     stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
     stored = batches.wire_time(stored_at)
     lane_offsets = {lane: iter(drawn) for lane, drawn in zip(plan.lanes, offsets, strict=True)}
     due_after: dict[int, tuple[datetime, int]] = {}  # delay (ms) -> stored_at + delay, twice
-    dues: list[tuple[datetime, int]] = []  # each created message's due time, and as a wire time
+    created: list[Message] = []  # each created message's Message
+    wire_dues: list[int] = []  # and its due time for its lane's row (`batches.wire_time`)
     taken: list[int | None] = []  # and its queue offset (None: due now)
     refused: ValidationError | None = None
+    sent = Message.sent
     with batches.copying(cursor, "commit_log", batches.MESSAGE_ROW) as copy:
         write = copy.write_row
         for index, message_id in zip(plan.creating, ids, strict=True):
@@ -392,13 +394,13 @@ def _copied(
             lane = item.lane
             if item.deliver_at is not None:
                 due = item.deliver_at.astimezone(stored_at.tzinfo)
-                both = due, batches.wire_time(due)
+                wire_due = batches.wire_time(due)
             else:
                 delay = item.delay_ms or 0
                 if delay not in due_after:
                     after = stored_at + timedelta(milliseconds=delay)
                     due_after[delay] = after, batches.wire_time(after)
-                both = due_after[delay]
+                due, wire_due = due_after[delay]
             offset = next(lane_offsets[lane]) if lane >= 0 else None
             write(
                 (
@@ -415,47 +417,34 @@ def _copied(
                     offset,
                     "scheduled" if lane >= 0 else "ready",
                     stored,
-                    both[1],
+                    wire_due,
                     None if lane >= 0 else stored,
                 )
             )
-            dues.append(both)
+            created.append(sent(item, message_id, stored_at, due, True))
+            wire_dues.append(wire_due)
             taken.append(offset)
     if refused is not None:
-        if dues:
-            batches.unsend(cursor, ids[: len(dues)])
+        if created:
+            batches.unsend(cursor, ids[: len(created)])
         raise refused
-    created = [items[index] for index in plan.creating]
-    made = _copy_lanes(cursor, created, ids, dues, taken, stored_at)
+    _copy_lanes(cursor, [items[index] for index in plan.creating], ids, wire_dues, taken)
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
-    return _made(items, plan, made)
+    return _made(items, plan, created)
 
 
 def _copy_lanes(
     cursor: Cursor[Any],
     created: Sequence[Item],
     ids: Sequence[int],
-    dues: Sequence[tuple[datetime, int]],
+    dues: Sequence[int],
     taken: Sequence[int | None],
-    stored_at: datetime,
-) -> list[Message]:
+) -> None:
     """COPY the lanes' rows of the messages just COPYed into the commit log (`dues`: their due
-    times, and as `batches.wire_time`s): a level's queue, the timer lane, or (due now) the
-    topic's queue. -> their Messages, in order, each made as its row is written."""
-    made: list[Message] = [None] * len(created)  # type: ignore[list-item]  # each filled below
-    sent = Message.sent
-
-    def rows(kind: Callable[[int], bool]) -> Iterator[tuple[Item, int, int, int | None]]:
-        """(item, id, due as a wire time, offset) of the messages whose lane is of `kind`,
-        making each one's Message on the way."""
-        for n, (item, message_id, (due, wire_due), offset) in enumerate(
-            zip(created, ids, dues, taken, strict=True)
-        ):
-            if kind(item.lane):
-                made[n] = sent(item, message_id, stored_at, due, True)
-                yield item, message_id, wire_due, offset
-
+    times as `batches.wire_time`s): a level's queue, the timer lane, or (due now) the topic's
+    queue."""
+    rows = list(zip(created, ids, dues, taken, strict=True))
     lanes = {item.lane for item in created}
     if any(lane > 0 for lane in lanes):
         batches.copy_rows(
@@ -464,7 +453,8 @@ def _copy_lanes(
             batches.LEVEL_ROW,
             (
                 (item.lane, offset, message_id, item.topic, due, item.priority)
-                for item, message_id, due, offset in rows(lambda lane: lane > 0)
+                for item, message_id, due, offset in rows
+                if item.lane > 0
             ),
         )
     if 0 in lanes:
@@ -474,7 +464,8 @@ def _copy_lanes(
             batches.TIMER_ROW,
             (
                 (due, offset, message_id, item.topic, item.priority)
-                for item, message_id, due, offset in rows(lambda lane: lane == 0)
+                for item, message_id, due, offset in rows
+                if item.lane == 0
             ),
         )
     if any(lane < 0 for lane in lanes):
@@ -484,10 +475,10 @@ def _copy_lanes(
             batches.READY_ROW,
             (
                 (message_id, item.topic, due, item.priority)
-                for item, message_id, due, _ in rows(lambda lane: lane < 0)
+                for item, message_id, due, _ in rows
+                if item.lane < 0
             ),
         )
-    return made
 
 
 def _made(items: Sequence[Item], plan: _Plan, created: list[Message]) -> list[Message]:
