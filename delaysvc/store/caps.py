@@ -120,7 +120,12 @@ def _of_topic(topic: str) -> str:
     predicate names the topic among others (the capped topics' index) only for a plan made
     knowing the value, which a prepared statement's generic plan is not. A topic is letters,
     digits, '.', '_' and '-' (`validate_topic`); a quote is doubled all the same."""
-    return "c.topic = '" + topic.replace("'", "''") + "'"
+    return f"c.topic = {_literal(topic)}"
+
+
+def _literal(value: str) -> str:
+    """`value` as an SQL string literal (standard_conforming_strings: a quote doubled)."""
+    return "'" + value.replace("'", "''") + "'"
 
 
 def lock_key_holders(
@@ -228,8 +233,9 @@ def capped_index_for(topics: Sequence[str]) -> tuple[str, list[str] | None] | No
         return None
     if len(topics) > LISTED_AT_MOST:
         return CAPPED_INDEX_PREFIX + "all", None
-    digest = hashlib.sha256(",".join(sorted(topics)).encode()).hexdigest()[:16]
-    return CAPPED_INDEX_PREFIX + digest, sorted(topics)
+    listed = sorted(topics)
+    digest = hashlib.sha256(",".join(listed).encode()).hexdigest()[:16]
+    return CAPPED_INDEX_PREFIX + digest, listed
 
 
 def capped_indexes(conn: Connection) -> list[CappedIndex]:
@@ -251,7 +257,8 @@ def build_capped_index(conn: Connection, name: str, topics: Sequence[str] | None
     """Build the index `name` of the waiting messages of `topics` (None: of every topic) without
     stopping a send (CONCURRENTLY: on a connection that autocommits); nothing if it exists."""
     waiting = "status IN ('scheduled', 'retrying')"
-    where = waiting if topics is None else f"topic IN ({_literals(topics)}) AND {waiting}"
+    listed = None if topics is None else ", ".join(map(_literal, topics))
+    where = waiting if listed is None else f"topic IN ({listed}) AND {waiting}"
     conn.execute(
         sql(
             f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} "
@@ -263,7 +270,3 @@ def build_capped_index(conn: Connection, name: str, topics: Sequence[str] | None
 def drop_capped_index(conn: Connection, name: str) -> None:
     """Drop one of the capped topics' indexes, without stopping a send (autocommitting)."""
     conn.execute(sql(f"DROP INDEX CONCURRENTLY IF EXISTS delaysvc.{name}"))
-
-
-def _literals(topics: Sequence[str]) -> str:
-    return ", ".join("'" + topic.replace("'", "''") + "'" for topic in topics)
