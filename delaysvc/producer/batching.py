@@ -76,18 +76,11 @@ class Item(NamedTuple):
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector held off while a batch is checked and written, and
-    the batch's objects counted old when it ends. A batch keeps a few objects per message
-    until it ends, and every collection its allocations set off walks them all again: a third
-    of a 10,000 batch's time (docs/benchmarks/2026-11-27-batch-gc-encoder). Its Messages
-    outlive it, and the first young collection after it would walk them too (~3 ms for
-    10,000, and more as they age through the middle generation): `gc.freeze()` then
-    `gc.unfreeze()` moves every tracked object into the oldest generation at once, so none of
-    those young collections meets them (0.90x a batch's time, docs/benchmarks/
-    2026-12-02-batch-old-objects). A batch makes no cycles; those other threads make
-    meanwhile are collected by the next full collection. Left as it is when the application
-    had turned the collector off, or froze objects of its own (which an unfreeze would
-    release)."""
+    """Python's cyclic garbage collector held off while a batch is checked and written. A
+    batch keeps a few objects per message until it ends, and every collection its allocations
+    set off walks them all again: a third of a 10,000 batch's time (docs/benchmarks/
+    2026-11-27-batch-gc-encoder). A batch makes no cycles; those other threads make meanwhile are
+    collected when it is on again. Left as it is when the application had turned it off."""
     if not gc.isenabled():
         yield
         return
@@ -95,9 +88,6 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        if not gc.get_freeze_count():
-            gc.freeze()
-            gc.unfreeze()
         gc.enable()
 
 
