@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ def counted_old() -> Iterator[None]:
 
 
 class Collections:
-    """Seconds spent in the collector since `reset` (`gc.callbacks`)."""
+    """Seconds spent in the collector (`gc.callbacks`) since `seconds` was last set to 0."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -95,23 +96,17 @@ def _round(
 def main() -> None:
     server, rounds = server_and_rounds()
     collections = Collections()
-    ways = ("counted old (tried)", "held off only (tree)")
+    ways = {"counted old (tried)": counted_old, "held off only (tree)": held_off_only}
     spent: dict[str, list[float]] = {way: [] for way in ways}
     sends: dict[str, list[float]] = {way: [] for way in ways}
     with scratch_database(server, "delaysvc_old_objects") as (engine, settings):
         producer = Producer(settings, engine)
         producer.send_batch([{"topic": "bench.noop", "body": 0, "delay": "1h"}])  # warm
-        results = alternate(
-            {
-                ways[0]: lambda: _round(
-                    producer, counted_old, collections, spent[ways[0]], sends[ways[0]]
-                ),
-                ways[1]: lambda: _round(
-                    producer, held_off_only, collections, spent[ways[1]], sends[ways[1]]
-                ),
-            },
-            rounds,
-        )
+        measures = {
+            way: partial(_round, producer, paused, collections, spent[way], sends[way])
+            for way, paused in ways.items()
+        }
+        results = alternate(measures, rounds)
     print_spread(results, "10,000 items made and sent, ms")
     print_spread(sends, "the send_batch alone, ms")
     print_spread(spent, "in collections, ms a batch")

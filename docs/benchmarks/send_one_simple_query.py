@@ -16,7 +16,9 @@ round after round; prints each one's median, min and max in us a call.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
+from typing import Any
 
 import psycopg
 from scratch import scratch_database, send_one_call, server_and_rounds
@@ -29,6 +31,8 @@ from delaysvc.producer.sending import Producer
 SERVER, ROUNDS = server_and_rounds()
 N = 2000
 DATABASE = "delaysvc_send_one_simple_query"
+UNPREPARED: dict[str, Any] = {"prepare_threshold": None}  # as `database_pooling=transaction`
+SIMPLE_QUERY: dict[str, Any] = {**UNPREPARED, "cursor_factory": psycopg.ClientCursor}
 
 
 def main() -> None:
@@ -38,26 +42,20 @@ def main() -> None:
             admin.execute(f"ALTER DATABASE {DATABASE} SET synchronous_commit = off")
         producer = Producer(settings, engine)
         statement, params = send_one_call(producer.prepare("t", {"order": 42}, delay_level=1))
-        with pgbouncer(settings.database_url) as bouncer:
+        with pgbouncer(settings.database_url) as bouncer, ExitStack() as connections:
             pooled = bouncer.url(settings.database_url)
             ways = {
                 "direct, prepared": (url, {}, True),
-                "direct, unprepared": (url, {"prepare_threshold": None}, None),
-                "direct, simple query": (
-                    url,
-                    {"prepare_threshold": None, "cursor_factory": psycopg.ClientCursor},
-                    None,
-                ),
-                "PgBouncer, unprepared": (pooled, {"prepare_threshold": None}, None),
-                "PgBouncer, simple query": (
-                    pooled,
-                    {"prepare_threshold": None, "cursor_factory": psycopg.ClientCursor},
-                    None,
-                ),
+                "direct, unprepared": (url, UNPREPARED, None),
+                "direct, simple query": (url, SIMPLE_QUERY, None),
+                "PgBouncer, unprepared": (pooled, UNPREPARED, None),
+                "PgBouncer, simple query": (pooled, SIMPLE_QUERY, None),
             }
             measures: dict[str, Callable[[], float]] = {}
             for name, (target, options, prepare) in ways.items():
-                conn = psycopg.connect(target, autocommit=True, **options)
+                conn = connections.enter_context(
+                    psycopg.connect(target, autocommit=True, **options)
+                )
 
                 def call(conn: psycopg.Connection = conn, prepare: bool | None = prepare) -> object:
                     return conn.execute(statement, params, prepare=prepare).fetchone()
