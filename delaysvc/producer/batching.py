@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from psycopg import Cursor
 from psycopg.errors import UniqueViolation
@@ -46,6 +46,8 @@ from delaysvc.producer import caps
 from delaysvc.producer.message import Message
 from delaysvc.producer.placement import Placement, resolve_schedule
 from delaysvc.store import batches
+
+_T = TypeVar("_T")
 
 Result = tuple[Any, bool, int | None]
 """What the staged insert gives per item (`store.insert_messages`): (row, created, origin)."""
@@ -367,21 +369,21 @@ def _copied(
     cursor: Cursor[Any], items: Sequence[Item], plan: _Plan, max_body_bytes: int
 ) -> list[Message]:
     """COPY the plan's messages into the commit log, then into their lanes, and count them.
-    Each created message's Message is made as its row is written, while PostgreSQL, the
-    slower side of this COPY, catches up (side by side with making them during the lanes'
-    COPY: within the spread, docs/benchmarks/2026-11-28-batch-messages-compare). A body that
-    cannot be encoded ends the COPY there: the rows sent are deleted, and the error raised."""
+    The created messages' Messages are made once the last lane's rows are written, before its
+    COPY ends: PostgreSQL, behind on those rows, stores them meanwhile, where it had the
+    connection to itself (docs/benchmarks/2026-12-02-batch-messages-at-the-end: 0.87-0.89x
+    a batch's time, against making each as its commit-log row is written). A body that cannot
+    be encoded ends the COPY there: the rows sent are deleted, and the error raised."""
     if not plan.creating:
         return _made(items, plan, [])
     stored_at, ids, offsets = batches.reserve(cursor, len(plan.creating), list(plan.lanes.items()))
     stored = batches.wire_time(stored_at)
     lane_offsets = {lane: iter(drawn) for lane, drawn in zip(plan.lanes, offsets, strict=True)}
     due_after: dict[int, tuple[datetime, int]] = {}  # delay (ms) -> stored_at + delay, twice
-    created: list[Message] = []  # each created message's Message
-    wire_dues: list[int] = []  # and its due time for its lane's row (`batches.wire_time`)
+    dues: list[datetime] = []  # each created message's due time
+    wire_dues: list[int] = []  # and the same for its lane's row (`batches.wire_time`)
     taken: list[int | None] = []  # and its queue offset (None: due now)
     refused: ValidationError | None = None
-    sent = Message.sent
     with batches.copying(cursor, "commit_log", batches.MESSAGE_ROW) as copy:
         write = copy.write_row
         for index, message_id in zip(plan.creating, ids, strict=True):
@@ -421,14 +423,23 @@ def _copied(
                     None if lane >= 0 else stored,
                 )
             )
-            created.append(sent(item, message_id, stored_at, due, True))
+            dues.append(due)
             wire_dues.append(wire_due)
             taken.append(offset)
     if refused is not None:
-        if created:
-            batches.unsend(cursor, ids[: len(created)])
+        if dues:
+            batches.unsend(cursor, ids[: len(dues)])
         raise refused
-    _copy_lanes(cursor, [items[index] for index in plan.creating], ids, wire_dues, taken)
+    created_items = [items[index] for index in plan.creating]
+
+    def messages_made() -> list[Message]:
+        sent = Message.sent
+        return [
+            sent(item, message_id, stored_at, due, True)
+            for item, message_id, due in zip(created_items, ids, dues, strict=True)
+        ]
+
+    created = _copy_lanes(cursor, created_items, ids, wire_dues, taken, messages_made)
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
     return _made(items, plan, created)
@@ -440,45 +451,58 @@ def _copy_lanes(
     ids: Sequence[int],
     dues: Sequence[int],
     taken: Sequence[int | None],
-) -> None:
+    meanwhile: Callable[[], _T],
+) -> _T:
     """COPY the lanes' rows of the messages just COPYed into the commit log (`dues`: their due
-    times as `batches.wire_time`s): a level's queue, the timer lane, or (due now) the topic's
-    queue."""
+    times as `batches.wire_time`s): a level's queue, the timer lane or (due now) the topic's
+    queue, a COPY each. -> what `meanwhile` gives, called once the last COPY's rows are
+    written, while PostgreSQL stores them."""
     rows = list(zip(created, ids, dues, taken, strict=True))
     lanes = {item.lane for item in created}
+    copies: list[tuple[str, Sequence[tuple[str, str]], Iterable[tuple[Any, ...]]]] = []
     if any(lane > 0 for lane in lanes):
-        batches.copy_rows(
-            cursor,
-            "consume_queue",
-            batches.LEVEL_ROW,
+        copies.append(
             (
-                (item.lane, offset, message_id, item.topic, due, item.priority)
-                for item, message_id, due, offset in rows
-                if item.lane > 0
-            ),
+                "consume_queue",
+                batches.LEVEL_ROW,
+                (
+                    (item.lane, offset, message_id, item.topic, due, item.priority)
+                    for item, message_id, due, offset in rows
+                    if item.lane > 0
+                ),
+            )
         )
     if 0 in lanes:
-        batches.copy_rows(
-            cursor,
-            "timer_queue",
-            batches.TIMER_ROW,
+        copies.append(
             (
-                (due, offset, message_id, item.topic, item.priority)
-                for item, message_id, due, offset in rows
-                if item.lane == 0
-            ),
+                "timer_queue",
+                batches.TIMER_ROW,
+                (
+                    (due, offset, message_id, item.topic, item.priority)
+                    for item, message_id, due, offset in rows
+                    if item.lane == 0
+                ),
+            )
         )
     if any(lane < 0 for lane in lanes):
-        batches.copy_rows(
-            cursor,
-            "topic_queue",
-            batches.READY_ROW,
+        copies.append(
             (
-                (message_id, item.topic, due, item.priority)
-                for item, message_id, due, _ in rows
-                if item.lane < 0
-            ),
+                "topic_queue",
+                batches.READY_ROW,
+                (
+                    (message_id, item.topic, due, item.priority)
+                    for item, message_id, due, _ in rows
+                    if item.lane < 0
+                ),
+            )
         )
+    *first, (table, row, last) = copies
+    for earlier in first:
+        batches.copy_rows(cursor, *earlier)
+    with batches.copying(cursor, table, row) as copy:
+        for values in last:
+            copy.write_row(values)
+        return meanwhile()
 
 
 def _made(items: Sequence[Item], plan: _Plan, created: list[Message]) -> list[Message]:
