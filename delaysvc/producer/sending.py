@@ -295,22 +295,30 @@ class Producer:
             return []
         if len(messages) > MAX_SEND_BATCH:
             raise ValidationError("messages", f"{len(messages)} items, at most {MAX_SEND_BATCH}")
-        with batching.collector_paused():
-            items = batching.prepare(messages, self.settings, datetime.now().astimezone())
-            with tracing.sending(None, len(items)) as span:
-                if span is not None:
-                    items = _carrying_context(span, items)
-                sent = self._write(connection, lambda conn: self._store_batch(conn, items))
+        now = datetime.now().astimezone()
+        with batching.collector_paused(), tracing.sending(None, len(messages)) as span:
+
+            def checked() -> list[batching.Item]:
+                items = batching.prepare(messages, self.settings, now)
+                return items if span is None else _carrying_context(span, items)
+
+            sent = self._write(
+                connection, lambda conn: self._store_batch(conn, len(messages), checked)
+            )
         log.info("messages.sent", extra={"count": len(sent)})
         return sent
 
-    def _store_batch(self, conn: joining.Joined, items: Sequence[batching.Item]) -> list[Message]:
-        """A batch by COPY on a psycopg 3 connection, else through the staged insert
-        (`_store`)."""
+    def _store_batch(
+        self, conn: joining.Joined, count: int, checked: Callable[[], list[batching.Item]]
+    ) -> list[Message]:
+        """A batch of `count` items by COPY on a psycopg 3 connection, its items checked
+        (`checked`) while the database draws their ids, else checked, then stored through the
+        staged insert (`_store`)."""
         with conn.transaction():
             with conn.psycopg_cursor() as cursor:
                 if cursor is not None:
-                    return batching.store_copied(conn, cursor, items, self.settings)
+                    return batching.store_copied(conn, cursor, count, checked, self.settings)
+            items = checked()
             results = self._store(conn, batching.encoded(items, self.settings.max_body_bytes))
             return batching.messages(items, results)
 

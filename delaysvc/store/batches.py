@@ -2,14 +2,15 @@
 
 A batch's rows reach the tables by binary COPY, the fastest way PostgreSQL takes rows, with
 nothing between: no staging table, no set-based insert, no rows sent back. What a send's
-statement decides in the database is decided first, in one statement each: the lane of each
-level the batch uses (the level while the database agrees on its delay, else the timer lane:
-`_PLACED_LANE`, as a single send's), then the batch's ids in batch order, each lane's queue
-offsets and the store time on the database clock (`reserve`), from which the producer computes
-every due time as the database would. The commit log's rows, the lanes' rows and the lanes'
-counts then follow by COPY and one insert, in the caller's transaction. A key held by an
-unfinished message is the caller's to find first (`find_unfinished_by_keys`): a row COPYed with
-a key held meanwhile fails on the key's unique index (`KEY_INDEX`), and only that.
+statement decides in the database is decided first, in one statement each: the batch's ids in
+batch order, drawn while the producer checks its items (`drawing_ids`), the lane of each level
+the batch uses (the level while the database agrees on its delay, else the timer lane:
+`_PLACED_LANE`, as a single send's), then each lane's queue offsets and the store time on the
+database clock (`reserve`), from which the producer computes every due time as the database
+would. The commit log's rows, the lanes' rows and the lanes' counts then follow by COPY and one
+insert, in the caller's transaction. A key held by an unfinished message is the caller's to
+find first (`find_unfinished_by_keys`): a row COPYed with a key held meanwhile fails on the
+key's unique index (`KEY_INDEX`), and only that.
 
 Measured side by side (docs/benchmarks/2026-11-27-send-batch-copy): these statements store a
 batch's messages at 125,717 a second, the staging table and its insert took them at 61,309.
@@ -38,21 +39,23 @@ _PLACE_LEVELS = f"""SELECT a.lane AS asked,
     CAST({_PLACED_LANE.format(lane="a.lane", delay_ms="a.delay_ms")} AS smallint) AS lane
 FROM unnest(CAST(:lanes AS smallint[]), CAST(:delays AS bigint[])) AS a(lane, delay_ms)"""
 
-# The store time (`statement_timestamp()`) and `:count` ids in ascending order (pos 0), then
-# for each lane of `:lanes` (0: the timer lane) as many queue offsets as `:counts` says, in
-# ascending order, a row a lane (pos 1, 2, ...). A lane's sequence is looked up once
-# (MATERIALIZED), not once per offset; each lane's offsets are drawn into an array of their
-# own, so no row is sorted (docs/benchmarks/2026-11-28-batch-reserve: 1.3-1.4x the one array
-# of every lane's offsets sorted by lane that this replaced).
+# `:count` message ids in ascending order.
+_DRAW_IDS = """SELECT ARRAY(SELECT nextval('delaysvc.commit_log_id_seq')
+    FROM generate_series(1, CAST(:count AS int)))"""
+
+# The store time (`statement_timestamp()`, pos 0), then for each lane of `:lanes` (0: the timer
+# lane) as many queue offsets as `:counts` says, in ascending order, a row a lane (pos 1, 2,
+# ...). A lane's sequence is looked up once (MATERIALIZED), not once per offset; each lane's
+# offsets are drawn into an array of their own, so no row is sorted
+# (docs/benchmarks/2026-11-28-batch-reserve: 1.3-1.4x the one array of every lane's offsets
+# sorted by lane that this replaced).
 _RESERVE = """WITH lanes AS MATERIALIZED (
     SELECT a.pos, a.n, CAST(CASE WHEN a.lane = 0 THEN 'delaysvc.timer_queue_seq'
         ELSE format('delaysvc.consume_queue_%s_seq', a.lane) END AS regclass) AS seq
     FROM unnest(CAST(:lanes AS smallint[]), CAST(:counts AS int[]))
         WITH ORDINALITY AS a(lane, n, pos)
 )
-SELECT 0 AS pos, statement_timestamp() AS stored_at,
-    ARRAY(SELECT nextval('delaysvc.commit_log_id_seq')
-        FROM generate_series(1, CAST(:count AS int))) AS drawn
+SELECT 0 AS pos, statement_timestamp() AS stored_at, NULL AS drawn
 UNION ALL
 SELECT l.pos, NULL, ARRAY(SELECT nextval(l.seq) FROM generate_series(1, l.n)) FROM lanes l
 ORDER BY pos"""
@@ -124,12 +127,34 @@ _UNSEND = "DELETE FROM delaysvc.commit_log WHERE id = ANY(CAST(:ids AS bigint[])
 
 
 class Reserved(NamedTuple):
-    """What `reserve` drew: the store time (the database clock), ids, and each lane's queue
-    offsets (in the order the lanes were asked for)."""
+    """What `reserve` drew: the store time (the database clock) and each lane's queue offsets
+    (in the order the lanes were asked for)."""
 
     stored_at: datetime
-    ids: list[int]
     offsets: list[list[int]]
+
+
+class DrawnIds:
+    """The ids `drawing_ids` drew, in `ids` once its block has ended."""
+
+    ids: list[int]
+
+
+@contextmanager
+def drawing_ids(cursor: Cursor[Any], count: int) -> Iterator[DrawnIds]:
+    """`count` message ids, in ascending order, drawn by the database while the block runs:
+    the statement is sent as the block starts (psycopg's pipeline mode) and its result read as
+    it ends, into the `DrawnIds` it gives. A batch checks its items meanwhile
+    (docs/benchmarks/2026-12-02-batch-ids-while-checked). The arrays come back in binary,
+    which psycopg reads quicker than text (ad hoc, 15 rounds in turn: 14.5 against 16.6 ms for
+    10,000 ids and offsets)."""
+    drawn = DrawnIds()
+    with cursor.connection.pipeline():
+        cursor.execute(driver_sql(_DRAW_IDS), {"count": count}, binary=True)
+        yield drawn
+    row = cursor.fetchone()
+    assert row is not None  # the statement gives one row
+    drawn.ids = row[0]
 
 
 def place_levels(cursor: Cursor[Any], delays: Mapping[int, int]) -> dict[int, int]:
@@ -143,22 +168,16 @@ def place_levels(cursor: Cursor[Any], delays: Mapping[int, int]) -> dict[int, in
     return {asked: lane for asked, lane in cursor.fetchall()}
 
 
-def reserve(cursor: Cursor[Any], count: int, lanes: Sequence[tuple[int, int]]) -> Reserved:
-    """`count` message ids, in ascending order, and for each (lane, n) of `lanes` n queue
-    offsets of that lane (0: the timer lane), ascending; with the store time,
-    `statement_timestamp()`. The arrays come back in binary, which psycopg reads quicker than
-    text (ad hoc, 15 rounds in turn: 14.5 against 16.6 ms for 10,000 ids and offsets)."""
+def reserve(cursor: Cursor[Any], lanes: Sequence[tuple[int, int]]) -> Reserved:
+    """For each (lane, n) of `lanes` n queue offsets of that lane (0: the timer lane),
+    ascending, with the store time, `statement_timestamp()`; read in binary (`drawing_ids`)."""
     cursor.execute(
         driver_sql(_RESERVE),
-        {
-            "count": count,
-            "lanes": [lane for lane, _ in lanes],
-            "counts": [n for _, n in lanes],
-        },
+        {"lanes": [lane for lane, _ in lanes], "counts": [n for _, n in lanes]},
         binary=True,
     )
-    (_, stored_at, ids), *drawn = cursor.fetchall()
-    return Reserved(stored_at, ids, [offsets for _, _, offsets in drawn])
+    (_, stored_at, _), *drawn = cursor.fetchall()
+    return Reserved(stored_at, [offsets for _, _, offsets in drawn])
 
 
 @contextmanager

@@ -1,8 +1,9 @@
-"""Where a `send_batch` of 10,000 spends its wall time, phase by phase: the checks (Python alone,
-before any statement), the placing, planning and drawing of ids and offsets (`reserve`: the
-database alone), each COPY while its rows are written (Python and the database side by side)
-and its end (the database catching up), and the rest. Each phase is timed by wrapping the
-function that does it; the figures are per message, summed over ten batches.
+"""Where a `send_batch` of 10,000 spends its wall time, phase by phase: the checks (Python, with
+the database drawing the batch's ids meanwhile since 2026-12-02), the placing, planning and
+drawing of offsets (`reserve`: the database alone), each COPY while its rows are written
+(Python and the database side by side) and its end (the database catching up), and the rest.
+Each phase is timed by wrapping the function that does it; the figures are per message,
+summed over ten batches.
 
 Run from the repository root: python docs/benchmarks/batch_phases.py [SERVER_URL]
 (default postgresql://root@127.0.0.1:5432/postgres); it works in a database of its own.
@@ -63,10 +64,10 @@ def _timed_copies() -> None:
 
 
 def main() -> None:
-    _timed(batching, "prepare", "checks (Python alone)")
+    _timed(batching, "prepare", "checks (the database drawing the ids meanwhile)")
     _timed(batching, "_placed", "levels placed (a query)")
     _timed(batching, "_plan", "plan (keys, lanes)")
-    _timed(batches, "reserve", "ids and offsets drawn (reserve: the database alone)")
+    _timed(batches, "reserve", "offsets drawn (reserve: the database alone)")
     _timed(batches, "count_into_lanes", "lanes counted")
     _timed_copies()
     with scratch_database(SERVER, "delaysvc_batch_phases") as (engine, settings):

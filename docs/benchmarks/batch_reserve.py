@@ -4,6 +4,9 @@ replaced it (an array a lane, nothing sorted, read in binary), side by side: the
 alone for 10,000 messages in one lane and in three, and `send_batch` of 10,000 with each.
 Rounds alternate the two, so the disk's flush drifts on both alike.
 
+Runs on the code of 2026-11-28 to d344e2d (`git checkout d344e2d`): `reserve` has drawn the
+offsets alone since, the ids being drawn while the items are checked (`drawing_ids`).
+
 Run from the repository root: python docs/benchmarks/batch_reserve.py [SERVER_URL] [ROUNDS]
 (default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
 """

@@ -245,11 +245,12 @@ def test_a_level_the_database_was_never_given_goes_to_the_timer_lane_due_as_comp
 
 
 @contextmanager
-def wire(engine: Engine) -> Iterator[list[tuple[str, str]]]:
+def wire(engine: Engine) -> Iterator[list[tuple[str, str, str]]]:
     """The protocol messages the client sends ("F") on every connection checked out meanwhile
     (a producer's kept connection too, from the send that opens it on), as libpq traces them:
-    [(message type, its first field)], e.g. ("Query", '"BEGIN"')."""
-    sent: list[tuple[str, str]] = []
+    [(message type, its first field, its second)], e.g. ("Query", '"BEGIN"', ""), or
+    ("Parse", '""', '"BEGIN"') in pipeline mode."""
+    sent: list[tuple[str, str, str]] = []
     traced: list[Any] = []
     with tempfile.TemporaryFile() as trace:
 
@@ -270,7 +271,8 @@ def wire(engine: Engine) -> Iterator[list[tuple[str, str]]]:
         for line in trace.read().decode().splitlines():
             if line.startswith("F\t"):  # not a continuation line of a multi-line statement
                 _, _, kind, *fields = line.split("\t")
-                sent.append((kind, fields[0].split(" ")[1] if fields else ""))
+                first, second, *_ = [*(fields[0].split(" ")[1:] if fields else []), "", ""]
+                sent.append((kind, first, second))
 
 
 def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
@@ -284,10 +286,13 @@ def test_a_single_send_is_one_round_trip_and_a_batch_one_transaction(
         producer.send("rt.one", {"n": 0}, delay="1h")  # opens its connection and prepares
         producer.send("rt.one", {"n": 1}, delay="1h")
     one = [("Bind", '""'), ("Describe", "P"), ("Execute", '""'), ("Sync", "")]
-    assert sent == [("Parse", '"_pg3_0"'), ("Sync", ""), *one, *one]  # prepared once, no BEGIN
+    sent_alone = [(kind, first) for kind, first, _ in sent]
+    assert sent_alone == [("Parse", '"_pg3_0"'), ("Sync", ""), *one, *one]  # once, no BEGIN
     with wire(engine) as sent:
         producer.send_batch([{"topic": "rt.one", "body": {"n": n}} for n in range(3)])
-    queries = [text for kind, text in sent if kind == "Query"]
+    # statements: simple queries, and those parsed in pipeline mode (the ids drawn meanwhile)
+    queries = [first if kind == "Query" else second for kind, first, second in sent
+               if kind == "Query" or kind == "Parse"]  # fmt: skip
     assert queries[0] == '"BEGIN"' and queries[-1] == '"COMMIT"'
     assert queries.count('"BEGIN"') == 1 and queries.count('"COMMIT"') == 1
 
