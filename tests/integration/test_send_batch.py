@@ -297,6 +297,35 @@ def test_a_batch_copied_in_a_psycopg_transaction_is_the_callers_to_commit_or_rol
     assert _lane_counts(engine) == ({0: 2, 2: 1}, {0: 2, 2: 1})
 
 
+def test_an_item_refused_while_the_ids_are_drawn_leaves_the_callers_transaction_as_it_was(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """The database draws a batch's ids while its items are checked (psycopg's pipeline mode):
+    an item refused then raises its own error, and the caller's transaction goes on, theirs to
+    commit, with none of the batch in it."""
+    with psycopg.connect(libpq_url(settings.database_url)) as conn:
+        conn.execute("CREATE TABLE orders (id int)")
+        conn.execute("INSERT INTO orders VALUES (42)")
+        items = [{"topic": "t", "body": n, "delay": "1h"} for n in range(3)]
+        with pytest.raises(ValidationError) as refused:
+            producer.send_batch(
+                [*items, {"topic": "t", "body": 3, "colour": "red"}], connection=conn
+            )
+        assert refused.value.field == "messages[3].colour"
+        assert conn.info.transaction_status == pq.TransactionStatus.INTRANS
+        assert conn.info.pipeline_status == pq.PipelineStatus.OFF
+        kept = producer.send_batch(items, connection=conn)
+        conn.commit()
+        orders = conn.execute("SELECT id FROM orders").fetchall()
+    assert orders == [(42,)]
+    assert [m.created for m in kept] == [True] * 3
+    assert [m.id for m in kept] == sorted(m.id for m in kept)
+    with engine.connect() as conn:
+        ids = conn.execute(text("SELECT id FROM commit_log ORDER BY id")).scalars().all()
+    assert ids == [m.id for m in kept]
+    assert _lane_counts(engine) == ({kept[0].delay_level or 0: 3}, {kept[0].delay_level or 0: 3})
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["no keys", "keys"])
 def test_a_body_refused_halfway_through_the_copy_leaves_the_callers_transaction_as_it_was(
     producer: Producer, engine: Engine, keyed: bool
