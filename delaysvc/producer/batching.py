@@ -162,7 +162,8 @@ class _Checker:
             tags = properties = None
             priority = 0
         # the tuple made straight, not through Item's own `__new__` (a Python function, given
-        # its arguments spread from a tuple): 0.7 against 1.0-1.5 us an item (ad hoc, in turn)
+        # its arguments spread from a tuple): the checks 1.7 against 2.0 us an item
+        # (docs/benchmarks/2026-12-02-batch-ids-while-checked)
         return _new_tuple(Item, (topic, item["body"], placed.lane, placed.delay_level,
                                  placed.delay_ms, placed.deliver_at, key, tags, properties,
                                  priority))  # fmt: skip
@@ -314,8 +315,9 @@ def store_copied(
     """Store a batch of `count` items by COPY on `cursor` (a psycopg 3 cursor of `conn`'s
     connection), in the caller's transaction, which the caller holds open around this
     (`Joined.transaction`); `checked` gives its items checked (`prepare`), called while the
-    database draws their ids (`batches.drawing_ids`: ~5 ms of 10,000's time, the database's
-    alone before). -> a Message per item, in order: created, or (created=False) the message
+    database draws their ids (`batches.drawing_ids`: ~5 ms of a batch of 10,000 the database
+    spent alone before, docs/benchmarks/2026-12-02-batch-ids-while-checked). -> a Message per
+    item, in order: created, or (created=False) the message
     holding its key, or the one the first item with its key created."""
     with batches.drawing_ids(cursor, count) as drawn:
         items = checked()
