@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from psycopg import Copy, Cursor
+from psycopg import Copy, Cursor, Pipeline
 from psycopg.adapt import PyFormat
 from psycopg.types.json import set_json_dumps
 
@@ -147,11 +147,16 @@ def drawing_ids(cursor: Cursor[Any], count: int) -> Iterator[DrawnIds]:
     it ends, into the `DrawnIds` it gives. A batch checks its items meanwhile
     (docs/benchmarks/2026-12-02-batch-ids-while-checked). The arrays come back in binary,
     which psycopg reads quicker than text (ad hoc, 15 rounds in turn: 14.5 against 16.6 ms for
-    10,000 ids and offsets)."""
+    10,000 ids and offsets). With a libpq older than 14, which has no pipeline mode, the ids
+    are drawn once the block has ended."""
     drawn = DrawnIds()
-    with cursor.connection.pipeline():
-        cursor.execute(driver_sql(_DRAW_IDS), {"count": count}, binary=True)
+    if Pipeline.is_supported():
+        with cursor.connection.pipeline():
+            cursor.execute(driver_sql(_DRAW_IDS), {"count": count}, binary=True)
+            yield drawn
+    else:
         yield drawn
+        cursor.execute(driver_sql(_DRAW_IDS), {"count": count}, binary=True)
     row = cursor.fetchone()
     assert row is not None  # the statement gives one row
     drawn.ids = row[0]

@@ -326,6 +326,26 @@ def test_an_item_refused_while_the_ids_are_drawn_leaves_the_callers_transaction_
     assert _lane_counts(engine) == ({kept[0].delay_level or 0: 3}, {kept[0].delay_level or 0: 3})
 
 
+def test_without_pipeline_mode_the_ids_are_drawn_after_the_checks(
+    producer: Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A libpq older than 14 has no pipeline mode (psycopg says so, and refuses to enter it):
+    the batch's ids are drawn once its items are checked, and the batch is stored the same."""
+
+    def no_pipeline(self: psycopg.Connection) -> None:
+        raise psycopg.NotSupportedError("libpq too old for pipeline mode")
+
+    monkeypatch.setattr(psycopg.Pipeline, "is_supported", classmethod(lambda cls: False))
+    monkeypatch.setattr(psycopg.Connection, "pipeline", no_pipeline)
+    with pytest.raises(ValidationError, match=r"messages\[1\]\.topic"):
+        producer.send_batch([{"topic": "t", "body": 0}, {"topic": "", "body": 1}])
+    sent = producer.send_batch([{"topic": "t", "body": n, "delay": "1h"} for n in range(3)])
+    assert [m.created for m in sent] == [True] * 3
+    assert [m.id for m in sent] == sorted(m.id for m in sent)
+    for message in sent:
+        _same_as_stored(producer, message)
+
+
 @pytest.mark.parametrize("keyed", [False, True], ids=["no keys", "keys"])
 def test_a_body_refused_halfway_through_the_copy_leaves_the_callers_transaction_as_it_was(
     producer: Producer, engine: Engine, keyed: bool
