@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
+from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
 
 from psycopg import Cursor
 from psycopg.errors import UniqueViolation
 
 from delaysvc import store
+from delaysvc.config.levels import DelayLevels
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import (
     MESSAGE_FIELDS,
@@ -45,6 +47,7 @@ from delaysvc.errors import ValidationError
 from delaysvc.producer import caps
 from delaysvc.producer.message import Message
 from delaysvc.producer.placement import Placement, resolve_schedule
+from delaysvc.schema.tables import NO_LANE
 from delaysvc.store import batches
 
 _T = TypeVar("_T")
@@ -321,15 +324,16 @@ def store_copied(
     holding its key, or the one the first item with its key created."""
     with batches.drawing_ids(cursor, count) as drawn:
         items = checked()
-    items = _placed(cursor, items)
-    one_each = {(item.topic, item.lane): item for item in items}  # what the caps look at
-    covering = caps.covering(conn, settings.caps, list(one_each.values()))
+    spread = _spread(items, settings.levels)
+    items, spread = _placed(cursor, items, spread, settings.levels)
+    covering = caps.covering(conn, settings.caps, [_Spot(*spot) for spot in spread.spots])
     caps.before_insert(conn, covering, items)
-    plan = _plan(conn, items)
+    plan = _plan(conn, items, spread)
     for index in (*plan.holders, *plan.repeats):  # stores nothing, but is checked all the same
         _body(index, items[index], settings.max_body_bytes)
-    created = [items[index] for index in plan.creating]
-    if any(item.key is not None for item in created):
+    created: Sequence[Item] = items
+    if spread.keyed:
+        created = [items[index] for index in plan.creating]
         try:
             with batches.savepoint(cursor):
                 sent = _copied(cursor, items, plan, drawn.ids, settings.max_body_bytes)
@@ -347,37 +351,73 @@ def store_copied(
     return sent
 
 
-def _placed(cursor: Cursor[Any], items: Sequence[Item]) -> Sequence[Item]:
+class _Spread(NamedTuple):
+    """Where a batch's items go, from one pass over them (`_spread`): how many go to each
+    (topic, lane), the delay of each level they use, and whether any has a key. The steps
+    after the checks read it instead of passing over the items again each (the lanes' delays,
+    the caps' targets, the keys, the lanes' counts: five passes, ~3 ms of a batch of 10,000)."""
+
+    spots: dict[tuple[str, int], int]  # (topic, lane) -> items, in order of first use
+    delays: dict[int, int]  # level (> 0) -> its delay (ms), as the items were placed
+    keyed: bool
+
+
+class _Spot(NamedTuple):
+    """A (topic, lane) a batch sends to, as the caps read a message (`caps.Adding`)."""
+
+    topic: str
+    lane: int
+    key: None = None
+
+
+def _spread(items: Sequence[Item], levels: DelayLevels) -> _Spread:
+    spots = Counter(map(_TOPIC_AND_LANE, items))
+    delays = {lane: levels.delay_ms(lane) for _, lane in spots if lane > 0}
+    return _Spread(spots, delays, any(map(_KEY, items)))  # a key is never ""
+
+
+_TOPIC_AND_LANE = itemgetter(0, 2)  # an Item's (topic, lane)
+_KEY = itemgetter(6)  # an Item's key
+
+
+def _placed(
+    cursor: Cursor[Any], items: Sequence[Item], spread: _Spread, levels: DelayLevels
+) -> tuple[Sequence[Item], _Spread]:
     """The items with the lanes the database gives their levels (the timer lane for a level
-    whose delay it does not agree on)."""
-    delays = {item.lane: item.delay_ms or 0 for item in items if item.lane > 0}
-    if not delays:
-        return items
-    lanes = batches.place_levels(cursor, delays)
+    whose delay it does not agree on), and their spread."""
+    if not spread.delays:
+        return items, spread
+    lanes = batches.place_levels(cursor, spread.delays)
     if all(lane == level for level, lane in lanes.items()):
-        return items
-    return [item._replace(lane=lanes[item.lane]) if item.lane > 0 else item for item in items]
+        return items, spread
+    moved = [item._replace(lane=lanes[item.lane]) if item.lane > 0 else item for item in items]
+    return moved, _spread(moved, levels)
 
 
-def _plan(conn: store.Statements, items: Sequence[Item]) -> _Plan:
+def _plan(conn: store.Statements, items: Sequence[Item], spread: _Spread) -> _Plan:
     """Which items create a message: not one whose key an unfinished message holds, nor a
     key's repeat in the batch."""
+    if not spread.keyed:  # each item creates one
+        lanes: dict[int, int] = {}
+        for (_, lane), n in spread.spots.items():
+            if lane >= 0:
+                lanes[lane] = lanes.get(lane, 0) + n
+        return _Plan(list(range(len(items))), {}, {}, lanes)
     keys = [(item.topic, item.key) for item in items if item.key is not None]
-    plan = _Plan([] if keys else list(range(len(items))), {}, {}, {})
-    if keys:
-        holders = store.find_unfinished_by_keys(conn, keys)
-        first: dict[tuple[str, str], int] = {}
-        for index, item in enumerate(items):
-            if item.key is not None:
-                pair = (item.topic, item.key)
-                if pair in holders:
-                    plan.holders[index] = holders[pair]
-                    continue
-                if pair in first:
-                    plan.repeats[index] = first[pair]
-                    continue
-                first[pair] = index
-            plan.creating.append(index)
+    plan = _Plan([], {}, {}, {})
+    holders = store.find_unfinished_by_keys(conn, keys)
+    first: dict[tuple[str, str], int] = {}
+    for index, item in enumerate(items):
+        if item.key is not None:
+            pair = (item.topic, item.key)
+            if pair in holders:
+                plan.holders[index] = holders[pair]
+                continue
+            if pair in first:
+                plan.repeats[index] = first[pair]
+                continue
+            first[pair] = index
+        plan.creating.append(index)
     plan.lanes.update(Counter(items[i].lane for i in plan.creating if items[i].lane >= 0))
     return plan
 
@@ -406,18 +446,21 @@ def _copied(
     with batches.copying(cursor, "commit_log", batches.MESSAGE_ROW) as copy:
         write = copy.write_row
         for index, message_id in zip(plan.creating, ids, strict=True):
-            item = items[index]
+            # the item's fields unpacked at once, not read one by one (a property each)
+            topic, body, lane, level, delay, deliver_at, key, tags, properties, priority = items[
+                index
+            ]
             try:
-                body, is_json = encode_body(item.body, max_body_bytes)
+                data, is_json = encode_body(body, max_body_bytes)
             except ValidationError as exc:
                 refused = type(exc)(f"messages[{index}].{exc.field}", exc.detail)
                 break
-            lane = item.lane
-            if item.deliver_at is not None:
-                due = item.deliver_at.astimezone(stored_at.tzinfo)
+            if deliver_at is not None:
+                due = deliver_at.astimezone(stored_at.tzinfo)
                 wire_due = batches.wire_time(due)
             else:
-                delay = item.delay_ms or 0
+                if delay is None:
+                    delay = 0
                 if delay not in due_after:
                     after = stored_at + timedelta(milliseconds=delay)
                     due_after[delay] = after, batches.wire_time(after)
@@ -426,14 +469,14 @@ def _copied(
             write(
                 (
                     message_id,
-                    item.topic,
-                    item.key,
-                    item.tags,
-                    body,
+                    topic,
+                    key,
+                    tags,
+                    data,
                     is_json,
-                    item.properties,
-                    item.delay_level,
-                    item.priority,
+                    properties,
+                    level,
+                    priority,
                     lane,
                     offset,
                     "scheduled" if lane >= 0 else "ready",
@@ -458,7 +501,10 @@ def _copied(
             for item, message_id, due in zip(created_items, ids, dues, strict=True)
         ]
 
-    created = _copy_lanes(cursor, created_items, ids, wire_dues, taken, messages_made)
+    lanes = set(plan.lanes)
+    if sum(plan.lanes.values()) < len(plan.creating):
+        lanes.add(NO_LANE)  # some are due now: straight into their topics' queues
+    created = _copy_lanes(cursor, created_items, ids, wire_dues, taken, lanes, messages_made)
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
     return _made(items, plan, created)
@@ -470,51 +516,39 @@ def _copy_lanes(
     ids: Sequence[int],
     dues: Sequence[int],
     taken: Sequence[int | None],
+    lanes: Collection[int],
     meanwhile: Callable[[], _T],
 ) -> _T:
     """COPY the lanes' rows of the messages just COPYed into the commit log (`dues`: their due
-    times as `batches.wire_time`s): a level's queue, the timer lane or (due now) the topic's
-    queue, a COPY each. -> what `meanwhile` gives, called once the last COPY's rows are
-    written, while PostgreSQL stores them."""
-    rows = list(zip(created, ids, dues, taken, strict=True))
-    lanes = {item.lane for item in created}
+    times as `batches.wire_time`s; `lanes`: the lanes they go to): a level's queue, the timer
+    lane or (due now) the topic's queue, a COPY each. -> what `meanwhile` gives, called once
+    the last COPY's rows are written, while PostgreSQL stores them."""
+
+    def rows() -> Iterator[tuple[int, int | None, int, str, int, int]]:
+        """(lane, offset, id, topic, due, priority) of each message, in order."""
+        for (topic, _, lane, *_, priority), message_id, due, offset in zip(
+            created, ids, dues, taken, strict=True
+        ):
+            yield lane, offset, message_id, topic, due, priority
+
     copies: list[tuple[str, Sequence[tuple[str, str]], Iterable[tuple[Any, ...]]]] = []
     if any(lane > 0 for lane in lanes):
-        copies.append(
-            (
-                "consume_queue",
-                batches.LEVEL_ROW,
-                (
-                    (item.lane, offset, message_id, item.topic, due, item.priority)
-                    for item, message_id, due, offset in rows
-                    if item.lane > 0
-                ),
-            )
-        )
+        level_rows = rows() if min(lanes) > 0 else (row for row in rows() if row[0] > 0)
+        copies.append(("consume_queue", batches.LEVEL_ROW, level_rows))
     if 0 in lanes:
-        copies.append(
-            (
-                "timer_queue",
-                batches.TIMER_ROW,
-                (
-                    (due, offset, message_id, item.topic, item.priority)
-                    for item, message_id, due, offset in rows
-                    if item.lane == 0
-                ),
-            )
+        timer_rows = (
+            (due, offset, message_id, topic, priority)
+            for lane, offset, message_id, topic, due, priority in rows()
+            if lane == 0
         )
+        copies.append(("timer_queue", batches.TIMER_ROW, timer_rows))
     if any(lane < 0 for lane in lanes):
-        copies.append(
-            (
-                "topic_queue",
-                batches.READY_ROW,
-                (
-                    (message_id, item.topic, due, item.priority)
-                    for item, message_id, due, _ in rows
-                    if item.lane < 0
-                ),
-            )
+        ready_rows = (
+            (message_id, topic, due, priority)
+            for lane, _, message_id, topic, due, priority in rows()
+            if lane < 0
         )
+        copies.append(("topic_queue", batches.READY_ROW, ready_rows))
     *first, (table, row, last) = copies
     for earlier in first:
         batches.copy_rows(cursor, *earlier)
