@@ -280,10 +280,10 @@ def _batch_database_write(url: str, producer: Producer, rows: int) -> float:
         started = time.perf_counter()
         for done in range(0, rows, BATCH):
             count = min(BATCH, rows - done)
-            with store_batches.drawing_ids(cursor, count) as drawn:
+            with store_batches.drawing(cursor, count, item.lane, item.delay_ms or 0) as drawn:
                 pass  # send_batch checks its items here
-            ids = drawn.ids
-            stored_at, (offsets,) = store_batches.reserve(cursor, [(item.lane, count)])
+            ids, stored_at, offsets = drawn.ids, drawn.stored_at, drawn.offsets
+            assert offsets is not None  # a lane of its own: a level's or the timer's
             stored = store_batches.wire_time(stored_at)
             due = store_batches.wire_time(stored_at + timedelta(milliseconds=item.delay_ms or 0))
             store_batches.copy_rows(

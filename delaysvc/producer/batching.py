@@ -312,20 +312,24 @@ def store_copied(
     conn: store.Statements,
     cursor: Cursor[Any],
     count: int,
+    first: Item,
     checked: Callable[[], Sequence[Item]],
     settings: Settings,
 ) -> list[Message]:
     """Store a batch of `count` items by COPY on `cursor` (a psycopg 3 cursor of `conn`'s
     connection), in the caller's transaction, which the caller holds open around this
-    (`Joined.transaction`); `checked` gives its items checked (`prepare`), called while the
-    database draws their ids (`batches.drawing_ids`: ~5 ms of a batch of 10,000 the database
-    spent alone before, docs/benchmarks/2026-12-02-batch-ids-while-checked). -> a Message per
-    item, in order: created, or (created=False) the message
-    holding its key, or the one the first item with its key created."""
-    with batches.drawing_ids(cursor, count) as drawn:
+    (`Joined.transaction`); `first` is its first item checked alone, `checked` gives them all
+    checked (`prepare`), called while the database draws their ids and the offsets of the
+    first item's lane (`batches.drawing`; docs/benchmarks/2026-12-02-batch-ids-while-checked,
+    2026-12-04-batch-offsets-while-checked). -> a Message per item, in order: created, or
+    (created=False) the message holding its key, or the one the first item with its key
+    created."""
+    with batches.drawing(cursor, count, first.lane, first.delay_ms or 0) as drawn:
         items = checked()
     spread = _spread(items, settings.levels)
-    items, spread = _placed(cursor, items, spread, settings.levels)
+    reserved = _reserved_while_checked(drawn, spread)
+    if reserved is None:  # not all in the first item's lane, or its level's delay changed
+        items, spread = _placed(cursor, items, spread, settings.levels)
     covering = caps.covering(conn, settings.caps, [_Spot(*spot) for spot in spread.spots])
     caps.before_insert(conn, covering, items)
     plan = _plan(conn, items, spread)
@@ -336,7 +340,7 @@ def store_copied(
         created = [items[index] for index in plan.creating]
         try:
             with batches.savepoint(cursor):
-                sent = _copied(cursor, items, plan, drawn.ids, settings.max_body_bytes)
+                sent = _copied(cursor, items, plan, drawn.ids, reserved, settings.max_body_bytes)
         except UniqueViolation as exc:
             if exc.diag.constraint_name != batches.KEY_INDEX:
                 raise
@@ -345,7 +349,7 @@ def store_copied(
             created = [items[origin] for _, new, origin in results if new and origin is not None]
             sent = messages(items, results)
     else:
-        sent = _copied(cursor, items, plan, drawn.ids, settings.max_body_bytes)
+        sent = _copied(cursor, items, plan, drawn.ids, reserved, settings.max_body_bytes)
     if covering:
         caps.after_insert(conn, covering, created)
     return sent
@@ -378,6 +382,16 @@ def _spread(items: Sequence[Item], levels: DelayLevels) -> _Spread:
 
 _TOPIC_AND_LANE = itemgetter(0, 2)  # an Item's (topic, lane)
 _KEY = itemgetter(6)  # an Item's key
+
+
+def _reserved_while_checked(drawn: batches.Drawn, spread: _Spread) -> batches.Reserved | None:
+    """The store time and offsets `drawing` drew, when every item goes to the lane it drew
+    them for, as the database placed it (a level only while it agrees on its delay): they are
+    the batch's, as a `reserve` after the checks would draw them. None otherwise."""
+    if any(lane != drawn.lane for _, lane in spread.spots):
+        return None
+    offsets = [] if drawn.offsets is None else [drawn.offsets]
+    return batches.Reserved(drawn.stored_at, offsets)
 
 
 def _placed(
@@ -423,10 +437,16 @@ def _plan(conn: store.Statements, items: Sequence[Item], spread: _Spread) -> _Pl
 
 
 def _copied(
-    cursor: Cursor[Any], items: Sequence[Item], plan: _Plan, drawn: list[int], max_body_bytes: int
+    cursor: Cursor[Any],
+    items: Sequence[Item],
+    plan: _Plan,
+    drawn: list[int],
+    reserved: batches.Reserved | None,
+    max_body_bytes: int,
 ) -> list[Message]:
     """COPY the plan's messages into the commit log, then into their lanes, and count them;
-    their ids are the first of `drawn` (one an item, ascending), in order.
+    their ids are the first of `drawn` (one an item, ascending), in order, their store time and
+    offsets `reserved`'s, else drawn now (`batches.reserve`).
     The created messages' Messages are made once the last lane's rows are written, before its
     COPY ends: PostgreSQL, behind on those rows, stores them meanwhile, where it had the
     connection to itself (docs/benchmarks/2026-12-02-batch-messages-at-the-end: 0.87-0.89x
@@ -435,7 +455,9 @@ def _copied(
     if not plan.creating:
         return _made(items, plan, [])
     ids = drawn[: len(plan.creating)]
-    stored_at, offsets = batches.reserve(cursor, list(plan.lanes.items()))
+    if reserved is None:
+        reserved = batches.reserve(cursor, list(plan.lanes.items()))
+    stored_at, offsets = reserved
     stored = batches.wire_time(stored_at)
     lane_offsets = {lane: iter(drawn) for lane, drawn in zip(plan.lanes, offsets, strict=True)}
     due_after: dict[int, tuple[datetime, int]] = {}  # delay (ms) -> stored_at + delay, twice

@@ -302,22 +302,32 @@ class Producer:
                 items = batching.prepare(messages, self.settings, now)
                 return items if span is None else _carrying_context(span, items)
 
+            def first() -> batching.Item:  # where the batch most likely goes
+                return batching.prepare(messages[:1], self.settings, now)[0]
+
             sent = self._write(
-                connection, lambda conn: self._store_batch(conn, len(messages), checked)
+                connection, lambda conn: self._store_batch(conn, len(messages), first, checked)
             )
         log.info("messages.sent", extra={"count": len(sent)})
         return sent
 
     def _store_batch(
-        self, conn: joining.Joined, count: int, checked: Callable[[], list[batching.Item]]
+        self,
+        conn: joining.Joined,
+        count: int,
+        first: Callable[[], batching.Item],
+        checked: Callable[[], list[batching.Item]],
     ) -> list[Message]:
         """A batch of `count` items by COPY on a psycopg 3 connection, its items checked
-        (`checked`) while the database draws their ids, else checked, then stored through the
-        staged insert (`_store`)."""
+        (`checked`) while the database draws their ids and the offsets of the lane its first
+        item goes to (`first`), else checked, then stored through the staged insert
+        (`_store`)."""
         with conn.transaction():
             with conn.psycopg_cursor() as cursor:
                 if cursor is not None:
-                    return batching.store_copied(conn, cursor, count, checked, self.settings)
+                    return batching.store_copied(
+                        conn, cursor, count, first(), checked, self.settings
+                    )
             items = checked()
             results = self._store(conn, batching.encoded(items, self.settings.max_body_bytes))
             return batching.messages(items, results)

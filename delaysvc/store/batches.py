@@ -2,12 +2,13 @@
 
 A batch's rows reach the tables by binary COPY, the fastest way PostgreSQL takes rows, with
 nothing between: no staging table, no set-based insert, no rows sent back. What a send's
-statement decides in the database is decided first, in one statement each: the batch's ids in
-batch order, drawn while the producer checks its items (`drawing_ids`), the lane of each level
-the batch uses (the level while the database agrees on its delay, else the timer lane:
-`_PLACED_LANE`, as a single send's), then each lane's queue offsets and the store time on the
-database clock (`reserve`), from which the producer computes every due time as the database
-would. The commit log's rows, the lanes' rows and the lanes' counts then follow by COPY and one
+statement decides in the database is decided first: while the producer checks its items, the
+batch's ids in batch order, the store time on the database clock, and the lane and offsets of
+its first item's lane (`drawing`); when the items go elsewhere too, the lane of each level the
+batch uses (the level while the database agrees on its delay, else the timer lane:
+`_PLACED_LANE`, as a single send's), then each lane's queue offsets and the store time
+(`reserve`). From the store time the producer computes every due time as the database would.
+The commit log's rows, the lanes' rows and the lanes' counts then follow by COPY and one
 insert, in the caller's transaction. A key held by an unfinished message is the caller's to
 find first (`find_unfinished_by_keys`): a row COPYed with a key held meanwhile fails on the
 key's unique index (`KEY_INDEX`), and only that.
@@ -39,9 +40,24 @@ _PLACE_LEVELS = f"""SELECT a.lane AS asked,
     CAST({_PLACED_LANE.format(lane="a.lane", delay_ms="a.delay_ms")} AS smallint) AS lane
 FROM unnest(CAST(:lanes AS smallint[]), CAST(:delays AS bigint[])) AS a(lane, delay_ms)"""
 
-# `:count` message ids in ascending order.
-_DRAW_IDS = """SELECT ARRAY(SELECT nextval('delaysvc.commit_log_id_seq')
-    FROM generate_series(1, CAST(:count AS int)))"""
+# `:count` message ids in ascending order, the store time, the lane the database gives the
+# lane `:lane` asked for with the delay `:delay_ms` (as `_PLACE_LEVELS`: a level only while it
+# has that delay, else the timer lane 0; a lane below 0 stays), and, when that lane is a queue
+# (>= 0), `:count` of its offsets in ascending order. Its sequence is looked up once
+# (MATERIALIZED), not once per offset.
+_DRAW = f"""WITH placed AS MATERIALIZED (
+    SELECT p.lane, CAST(CASE WHEN p.lane = 0 THEN 'delaysvc.timer_queue_seq'
+        WHEN p.lane > 0 THEN format('delaysvc.consume_queue_%s_seq', p.lane) END AS regclass)
+        AS seq
+    FROM (SELECT CAST({_PLACED_LANE.format(lane=":lane", delay_ms=":delay_ms")} AS smallint)
+        AS lane) p
+)
+SELECT ARRAY(SELECT nextval('delaysvc.commit_log_id_seq')
+        FROM generate_series(1, CAST(:count AS int))) AS ids,
+    statement_timestamp() AS stored_at, p.lane,
+    CASE WHEN p.lane >= 0 THEN ARRAY(SELECT nextval(p.seq)
+        FROM generate_series(1, CAST(:count AS int))) END AS offsets
+FROM placed p"""
 
 # The store time (`statement_timestamp()`, pos 0), then for each lane of `:lanes` (0: the timer
 # lane) as many queue offsets as `:counts` says, in ascending order, a row a lane (pos 1, 2,
@@ -134,32 +150,45 @@ class Reserved(NamedTuple):
     offsets: list[list[int]]
 
 
-class DrawnIds:
-    """The ids `drawing_ids` drew, in `ids` once its block has ended."""
+class Drawn:
+    """What `drawing` drew, once its block has ended: the batch's ids, the store time, the lane
+    the database gives the lane asked for, and that lane's offsets (None: no queue's)."""
 
     ids: list[int]
+    stored_at: datetime
+    lane: int
+    offsets: list[int] | None
 
 
 @contextmanager
-def drawing_ids(cursor: Cursor[Any], count: int) -> Iterator[DrawnIds]:
-    """`count` message ids, in ascending order, drawn by the database while the block runs:
-    the statement is sent as the block starts (psycopg's pipeline mode) and its result read as
-    it ends, into the `DrawnIds` it gives. A batch checks its items meanwhile
-    (docs/benchmarks/2026-12-02-batch-ids-while-checked). The arrays come back in binary,
-    which psycopg reads quicker than text (ad hoc, 15 rounds in turn: 14.5 against 16.6 ms for
-    10,000 ids and offsets). With a libpq older than 14, which has no pipeline mode, the ids
-    are drawn once the block has ended."""
-    drawn = DrawnIds()
+def drawing(cursor: Cursor[Any], count: int, lane: int, delay_ms: int) -> Iterator[Drawn]:
+    """`count` message ids, in ascending order, drawn by the database while the block runs,
+    with the store time and, for the lane a batch most likely goes to (`lane`, its first
+    item's, with its delay), `count` of its offsets: the statement is sent as the block starts
+    (psycopg's pipeline mode) and its result read as it ends, into the `Drawn` it gives. A
+    batch checks its items meanwhile (docs/benchmarks/2026-12-02-batch-ids-while-checked,
+    2026-12-04-batch-offsets-while-checked), and, when they all go to that lane, takes its
+    offsets from there, not from a `reserve` of its own after the checks, while the
+    database works alone. Offsets a batch does not use (its items go elsewhere, or some hold
+    keys) are a gap in that lane's offsets, as a rolled-back send's are: a lane's offsets
+    order its messages, they do not count them (`lane_count` does). The read of
+    `schedule_offset` keeps a change of the levels waiting until the transaction ends, as
+    `place_levels`'s does. The arrays come back in binary, which psycopg reads quicker than
+    text (ad hoc, 15 rounds in turn: 14.5 against 16.6 ms for 10,000 ids and offsets). With a
+    libpq older than 14, which has no pipeline mode, they are drawn once the block has
+    ended."""
+    drawn = Drawn()
+    params = {"count": count, "lane": lane, "delay_ms": delay_ms}
     if Pipeline.is_supported():
         with cursor.connection.pipeline():
-            cursor.execute(driver_sql(_DRAW_IDS), {"count": count}, binary=True)
+            cursor.execute(driver_sql(_DRAW), params, binary=True)
             yield drawn
     else:
         yield drawn
-        cursor.execute(driver_sql(_DRAW_IDS), {"count": count}, binary=True)
+        cursor.execute(driver_sql(_DRAW), params, binary=True)
     row = cursor.fetchone()
     assert row is not None  # the statement gives one row
-    drawn.ids = row[0]
+    drawn.ids, drawn.stored_at, drawn.lane, drawn.offsets = row
 
 
 def place_levels(cursor: Cursor[Any], delays: Mapping[int, int]) -> dict[int, int]:
@@ -175,7 +204,7 @@ def place_levels(cursor: Cursor[Any], delays: Mapping[int, int]) -> dict[int, in
 
 def reserve(cursor: Cursor[Any], lanes: Sequence[tuple[int, int]]) -> Reserved:
     """For each (lane, n) of `lanes` n queue offsets of that lane (0: the timer lane),
-    ascending, with the store time, `statement_timestamp()`; read in binary (`drawing_ids`)."""
+    ascending, with the store time, `statement_timestamp()`; read in binary (`drawing`)."""
     cursor.execute(
         driver_sql(_RESERVE),
         {"lanes": [lane for lane, _ in lanes], "counts": [n for _, n in lanes]},

@@ -8,6 +8,9 @@ send suite's), the caller keeping each batch's Messages until the next one's com
 the checks alone (`batching.prepare` of the same 10,000 items, no database), their tuples made
 either way, in turn.
 
+It measures the code of 2026-12-02 (`batches.drawing_ids`, replaced by `batches.drawing` on
+2026-12-04, which draws the first item's lane's offsets too): run it from a checkout of 001a98f.
+
 Run from the repository root:
 python docs/benchmarks/batch_ids_while_checked.py [SERVER_URL] [ROUNDS]
 (default the local PostgreSQL, 10 rounds); it works in a database of its own.

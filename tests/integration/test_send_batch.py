@@ -7,6 +7,7 @@ import threading
 import time
 import tracemalloc
 from datetime import UTC, datetime, timedelta
+from itertools import pairwise
 from zoneinfo import ZoneInfo
 
 import psycopg
@@ -18,7 +19,9 @@ from delaysvc.config.settings import Settings
 from delaysvc.config.validation import encode_body
 from delaysvc.db.engines import libpq_url
 from delaysvc.errors import BacklogFull, NotFound, ValidationError
+from delaysvc.maintenance.check import run_check
 from delaysvc.producer.sending import Message, Producer
+from delaysvc.store import batches
 from tests.support.passes import first_pass_only
 
 COMPARED = (
@@ -143,6 +146,51 @@ def test_a_batch_mixing_lanes_gives_each_lane_its_offsets_in_batch_order(
     assert [row.message_id for row in timer] == before_timer + ids[1::3]
     for lane_row in (*levels, *timer):
         assert logged[lane_row.message_id] == lane_row.queue_offset
+
+
+def test_a_batch_in_one_lane_takes_the_offsets_drawn_while_it_was_checked(
+    producer: Producer, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When every item goes to its first item's lane (a level, the timer lane, or due now),
+    the store time and offsets drawn with the ids while the items were checked are the batch's
+    (`batches.drawing`): no `reserve` after the checks. An item whose key is held uses no
+    offset: a gap in the lane's offsets, as a rolled-back send leaves, and the lane's count
+    stays exact. A batch of several lanes still reserves each lane's offsets after the
+    checks; so does one whose level the database gives another delay (the disagreeing-level
+    test below)."""
+    reserves: list[list[tuple[int, int]]] = []
+    reserve = batches.reserve
+    monkeypatch.setattr(
+        batches, "reserve", lambda cursor, lanes: reserves.append(lanes) or reserve(cursor, lanes)
+    )
+    held = producer.send("t", "held", delay_level=2, key="held")
+    for timing, lane in (({"delay_level": 2}, "level2"), ({"delay": "7s"}, "timer")):
+        items = [{"topic": "t", "body": n, **timing} for n in range(4)]
+        sent = producer.send_batch([*items[:2], {**items[2], "key": "held"}, items[3]])
+        assert [m.created for m in sent] == [True, True, False, True]
+        assert sent[2].id == held.id
+        created = [m for m in sent if m.created]
+        assert len({m.stored_at for m in created}) == 1  # one statement's store time
+        for message in created:
+            _same_as_stored(producer, message)
+            assert (lane, message.id) in _lanes(engine)
+    now = producer.send_batch([{"topic": "t", "body": n} for n in range(3)])
+    assert {m.status for m in now} == {"ready"}
+    assert reserves == []
+    after = producer.send("t", "after", delay_level=2)
+    with engine.connect() as conn:
+        offsets = conn.execute(
+            text("SELECT message_id, queue_offset FROM consume_queue WHERE level = 2")
+        ).all()
+    by_offset = sorted(offsets, key=lambda row: row[1])
+    assert [m for m, _ in by_offset] == sorted(m for m, _ in offsets)  # FIFO: send order
+    assert len(offsets) == 5 and by_offset[-1][0] == after.id
+    steps = [b - a for (_, a), (_, b) in pairwise(by_offset)]
+    assert steps == [1, 1, 1, 2]  # the held key's offset unused
+    assert _lane_counts(engine) == ({0: 3, 2: 5}, {0: 3, 2: 5})
+    assert run_check(engine).violations == []
+    producer.send_batch([{"topic": "t", "body": 0, "delay_level": 1}, {"topic": "t", "body": 1}])
+    assert reserves == [[(1, 1)]]
 
 
 def test_a_batch_dedups_keys_inside_itself_and_against_stored_rows(
