@@ -40,15 +40,17 @@ _PLACE_LEVELS = f"""SELECT a.lane AS asked,
     CAST({_PLACED_LANE.format(lane="a.lane", delay_ms="a.delay_ms")} AS smallint) AS lane
 FROM unnest(CAST(:lanes AS smallint[]), CAST(:delays AS bigint[])) AS a(lane, delay_ms)"""
 
+# The sequence of a lane's offsets: the timer lane's (0) or a level's; none below 0 (due now).
+_LANE_SEQUENCE = """CAST(CASE WHEN {lane} = 0 THEN 'delaysvc.timer_queue_seq'
+        WHEN {lane} > 0 THEN format('delaysvc.consume_queue_%s_seq', {lane}) END AS regclass)"""
+
 # `:count` message ids in ascending order, the store time, the lane the database gives the
 # lane `:lane` asked for with the delay `:delay_ms` (as `_PLACE_LEVELS`: a level only while it
 # has that delay, else the timer lane 0; a lane below 0 stays), and, when that lane is a queue
 # (>= 0), `:count` of its offsets in ascending order. Its sequence is looked up once
 # (MATERIALIZED), not once per offset.
 _DRAW = f"""WITH placed AS MATERIALIZED (
-    SELECT p.lane, CAST(CASE WHEN p.lane = 0 THEN 'delaysvc.timer_queue_seq'
-        WHEN p.lane > 0 THEN format('delaysvc.consume_queue_%s_seq', p.lane) END AS regclass)
-        AS seq
+    SELECT p.lane, {_LANE_SEQUENCE.format(lane="p.lane")} AS seq
     FROM (SELECT CAST({_PLACED_LANE.format(lane=":lane", delay_ms=":delay_ms")} AS smallint)
         AS lane) p
 )
@@ -65,9 +67,8 @@ FROM placed p"""
 # offsets are drawn into an array of their own, so no row is sorted
 # (docs/benchmarks/2026-11-28-batch-reserve: 1.3-1.4x the one array of every lane's offsets
 # sorted by lane that this replaced).
-_RESERVE = """WITH lanes AS MATERIALIZED (
-    SELECT a.pos, a.n, CAST(CASE WHEN a.lane = 0 THEN 'delaysvc.timer_queue_seq'
-        ELSE format('delaysvc.consume_queue_%s_seq', a.lane) END AS regclass) AS seq
+_RESERVE = f"""WITH lanes AS MATERIALIZED (
+    SELECT a.pos, a.n, {_LANE_SEQUENCE.format(lane="a.lane")} AS seq
     FROM unnest(CAST(:lanes AS smallint[]), CAST(:counts AS int[]))
         WITH ORDINALITY AS a(lane, n, pos)
 )
