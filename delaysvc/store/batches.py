@@ -46,9 +46,9 @@ _LANE_SEQUENCE = """CAST(CASE WHEN {lane} = 0 THEN 'delaysvc.timer_queue_seq'
 
 # `:count` message ids in ascending order, the store time, the lane the database gives the
 # lane `:lane` asked for with the delay `:delay_ms` (as `_PLACE_LEVELS`: a level only while it
-# has that delay, else the timer lane 0; a lane below 0 stays), and, when that lane is a queue
-# (>= 0), `:count` of its offsets in ascending order. Its sequence is looked up once
-# (MATERIALIZED), not once per offset.
+# has that delay, else the timer lane 0; a lane below 0 stays), when that lane is a queue
+# (>= 0) `:count` of its offsets in ascending order, and whether the database has any backlog
+# cap. Its sequence is looked up once (MATERIALIZED), not once per offset.
 _DRAW = f"""WITH placed AS MATERIALIZED (
     SELECT p.lane, {_LANE_SEQUENCE.format(lane="p.lane")} AS seq
     FROM (SELECT CAST({_PLACED_LANE.format(lane=":lane", delay_ms=":delay_ms")} AS smallint)
@@ -58,7 +58,8 @@ SELECT ARRAY(SELECT nextval('delaysvc.commit_log_id_seq')
         FROM generate_series(1, CAST(:count AS int))) AS ids,
     statement_timestamp() AS stored_at, p.lane,
     CASE WHEN p.lane >= 0 THEN ARRAY(SELECT nextval(p.seq)
-        FROM generate_series(1, CAST(:count AS int))) END AS offsets
+        FROM generate_series(1, CAST(:count AS int))) END AS offsets,
+    EXISTS (SELECT FROM delaysvc.backlog_cap) AS capped
 FROM placed p"""
 
 # The store time (`statement_timestamp()`, pos 0), then for each lane of `:lanes` (0: the timer
@@ -153,12 +154,14 @@ class Reserved(NamedTuple):
 
 class Drawn:
     """What `drawing` drew, once its block has ended: the batch's ids, the store time, the lane
-    the database gives the lane asked for, and that lane's offsets (None: no queue's)."""
+    the database gives the lane asked for, that lane's offsets (None: no queue's), and whether
+    the database has any backlog cap (none: no batch needs to look for the caps covering it)."""
 
     ids: list[int]
     stored_at: datetime
     lane: int
     offsets: list[int] | None
+    capped: bool
 
 
 @contextmanager
@@ -189,7 +192,7 @@ def drawing(cursor: Cursor[Any], count: int, lane: int, delay_ms: int) -> Iterat
         cursor.execute(driver_sql(_DRAW), params, binary=True)
     row = cursor.fetchone()
     assert row is not None  # the statement gives one row
-    drawn.ids, drawn.stored_at, drawn.lane, drawn.offsets = row
+    drawn.ids, drawn.stored_at, drawn.lane, drawn.offsets, drawn.capped = row
 
 
 def place_levels(cursor: Cursor[Any], delays: Mapping[int, int]) -> dict[int, int]:
