@@ -94,10 +94,7 @@ def authenticate_token(engine: Engine, token: str) -> ApiToken | None:
     """-> the live token or None. Looked up by its SHA-256: an attacker cannot steer the
     hash, so the lookup leaks nothing about stored tokens through timing. Live tokens (with
     their topics) are remembered for TOKEN_CACHE_SECONDS."""
-    database = _databases.get(engine)
-    if database is None:
-        database = _databases[engine] = str(engine.url)
-    key = (database, _hash_token(token))
+    key = _cache_key(engine, token)
     with _live_tokens_lock:
         found = _live_tokens.get(key)
     if found is not None:
@@ -110,6 +107,21 @@ def authenticate_token(engine: Engine, token: str) -> ApiToken | None:
     with _live_tokens_lock:
         _live_tokens[key] = found
     return found
+
+
+def remembered_token(engine: Engine, token: str) -> ApiToken | None:
+    """The live token `authenticate_token` remembers for `token`, without a lookup in the
+    database (None: not remembered; it may still be live)."""
+    key = _cache_key(engine, token)
+    with _live_tokens_lock:
+        return _live_tokens.get(key)
+
+
+def _cache_key(engine: Engine, token: str) -> tuple[str, str]:
+    database = _databases.get(engine)
+    if database is None:
+        database = _databases[engine] = str(engine.url)
+    return database, _hash_token(token)
 
 
 def revoke_token(engine: Engine, name: str) -> bool:

@@ -40,6 +40,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "delivery_drain": ("msgs_per_s",),
     "consume_drain": ("jobs_per_s",),
     "http": ("requests_per_s",),
+    "http_asgi": ("requests_per_s",),
     **{
         f"pgbouncer_send_{size}": ("pgbouncer_msgs_per_s", "direct_msgs_per_s")
         for size in ("c1", "c4", "c16", "batch_1000")

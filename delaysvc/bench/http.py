@@ -65,6 +65,11 @@ end
 """
 
 
+ASGI_WORKERS = 2
+"""uvicorn worker processes for `--server asgi`: one event loop a core keeps this 2-core
+machine's cores busy (4 measured slower: docs/benchmarks/2026-12-06-http-asgi-floor)."""
+
+
 def missing() -> str | None:
     """Why the suite cannot run here, or None."""
     return None if shutil.which("wrk") else "wrk is not installed: apt-get install wrk"
@@ -122,56 +127,39 @@ def http_suite(ctx: BenchContext) -> Figures:
     step(f"raw: one-row INSERT per transaction, {clients} clients")
     raw_rate = raw.insert_one_row_per_transaction(libpq_url(ctx.url), clients, min(seconds, 10))
     token = auth.create_token(ctx.engine, "bench-http", scope="send")
-    port = free_port()
     env = dict(os.environ, DELAYSVC_DATABASE_URL=ctx.url, PYTHONPATH=str(Path.cwd()))
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
-    command = web_command("127.0.0.1", port, workers, threads=threads)
-    command[command.index("--access-logfile") + 1] = "/dev/null"
     batch_seconds = min(seconds, 10)
+    # `delaysvc web`'s two servers, each with the same clients: its default (gunicorn's sync
+    # workers), then `--server asgi` (uvicorn's workers: single sends on the event loop)
+    servers = {"http": ("sync", workers), "http_asgi": ("asgi", ASGI_WORKERS)}
     with tempfile.TemporaryDirectory(prefix="delaysvc-bench-http-") as scratch:
         if ctx.out is not None:
             ctx.out.mkdir(parents=True, exist_ok=True)
-        log_path = (ctx.out or Path(scratch)) / "http-gunicorn.log"
-        with _gunicorn(command, env, port, log_path):
-            served = f"gunicorn -w {workers} --threads {threads}"
-            step(f"wrk: {clients} connections for {seconds:g} s against {served}")
-            result = run_wrk(f"http://127.0.0.1:{port}/api/v1/messages", token, clients, seconds)
-            step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
-            batched = run_wrk(
-                f"http://127.0.0.1:{port}/api/v1/messages/batch",
-                token,
-                1,
-                batch_seconds,
-                batch=True,
+        for figure, (server, processes) in servers.items():
+            port = free_port()
+            command = web_command("127.0.0.1", port, processes, threads=threads, server=server)
+            command[command.index("--access-logfile") + 1] = "/dev/null"
+            log_path = (ctx.out or Path(scratch)) / f"{figure}-gunicorn.log"
+            before = _stored(ctx, TOPIC)
+            with _gunicorn(command, env, port, log_path):
+                served = f"gunicorn -w {processes} " + (
+                    f"--threads {threads}" if server == "sync" else "-k UvicornWorker"
+                )
+                step(f"wrk: {clients} connections for {seconds:g} s against {served}")
+                url = f"http://127.0.0.1:{port}/api/v1/messages"
+                result = run_wrk(url, token, clients, seconds)
+                if server == "sync":
+                    step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
+                    batched = run_wrk(url + "/batch", token, 1, batch_seconds, batch=True)
+            figures.results[figure] = {
+                "server": served,
+                **_single_sends(result, clients, seconds, raw_rate),
+                "stored": _stored(ctx, TOPIC) - before,
+            }
+            figures.results[figure]["lost"] = max(
+                0, figures.results[figure]["acknowledged"] - figures.results[figure]["stored"]
             )
-    with ctx.engine.connect() as conn:
-        stored = conn.execute(
-            sql("SELECT count(*) FROM delaysvc.message WHERE topic = :t"), {"t": TOPIC}
-        ).scalar_one()
-    errors = {k: result[k] for k in ("connect", "read", "write", "status", "timeout")}
-    acknowledged = result["requests"] - result["status"]
-    rate = result["requests"] / (result["duration_us"] / 1e6)
-    figures.results["http"] = {
-        "clients": clients,
-        "seconds": seconds,
-        "gunicorn_workers": workers,
-        "gunicorn_threads": threads,
-        "requests": result["requests"],
-        "requests_per_s": round(rate, 1),
-        "raw_insert_per_s": round(raw_rate, 1),
-        "ratio_to_raw": round(rate / raw_rate, 3) if raw_rate else None,
-        "latency_ms": {
-            "p50": result["p50_us"] / 1000,
-            "p90": result["p90_us"] / 1000,
-            "p99": result["p99_us"] / 1000,
-            "max": result["max_us"] / 1000,
-        },
-        "errors": errors,
-        "acknowledged": acknowledged,
-        "stored": stored,
-        "lost": max(0, acknowledged - stored),
-        "python": sys.version.split()[0],
-    }
     step(f"send_batch of {BATCH:,} in this process, 1 client for {batch_seconds:g} s")
     python_rate = _python_batches(ctx, batch_seconds)
     http_rate = batched["requests"] * BATCH / (batched["duration_us"] / 1e6)
@@ -187,6 +175,39 @@ def http_suite(ctx: BenchContext) -> Figures:
         "p99_ms": batched["p99_us"] / 1000,
     }
     return figures
+
+
+def _single_sends(
+    result: dict[str, Any], clients: int, seconds: float, raw_rate: float
+) -> dict[str, Any]:
+    """The figures of a wrk run of single sends, beside the raw insert's rate."""
+    rate = result["requests"] / (result["duration_us"] / 1e6)
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "requests": result["requests"],
+        "requests_per_s": round(rate, 1),
+        "raw_insert_per_s": round(raw_rate, 1),
+        "ratio_to_raw": round(rate / raw_rate, 3) if raw_rate else None,
+        "target_ratio": 0.25,
+        "latency_ms": {
+            "p50": result["p50_us"] / 1000,
+            "p90": result["p90_us"] / 1000,
+            "p99": result["p99_us"] / 1000,
+            "max": result["max_us"] / 1000,
+        },
+        "errors": {k: result[k] for k in ("connect", "read", "write", "status", "timeout")},
+        "acknowledged": result["requests"] - result["status"],
+        "python": sys.version.split()[0],
+    }
+
+
+def _stored(ctx: BenchContext, topic: str) -> int:
+    with ctx.engine.connect() as conn:
+        found = conn.execute(
+            sql("SELECT count(*) FROM delaysvc.message WHERE topic = :t"), {"t": topic}
+        ).scalar_one()
+    return int(found)
 
 
 @contextmanager

@@ -234,11 +234,12 @@ def _rows(name: str, r: dict[str, Any]) -> list[str]:
         late, errors = r["latency_ms"], sum(r["errors"].values())
         return [
             f"| {name}: POST /api/v1/messages, {r['clients']} clients for {r['seconds']:g} s "
-            f"(gunicorn -w {r['gunicorn_workers']}{_threads(r)}) | "
+            f"({_served(r)}) | "
             f"{r['requests_per_s']:,} req/s; p50 "
             f"{late['p50']:.1f} ms, p99 {late['p99']:.1f} ms; {errors} errors; lost "
             f"{r['lost']} | {r['raw_insert_per_s']:,} tx/s | {r['ratio_to_raw']:.1%} | "
-            "0 errors, p99 reported |"
+            + (f">= {r['target_ratio']:.0%}, " if "target_ratio" in r else "")
+            + "0 errors |"
         ]
     if "pages_ms" in r:
         slowest = sorted(r["pages_ms"].items(), key=lambda item: -item[1]["p95"])[:4]
@@ -556,6 +557,10 @@ def _plots(out: Path, figures: Figures) -> list[str]:
     return made
 
 
-def _threads(r: dict[str, Any]) -> str:
-    """An HTTP run's threads a worker, as gunicorn's option (runs before 2026-11-28: none)."""
-    return f" --threads {r['gunicorn_threads']}" if r.get("gunicorn_threads", 1) > 1 else ""
+def _served(r: dict[str, Any]) -> str:
+    """How an HTTP run was served (runs before 2026-12-06 name gunicorn's workers and threads;
+    before 2026-11-28, no threads)."""
+    if "server" in r:
+        return str(r["server"])
+    threads = f" --threads {r['gunicorn_threads']}" if r.get("gunicorn_threads", 1) > 1 else ""
+    return f"gunicorn -w {r['gunicorn_workers']}{threads}"

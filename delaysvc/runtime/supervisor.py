@@ -102,6 +102,12 @@ wrk's 50, every request's p99 was 0.9-1 s; with twice, 112-121 ms
 (docs/benchmarks/2026-11-28-http-idle-clients)."""
 
 
+WEB_SERVERS = ("sync", "asgi")
+"""How `delaysvc web` serves: "sync", gunicorn's sync (or, with threads, threaded) workers
+running the Flask app; "asgi", gunicorn's master with uvicorn's workers running the ASGI app
+(`delaysvc.web.asgi`), whose single sends are written on the event loop, grouped."""
+
+
 def web_command(
     host: str,
     port: int,
@@ -109,11 +115,15 @@ def web_command(
     access_log: bool = True,
     log_format: str = "text",
     threads: int = WEB_THREADS,
+    server: str = "sync",
 ) -> Command:
     logs = ["--access-logfile", "-"] if access_log else []
     held = ["--worker-connections", str(threads * CONNECTIONS_PER_THREAD)] if threads > 1 else []
     if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
         logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
+    app = ["--threads", str(threads), *held, "delaysvc.web:create_app()"]
+    if server == "asgi":
+        app = ["-k", "uvicorn_worker.UvicornWorker", "delaysvc.web.asgi:create_asgi_app()"]
     return Command(
         "web",
         reload_signal=signal.SIGHUP,
@@ -125,13 +135,10 @@ def web_command(
             f"{host}:{port}",
             "-w",
             str(workers),
-            "--threads",
-            str(threads),
-            *held,
             *logs,
             "--log-level",
             "warning",
-            "delaysvc.web:create_app()",
+            *app,
         ],
     )
 

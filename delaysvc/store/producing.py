@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from psycopg import Cursor
+from psycopg import AsyncConnection, Cursor
 from psycopg.rows import namedtuple_row
 
 from delaysvc.config.validation import json_text
@@ -125,12 +125,36 @@ def insert_group(
     message, in order, (row, True, 0) as `insert_message` gives a new one, or None: nothing
     stored for it (a cap covers it, or an unfinished message holds its key), to be sent alone
     (`insert_message`)."""
+    prepare = None if cursor.connection.prepare_threshold is None else True
+    rows = cursor.execute(_driver_sql(SEND_GROUP), _group_params(messages), prepare=prepare)
+    return [None if row[0] is None else (Stored(*row), True, 0) for row in rows.fetchall()]
+
+
+async def insert_group_async(
+    conn: AsyncConnection[Any], messages: Sequence[NewMessage]
+) -> list[Stored | None]:
+    """Store `messages` (each a single send; at least one) in one autocommitted statement on a
+    psycopg AsyncConnection, caps not held: one alone by `SEND_ONE`, more by `SEND_GROUP`
+    (`delaysvc.producer.aio`). -> per message, in order, what the database decided, or None:
+    nothing stored for it (a cap covers it, or an unfinished message holds its key), to be
+    sent the producer's way."""
+    prepare = None if conn.prepare_threshold is None else True
+    if len(messages) == 1:
+        params = {**_message_params(messages[0]), "caps_held": False}
+        cursor = await conn.execute(_driver_sql(SEND_ONE), params, prepare=prepare)
+        row = await cursor.fetchone()
+        return [None if row is None or row[0] is None else Stored(*row)]
+    params = _group_params(messages)
+    cursor = await conn.execute(_driver_sql(SEND_GROUP), params, prepare=prepare)
+    return [None if row[0] is None else Stored(*row) for row in await cursor.fetchall()]
+
+
+def _group_params(messages: Sequence[NewMessage]) -> dict[str, list[Any]]:
+    """`SEND_GROUP`'s parameters: each of `_message_params` as an array, a message an item."""
     each = [_message_params(message) for message in messages]
     params = {name: [one[name] for one in each] for name in each[0]}
     params["tags"] = [None if tags is None else json_text(tags) for tags in params["tags"]]
-    prepare = None if cursor.connection.prepare_threshold is None else True
-    rows = cursor.execute(_driver_sql(SEND_GROUP), params, prepare=prepare).fetchall()
-    return [None if row[0] is None else (Stored(*row), True, 0) for row in rows]
+    return params
 
 
 def insert_message_on(conn: Statements, message: NewMessage) -> tuple[Any, bool, int | None]:

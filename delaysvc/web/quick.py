@@ -66,7 +66,7 @@ class QuickSends:
         if (
             environ.get("PATH_INFO") != self.path
             or environ.get("REQUEST_METHOD") != "POST"
-            or self._hooked()
+            or requests_hooked(self.app)
         ):
             return self.flask(environ, start_response)
         try:
@@ -97,27 +97,6 @@ class QuickSends:
         )
         return [payload]
 
-    def _hooked(self) -> bool:
-        """Whether an application that made this app hooked code into its requests (a
-        `before_request`, `after_request`, `teardown_request` or URL value preprocessor of the
-        app or the API, a `teardown_appcontext`, a receiver of Flask's request or app context
-        signals): then every request is Flask's, so it runs."""
-        app = self.app
-        hooks = (
-            app.before_request_funcs,
-            app.after_request_funcs,
-            app.teardown_request_funcs,
-            app.url_value_preprocessors,
-        )
-        return (
-            any(hook.get(None) or hook.get("api") for hook in hooks)
-            or bool(app.teardown_appcontext_funcs)
-            or any(
-                signal.receivers and next(signal.receivers_for(app), None) is not None
-                for signal in _SIGNALS
-            )
-        )
-
     def _sender(self, environ: dict[str, Any]) -> ApiToken | None:
         """The request's live token, if it is a JSON request with one (else Flask answers)."""
         kind = environ.get("CONTENT_TYPE", "").partition(";")[0].strip().lower()
@@ -135,6 +114,27 @@ class QuickSends:
                 self.app.handle_user_exception(exc), from_error_handler=True
             )
         return response(environ, start_response)
+
+
+def requests_hooked(app: Flask) -> bool:
+    """Whether an application that made this app hooked code into its requests (a
+    `before_request`, `after_request`, `teardown_request` or URL value preprocessor of the
+    app or the API, a `teardown_appcontext`, a receiver of Flask's request or app context
+    signals): then every request is Flask's, so it runs."""
+    hooks = (
+        app.before_request_funcs,
+        app.after_request_funcs,
+        app.teardown_request_funcs,
+        app.url_value_preprocessors,
+    )
+    return (
+        any(hook.get(None) or hook.get("api") for hook in hooks)
+        or bool(app.teardown_appcontext_funcs)
+        or any(
+            signal.receivers and next(signal.receivers_for(app), None) is not None
+            for signal in _SIGNALS
+        )
+    )
 
 
 def _length(environ: dict[str, Any]) -> int | None:

@@ -59,7 +59,8 @@ def served(
     command: list[str], env: dict[str, str], port: int, views: dict[str, str], token: str
 ) -> dict[str, tuple[float, int, float]]:
     """Start gunicorn with `command`; wrk on each view for SECONDS. -> view -> (requests/s,
-    socket errors, the gunicorn workers' CPU a request in us)."""
+    failed requests (socket errors and answers other than 2xx), the gunicorn workers' CPU a
+    request in us)."""
     web = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL)
     try:
         if not wait_until_answering(f"http://127.0.0.1:{port}/healthz"):
@@ -70,7 +71,7 @@ def served(
             before = sum(sum(w.cpu_times()[:2]) for w in workers)
             result = run_wrk(f"http://127.0.0.1:{port}{path}", token, 50, SECONDS)
             used = sum(sum(w.cpu_times()[:2]) for w in workers) - before
-            failed = sum(result[k] for k in ("connect", "read", "write", "timeout"))
+            failed = sum(result[k] for k in ("connect", "read", "write", "timeout", "status"))
             rates[name] = (result["requests"] / (result["duration_us"] / 1e6), failed,
                            used / result["requests"] * 1e6)  # fmt: skip
         return rates
