@@ -30,7 +30,12 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from delaysvc import store
 from delaysvc.config import tracing
-from delaysvc.db.engines import behind_transaction_pooler, database_url, libpq_url
+from delaysvc.db.engines import (
+    behind_transaction_pooler,
+    database_url,
+    libpq_url,
+    server_closed,
+)
 from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer.grouping import MOST
 from delaysvc.producer.message import Message
@@ -61,7 +66,12 @@ class AsyncSends:
         if behind_transaction_pooler(settings, url):
             options["prepare_threshold"] = None  # as the producer's engine: nothing prepared
         self.pool = AsyncConnectionPool(
-            libpq_url(url), min_size=1, max_size=CONNECTIONS, kwargs=options, open=False
+            libpq_url(url),
+            min_size=1,
+            max_size=CONNECTIONS,
+            kwargs=options,
+            open=False,
+            check=_not_closed_by_server,
         )
         self._takes = producer.sends_autocommitted() and not settings.caps
         self._waiting: list[_Waiting] = []
@@ -140,3 +150,12 @@ class AsyncSends:
         except psycopg.Error:
             pass
         return [None] * len(messages)
+
+
+async def _not_closed_by_server(conn: psycopg.AsyncConnection[Any]) -> None:
+    """A pooled connection the server ended while it sat idle (a restart, an idle timeout) is
+    replaced before a send is written on it, seen without a round trip (`server_closed`, as
+    the producer's engine does): a statement sent is never in doubt for that."""
+    if server_closed(conn):
+        await conn.close()  # closed, the pool replaces it (else it would hand it out again)
+        raise psycopg.OperationalError("the server closed this pooled connection")

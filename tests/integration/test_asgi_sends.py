@@ -105,6 +105,32 @@ def test_what_the_loop_does_not_store_is_left_to_the_producer(
     assert len(_stored(engine)) == 1  # the first send's alone
 
 
+def test_a_connection_the_server_closed_while_idle_costs_a_send_no_error(
+    producer: Producer, engine: Engine
+) -> None:
+    async def main() -> list[Any]:
+        sends = await _opened(AsyncSends(producer))
+        try:
+            first = await sends.send_item({"topic": "t.restart", "body": 1})
+            with engine.connect() as conn:  # as a restart ends them: every idle one of ours
+                ended = conn.execute(
+                    sql(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                        "AND state = 'idle'"
+                    )
+                ).scalar_one()
+            assert ended >= 1
+            await asyncio.sleep(0.2)  # the goodbye reaches the pooled connection's socket
+            return [first, await sends.send_item({"topic": "t.restart", "body": 2})]
+        finally:
+            await sends.close()
+
+    sent = asyncio.run(main())
+    assert all(message is not None and message.created for message in sent)
+    assert [row[0] for row in _stored(engine)] == [message.id for message in sent]
+
+
 # ---------------------------------------------------------------- the ASGI app in-process
 
 
