@@ -18,15 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 from playwright.sync_api import Browser, Page, Playwright, expect, sync_playwright
 from sqlalchemy import Engine, text
 from werkzeug.serving import make_server
 
 from delaysvc import auth, store
 from delaysvc.config.settings import Settings
+from delaysvc.producer.aio import AsyncSends
 from delaysvc.producer.sending import Producer
+from delaysvc.runtime.supervisor import free_port, wait_until_answering
 from delaysvc.store import dashboard as dash
 from delaysvc.web import create_app
+from delaysvc.web.asgi import AsgiApp
 from delaysvc.worker.consumer import Consumer, handler
 from tests.support.passes import first_pass_only
 
@@ -76,18 +80,37 @@ def browser() -> Iterator[Browser]:
         browser.close()
 
 
-@pytest.fixture
-def server(settings: Settings, engine: Engine, tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(params=["wsgi", "asgi"])
+def server(
+    request: pytest.FixtureRequest, settings: Settings, engine: Engine, tmp_path: Path
+) -> Iterator[str]:
+    """The app served as `delaysvc web` serves it: its WSGI app (werkzeug's threaded server
+    here), or, as `--server asgi` does, the ASGI app on an event loop (uvicorn here), the
+    dashboard's pages answered through a2wsgi's adapter."""
     auth.create_user(engine, *ADMIN, role="admin")
     app = create_app(settings.model_copy(update={"var_dir": tmp_path / "var"}))
     app.config["DASHBOARD_REFRESH_MS"] = REFRESH_MS
     app.config["DASHBOARD_HISTORY_REFRESH_MS"] = REFRESH_MS
-    http = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=http.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{http.server_port}"
-    http.shutdown()
-    thread.join()
+    if request.param == "wsgi":
+        http = make_server("127.0.0.1", 0, app, threaded=True)
+        thread = threading.Thread(target=http.serve_forever, daemon=True)
+        thread.start()
+        yield f"http://127.0.0.1:{http.server_port}"
+        http.shutdown()
+        thread.join()
+    else:
+        services = app.extensions["delaysvc"]
+        asgi = AsgiApp(app, AsyncSends(services["producer"]), services["engine"])
+        port = free_port()
+        loop = uvicorn.Server(
+            uvicorn.Config(asgi, host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=loop.run, daemon=True)
+        thread.start()
+        assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+        yield f"http://127.0.0.1:{port}"
+        loop.should_exit = True
+        thread.join()
     app.extensions["delaysvc"]["engine"].dispose()
 
 
