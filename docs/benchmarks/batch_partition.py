@@ -16,12 +16,12 @@ from __future__ import annotations
 import itertools
 import statistics
 import sys
-import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psycopg
+from batch_write_costs import copy_rate
 from scratch import scratch_database
 
 from delaysvc.db.engines import libpq_url
@@ -37,20 +37,6 @@ WAYS = {
 }
 
 
-def copy_seconds(conn: psycopg.Connection, table: str, rows: list[tuple[object, ...]]) -> float:
-    """Seconds of one COPY of `rows` into `table`, rolled back."""
-    columns = ", ".join(name for name, _ in LEVEL_ROW)
-    with conn.cursor() as cursor:
-        started = time.perf_counter()
-        with cursor.copy(f"COPY delaysvc.{table} ({columns}) FROM STDIN (FORMAT BINARY)") as copy:
-            copy.set_types([kind for _, kind in LEVEL_ROW])
-            for row in rows:
-                copy.write_row(row)
-        seconds = time.perf_counter() - started
-    conn.rollback()
-    return seconds
-
-
 def main() -> None:
     due = wire_time(datetime.now(UTC) + timedelta(hours=1))
     # each COPY its own offsets, as a lane's sequence gives them: a key rolled back before
@@ -64,12 +50,14 @@ def main() -> None:
         url = libpq_url(engine.url.render_as_string(hide_password=False))
         with psycopg.connect(url) as conn:
             for table in WAYS.values():  # warm: plans, the partition's relcache entry
-                copy_seconds(conn, table, rows())
+                copy_rate(conn, f"delaysvc.{table}", LEVEL_ROW, rows())
             times: dict[str, list[float]] = {way: [] for way in WAYS}
             for round_ in range(ROUNDS):
                 ways = list(WAYS.items())
                 for way, table in ways if round_ % 2 == 0 else reversed(ways):
-                    times[way].append(copy_seconds(conn, table, rows()))
+                    times[way].append(
+                        ROWS / copy_rate(conn, f"delaysvc.{table}", LEVEL_ROW, rows())
+                    )
     print(f"{ROWS:,} rows of level {LEVEL} a COPY, {ROUNDS} rounds alternating; us a row")
     print(f"{'way':28s} {'median':>7s} {'min':>7s} {'max':>7s}")
     for way, seconds in times.items():

@@ -31,57 +31,29 @@ unanswered).
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
 import http_ceiling
-from scratch import scratch_database, send_token
-from sqlalchemy import Engine, text
+import http_send_floor
 
-from delaysvc.bench import raw
-from delaysvc.db.engines import libpq_url
-from delaysvc.runtime.supervisor import free_port, web_command
-
-APPS = textwrap.dedent(
+APPS = http_send_floor.APPS + textwrap.dedent(
     """
     import asyncio
-    import json
     import os
 
     from psycopg_pool import AsyncConnectionPool
 
-    from delaysvc.config.settings import Settings
     from delaysvc.config.validation import json_text
-    from delaysvc.db.engines import libpq_url, make_engine
-    from delaysvc.producer.sending import Producer
+    from delaysvc.db.engines import libpq_url
     from delaysvc.store.producing import SEND_GROUP, SEND_ONE, _driver_sql, _message_params
 
-    settings = Settings.from_env()
-    producer = Producer(settings, make_engine(settings))
     GROUPED = os.environ.get("FLOOR_GROUPED") == "1"
     WRITERS = 2
     ONE, GROUP = _driver_sql(SEND_ONE), _driver_sql(SEND_GROUP)
     pool = None
     waiting = []
     writing = 0
-
-    def wsgi_app(environ, start_response):
-        if environ["PATH_INFO"] == "/healthz":
-            start_response("200 OK", [("Content-Type", "text/plain")])
-            return [b"ok"]
-        size = int(environ.get("CONTENT_LENGTH") or 0)
-        message = producer.send_item(json.loads(environ["wsgi.input"].read(size)))
-        answer = {"id": message.id, "topic": message.topic, "created": message.created}
-        body = json.dumps(answer).encode()
-        start_response(
-            "201 Created",
-            [("Content-Type", "application/json"), ("Content-Length", str(len(body)))],
-        )
-        return [body]
-
     async def one(params):
         async with pool.connection() as conn:
             cursor = await conn.execute(ONE, {**params, "caps_held": False}, prepare=True)
@@ -167,77 +139,33 @@ def uvicorn(folder: str, port: int, workers: int) -> list[str]:
 
 
 def servers(folder: str, port: int) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """name -> (the command serving it on `port`, extra environment)."""
-    gunicorn = [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}"]
-    gunicorn += ["--log-level", "warning", "-w", "4"]
+    """name -> (the command serving it on `port`, its environment's own variables)."""
+    sync = http_send_floor.servers(folder, port)
+    grouped = {"FLOOR_GROUPED": "1"}
+    gunicorn = [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}", "-w", "2"]
+    gunicorn += ["--log-level", "warning", "-k", "uvicorn_worker.UvicornWorker"]
     return {
-        "delaysvc's app, gunicorn -w 4": (
-            list(web_command("127.0.0.1", port, 4, access_log=False)),
-            {},
-        ),
-        "WSGI + send_item, gunicorn -w 4": (
-            [*gunicorn, "--chdir", folder, "floor_apps:wsgi_app"],
-            {},
-        ),
+        **{name: sync[name] for name in SYNC},
         "ASGI + async send, uvicorn 2 workers": (uvicorn(folder, port, 2), {}),
-        "ASGI + async group send, uvicorn 2 workers": (
-            uvicorn(folder, port, 2),
-            {"FLOOR_GROUPED": "1"},
-        ),
-        "ASGI + async group send, uvicorn 4 workers": (
-            uvicorn(folder, port, 4),
-            {"FLOOR_GROUPED": "1"},
-        ),
+        "ASGI + async group send, uvicorn 2 workers": (uvicorn(folder, port, 2), grouped),
+        "ASGI + async group send, uvicorn 4 workers": (uvicorn(folder, port, 4), grouped),
         "ASGI + async group send, gunicorn -w 2 -k UvicornWorker": (
-            [
-                *gunicorn[:-1],
-                "2",
-                "-k",
-                "uvicorn_worker.UvicornWorker",
-                "--chdir",
-                folder,
-                "floor_apps:asgi_app",
-            ],
-            {"FLOOR_GROUPED": "1"},
+            [*gunicorn, "--chdir", folder, "floor_apps:asgi_app"],
+            grouped,
         ),
     }
 
 
-def stored(engine: Engine) -> int:
-    """Messages in the database: each answered request must have stored one."""
-    with engine.connect() as conn:
-        return int(conn.execute(text("SELECT count(*) FROM delaysvc.commit_log")).scalar_one())
-
-
-def main(server: str, rounds: int) -> None:
-    with (
-        scratch_database(server, "delaysvc_http_asgi_floor") as (engine, settings),
-        tempfile.TemporaryDirectory() as folder,
-    ):
-        url = settings.database_url
-        Path(folder, "floor_apps.py").write_text(APPS)
-        token = send_token(url, "http-asgi-floor")
-        env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
-        port = free_port()
-        for turn in range(1, rounds + 1):
-            raw_rate = raw.insert_one_row_per_transaction(libpq_url(url), 50, http_ceiling.SECONDS)
-            print(f"round {turn}: raw one-row insert, 50 clients: {raw_rate:,.0f} tx/s", flush=True)
-            for name, (command, extra) in servers(folder, port).items():
-                before = stored(engine)
-                rate, failed, cpu_us = http_ceiling.served(
-                    command, {**env, **extra}, port, {name: "/api/v1/messages"}, token
-                )[name]
-                print(
-                    f"round {turn}: {name}: {rate:,.0f} req/s = {rate / raw_rate:.1%} of the raw "
-                    f"insert, {cpu_us:,.0f} us of the workers' CPU a request, "
-                    f"{stored(engine) - before:,} messages stored ({failed} failed requests)",
-                    flush=True,
-                )
+SYNC = ("delaysvc's app, gunicorn -w 4", "WSGI + send_item, gunicorn -w 4")
+"""The sync floor's servers measured beside these (`http_send_floor.servers`)."""
 
 
 if __name__ == "__main__":
     http_ceiling.SECONDS = float(sys.argv[3]) if len(sys.argv) > 3 else 15.0
-    main(
+    http_send_floor.in_rounds(
         sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres",
         int(sys.argv[2]) if len(sys.argv) > 2 else 2,
+        "delaysvc_http_asgi_floor",
+        APPS,
+        servers,
     )

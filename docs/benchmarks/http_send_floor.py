@@ -17,9 +17,10 @@ http`'s single-send body to
 - delaysvc's app and the WSGI callable under Granian (its HTTP in Rust), 4 workers, when
   granian is installed (`pip install granian`).
 
-Each line gives requests/s, their share of the raw insert and the web workers' CPU a
-request. The last two are the most any Python web tier calling the producer could reach on
-this machine: the target is beyond the web framework if even they fall short of it.
+Each line gives requests/s, their share of the raw insert, the web workers' CPU a request and
+the messages stored meanwhile. The last two are the most any Python web tier calling the
+producer could reach on this machine: the target is beyond the web framework if even they fall
+short of it (2026-11-29; `http_asgi_floor.py` puts it on an event loop).
 """
 
 from __future__ import annotations
@@ -29,11 +30,13 @@ import os
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import http_ceiling
 from http_servers import granian
 from scratch import scratch_database, send_token
+from sqlalchemy import Engine, text
 
 from delaysvc.bench import raw
 from delaysvc.db.engines import libpq_url
@@ -80,8 +83,9 @@ APPS = textwrap.dedent(
 )
 
 
-def servers(folder: str, port: int) -> dict[str, list[str]]:
-    """name -> the command serving it on `port` (apps from APPS, written into `folder`)."""
+def servers(folder: str, port: int) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (the command serving it on `port`, its environment's own variables); the
+    apps from APPS, written into `folder`."""
     gunicorn = [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}", "-w", "4"]
     gunicorn += ["--log-level", "warning", "--chdir", folder]
     found = {
@@ -94,37 +98,54 @@ def servers(folder: str, port: int) -> dict[str, list[str]]:
         found["WSGI + send_item, granian 4 workers"] = granian(
             port, 1, "--working-dir", folder, "floor_apps:wsgi_app"
         )
-    return found
+    return {name: (command, {}) for name, command in found.items()}
 
 
-def main(server: str, rounds: int) -> None:
+Servers = Callable[[str, int], dict[str, tuple[list[str], dict[str, str]]]]
+
+
+def in_rounds(server: str, rounds: int, name: str, apps: str, servers: Servers) -> None:
+    """`rounds` rounds on a scratch database `name`: the raw insert at 50 clients, then each
+    of `servers` under wrk (`apps` written into their folder as `floor_apps.py`); a line each
+    with requests/s, their share of the raw insert, the workers' CPU a request and the
+    messages stored meanwhile (a request cut off at the run's end may be stored unanswered)."""
     with (
-        scratch_database(server, "delaysvc_http_send_floor") as (_, settings),
+        scratch_database(server, name) as (engine, settings),
         tempfile.TemporaryDirectory() as folder,
     ):
         url = settings.database_url
-        Path(folder, "floor_apps.py").write_text(APPS)
-        token = send_token(url, "http-send-floor")
+        Path(folder, "floor_apps.py").write_text(apps)
+        token = send_token(url, name)
         env = dict(os.environ, DELAYSVC_DATABASE_URL=url)
         port = free_port()
         for turn in range(1, rounds + 1):
             raw_rate = raw.insert_one_row_per_transaction(libpq_url(url), 50, http_ceiling.SECONDS)
             print(f"round {turn}: raw one-row insert, 50 clients: {raw_rate:,.0f} tx/s", flush=True)
-            for name, command in servers(folder, port).items():
+            for served, (command, own) in servers(folder, port).items():
+                before = stored(engine)
                 rate, failed, cpu_us = http_ceiling.served(
-                    command, env, port, {name: "/api/v1/messages"}, token
-                )[name]
+                    command, {**env, **own}, port, {served: "/api/v1/messages"}, token
+                )[served]
                 print(
-                    f"round {turn}: {name}: {rate:,.0f} req/s = {rate / raw_rate:.1%} of the raw "
-                    f"insert, {cpu_us:,.0f} us of the workers' CPU a request "
-                    f"({failed} socket errors)",
+                    f"round {turn}: {served}: {rate:,.0f} req/s = {rate / raw_rate:.1%} of the "
+                    f"raw insert, {cpu_us:,.0f} us of the workers' CPU a request, "
+                    f"{stored(engine) - before:,} messages stored ({failed} failed requests)",
                     flush=True,
                 )
 
 
+def stored(engine: Engine) -> int:
+    """Messages in the database: each answered request must have stored one."""
+    with engine.connect() as conn:
+        return int(conn.execute(text("SELECT count(*) FROM delaysvc.commit_log")).scalar_one())
+
+
 if __name__ == "__main__":
     http_ceiling.SECONDS = float(sys.argv[3]) if len(sys.argv) > 3 else 15.0
-    main(
+    in_rounds(
         sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres",
         int(sys.argv[2]) if len(sys.argv) > 2 else 2,
+        "delaysvc_http_send_floor",
+        APPS,
+        servers,
     )

@@ -252,6 +252,48 @@ def test_the_asgi_app_answers_each_send_as_the_flask_app_does(
     ]
 
 
+def test_a_connection_lost_once_the_send_was_written_is_a_503_and_no_second_send(
+    asgi: AsgiApp, engine: Engine
+) -> None:
+    token = auth.create_token(engine, "shop", "send")
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    body = json.dumps({"topic": "greet", "body": 1}).encode()
+
+    async def main() -> tuple[int, dict[str, str], bytes]:
+        await asgi.sends.open()
+        try:
+            with engine.connect() as locker:  # the send's statement waits on the commit log
+                locker.execute(sql("LOCK TABLE delaysvc.commit_log IN ACCESS EXCLUSIVE MODE"))
+                request = asyncio.create_task(_request(asgi, URL, body, headers))
+                waiting: list[int] = []
+                for _ in range(200):
+                    await asyncio.sleep(0.05)
+                    waiting = list(
+                        locker.execute(
+                            sql(
+                                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = "
+                                "'Lock' AND datname = current_database()"
+                            )
+                        ).scalars()
+                    )
+                    if waiting:
+                        break
+                assert len(waiting) == 1
+                locker.execute(sql("SELECT pg_terminate_backend(:pid)"), {"pid": waiting[0]})
+                answer = await asyncio.wait_for(request, 30)  # not a send again: it would wait
+                locker.rollback()
+            return answer
+        finally:
+            await asgi.sends.close()
+
+    status, headers_given, answer = asyncio.run(main())
+    assert status == 503 and headers_given["retry-after"] == "1"
+    error = json.loads(answer)["error"]
+    assert error["code"] == "unavailable"
+    assert "may be stored: send again with the same key" in error["message"]
+    assert _stored(engine) == []  # killed before it committed, and not sent again
+
+
 def test_other_requests_are_the_flask_apps(asgi: AsgiApp, engine: Engine) -> None:
     token = auth.create_token(engine, "shop", "send")
     headers = {"Authorization": f"Bearer {token}"}
