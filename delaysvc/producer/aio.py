@@ -50,6 +50,11 @@ together when one ends."""
 CONNECTIONS = 4
 """The process's connections for these sends (a write takes one; the rest are spare)."""
 
+CONNECT_SECONDS = 2.0
+"""How long a write waits for a connection (more than `writers` are kept, so only while the
+database cannot be reached) before its sends are left to the producer's way, which answers
+for the outage as a single send does (503: nothing stored)."""
+
 _Waiting = tuple[store.NewMessage, "asyncio.Future[store.Stored | None]"]
 
 
@@ -71,6 +76,7 @@ class AsyncSends:
             max_size=CONNECTIONS,
             kwargs=options,
             open=False,
+            timeout=CONNECT_SECONDS,
             check=_not_closed_by_server,
         )
         self._takes = producer.sends_autocommitted() and not settings.caps

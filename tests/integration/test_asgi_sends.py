@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,9 +22,10 @@ from sqlalchemy import Engine
 
 from delaysvc import auth
 from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
 from delaysvc.db.names import sql
 from delaysvc.errors import ValidationError
-from delaysvc.producer.aio import AsyncSends
+from delaysvc.producer.aio import CONNECT_SECONDS, AsyncSends
 from delaysvc.producer.grouping import MOST
 from delaysvc.producer.sending import Producer
 from delaysvc.runtime.supervisor import (
@@ -129,6 +131,27 @@ def test_a_connection_the_server_closed_while_idle_costs_a_send_no_error(
     sent = asyncio.run(main())
     assert all(message is not None and message.created for message in sent)
     assert [row[0] for row in _stored(engine)] == [message.id for message in sent]
+
+
+def test_a_database_not_reached_leaves_the_send_to_the_producer_within_seconds(
+    settings: Settings,
+) -> None:
+    unreachable = Settings(
+        database_url=f"postgresql://root@127.0.0.1:{free_port()}/nowhere",
+        delay_levels=settings.delay_levels,
+    )
+    producer = Producer(unreachable, make_engine(unreachable))
+
+    async def main() -> Any:
+        sends = await _opened(AsyncSends(producer))
+        try:
+            return await sends.send_item({"topic": "t.down", "body": 1})
+        finally:
+            await sends.close()
+
+    started = time.monotonic()
+    assert asyncio.run(main()) is None  # nothing was sent: the app's send answers the outage
+    assert time.monotonic() - started < CONNECT_SECONDS + 5
 
 
 # ---------------------------------------------------------------- the ASGI app in-process
