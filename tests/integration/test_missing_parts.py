@@ -108,7 +108,7 @@ def test_browser_tests_without_chromium_fail_with_one_line(tmp_path: Path) -> No
     """CI installs Chromium, so a browser test without it fails (not skips), saying how."""
     chromium = tmp_path / "chromium"
     test = "tests/browser/test_dashboard_browser.py::" + (
-        "test_refused_without_login_then_log_in_lands_on_the_page_asked_for"
+        "test_refused_without_login_then_log_in_lands_on_the_page_asked_for[wsgi]"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     env.update(PYTHONPATH=str(ROOT), DELAYSVC_TEST_CHROMIUM=str(chromium))
