@@ -152,14 +152,11 @@ def http_suite(ctx: BenchContext) -> Figures:
                 if server == "sync":
                     step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
                     batched = run_wrk(url + "/batch", token, 1, batch_seconds, batch=True)
+            stored = _stored(ctx, TOPIC) - before
             figures.results[figure] = {
                 "server": served,
-                **_single_sends(result, clients, seconds, raw_rate),
-                "stored": _stored(ctx, TOPIC) - before,
+                **_single_sends(result, clients, seconds, raw_rate, stored),
             }
-            figures.results[figure]["lost"] = max(
-                0, figures.results[figure]["acknowledged"] - figures.results[figure]["stored"]
-            )
     step(f"send_batch of {BATCH:,} in this process, 1 client for {batch_seconds:g} s")
     python_rate = _python_batches(ctx, batch_seconds)
     http_rate = batched["requests"] * BATCH / (batched["duration_us"] / 1e6)
@@ -178,10 +175,12 @@ def http_suite(ctx: BenchContext) -> Figures:
 
 
 def _single_sends(
-    result: dict[str, Any], clients: int, seconds: float, raw_rate: float
+    result: dict[str, Any], clients: int, seconds: float, raw_rate: float, stored: int
 ) -> dict[str, Any]:
-    """The figures of a wrk run of single sends, beside the raw insert's rate."""
+    """The figures of a wrk run of single sends, beside the raw insert's rate and the messages
+    `stored` meanwhile."""
     rate = result["requests"] / (result["duration_us"] / 1e6)
+    acknowledged = result["requests"] - result["status"]
     return {
         "clients": clients,
         "seconds": seconds,
@@ -197,7 +196,9 @@ def _single_sends(
             "max": result["max_us"] / 1000,
         },
         "errors": {k: result[k] for k in ("connect", "read", "write", "status", "timeout")},
-        "acknowledged": result["requests"] - result["status"],
+        "acknowledged": acknowledged,
+        "stored": stored,
+        "lost": max(0, acknowledged - stored),
         "python": sys.version.split()[0],
     }
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
 from delaysvc import store
 from delaysvc.config import tracing
@@ -142,7 +142,7 @@ class AsyncSends:
                 sent = True
                 self.groups += 1
                 return await store.insert_group_async(conn, messages)
-        except psycopg.OperationalError as exc:
+        except psycopg.OperationalError as exc:  # PoolTimeout too: no connection to be had
             if sent:
                 raise DatabaseUnavailable(
                     f"the database is unavailable ({str(exc).strip()}); the connection was "
@@ -150,8 +150,6 @@ class AsyncSends:
                     "same key to be sure",
                     maybe_stored=True,
                 ) from exc
-            log.warning("producer.async_unreachable", extra={"error": str(exc)})
-        except PoolTimeout as exc:
             log.warning("producer.async_unreachable", extra={"error": str(exc)})
         except psycopg.Error:
             pass

@@ -118,12 +118,18 @@ def web_command(
     server: str = "sync",
 ) -> Command:
     logs = ["--access-logfile", "-"] if access_log else []
-    held = ["--worker-connections", str(threads * CONNECTIONS_PER_THREAD)] if threads > 1 else []
     if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
         logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
-    app = ["--threads", str(threads), *held, "delaysvc.web:create_app()"]
     if server == "asgi":
         app = ["-k", "uvicorn_worker.UvicornWorker", "delaysvc.web.asgi:create_asgi_app()"]
+    else:
+        held = ["--worker-connections", str(threads * CONNECTIONS_PER_THREAD)]
+        app = [
+            "--threads",
+            str(threads),
+            *(held if threads > 1 else []),
+            "delaysvc.web:create_app()",
+        ]
     return Command(
         "web",
         reload_signal=signal.SIGHUP,

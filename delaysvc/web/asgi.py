@@ -29,15 +29,16 @@ from delaysvc.auth import ApiToken, authenticate_token, remembered_token
 from delaysvc.config.settings import Settings
 from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer.aio import AsyncSends
+from delaysvc.producer.message import Message
 from delaysvc.serialize import sent_message_json
 from delaysvc.web import API_PREFIX, create_app
 from delaysvc.web.api import bearer_token, message_options, require_topic
-from delaysvc.web.quick import requests_hooked
+from delaysvc.web.quick import content_length, requests_hooked
 
 Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+Event = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Event]]
+Send = Callable[[Event], Awaitable[None]]
 
 FLASK_THREADS = 16
 """Requests the Flask app answers at once in a worker (a2wsgi's thread pool)."""
@@ -86,7 +87,7 @@ class AsgiApp:
 
     async def _single_send(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope["headers"])
-        size = _length(headers)
+        size = content_length(headers.get(b"content-length", b"").decode("latin-1"))
         limit = self.app.config["MAX_CONTENT_LENGTH"]
         kind = headers.get(b"content-type", b"").partition(b";")[0].strip().lower()
         given = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
@@ -133,7 +134,7 @@ class AsgiApp:
         payload = self.app.json.response(sent_message_json(message)).get_data()  # type: ignore[attr-defined]
         return 201, payload, []
 
-    async def _checked_send(self, sender: ApiToken, data: dict[str, Any]) -> Any:
+    async def _checked_send(self, sender: ApiToken, data: dict[str, Any]) -> Message | None:
         options = message_options(data)
         require_topic(options, sender)
         return await self.sends.send_item(options)
@@ -148,12 +149,6 @@ class AsgiApp:
             if name.lower() not in ("content-type", "content-length")
         ]
         return response.status_code, response.get_data(), extra
-
-
-def _length(headers: dict[bytes, bytes]) -> int | None:
-    """The body's length as the request gives it (None: not given, or not a length)."""
-    given = headers.get(b"content-length", b"")
-    return int(given) if given.isdigit() and given.isascii() else None
 
 
 async def _body(receive: Receive, size: int) -> bytes:
@@ -172,7 +167,7 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     """`receive` with the body already read given again first."""
     given = False
 
-    async def replay() -> Message:
+    async def replay() -> Event:
         nonlocal given
         if not given:
             given = True

@@ -73,7 +73,7 @@ class QuickSends:
             sender = self._sender(environ)
         except Exception as exc:  # the database down, say: the app's 503
             return self._error(environ, start_response, exc)
-        size = _length(environ)
+        size = content_length(environ.get("CONTENT_LENGTH", ""))
         limit = self.app.config["MAX_CONTENT_LENGTH"]  # as Flask reads it: at each request
         if sender is None or size is None or (limit is not None and size > limit):
             return self.flask(environ, start_response)
@@ -137,7 +137,7 @@ def requests_hooked(app: Flask) -> bool:
     )
 
 
-def _length(environ: dict[str, Any]) -> int | None:
-    """The body's length as the request gives it (None: not given, or not a length)."""
-    given = environ.get("CONTENT_LENGTH", "")
+def content_length(given: str) -> int | None:
+    """A request's body length as its Content-Length gives it (None: not given, or not a
+    length)."""
     return int(given) if given.isdigit() and given.isascii() else None
