@@ -63,6 +63,7 @@ class Server:
 class Bouncer:
     port: int
     log: Path
+    pid: int
 
     def url(self, direct_url: str) -> str:
         """`direct_url`'s database and user, through this PgBouncer."""
@@ -108,7 +109,7 @@ def pgbouncer(
         )
     try:
         _wait_listening(port, process, log)
-        yield Bouncer(port, log)
+        yield Bouncer(port, log, process.pid)
     finally:
         process.terminate()
         try:

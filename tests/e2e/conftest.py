@@ -157,9 +157,9 @@ class Service:
     def beat(self) -> subprocess.Popen[bytes]:
         return self._start(beat_command(self.settings), "beat")
 
-    def web(self, port: int, workers: int = 2) -> subprocess.Popen[bytes]:
-        """gunicorn serving the API and dashboard, as `delaysvc web` runs it."""
-        return self._start(web_command("127.0.0.1", port, workers), "web")
+    def web(self, port: int, workers: int = 2, server: str = "sync") -> subprocess.Popen[bytes]:
+        """gunicorn serving the API and dashboard, as `delaysvc web --server SERVER` runs it."""
+        return self._start(web_command("127.0.0.1", port, workers, server=server), "web")
 
     def start(self, consumers: int = 1, concurrency: int = 1) -> None:
         """The usual deployment: a delivery worker, consumer workers, beat."""

@@ -682,65 +682,144 @@ def _post(url: str, token: str, body: dict[str, Any]) -> tuple[int, Any]:
         return exc.code, None
 
 
-@second_pass_only(
-    "~27 s; gunicorn killed under keyed HTTP sends, the same on either server and broker "
-    "(the key decides)"
-)
-def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
-    service: Service, engine: Engine
-) -> None:
-    """HTTP clients send keyed messages and resend a key until it is acknowledged (what a
-    client of any job API does on a dropped connection); gunicorn is kill -9'd three times."""
-    service.start()
-    token = auth.create_token(engine, "faults", scope="send")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api/v1/messages"
-    rng = random.Random(11)
-    web = service.web(port)
-    assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
-    acked: dict[str, int] = {}
-    failures = 0
-    stop = threading.Event()
+class HttpKeyedClients:
+    """HTTP clients (threads) sending keyed messages (`c{i}-{n}`) to the API and sending a key
+    again until it is acknowledged, as a client of any job API does on a dropped connection or
+    a 503; then the next key. Records each key acknowledged (its id) and every answer that was
+    not an acknowledgement, by status (0: the connection cut off, even mid-answer)."""
 
-    def client(name: str) -> None:
-        nonlocal failures
+    def __init__(self, url: str, token: str, clients: int = 4):
+        self.url, self.token = url, token
+        self.acked: dict[str, int] = {}
+        self.refused: dict[int, int] = {}  # status -> how many times
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._client, args=(f"c{i}",)) for i in range(clients)
+        ]
+
+    def __enter__(self) -> Self:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=60)
+
+    def _client(self, name: str) -> None:
         n = 0
-        while not stop.is_set():
+        body: dict[str, Any] = {"topic": "e2e.record", "body": {}, "delay_level": HELD_LEVEL}
+        while not self._stop.is_set():
             key = f"{name}-{n}"
-            while True:  # until acknowledged, then the next key
+            while not self._stop.is_set():  # until acknowledged, then the next key
                 try:
-                    status, body = _post(
-                        url,
-                        token,
-                        {"topic": "e2e.record", "body": {}, "key": key, "delay_level": HELD_LEVEL},
-                    )
-                except (OSError, http.client.HTTPException):  # cut off, even mid-answer
-                    status, body = 0, None
+                    status, answer = _post(self.url, self.token, {**body, "key": key})
+                except (OSError, http.client.HTTPException):
+                    status, answer = 0, None
                 if status in (200, 201):
-                    acked[key] = body["id"]
+                    self.acked[key] = answer["id"]
                     break
-                failures += 1
+                self.refused[status] = self.refused.get(status, 0) + 1
                 time.sleep(0.05)
             n += 1
 
-    clients = [threading.Thread(target=client, args=(f"c{i}",)) for i in range(4)]
-    for thread in clients:
-        thread.start()
-    for _ in range(3):
-        time.sleep(rng.uniform(1.0, 2.5))
-        service.kill(web)  # kill -9, master and workers
-        time.sleep(rng.uniform(0.1, 0.5))
-        web = service.web(port)
-        assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
-    time.sleep(1.0)
-    stop.set()
-    for thread in clients:
-        thread.join(timeout=60)
-    assert failures > 0  # the kills really cut requests off
+
+def _every_acknowledged_key_stored_once_and_run_once(
+    service: Service, acked: dict[str, int]
+) -> None:
     stored = _keys_and_ids(service)
     assert stored == acked  # nothing acknowledged lost, nothing stored twice
-    wait_for(lambda: service.count_status("succeeded") == len(stored), 180, "all to run")
+    wait_for(
+        tolerant(lambda: service.count_status("succeeded") == len(stored)),
+        180,
+        f"all {len(stored)} to run",
+        every=0.5,
+    )
     assert sorted(_runs_per_message(service)) == sorted(stored.values())
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param(
+            "sync",
+            marks=second_pass_only(
+                "~27 s; gunicorn's sync workers killed under keyed HTTP sends, the same on "
+                "either server and broker (the key decides)"
+            ),
+        ),
+        pytest.param(
+            "asgi",
+            marks=first_pass_only(
+                "~27 s; the ASGI server killed under keyed HTTP sends, the same on either "
+                "server and broker (the key decides)"
+            ),
+        ),
+    ],
+)
+def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
+    service: Service, engine: Engine, server: str
+) -> None:
+    """HTTP clients send keyed messages and resend a key until it is acknowledged; the web
+    server (`delaysvc web --server SERVER`) is kill -9'd three times."""
+    service.start()
+    token = auth.create_token(engine, "faults", scope="send")
+    port = free_port()
+    rng = random.Random(11)
+    web = service.web(port, server=server)
+    assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+    with HttpKeyedClients(f"http://127.0.0.1:{port}/api/v1/messages", token) as clients:
+        for _ in range(3):
+            time.sleep(rng.uniform(1.0, 2.5))
+            service.kill(web)  # kill -9, master and workers
+            time.sleep(rng.uniform(0.1, 0.5))
+            web = service.web(port, server=server)
+            assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+        time.sleep(1.0)
+    assert sum(clients.refused.values()) > 0  # the kills really cut requests off
+    _every_acknowledged_key_stored_once_and_run_once(service, clients.acked)
+
+
+@pytest.mark.parametrize(
+    "server",
+    [
+        pytest.param(
+            "sync",
+            marks=first_pass_only(
+                "~25 s; a PostgreSQL restart under HTTP sends to the sync workers, the same "
+                "on either server and broker"
+            ),
+        ),
+        pytest.param(
+            "asgi",
+            marks=second_pass_only(
+                "~25 s; a PostgreSQL restart under HTTP sends to the ASGI server, the same on "
+                "either server and broker"
+            ),
+        ),
+    ],
+)
+def test_http_sends_during_a_postgresql_restart_get_a_503_or_succeed(
+    service: Service, engine: Engine, server: str
+) -> None:
+    """While PostgreSQL crash-restarts under keyed HTTP sends, every answer is an
+    acknowledgement or a 503 (a send that may have been stored says so; its key makes sending
+    it again safe), never a 500 or a hang; the server's connections come back by themselves,
+    and every acknowledged message is stored once."""
+    service.start()
+    token = auth.create_token(engine, "faults", scope="send")
+    port = free_port()
+    service.web(port, server=server)
+    assert wait_until_answering(f"http://127.0.0.1:{port}/healthz")
+    with HttpKeyedClients(f"http://127.0.0.1:{port}/api/v1/messages", token) as clients:
+        wait_for(lambda: len(clients.acked) >= 200, 30, "sends before the restart")
+        before = len(clients.acked)
+        restart_postgres()
+        wait_for(lambda: len(clients.acked) >= before + 300, 60, "sends after the restart")
+    assert clients.refused.get(503, 0) > 0, clients.refused  # the restart was felt
+    assert set(clients.refused) <= {503}, clients.refused  # and answered as such, every time
+    _every_acknowledged_key_stored_once_and_run_once(service, clients.acked)
 
 
 def _faketime_env(clock_file: Path) -> dict[str, str]:
