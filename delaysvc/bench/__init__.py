@@ -229,8 +229,8 @@ SUITES: dict[str, Suite] = {
         (
             Size("http_clients", 50, 10, "Concurrent HTTP connections (wrk)."),
             Size("http_seconds", 300.0, 10.0, "Load duration, seconds."),
-            Size("http_workers", 4, 4, "gunicorn worker processes."),
-            Size("http_threads", WEB_THREADS, WEB_THREADS, "Threads of each gunicorn worker."),
+            Size("http_workers", 4, 4, "Sync gunicorn worker processes (--server sync)."),
+            Size("http_threads", WEB_THREADS, WEB_THREADS, "Threads of each sync gunicorn worker."),
         ),
         "POST /api/v1/messages under wrk: requests/s, latency percentiles, errors",
         _missing_in("http"),

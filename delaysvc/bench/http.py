@@ -130,8 +130,10 @@ def http_suite(ctx: BenchContext) -> Figures:
     env = dict(os.environ, DELAYSVC_DATABASE_URL=ctx.url, PYTHONPATH=str(Path.cwd()))
     env["DELAYSVC_DELAY_LEVELS"] = ctx.settings.delay_levels
     batch_seconds = min(seconds, 10)
-    # `delaysvc web`'s two servers, each with the same clients: its default (gunicorn's sync
-    # workers), then `--server asgi` (uvicorn's workers: single sends on the event loop)
+    # `delaysvc web`'s two servers, each with the same clients: gunicorn's sync workers
+    # (`--server sync`; figure `http`, named when they were the default), then the default,
+    # uvicorn's workers (`http_asgi`: single sends on the event loop), which also serves the
+    # batches
     servers = {"http": ("sync", workers), "http_asgi": ("asgi", ASGI_WORKERS)}
     with tempfile.TemporaryDirectory(prefix="delaysvc-bench-http-") as scratch:
         if ctx.out is not None:
@@ -149,7 +151,7 @@ def http_suite(ctx: BenchContext) -> Figures:
                 step(f"wrk: {clients} connections for {seconds:g} s against {served}")
                 url = f"http://127.0.0.1:{port}/api/v1/messages"
                 result = run_wrk(url, token, clients, seconds)
-                if server == "sync":
+                if server == "asgi":
                     step(f"wrk: batches of {BATCH:,}, 1 connection for {batch_seconds:g} s")
                     batched = run_wrk(url + "/batch", token, 1, batch_seconds, batch=True)
             stored = _stored(ctx, TOPIC) - before

@@ -73,29 +73,39 @@ def beat(ctx: Context) -> None:
 @click.option(
     "--threads",
     type=click.IntRange(min=1),
-    default=WEB_THREADS,
-    show_default=True,
-    help="Requests each worker serves at once (more than 1: gunicorn's threaded workers, "
-    "each holding at most 2N client connections, whose single sends are written together).",
+    default=None,
+    help=f"With --server sync: requests each worker serves at once [default: {WEB_THREADS}] "
+    "(more than 1: gunicorn's threaded workers, each holding at most 2N client connections, "
+    "whose single sends are written together).",
 )
 @click.option(
     "--server",
     type=click.Choice(WEB_SERVERS),
-    default="sync",
+    default=WEB_SERVERS[0],
     show_default=True,
-    help="sync: gunicorn's workers run the Flask app. asgi: uvicorn's workers (under "
-    "gunicorn's master) run it as an ASGI app, single sends written on the event loop, "
-    "grouped (several times the sends a second; --threads does not apply).",
+    help="asgi: uvicorn's workers (under gunicorn's master) run the app as an ASGI app, single "
+    "sends written on the event loop, grouped. sync: gunicorn's sync workers run the Flask app, "
+    "one request at a time each (or --threads N).",
 )
 @pass_ctx
-def web(ctx: Context, host: str, port: int, workers: int, threads: int, server: str) -> None:
+def web(ctx: Context, host: str, port: int, workers: int, threads: int | None, server: str) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
     from delaysvc.config import extras
     from delaysvc.runtime.supervisor import run_processes, web_command
 
+    if threads is not None and server != "sync":
+        raise click.UsageError(
+            "--threads is for --server sync (gunicorn's threaded workers); the ASGI server "
+            "serves many requests a worker without threads"
+        )
     extras.require("delaysvc web", "server")
     require_levels(ctx)
     command = web_command(
-        host, port, workers, log_format=ctx.settings.log_format, threads=threads, server=server
+        host,
+        port,
+        workers,
+        log_format=ctx.settings.log_format,
+        threads=threads or WEB_THREADS,
+        server=server,
     )
     sys.exit(run_processes([command]))

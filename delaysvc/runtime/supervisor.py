@@ -102,10 +102,12 @@ wrk's 50, every request's p99 was 0.9-1 s; with twice, 112-121 ms
 (docs/benchmarks/2026-11-28-http-idle-clients)."""
 
 
-WEB_SERVERS = ("sync", "asgi")
-"""How `delaysvc web` serves: "sync", gunicorn's sync (or, with threads, threaded) workers
-running the Flask app; "asgi", gunicorn's master with uvicorn's workers running the ASGI app
-(`delaysvc.web.asgi`), whose single sends are written on the event loop, grouped."""
+WEB_SERVERS = ("asgi", "sync")
+"""How `delaysvc web` and `delaysvc up` serve: "asgi" (the default), gunicorn's master with
+uvicorn's workers running the ASGI app (`delaysvc.web.asgi`), whose single sends are written on
+the event loop, grouped: 3.3x the sync workers' single sends at 50 clients, at a third of
+their p99 (docs/benchmarks/2026-12-06-http-asgi); "sync", gunicorn's sync (or, with threads,
+threaded) workers running the Flask app."""
 
 
 def web_command(
@@ -115,7 +117,7 @@ def web_command(
     access_log: bool = True,
     log_format: str = "text",
     threads: int = WEB_THREADS,
-    server: str = "sync",
+    server: str = WEB_SERVERS[0],
 ) -> Command:
     logs = ["--access-logfile", "-"] if access_log else []
     if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)

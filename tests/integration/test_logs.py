@@ -199,8 +199,11 @@ def test_celery_worker_and_beat_log_their_own_records_as_json(
     assert done["data"]["id"] in done["event"]
 
 
+@pytest.mark.parametrize(
+    ("server", "access_logger"), [("asgi", "uvicorn.access"), ("sync", "gunicorn.access")]
+)
 def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
-    database_url: str, tmp_path: Path
+    database_url: str, tmp_path: Path, server: str, access_logger: str
 ) -> None:
     import urllib.request
 
@@ -214,6 +217,7 @@ def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     web = [sys.executable, "-m", "delaysvc", "web", "--port", str(port), "--workers", "1"]
+    web += ["--server", server]
     with running(web, env, tmp_path) as server:
         deadline = time.monotonic() + 60
         while True:
@@ -224,4 +228,4 @@ def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
                 assert time.monotonic() < deadline, "".join(server.seen)
                 time.sleep(0.2)
         access = server.wait_for(lambda r: "GET /healthz" in r["event"])
-    assert access["logger"] == "gunicorn.access"
+    assert access["logger"] == access_logger

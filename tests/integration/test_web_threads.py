@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 
 import psutil
@@ -37,7 +38,9 @@ def test_a_threaded_worker_accepts_no_more_connections_than_its_cap(database_url
     threads = 2
     cap = threads * CONNECTIONS_PER_THREAD
     port = free_port()
-    command = web_command("127.0.0.1", port, workers=1, access_log=False, threads=threads)
+    command = web_command(
+        "127.0.0.1", port, workers=1, access_log=False, threads=threads, server="sync"
+    )
     assert command[command.index("--worker-connections") + 1] == str(cap)
     env = outside_env() | {"DELAYSVC_DATABASE_URL": database_url}
     web = subprocess.Popen(
@@ -59,6 +62,21 @@ def test_a_threaded_worker_accepts_no_more_connections_than_its_cap(database_url
 
 
 def test_sync_workers_take_no_connection_cap() -> None:
-    command = web_command("127.0.0.1", 8080, workers=2)
+    command = web_command("127.0.0.1", 8080, workers=2, server="sync")
     assert "--worker-connections" not in command
     assert command[command.index("--threads") + 1] == "1"
+
+
+def test_the_default_server_is_the_asgi_one_and_takes_no_threads() -> None:
+    command = web_command("127.0.0.1", 8080, workers=2)
+    assert command[command.index("-k") + 1] == "uvicorn_worker.UvicornWorker"
+    assert "--threads" not in command
+    refused = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "web", "--threads", "4"],
+        env=outside_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2  # click's usage error, before anything starts
+    assert "--threads is for --server sync" in refused.stderr
