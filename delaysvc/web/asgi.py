@@ -1,4 +1,4 @@
-"""The web app as an ASGI callable, for an asyncio server (`delaysvc web --server asgi`:
+"""The web app as an ASGI callable, for an asyncio server (`delaysvc web`'s default server:
 gunicorn's master with uvicorn's workers): `POST /api/v1/messages` sent on the event loop,
 everything else answered by the Flask app.
 
