@@ -739,25 +739,21 @@ def _every_acknowledged_key_stored_once_and_run_once(
     assert sorted(_runs_per_message(service)) == sorted(stored.values())
 
 
-@pytest.mark.parametrize(
-    "server",
-    [
-        pytest.param(
-            "sync",
-            marks=second_pass_only(
-                "~27 s; gunicorn's sync workers killed under keyed HTTP sends, the same on "
-                "either server and broker (the key decides)"
-            ),
-        ),
-        pytest.param(
-            "asgi",
-            marks=first_pass_only(
-                "~27 s; the ASGI server killed under keyed HTTP sends, the same on either "
-                "server and broker (the key decides)"
-            ),
-        ),
-    ],
-)
+def _one_server_a_pass(first: str, takes: str) -> pytest.MarkDecorator:
+    """Parametrized by `delaysvc web`'s server (`server`): `first` ("asgi" or "sync") in CI's
+    first pass, the other in the second; `takes`: how long the test runs and what it does."""
+    second = {"asgi": "sync", "sync": "asgi"}[first]
+    why = f"{takes}, the same on either server and broker"
+    return pytest.mark.parametrize(
+        "server",
+        [
+            pytest.param(first, marks=first_pass_only(f"{why} ({first} here)")),
+            pytest.param(second, marks=second_pass_only(f"{why} ({second} here)")),
+        ],
+    )
+
+
+@_one_server_a_pass("asgi", "~27 s; the web server killed under keyed HTTP sends")
 def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
     service: Service, engine: Engine, server: str
 ) -> None:
@@ -781,25 +777,7 @@ def test_the_web_server_killed_at_random_points_loses_and_duplicates_nothing(
     _every_acknowledged_key_stored_once_and_run_once(service, clients.acked)
 
 
-@pytest.mark.parametrize(
-    "server",
-    [
-        pytest.param(
-            "sync",
-            marks=first_pass_only(
-                "~25 s; a PostgreSQL restart under HTTP sends to the sync workers, the same "
-                "on either server and broker"
-            ),
-        ),
-        pytest.param(
-            "asgi",
-            marks=second_pass_only(
-                "~25 s; a PostgreSQL restart under HTTP sends to the ASGI server, the same on "
-                "either server and broker"
-            ),
-        ),
-    ],
-)
+@_one_server_a_pass("sync", "~25 s; a PostgreSQL restart under HTTP sends")
 def test_http_sends_during_a_postgresql_restart_get_a_503_or_succeed(
     service: Service, engine: Engine, server: str
 ) -> None:
