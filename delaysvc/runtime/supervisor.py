@@ -125,13 +125,9 @@ def web_command(
     if server == "asgi":
         app = ["-k", "uvicorn_worker.UvicornWorker", "delaysvc.web.asgi:create_asgi_app()"]
     else:
-        held = ["--worker-connections", str(threads * CONNECTIONS_PER_THREAD)]
-        app = [
-            "--threads",
-            str(threads),
-            *(held if threads > 1 else []),
-            "delaysvc.web:create_app()",
-        ]
+        most = threads * CONNECTIONS_PER_THREAD  # client connections a threaded worker holds
+        held = ["--worker-connections", str(most)] if threads > 1 else []
+        app = ["--threads", str(threads), *held, "delaysvc.web:create_app()"]
     return Command(
         "web",
         reload_signal=signal.SIGHUP,

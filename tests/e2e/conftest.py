@@ -22,6 +22,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.names import qualify
 from delaysvc.producer.sending import Producer
 from delaysvc.runtime.supervisor import (
+    WEB_SERVERS,
     beat_command,
     die_with_parent,
     web_command,
@@ -157,8 +158,11 @@ class Service:
     def beat(self) -> subprocess.Popen[bytes]:
         return self._start(beat_command(self.settings), "beat")
 
-    def web(self, port: int, workers: int = 2, server: str = "sync") -> subprocess.Popen[bytes]:
-        """gunicorn serving the API and dashboard, as `delaysvc web --server SERVER` runs it."""
+    def web(
+        self, port: int, workers: int = 2, server: str = WEB_SERVERS[0]
+    ) -> subprocess.Popen[bytes]:
+        """gunicorn serving the API and dashboard, as `delaysvc web --server SERVER` runs it
+        (by default as `delaysvc web` does)."""
         return self._start(web_command("127.0.0.1", port, workers, server=server), "web")
 
     def start(self, consumers: int = 1, concurrency: int = 1) -> None:

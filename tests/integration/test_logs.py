@@ -200,10 +200,10 @@ def test_celery_worker_and_beat_log_their_own_records_as_json(
 
 
 @pytest.mark.parametrize(
-    ("server", "access_logger"), [("asgi", "uvicorn.access"), ("sync", "gunicorn.access")]
+    ("web_server", "access_logger"), [("asgi", "uvicorn.access"), ("sync", "gunicorn.access")]
 )
 def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
-    database_url: str, tmp_path: Path, server: str, access_logger: str
+    database_url: str, tmp_path: Path, web_server: str, access_logger: str
 ) -> None:
     import urllib.request
 
@@ -217,7 +217,7 @@ def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     web = [sys.executable, "-m", "delaysvc", "web", "--port", str(port), "--workers", "1"]
-    web += ["--server", server]
+    web += ["--server", web_server]
     with running(web, env, tmp_path) as server:
         deadline = time.monotonic() + 60
         while True:
