@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, server_and_rounds
+from scratch import batch_lots, scratch_database, server_and_rounds
 from timing import alternate, print_spread
 
 from delaysvc.producer import batching, message
@@ -42,7 +42,8 @@ class CheckedAsRead(Sequence[batching.Item]):
     """A batch's items, each checked the first time it is read (in order)."""
 
     def __init__(self, items: Sequence[Any], checker: batching._Checker):
-        self.items, self.checker, self.done = items, checker, []
+        self.items, self.checker = items, checker
+        self.done: list[batching.Item] = []
 
     def __len__(self) -> int:
         return len(self.items)
@@ -82,13 +83,7 @@ def per_message(send: Callable[[list[dict[str, Any]]], object], lots: list[Any])
 def main() -> None:
     with scratch_database(SERVER, "delaysvc_batch_ceiling") as (engine, settings):
         producer = Producer(settings, engine)
-        lots = [
-            [
-                {"topic": "bench.noop", "body": {"order_id": n, "action": "cancel"}, "delay": "1h"}
-                for n in range(start, start + SIZE)
-            ]
-            for start in range(0, BATCHES * SIZE, SIZE)
-        ]
+        lots = batch_lots(BATCHES, SIZE)
         made = message.Message.sent
 
         def unmade(cls: Any, item: Any, id: int, *_: Any, **__: Any) -> int:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, server_and_rounds
+from scratch import batch_lots, scratch_database, server_and_rounds
 
 from delaysvc.bench import raw
 from delaysvc.producer.sending import Producer
@@ -28,18 +28,12 @@ def main() -> None:
     with scratch_database(SERVER, NAME) as (engine, settings):
         producer = Producer(settings, engine)
         url = SERVER.rsplit("/", 1)[0] + "/" + NAME
-        batches = [
-            [
-                {"topic": "bench.noop", "body": {"order_id": n, "action": "cancel"}, "delay": "1h"}
-                for n in range(start, start + SIZE)
-            ]
-            for start in range(0, ROWS, SIZE)
-        ]
-        producer.send_batch(batches[0])  # warm: connections, plans
+        lots = batch_lots(ROWS // SIZE, SIZE)
+        producer.send_batch(lots[0])  # warm: connections, plans
         for _ in range(ROUNDS):
             copied = raw.copy_rows(url, ROWS)
             started = time.perf_counter()
-            for items in batches:
+            for items in lots:
                 producer.send_batch(items)
             sent = ROWS / (time.perf_counter() - started)
             print(

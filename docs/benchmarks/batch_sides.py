@@ -41,7 +41,7 @@ def _cpu_seconds(title: str) -> float:
 
 def measure(server: str, label: str) -> None:
     """One run, in this process: the code `delaysvc` imports here (PYTHONPATH's checkout)."""
-    from scratch import scratch_database
+    from scratch import batch_lots, scratch_database
 
     import delaysvc
     from delaysvc.producer.sending import Producer
@@ -51,16 +51,10 @@ def measure(server: str, label: str) -> None:
     name = f"delaysvc_batch_sides_{os.getpid()}"
     with scratch_database(server, name) as (engine, settings):
         producer = Producer(settings, engine)
-        batches = [
-            [
-                {"topic": "bench.noop", "body": {"order_id": n, "action": "cancel"}, "delay": "1h"}
-                for n in range(start, start + SIZE)
-            ]
-            for start in range(0, BATCHES * SIZE, SIZE)
-        ]
-        producer.send_batch(batches[0])  # warm: connections, plans
+        lots = batch_lots(BATCHES, SIZE)
+        producer.send_batch(lots[0])  # warm: connections, plans
         database, python, started = _cpu_seconds(name), time.process_time(), time.perf_counter()
-        for items in batches:
+        for items in lots:
             producer.send_batch(items)
         wall = (time.perf_counter() - started) / BATCHES
         python = (time.process_time() - python) / BATCHES

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, server_and_rounds
+from scratch import batch_lots, scratch_database, server_and_rounds
 
 from delaysvc.producer.sending import Producer
 
@@ -38,7 +37,7 @@ PLACES = {
 def place() -> str:
     """The part of a batch a wait is in, by the innermost of PLACES on the caller's stack
     (walked frame by frame: a traceback's summary would cost the batch more than its waits)."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_name in PLACES:
             return PLACES[frame.f_code.co_name]
@@ -47,7 +46,7 @@ def place() -> str:
 
 
 def main() -> None:
-    waited: Counter[str] = Counter()
+    waited: dict[str, float] = {}
     unwrapped = psycopg.Connection.wait
 
     def wait(self: Any, gen: Any, *args: Any, **kwargs: Any) -> Any:
@@ -56,17 +55,12 @@ def main() -> None:
             return unwrapped(self, gen, *args, **kwargs)
         finally:
             spent = time.perf_counter() - started
-            waited[place()] += spent
+            where = place()
+            waited[where] = waited.get(where, 0.0) + spent
 
     with scratch_database(SERVER, "delaysvc_batch_waits") as (engine, settings):
         producer = Producer(settings, engine)
-        lots = [
-            [
-                {"topic": "bench.noop", "body": {"order_id": n, "action": "cancel"}, "delay": "1h"}
-                for n in range(start, start + SIZE)
-            ]
-            for start in range(0, BATCHES * SIZE, SIZE)
-        ]
+        lots = batch_lots(BATCHES, SIZE)
         producer.send_batch(lots[0])  # warm: connections, plans
         psycopg.Connection.wait = wait  # type: ignore[method-assign]
         for round_ in range(1, ROUNDS + 1):
@@ -79,7 +73,7 @@ def main() -> None:
                 f"round {round_}: {wall / BATCHES * 1e3:.1f} ms a batch, Python's CPU "
                 f"{cpu / wall:.0%} of it; waits, ms a batch:"
             )
-            for where, seconds in waited.most_common():
+            for where, seconds in sorted(waited.items(), key=lambda wait: -wait[1]):
                 print(f"  {seconds / BATCHES * 1e3:6.2f}  {where}")
         psycopg.Connection.wait = unwrapped  # type: ignore[method-assign]
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scratch import scratch_database, server_and_rounds
+from scratch import batch_lots, scratch_database, server_and_rounds
 from timing import alternate, print_spread
 
 from delaysvc.bench import raw
@@ -124,19 +124,14 @@ def main() -> None:
             conn.exec_driver_sql(LANE_RUN)
         producer = Producer(settings, engine)
         url = SERVER.rsplit("/", 1)[0] + "/" + NAME
-        lots = [
-            [
-                {"topic": "bench.noop", "body": {"order_id": n, "action": "cancel"}, "delay": "1h"}
-                for n in range(start, start + SIZE)
-            ]
-            for start in range(0, BATCHES * SIZE, SIZE)
-        ]
+        lots = batch_lots(BATCHES, SIZE)
         level = producer.send_batch(lots[0][:1])[0].delay_level
+        assert level is not None  # "1h" is a level
         delay_ms = settings.levels.delay_ms(level)
         as_it_is = batching._copy_lanes
 
         def send_all(runs: bool) -> None:
-            batching._copy_lanes = copy_runs if runs else as_it_is  # type: ignore[assignment]
+            batching._copy_lanes = copy_runs if runs else as_it_is
             try:
                 for items in lots:
                     producer.send_batch(items)

@@ -47,6 +47,18 @@ def server_and_rounds(rounds: int = 5) -> tuple[str, int]:
     return server, int(sys.argv[2]) if len(sys.argv) > 2 else rounds
 
 
+def batch_lots(count: int, size: int) -> list[list[dict[str, Any]]]:
+    """`count` batches of `size` items of the send suite's shape (`delaysvc bench send`: one
+    topic, a body of its own each, "1h", a level), numbered on from batch to batch."""
+    return [
+        [
+            {"topic": "bench.noop", "body": {"order_id": n, "action": "cancel"}, "delay": "1h"}
+            for n in range(start, start + size)
+        ]
+        for start in range(0, count * size, size)
+    ]
+
+
 def send_one_call(new: producing.NewMessage) -> tuple[str, dict[str, Any]]:
     """`send_one`'s statement as psycopg runs it (its `%(name)s` placeholders) and its
     parameters for `new` (a `Producer.prepare` result), caps not held: a single send's one

@@ -138,7 +138,7 @@ def main() -> None:
             "the timer lane": producer.prepare("t", {"n": 1}, delay="7s"),
             "a held key": producer.prepare("t", {"n": 1}, key="held", delay="1h"),
         }
-        conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
+        conn = psycopg.connect(libpq_url(str(settings.database_url)), autocommit=True)
         for name, text in FUNCTIONS.items():
             conn.execute(text.format(s="delaysvc").replace("send_one(", f"send_one_{name}(", 1))
         clock = _server_cpu(conn)
