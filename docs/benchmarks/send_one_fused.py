@@ -25,7 +25,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import raw_insert_on, scratch_database, send_one_call, server_and_rounds
-from timing import alternate, per_call_us, print_spread
+from timing import alternate, per_call_us, print_spread, server_cpu_clock
 
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
@@ -141,7 +141,7 @@ def main() -> None:
         conn = psycopg.connect(libpq_url(str(settings.database_url)), autocommit=True)
         for name, text in FUNCTIONS.items():
             conn.execute(text.format(s="delaysvc").replace("send_one(", f"send_one_{name}(", 1))
-        clock = _server_cpu(conn)
+        clock = server_cpu_clock(conn.info.backend_pid)
         variants: dict[str, Callable[[], float]] = {}
         for send, new in sends.items():
             statement, params = send_one_call(new)
@@ -154,13 +154,6 @@ def main() -> None:
     print(f"{N:,} calls a variant a round, {ROUNDS} rounds; the server's CPU a call (us), each")
     print("call its own transaction")
     print_spread(times, "send_one")
-
-
-def _server_cpu(conn: psycopg.Connection[Any]) -> Callable[[], float]:
-    """A clock of the CPU time (s) the server process behind `conn` has run, from the kernel's
-    scheduler statistics (ns; the server on this machine)."""
-    stat = Path(f"/proc/{conn.info.backend_pid}/schedstat")
-    return lambda: int(stat.read_text().split()[0]) / 1e9
 
 
 def _call(

@@ -8,12 +8,16 @@ the part costs, so what taking it out of the send's path would save.
 
 Run from the repository root, with the disk's flush taken out if the machine's varies:
     PGOPTIONS="-c synchronous_commit=off" \
-        python docs/benchmarks/send_one_parts.py [SERVER_URL] [ROUNDS]
+        python docs/benchmarks/send_one_parts.py [SERVER_URL] [ROUNDS] [server-cpu]
 (default postgresql://root@127.0.0.1:5432/postgres, 5 rounds); it works in a database of its own.
+Each call's wall time, or with `server-cpu` the server process's CPU a call
+(`timing.server_cpu_clock`: the server on this machine), which leaves the client and the disk
+out.
 """
 
 import re
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -22,12 +26,13 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import scratch_database, send_one_call, server_and_rounds
-from timing import alternate, per_call_us, print_spread
+from timing import alternate, per_call_us, print_spread, server_cpu_clock
 
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
 
 SERVER, ROUNDS = server_and_rounds()
+SERVER_CPU = sys.argv[3:] == ["server-cpu"]
 N = 3000
 Call = Callable[[], object]
 
@@ -52,7 +57,7 @@ def main() -> None:
     with scratch_database(SERVER, "delaysvc_send_one_parts") as (engine, settings):
         new = Producer(settings, engine).prepare("t", {"n": 1}, delay_level=1)
         send_one, params = send_one_call(new)
-        conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
+        conn = psycopg.connect(libpq_url(str(settings.database_url)), autocommit=True)
         source = conn.execute("SELECT pg_get_functiondef('delaysvc.send_one'::regproc)").fetchone()
         assert source is not None
         variants: dict[str, Call] = {
@@ -78,11 +83,14 @@ def main() -> None:
         variants["the commit log's insert alone (all of the above out)"] = copy_without(
             list(WITHOUT.values()), "send_one_bare", caps_held=True
         )
+        clock = server_cpu_clock(conn.info.backend_pid) if SERVER_CPU else time.perf_counter
         times = alternate(
-            {name: partial(per_call_us, call, N) for name, call in variants.items()}, ROUNDS
+            {name: partial(per_call_us, call, N, clock=clock) for name, call in variants.items()},
+            ROUNDS,
         )
         conn.close()
-    print(f"{N:,} calls a variant a round, {ROUNDS} rounds; us a call, each its own transaction")
+    what = "the server's CPU (us)" if SERVER_CPU else "us"
+    print(f"{N:,} calls a variant a round, {ROUNDS} rounds; {what} a call, each a transaction")
     print_spread(times, "send_one")
 
 
