@@ -1,16 +1,18 @@
 """A PgBouncer in front of a PostgreSQL, started on a free port, for the bench and the tests.
 
-`PgBouncer` is Debian's `pgbouncer` (`apt-get install pgbouncer`), configured as web
-applications run it: transaction pooling (each transaction on whichever server connection is
-free), a small server pool shared by more clients. It refuses to run as root; as root it runs
-as the user that can reach the server (the owner of its socket folder, else `nobody`). It dies
-with the process that started it.
+`PgBouncer` is Debian's `pgbouncer` (`apt-get install pgbouncer`), or another build given by
+path, configured as web applications run it: transaction pooling (each transaction on whichever
+server connection is free), a small server pool shared by more clients, and where asked (1.21
+or later) the prepared statements of its clients kept (`max_prepared_statements`). It refuses
+to run as root; as root it runs as the user that can reach the server (the owner of its socket
+folder, else `nobody`). It dies with the process that started it.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -34,12 +36,30 @@ from delaysvc.runtime.supervisor import die_with_parent, free_port
 
 if TYPE_CHECKING:
     from delaysvc.bench import BenchContext
+    from delaysvc.config.settings import Settings
 
 INSTALL = "PgBouncer is not installed: apt-get install pgbouncer (or your system's package)"
 
 
+PREPARED_SINCE = (1, 22)
+"""The first PgBouncer whose prepared statements psycopg uses (`database_pooling=
+transaction-prepared`): 1.21 keeps them, 1.22 also takes psycopg's way of closing them."""
+
+
 def missing() -> str | None:
     return None if shutil.which("pgbouncer") else INSTALL
+
+
+def version_line(binary: str = "pgbouncer") -> str:
+    """What the PgBouncer `binary` (a name on PATH or a path) says it is ("PgBouncer 1.18.0")."""
+    done = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()[0] if done.stdout else "unknown"
+
+
+def version(binary: str = "pgbouncer") -> tuple[int, int]:
+    """(major, minor) of the PgBouncer `binary`; (0, 0) if it says none."""
+    found = re.match(r"PgBouncer (\d+)\.(\d+)", version_line(binary))
+    return (int(found[1]), int(found[2])) if found else (0, 0)
 
 
 @dataclass(frozen=True)
@@ -74,11 +94,17 @@ class Bouncer:
 
 @contextmanager
 def pgbouncer(
-    direct_url: str, pool_mode: str = "transaction", pool_size: int = 2
+    direct_url: str,
+    pool_mode: str = "transaction",
+    pool_size: int = 2,
+    binary: str = "pgbouncer",
+    max_prepared_statements: int = 0,
 ) -> Iterator[Bouncer]:
-    """A PgBouncer in front of `direct_url`'s server (any of its databases, `pool_size` server
-    connections per database and user), stopped on leaving."""
-    if missing():
+    """A PgBouncer (`binary`: a name on PATH or a path) in front of `direct_url`'s server (any
+    of its databases, `pool_size` server connections per database and user), keeping up to
+    `max_prepared_statements` of each client's prepared statements (0: none, as before 1.21),
+    stopped on leaving."""
+    if binary == "pgbouncer" and missing():
         raise MissingPart(INSTALL)
     server = Server.of(direct_url)
     folder = Path(tempfile.mkdtemp(prefix="delaysvc-pgbouncer-"))
@@ -86,11 +112,13 @@ def pgbouncer(
     port = free_port()
     host = f"host={server.host} port={server.port}"
     config = folder / "pgbouncer.ini"
+    kept = f"max_prepared_statements = {max_prepared_statements}\n" * bool(max_prepared_statements)
     config.write_text(
         f"[databases]\n* = {host}\n\n[pgbouncer]\n"
         f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
         f"auth_type = trust\nauth_file = {folder / 'users.txt'}\n"
         f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\nmax_client_conn = 500\n"
+        f"{kept}"
         # libpq's PGOPTIONS and pgjdbc's extra_float_digits: not kept per client in this mode
         "ignore_startup_parameters = extra_float_digits,options\n"
         "logfile =\npidfile =\n"
@@ -101,7 +129,7 @@ def pgbouncer(
     log = folder / "pgbouncer.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            ["pgbouncer", str(config)],
+            [binary, str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
             user=_run_as(server),
@@ -147,25 +175,37 @@ def _wait_listening(port: int, process: subprocess.Popen[bytes], log: Path) -> N
 def pgbouncer_suite(ctx: BenchContext) -> Figures:
     """Single sends/s straight to PostgreSQL (with and without prepared statements) and
     through a transaction-pooling PgBouncer (four server connections), same run, for 1, 4
-    and 16 clients; and batches of 1,000."""
+    and 16 clients; and batches of 1,000. A PgBouncer that keeps prepared statements (1.22 or
+    later) keeps them here, and is measured both ways: without (`transaction`) and with
+    (`transaction-prepared`, the way "pgbouncer_prepared")."""
     from delaysvc.bench.suites import NOOP_TOPIC, _send_single, reset_tables
     from delaysvc.db.engines import make_engine
     from delaysvc.producer.sending import Producer
 
     figures = Figures()
     seconds = ctx.seconds("seconds")
-    with pgbouncer(ctx.url, pool_size=POOL_SIZE) as bouncer:
-        pooled = ctx.settings.model_copy(
-            update={
-                "database_url": bouncer.url(ctx.url),
-                "database_pooling": "transaction",
-                "direct_database_url": ctx.url,
-            }
-        )
+    keeps = version() >= PREPARED_SINCE
+    with pgbouncer(ctx.url, pool_size=POOL_SIZE, max_prepared_statements=200 * keeps) as bouncer:
+
+        def pooled(pooling: str) -> Settings:
+            return ctx.settings.model_copy(
+                update={
+                    "database_url": bouncer.url(ctx.url),
+                    "database_pooling": pooling,
+                    "direct_database_url": ctx.url,
+                }
+            )
+
         # straight to PostgreSQL without prepared statements too: what of the difference is
         # the statement parsed and planned each time, and what the extra hop
         unprepared = ctx.settings.model_copy(update={"database_pooling": "transaction"})
-        ways = {"direct": ctx.settings, "direct_unprepared": unprepared, "pgbouncer": pooled}
+        ways = {
+            "direct": ctx.settings,
+            "direct_unprepared": unprepared,
+            "pgbouncer": pooled("transaction"),
+        }
+        if keeps:
+            ways["pgbouncer_prepared"] = pooled("transaction-prepared")
         engines = {way: make_engine(s, pool_size=16) for way, s in ways.items()}
         producers = {way: Producer(ways[way], engine) for way, engine in engines.items()}
         try:
@@ -190,7 +230,7 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
         finally:
             for engine in engines.values():
                 engine.dispose()
-    figures.results["pgbouncer_setup"] = {"pgbouncer_version": _version()}
+    figures.results["pgbouncer_setup"] = {"pgbouncer_version": version_line()}
     return figures
 
 
@@ -206,6 +246,9 @@ def _stored(engine: Engine) -> int:
 def _compared(rates: dict[str, float], stored: dict[str, int]) -> dict[str, Any]:
     """msgs/s of each way, the messages each stored, and PgBouncer's share of the direct
     rate."""
+    kept = {}
+    if "pgbouncer_prepared" in rates:
+        kept["ratio_prepared"] = round(rates["pgbouncer_prepared"] / rates["direct"], 3)
     return (
         {f"{way}_msgs_per_s": round(rate) for way, rate in rates.items()}
         | {f"{way}_stored": count for way, count in stored.items()}
@@ -213,9 +256,5 @@ def _compared(rates: dict[str, float], stored: dict[str, int]) -> dict[str, Any]
             "ratio": round(rates["pgbouncer"] / rates["direct"], 3),
             "server_connections": POOL_SIZE,
         }
+        | kept
     )
-
-
-def _version() -> str:
-    done = subprocess.run(["pgbouncer", "--version"], capture_output=True, text=True, check=False)
-    return done.stdout.splitlines()[0] if done.stdout else "unknown"

@@ -31,8 +31,9 @@ from delaysvc.errors import ValidationError as DelaysvcValidationError
 log = logging.getLogger(__name__)
 CapPolicy = Literal["reject", "deliver-early"]
 LogFormat = Literal["text", "json"]
-Pooling = Literal["session", "transaction"]
-POOLINGS: tuple[Pooling, ...] = ("session", "transaction")
+Pooling = Literal["session", "transaction", "transaction-prepared"]
+POOLINGS: tuple[Pooling, ...] = ("session", "transaction", "transaction-prepared")
+TRANSACTION_POOLINGS: tuple[Pooling, ...] = ("transaction", "transaction-prepared")
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 DAY_MS = 86_400_000
@@ -54,13 +55,17 @@ class Settings(BaseModel):
     database_url: str | None = None
     """SQLAlchemy URL of PostgreSQL; unset -> an embedded PostgreSQL under `var_dir`."""
     database_pooling: Pooling = "session"
-    """What `database_url` reaches: `session`, a server or a session-pooling PgBouncer, or
+    """What `database_url` reaches: `session`, a server or a session-pooling PgBouncer;
     `transaction`, a transaction-pooling PgBouncer, through which no statement is prepared on
-    the server and nothing keeps a session (`delaysvc.db`)."""
+    the server and nothing keeps a session (`delaysvc.db`); `transaction-prepared`, a
+    transaction-pooling PgBouncer 1.22 or later with `max_prepared_statements` above 0, which
+    keeps the prepared statements of its clients: statements are prepared, nothing keeps a
+    session."""
     direct_database_url: str | None = None
     """A direct (or session-pooled) URL of the same database, for what keeps a session across
     transactions: the delivery worker's lanes and the archive's lock. Needed with
-    `database_pooling=transaction`; unset otherwise, they use `database_url`."""
+    `database_pooling=transaction` or `transaction-prepared`; unset otherwise, they use
+    `database_url`."""
     broker_url: str | None = None
     """Celery broker (redis://, amqp://); unset -> a filesystem broker under `var_dir`."""
     delay_levels: str = DEFAULT_LEVELS
@@ -149,7 +154,8 @@ class Settings(BaseModel):
             value,
             POOLINGS,
             "a pooling mode",
-            " (transaction: DELAYSVC_DATABASE_URL is a transaction-pooling PgBouncer)",
+            " (transaction: DELAYSVC_DATABASE_URL is a transaction-pooling PgBouncer; "
+            "transaction-prepared: one of 1.22 or later with max_prepared_statements above 0)",
         )
 
     @field_validator("metrics_token")

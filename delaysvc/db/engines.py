@@ -29,7 +29,7 @@ from typing import Any
 from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Dialect, Engine, create_engine, event, exc, make_url
 
-from delaysvc.config.settings import Settings
+from delaysvc.config.settings import TRANSACTION_POOLINGS, Settings
 from delaysvc.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -132,14 +132,16 @@ def database_url(settings: Settings, embedded: bool = False) -> str:
 
 def make_engine(settings: Settings, url: str | None = None, **options: object) -> Engine:
     """An engine on `url` (default: the configured database). Behind a transaction-pooling
-    PgBouncer (`database_pooling=transaction`; every URL but `direct_database_url` is taken to
-    go through it) psycopg prepares no statement on the server: the next transaction may run
-    on another server connection, where the statement does not exist (PgBouncer 1.21's
-    `max_prepared_statements` makes them work; this works on every version)."""
+    PgBouncer that keeps no prepared statement (`database_pooling=transaction`; every URL but
+    `direct_database_url` is taken to go through it) psycopg prepares none on the server: the
+    next transaction may run on another server connection, where the statement does not exist.
+    With `transaction-prepared` (PgBouncer 1.22 or later, `max_prepared_statements` above 0)
+    PgBouncer prepares each on the server connection it hands a transaction, and psycopg
+    prepares as it does on a server."""
     url = url or database_url(settings)
     connect_args: dict[str, object] = {"application_name": "delaysvc"}  # a startup parameter
     if (
-        behind_transaction_pooler(settings, url)
+        not prepares_statements(settings, url)
         and make_url(sqlalchemy_url(url)).get_driver_name() == "psycopg"
     ):
         connect_args["prepare_threshold"] = None
@@ -155,7 +157,18 @@ def make_engine(settings: Settings, url: str | None = None, **options: object) -
 
 
 def behind_transaction_pooler(settings: Settings, url: str) -> bool:
-    return settings.database_pooling == "transaction" and url != settings.direct_database_url
+    """Whether `url` is a transaction-pooling PgBouncer's: each transaction on any server
+    connection, so nothing keeps a session."""
+    return settings.database_pooling in TRANSACTION_POOLINGS and url != settings.direct_database_url
+
+
+def prepares_statements(settings: Settings, url: str) -> bool:
+    """Whether a statement prepared on `url` is there in the next transaction: on a server,
+    a session-pooling PgBouncer or one keeping its clients' prepared statements, not behind
+    one that keeps none (`database_pooling=transaction`)."""
+    return not (
+        behind_transaction_pooler(settings, url) and settings.database_pooling == "transaction"
+    )
 
 
 def session_url(settings: Settings, needs: str) -> str:
@@ -169,10 +182,11 @@ def require_session(settings: Settings, needs: str) -> None:
     """Refuse, naming what to set, work that keeps a session across transactions (a
     session-level advisory lock) when its only URL is a transaction-pooling PgBouncer, which
     hands each transaction to any server connection and so would lose the lock."""
-    if settings.database_pooling == "transaction" and not settings.direct_database_url:
+    if settings.database_pooling in TRANSACTION_POOLINGS and not settings.direct_database_url:
         raise ConfigError(
             f"{needs} keeps a PostgreSQL session across transactions (an advisory lock), which "
-            "a transaction-pooling PgBouncer (DELAYSVC_DATABASE_POOLING=transaction) does not "
+            "a transaction-pooling PgBouncer (DELAYSVC_DATABASE_POOLING="
+            f"{settings.database_pooling}) does not "
             "keep: set DELAYSVC_DIRECT_DATABASE_URL to a direct or session-pooled URL of the "
             "same database"
         )

@@ -31,9 +31,9 @@ from psycopg_pool import AsyncConnectionPool
 from delaysvc import store
 from delaysvc.config import tracing
 from delaysvc.db.engines import (
-    behind_transaction_pooler,
     database_url,
     libpq_url,
+    prepares_statements,
     server_closed,
 )
 from delaysvc.errors import DatabaseUnavailable
@@ -68,7 +68,7 @@ class AsyncSends:
         settings = producer.settings
         url = database_url(settings)
         options: dict[str, Any] = {"autocommit": True, "application_name": "delaysvc"}
-        if behind_transaction_pooler(settings, url):
+        if not prepares_statements(settings, url):
             options["prepare_threshold"] = None  # as the producer's engine: nothing prepared
         self.pool = AsyncConnectionPool(
             libpq_url(url),

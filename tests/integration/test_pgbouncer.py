@@ -1,13 +1,16 @@
-"""Behind a real PgBouncer in transaction pooling mode (Debian's `pgbouncer`, started on a free
-port in front of the tests' server, one server connection per database so every client's
-transactions share it): producers (single, batch, in the caller's transaction), consumers, the
-API and migrations work through it with `DELAYSVC_DATABASE_POOLING=transaction`; what keeps a
-session (the delivery's lanes, the archive's lock) takes `DELAYSVC_DIRECT_DATABASE_URL` or is
-refused at start, naming it. Reads that check the outcome go to the server directly."""
+"""Behind a real PgBouncer in transaction pooling mode (started on a free port in front of the
+tests' server, one server connection per database so every client's transactions share it):
+producers (single, batch, in the caller's transaction), consumers, the API and migrations work
+through it, with `DELAYSVC_DATABASE_POOLING=transaction` on Debian's `pgbouncer` (1.18, which
+keeps no prepared statement) and with `transaction-prepared` on a PgBouncer of 1.22 or later
+keeping them (`DELAYSVC_TEST_PGBOUNCER_PREPARED`: its path; `.ci/run` builds 1.24.1); what
+keeps a session (the delivery's lanes, the archive's lock) takes `DELAYSVC_DIRECT_DATABASE_URL`
+or is refused at start, naming it. Reads that check the outcome go to the server directly."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -22,7 +25,7 @@ from sqlalchemy import Engine, create_engine, exc, text
 from sqlalchemy.orm import Session
 
 from delaysvc import auth
-from delaysvc.bench.pgbouncer import Bouncer, pgbouncer
+from delaysvc.bench.pgbouncer import PREPARED_SINCE, Bouncer, pgbouncer, version, version_line
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url, make_engine, sqlalchemy_url
 from delaysvc.maintenance import delivery
@@ -41,20 +44,43 @@ from tests.support.joined_checks import (  # clean_registry: a fixture
     stored,
 )
 
+KEEPING = os.environ.get("DELAYSVC_TEST_PGBOUNCER_PREPARED")
+"""The path of a PgBouncer of 1.22 or later, for `transaction-prepared` (`.ci/run` builds one)."""
+
 
 @pytest.fixture(scope="module")
 def bouncer(pg_server: Server) -> Iterator[Bouncer]:
+    """Debian's PgBouncer, which keeps no prepared statement."""
     with pgbouncer(pg_server.url("postgres"), pool_mode="transaction", pool_size=1) as running:
         yield running
 
 
-@pytest.fixture
-def pooled(settings: Settings, bouncer: Bouncer) -> Settings:
-    """The test's settings with its database reached through the PgBouncer."""
+@pytest.fixture(scope="module")
+def keeping_bouncer(pg_server: Server) -> Iterator[Bouncer]:
+    """A PgBouncer keeping its clients' prepared statements (1.22 or later)."""
+    if not KEEPING:
+        pytest.skip(
+            "needs a PgBouncer of 1.22 or later: DELAYSVC_TEST_PGBOUNCER_PREPARED, its path "
+            "(.ci/run builds 1.24.1 from Debian's source)"
+        )
+    assert version(KEEPING) >= PREPARED_SINCE, f"{KEEPING} is older than {PREPARED_SINCE}"
+    with pgbouncer(
+        pg_server.url("postgres"), pool_size=1, binary=KEEPING, max_prepared_statements=200
+    ) as running:
+        yield running
+
+
+@pytest.fixture(params=["transaction", "transaction-prepared"])
+def pooled(request: pytest.FixtureRequest, settings: Settings) -> Settings:
+    """The test's settings with its database reached through a PgBouncer: Debian's with
+    `database_pooling=transaction`, and one keeping prepared statements with
+    `transaction-prepared`."""
+    mode = request.param
+    through = request.getfixturevalue("bouncer" if mode == "transaction" else "keeping_bouncer")
     return settings.model_copy(
         update={
-            "database_url": bouncer.url(settings.database_url or ""),
-            "database_pooling": "transaction",
+            "database_url": through.url(settings.database_url or ""),
+            "database_pooling": mode,
             "direct_database_url": settings.database_url,
         }
     )
@@ -81,6 +107,35 @@ def test_without_the_setting_prepared_statements_collide_on_the_shared_server_co
     finally:
         for engine in engines:
             engine.dispose()
+
+
+def test_a_pgbouncer_keeping_prepared_statements_has_the_sends_prepared_on_the_server(
+    settings: Settings, keeping_bouncer: Bouncer, engine: Engine
+) -> None:
+    """With `transaction-prepared` the statements that collided above are prepared, and do not
+    collide: PgBouncer prepares each on the server connection it hands the transaction, under
+    a name of its own."""
+    through = keeping_bouncer.url(settings.database_url or "")
+    prepared = settings.model_copy(
+        update={
+            "database_url": through,
+            "database_pooling": "transaction-prepared",
+            "direct_database_url": settings.database_url,
+        }
+    )
+    engines = [make_engine(prepared) for _ in range(2)]
+    try:
+        sent = [
+            Producer(prepared, engines[n % 2]).send("pgb.kept", {"n": n}, delay="1h")
+            for n in range(12)
+        ]
+    finally:
+        for each in engines:
+            each.dispose()
+    assert stored(engine, "pgb.kept")["commit_log"] == sorted(m.id for m in sent)
+    with psycopg.connect(libpq_url(through), autocommit=True) as conn:  # the one server session
+        statements = conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()
+    assert any("send_one(" in statement for (statement,) in statements), statements
 
 
 def test_single_sends_from_many_threads_and_a_batch_go_through(
@@ -199,7 +254,7 @@ def test_the_api_and_dashboard_and_migrations_work_through_it(
 def _pooled_env(pooled: Settings) -> dict[str, str]:
     env = outside_env() | {
         "DELAYSVC_DATABASE_URL": pooled.database_url or "",
-        "DELAYSVC_DATABASE_POOLING": "transaction",
+        "DELAYSVC_DATABASE_POOLING": pooled.database_pooling,
         "DELAYSVC_DELAY_LEVELS": pooled.delay_levels,
     }
     return env
@@ -267,26 +322,41 @@ def test_a_session_level_lock_does_not_survive_the_pooler(
             second.execute("SELECT pg_advisory_unlock_all()")
 
 
+@pytest.mark.parametrize("keeps", [False, True], ids=["debian", "keeping-prepared"])
 def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
-    settings: Settings, tmp_path: Path
+    settings: Settings, tmp_path: Path, keeps: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Debian's PgBouncer measured without prepared statements; one that keeps them (the
+    first `pgbouncer` on PATH, here the one CI builds) both without and with."""
     from delaysvc.bench import run
 
+    if keeps:
+        if not KEEPING:
+            pytest.skip("needs a PgBouncer of 1.22 or later: DELAYSVC_TEST_PGBOUNCER_PREPARED")
+        monkeypatch.setenv("PATH", f"{Path(KEEPING).parent}{os.pathsep}{os.environ['PATH']}")
     out = run(settings, ["pgbouncer"], tmp_path / "run", seconds=0.2)
     results = json.loads((out / "results.json").read_text())["results"]
-    ways = ("direct", "direct_unprepared", "pgbouncer")
+    ways = ("direct", "direct_unprepared", "pgbouncer") + (("pgbouncer_prepared",) * keeps)
     for name in ("pgbouncer_send_c1", "pgbouncer_send_c4", "pgbouncer_send_c16"):
         figures = results[name]
+        assert sorted(k for k in figures if k.endswith("_stored")) == sorted(
+            f"{way}_stored" for way in ways
+        ), figures
         for way in ways:
             # each rate is what the way stored in its 0.2 s (the elapsed time runs a little
             # over: a send that began before the end still counts)
             stored, rate = figures[f"{way}_stored"], figures[f"{way}_msgs_per_s"]
             assert stored >= 10, (way, figures)
             assert 0.5 * stored / 0.2 <= rate <= 1.05 * stored / 0.2, (way, figures)
-        assert figures["ratio"] == pytest.approx(
-            figures["pgbouncer_msgs_per_s"] / figures["direct_msgs_per_s"], abs=0.002
-        ), figures
+        for ratio, way in (("ratio", "pgbouncer"), ("ratio_prepared", "pgbouncer_prepared")):
+            if way in ways:
+                assert figures[ratio] == pytest.approx(
+                    figures[f"{way}_msgs_per_s"] / figures["direct_msgs_per_s"], abs=0.002
+                ), figures
     batches = results["pgbouncer_send_batch_1000"]
-    assert [batches[f"{way}_stored"] for way in ways] == [20_000] * 3, batches
-    assert results["pgbouncer_setup"]["pgbouncer_version"].startswith("PgBouncer")
-    assert "| pgbouncer_send_c4: msgs/s through PgBouncer" in (out / "results.md").read_text()
+    assert [batches[f"{way}_stored"] for way in ways] == [20_000] * len(ways), batches
+    setup = results["pgbouncer_setup"]["pgbouncer_version"]
+    assert setup == version_line(KEEPING or "") if keeps else setup.startswith("PgBouncer")
+    report = (out / "results.md").read_text()
+    assert "| pgbouncer_send_c4: msgs/s through PgBouncer" in report
+    assert ("PgBouncer keeping prepared statements" in report) == keeps
