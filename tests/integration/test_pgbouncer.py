@@ -25,7 +25,7 @@ from sqlalchemy import Engine, create_engine, exc, text
 from sqlalchemy.orm import Session
 
 from delaysvc import auth
-from delaysvc.bench.pgbouncer import PREPARED_SINCE, Bouncer, pgbouncer, version, version_line
+from delaysvc.bench.pgbouncer import Bouncer, pgbouncer, version_line
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url, make_engine, sqlalchemy_url
 from delaysvc.maintenance import delivery
@@ -43,9 +43,7 @@ from tests.support.joined_checks import (  # clean_registry: a fixture
     psycopg2_url,
     stored,
 )
-
-KEEPING = os.environ.get("DELAYSVC_TEST_PGBOUNCER_PREPARED")
-"""The path of a PgBouncer of 1.22 or later, for `transaction-prepared` (`.ci/run` builds one)."""
+from tests.support.machine import keeping_pgbouncer
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +56,11 @@ def bouncer(pg_server: Server) -> Iterator[Bouncer]:
 @pytest.fixture(scope="module")
 def keeping_bouncer(pg_server: Server) -> Iterator[Bouncer]:
     """A PgBouncer keeping its clients' prepared statements (1.22 or later)."""
-    if not KEEPING:
-        pytest.skip(
-            "needs a PgBouncer of 1.22 or later: DELAYSVC_TEST_PGBOUNCER_PREPARED, its path "
-            "(.ci/run builds 1.24.1 from Debian's source)"
-        )
-    assert version(KEEPING) >= PREPARED_SINCE, f"{KEEPING} is older than {PREPARED_SINCE}"
     with pgbouncer(
-        pg_server.url("postgres"), pool_size=1, binary=KEEPING, max_prepared_statements=200
+        pg_server.url("postgres"),
+        pool_size=1,
+        binary=keeping_pgbouncer(),
+        max_prepared_statements=200,
     ) as running:
         yield running
 
@@ -330,10 +325,9 @@ def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
     first `pgbouncer` on PATH, here the one CI builds) both without and with."""
     from delaysvc.bench import run
 
+    keeping = keeping_pgbouncer() if keeps else ""
     if keeps:
-        if not KEEPING:
-            pytest.skip("needs a PgBouncer of 1.22 or later: DELAYSVC_TEST_PGBOUNCER_PREPARED")
-        monkeypatch.setenv("PATH", f"{Path(KEEPING).parent}{os.pathsep}{os.environ['PATH']}")
+        monkeypatch.setenv("PATH", f"{Path(keeping).parent}{os.pathsep}{os.environ['PATH']}")
     out = run(settings, ["pgbouncer"], tmp_path / "run", seconds=0.2)
     results = json.loads((out / "results.json").read_text())["results"]
     ways = ("direct", "direct_unprepared", "pgbouncer") + (("pgbouncer_prepared",) * keeps)
@@ -356,7 +350,7 @@ def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
     batches = results["pgbouncer_send_batch_1000"]
     assert [batches[f"{way}_stored"] for way in ways] == [20_000] * len(ways), batches
     setup = results["pgbouncer_setup"]["pgbouncer_version"]
-    assert setup == version_line(KEEPING or "") if keeps else setup.startswith("PgBouncer")
+    assert setup == version_line(keeping) if keeps else setup.startswith("PgBouncer")
     report = (out / "results.md").read_text()
     assert "| pgbouncer_send_c4: msgs/s through PgBouncer" in report
     assert ("PgBouncer keeping prepared statements" in report) == keeps

@@ -1,14 +1,20 @@
-"""The machine's own services that tests use or stop: CI runs its two passes at once
-(`.ci/run`), and they share this machine's RabbitMQ (127.0.0.1:5672). A test that uses or stops
-one holds it for its whole run, by a lock file both passes see."""
+"""The machine's own services and programs that tests use or stop: CI runs its two passes at
+once (`.ci/run`), and they share this machine's RabbitMQ (127.0.0.1:5672). A test that uses or
+stops one holds it for its whole run, by a lock file both passes see. And the PgBouncer keeping
+prepared statements that `.ci/run` builds (`keeping_pgbouncer`)."""
 
 from __future__ import annotations
 
 import fcntl
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
+
+from delaysvc.bench.pgbouncer import PREPARED_SINCE, version
 
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
 """The machine's RabbitMQ, which CI starts (and requires: DELAYSVC_TEST_REQUIRE_RABBITMQ)."""
@@ -23,3 +29,18 @@ def holding(service: str) -> Iterator[None]:
     with path.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def keeping_pgbouncer() -> str:
+    """The path of a PgBouncer of 1.22 or later, which keeps its clients' prepared statements
+    (`DELAYSVC_DATABASE_POOLING=transaction-prepared`): `DELAYSVC_TEST_PGBOUNCER_PREPARED`,
+    which `.ci/run` sets to the 1.24.1 it builds from Debian's source. Unset: the test is
+    skipped, saying so (Debian 12's own is 1.18); set to an older one: it fails."""
+    path = os.environ.get("DELAYSVC_TEST_PGBOUNCER_PREPARED")
+    if not path:
+        pytest.skip(
+            "needs a PgBouncer of 1.22 or later: DELAYSVC_TEST_PGBOUNCER_PREPARED, its path "
+            "(.ci/run builds 1.24.1 from Debian's source)"
+        )
+    assert version(path) >= PREPARED_SINCE, f"{path} is older than {PREPARED_SINCE}"
+    return path
