@@ -42,8 +42,9 @@ INSTALL = "PgBouncer is not installed: apt-get install pgbouncer (or your system
 
 
 PREPARED_SINCE = (1, 22)
-"""The first PgBouncer whose prepared statements psycopg uses (`database_pooling=
-transaction-prepared`): 1.21 keeps them, 1.22 also takes psycopg's way of closing them."""
+"""The first PgBouncer `database_pooling=transaction-prepared` is for: 1.21 began keeping its
+clients' prepared statements (`max_prepared_statements`), 1.22 also takes `DEALLOCATE ALL` and
+`DISCARD ALL` from them (PgBouncer's changelog)."""
 
 
 def missing() -> str | None:
