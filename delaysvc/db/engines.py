@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Dialect, Engine, create_engine, event, exc, make_url
 
@@ -140,11 +141,11 @@ def make_engine(settings: Settings, url: str | None = None, **options: object) -
     prepares as it does on a server."""
     url = url or database_url(settings)
     connect_args: dict[str, object] = {"application_name": "delaysvc"}  # a startup parameter
-    if (
-        not prepares_statements(settings, url)
-        and make_url(sqlalchemy_url(url)).get_driver_name() == "psycopg"
-    ):
-        connect_args["prepare_threshold"] = None
+    if make_url(sqlalchemy_url(url)).get_driver_name() == "psycopg":
+        if not prepares_statements(settings, url):
+            connect_args["prepare_threshold"] = None
+        elif behind_transaction_pooler(settings, url):
+            require_protocol_close()
     engine = create_engine(
         sqlalchemy_url(url),
         pool_pre_ping=False,  # a round trip per checkout: `_closed_by_server` costs none
@@ -160,6 +161,21 @@ def behind_transaction_pooler(settings: Settings, url: str) -> bool:
     """Whether `url` is a transaction-pooling PgBouncer's: each transaction on any server
     connection, so nothing keeps a session."""
     return settings.database_pooling in TRANSACTION_POOLINGS and url != settings.direct_database_url
+
+
+def require_protocol_close() -> None:
+    """Refuse, naming what is needed, psycopg that would drop a prepared statement by SQL
+    (`DEALLOCATE name`, which PgBouncer does not take) rather than by the protocol's Close: that
+    needs psycopg 3.2 or later on libpq 17 or later (psycopg[binary] has both)."""
+    found = tuple(int(part) for part in psycopg.__version__.split(".")[:2])
+    if found < (3, 2) or psycopg.pq.version() < 170000:
+        raise ConfigError(
+            "DELAYSVC_DATABASE_POOLING=transaction-prepared needs psycopg 3.2 or later on libpq "
+            f"17 or later (here psycopg {psycopg.__version__} on libpq "
+            f"{psycopg.pq.version()}): older ones drop a prepared statement by SQL, which "
+            "PgBouncer refuses; install psycopg[binary]>=3.2, or use "
+            "DELAYSVC_DATABASE_POOLING=transaction"
+        )
 
 
 def prepares_statements(settings: Settings, url: str) -> bool:

@@ -31,9 +31,11 @@ from psycopg_pool import AsyncConnectionPool
 from delaysvc import store
 from delaysvc.config import tracing
 from delaysvc.db.engines import (
+    behind_transaction_pooler,
     database_url,
     libpq_url,
     prepares_statements,
+    require_protocol_close,
     server_closed,
 )
 from delaysvc.errors import DatabaseUnavailable
@@ -70,6 +72,8 @@ class AsyncSends:
         options: dict[str, Any] = {"autocommit": True, "application_name": "delaysvc"}
         if not prepares_statements(settings, url):
             options["prepare_threshold"] = None  # as the producer's engine: nothing prepared
+        elif behind_transaction_pooler(settings, url):
+            require_protocol_close()
         self.pool = AsyncConnectionPool(
             libpq_url(url),
             min_size=1,

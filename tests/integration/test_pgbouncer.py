@@ -28,6 +28,7 @@ from delaysvc import auth
 from delaysvc.bench.pgbouncer import Bouncer, pgbouncer, version_line
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import libpq_url, make_engine, sqlalchemy_url
+from delaysvc.errors import ConfigError
 from delaysvc.maintenance import delivery
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.migrate import upgrade
@@ -131,6 +132,23 @@ def test_a_pgbouncer_keeping_prepared_statements_has_the_sends_prepared_on_the_s
     with psycopg.connect(libpq_url(through), autocommit=True) as conn:  # the one server session
         statements = conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()
     assert any("send_one(" in statement for (statement,) in statements), statements
+
+
+def test_transaction_prepared_refuses_a_psycopg_that_drops_statements_by_sql(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before libpq 17 psycopg drops a prepared statement with `DEALLOCATE name`, which
+    PgBouncer refuses: `transaction-prepared` says what is needed before anything connects."""
+    monkeypatch.setattr(psycopg.pq, "version", lambda: 160004)
+    prepared = Settings(
+        database_url="postgresql://shop@127.0.0.1:6432/shop",
+        database_pooling="transaction-prepared",
+        direct_database_url="postgresql://shop@127.0.0.1:5432/shop",
+    )
+    with pytest.raises(ConfigError, match=r"needs psycopg 3\.2 or later on libpq 17 .*160004"):
+        make_engine(prepared)
+    make_engine(prepared, prepared.direct_database_url).dispose()  # the direct URL: a server
+    make_engine(prepared.model_copy(update={"database_pooling": "transaction"})).dispose()
 
 
 def test_single_sends_from_many_threads_and_a_batch_go_through(
