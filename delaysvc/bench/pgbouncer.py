@@ -92,6 +92,18 @@ class Bouncer:
         user = parts.username or "postgres"
         return f"postgresql://{user}@127.0.0.1:{self.port}{parts.path}"
 
+    def pooled(self, settings: Settings, direct_url: str, pooling: str) -> Settings:
+        """`settings` with their database (`direct_url`) reached through this PgBouncer,
+        `pooling` (`transaction` or `transaction-prepared`) as `database_pooling`, and
+        `direct_url` kept for what needs a session."""
+        return settings.model_copy(
+            update={
+                "database_url": self.url(direct_url),
+                "database_pooling": pooling,
+                "direct_database_url": direct_url,
+            }
+        )
+
 
 @contextmanager
 def pgbouncer(
@@ -187,26 +199,18 @@ def pgbouncer_suite(ctx: BenchContext) -> Figures:
     seconds = ctx.seconds("seconds")
     keeps = version() >= PREPARED_SINCE
     with pgbouncer(ctx.url, pool_size=POOL_SIZE, max_prepared_statements=200 * keeps) as bouncer:
-
-        def pooled(pooling: str) -> Settings:
-            return ctx.settings.model_copy(
-                update={
-                    "database_url": bouncer.url(ctx.url),
-                    "database_pooling": pooling,
-                    "direct_database_url": ctx.url,
-                }
-            )
-
         # straight to PostgreSQL without prepared statements too: what of the difference is
         # the statement parsed and planned each time, and what the extra hop
         unprepared = ctx.settings.model_copy(update={"database_pooling": "transaction"})
         ways = {
             "direct": ctx.settings,
             "direct_unprepared": unprepared,
-            "pgbouncer": pooled("transaction"),
+            "pgbouncer": bouncer.pooled(ctx.settings, ctx.url, "transaction"),
         }
         if keeps:
-            ways["pgbouncer_prepared"] = pooled("transaction-prepared")
+            ways["pgbouncer_prepared"] = bouncer.pooled(
+                ctx.settings, ctx.url, "transaction-prepared"
+            )
         engines = {way: make_engine(s, pool_size=16) for way, s in ways.items()}
         producers = {way: Producer(ways[way], engine) for way, engine in engines.items()}
         try:

@@ -142,10 +142,7 @@ def make_engine(settings: Settings, url: str | None = None, **options: object) -
     url = url or database_url(settings)
     connect_args: dict[str, object] = {"application_name": "delaysvc"}  # a startup parameter
     if make_url(sqlalchemy_url(url)).get_driver_name() == "psycopg":
-        if not prepares_statements(settings, url):
-            connect_args["prepare_threshold"] = None
-        elif behind_transaction_pooler(settings, url):
-            require_protocol_close()
+        connect_args.update(psycopg_prepare_options(settings, url))
     engine = create_engine(
         sqlalchemy_url(url),
         pool_pre_ping=False,  # a round trip per checkout: `_closed_by_server` costs none
@@ -163,28 +160,33 @@ def behind_transaction_pooler(settings: Settings, url: str) -> bool:
     return settings.database_pooling in TRANSACTION_POOLINGS and url != settings.direct_database_url
 
 
+def psycopg_prepare_options(settings: Settings, url: str) -> dict[str, object]:
+    """psycopg's connection options for preparing statements on `url`: none prepared behind a
+    transaction-pooling PgBouncer that keeps none (`database_pooling=transaction`), where the
+    next transaction may find another server connection; as on a server otherwise, behind one
+    that keeps them (`transaction-prepared`) once psycopg closes them as PgBouncer takes it
+    (`require_protocol_close`)."""
+    if not behind_transaction_pooler(settings, url):
+        return {}
+    if settings.database_pooling == "transaction":
+        return {"prepare_threshold": None}
+    require_protocol_close()
+    return {}
+
+
 def require_protocol_close() -> None:
     """Refuse, naming what is needed, psycopg that would drop a prepared statement by SQL
     (`DEALLOCATE name`, which PgBouncer does not take) rather than by the protocol's Close: that
     needs psycopg 3.2 or later on libpq 17 or later (psycopg[binary] has both)."""
     found = tuple(int(part) for part in psycopg.__version__.split(".")[:2])
-    if found < (3, 2) or psycopg.pq.version() < 170000:
+    libpq = psycopg.pq.version()
+    if found < (3, 2) or libpq < 170000:
         raise ConfigError(
             "DELAYSVC_DATABASE_POOLING=transaction-prepared needs psycopg 3.2 or later on libpq "
-            f"17 or later (here psycopg {psycopg.__version__} on libpq "
-            f"{psycopg.pq.version()}): older ones drop a prepared statement by SQL, which "
-            "PgBouncer refuses; install psycopg[binary]>=3.2, or use "
-            "DELAYSVC_DATABASE_POOLING=transaction"
+            f"17 or later (here psycopg {psycopg.__version__} on libpq {libpq}): older ones "
+            "drop a prepared statement by SQL, which PgBouncer refuses; install "
+            "psycopg[binary]>=3.2, or use DELAYSVC_DATABASE_POOLING=transaction"
         )
-
-
-def prepares_statements(settings: Settings, url: str) -> bool:
-    """Whether a statement prepared on `url` is there in the next transaction: on a server,
-    a session-pooling PgBouncer or one keeping its clients' prepared statements, not behind
-    one that keeps none (`database_pooling=transaction`)."""
-    return not (
-        behind_transaction_pooler(settings, url) and settings.database_pooling == "transaction"
-    )
 
 
 def session_url(settings: Settings, needs: str) -> str:

@@ -31,11 +31,9 @@ from psycopg_pool import AsyncConnectionPool
 from delaysvc import store
 from delaysvc.config import tracing
 from delaysvc.db.engines import (
-    behind_transaction_pooler,
     database_url,
     libpq_url,
-    prepares_statements,
-    require_protocol_close,
+    psycopg_prepare_options,
     server_closed,
 )
 from delaysvc.errors import DatabaseUnavailable
@@ -70,10 +68,7 @@ class AsyncSends:
         settings = producer.settings
         url = database_url(settings)
         options: dict[str, Any] = {"autocommit": True, "application_name": "delaysvc"}
-        if not prepares_statements(settings, url):
-            options["prepare_threshold"] = None  # as the producer's engine: nothing prepared
-        elif behind_transaction_pooler(settings, url):
-            require_protocol_close()
+        options.update(psycopg_prepare_options(settings, url))  # as the producer's engine
         self.pool = AsyncConnectionPool(
             libpq_url(url),
             min_size=1,

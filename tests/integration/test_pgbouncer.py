@@ -73,13 +73,7 @@ def pooled(request: pytest.FixtureRequest, settings: Settings) -> Settings:
     `transaction-prepared`."""
     mode = request.param
     through = request.getfixturevalue("bouncer" if mode == "transaction" else "keeping_bouncer")
-    return settings.model_copy(
-        update={
-            "database_url": through.url(settings.database_url or ""),
-            "database_pooling": mode,
-            "direct_database_url": settings.database_url,
-        }
-    )
+    return through.pooled(settings, settings.database_url or "", mode)
 
 
 @pytest.fixture
@@ -111,14 +105,7 @@ def test_a_pgbouncer_keeping_prepared_statements_has_the_sends_prepared_on_the_s
     """With `transaction-prepared` the statements that collided above are prepared, and do not
     collide: PgBouncer prepares each on the server connection it hands the transaction, under
     a name of its own."""
-    through = keeping_bouncer.url(settings.database_url or "")
-    prepared = settings.model_copy(
-        update={
-            "database_url": through,
-            "database_pooling": "transaction-prepared",
-            "direct_database_url": settings.database_url,
-        }
-    )
+    prepared = keeping_bouncer.pooled(settings, settings.database_url or "", "transaction-prepared")
     engines = [make_engine(prepared) for _ in range(2)]
     try:
         sent = [
@@ -129,7 +116,8 @@ def test_a_pgbouncer_keeping_prepared_statements_has_the_sends_prepared_on_the_s
         for each in engines:
             each.dispose()
     assert stored(engine, "pgb.kept")["commit_log"] == sorted(m.id for m in sent)
-    with psycopg.connect(libpq_url(through), autocommit=True) as conn:  # the one server session
+    through = libpq_url(prepared.database_url or "")
+    with psycopg.connect(through, autocommit=True) as conn:  # the one server session
         statements = conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()
     assert any("send_one(" in statement for (statement,) in statements), statements
 
