@@ -43,7 +43,6 @@ from delaysvc.db.names import sql
 from delaysvc.producer import batching
 from delaysvc.producer.sending import Producer
 from delaysvc.store import delivery
-from delaysvc.store.shared import NOW
 
 SERVER, ROUNDS = server_and_rounds(5)
 SIZE = 10_000
@@ -60,23 +59,14 @@ _INSERT_RUN = """INSERT INTO delaysvc.lane_run
     (level, queue_offset, message_ids, topic, deliver_ts, priority)
 VALUES (%s, %s, CAST(%s AS bigint[]), %s, to_timestamp(%s / 1e6 + 946684800), %s)"""
 
-# move_due's statement over the runs: the due runs of the head, their waiting messages in
-# order, then everything after `moved` as move_due does it
-_MOVE_DUE_RUNS = f"""
-WITH head AS (
-    SELECT queue_offset, deliver_ts FROM delaysvc.lane_run
-    WHERE level = :lane ORDER BY queue_offset LIMIT :batch
-), next_head AS (
-    SELECT queue_offset, deliver_ts FROM head WHERE deliver_ts > {NOW}
-    ORDER BY queue_offset LIMIT 1
-), locked AS (
-    SELECT ctid FROM delaysvc.lane_run
-    WHERE level = :lane
-      AND queue_offset <= COALESCE((SELECT queue_offset - 1 FROM next_head),
-                                   (SELECT max(queue_offset) FROM head))
-    ORDER BY queue_offset
-    FOR UPDATE SKIP LOCKED
-), taken AS (
+# move_due's statement over the runs: its head, next head and locked rows as
+# `delivery._MOVE_DUE_LEVEL` has them, read from `lane_run`; then the due runs taken and their
+# waiting messages in order as `moved`; then everything after `moved` as move_due does it
+_HEAD = delivery._MOVE_DUE_LEVEL[: delivery._MOVE_DUE_LEVEL.index("), moved AS (")]
+assert _HEAD.count("delaysvc.consume_queue") == 2, "the head CTEs read the queue twice"
+_MOVE_DUE_RUNS = (
+    _HEAD.replace("delaysvc.consume_queue", "delaysvc.lane_run")
+    + """), taken AS (
     DELETE FROM delaysvc.lane_run q
     WHERE q.level = :lane AND q.ctid = ANY(ARRAY(SELECT ctid FROM locked))
     RETURNING q.queue_offset, q.message_ids, q.topic, q.deliver_ts, q.priority
@@ -86,7 +76,9 @@ WITH head AS (
     FROM taken t CROSS JOIN LATERAL unnest(t.message_ids) WITH ORDINALITY AS m(id, n)
     JOIN delaysvc.commit_log c ON c.id = m.id
     WHERE c.status = 'scheduled'
-){delivery._MOVED_TO_TOPIC}"""
+)"""
+    + delivery._MOVED_TO_TOPIC
+)
 
 
 def copy_runs(
