@@ -16,7 +16,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from delaysvc.config.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
 from delaysvc.config.validation import (
@@ -53,7 +55,9 @@ class Settings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     database_url: str | None = None
-    """SQLAlchemy URL of PostgreSQL; unset -> an embedded PostgreSQL under `var_dir`."""
+    """PostgreSQL's URL, `postgresql://user@host:port/db` (the service connects with psycopg 3:
+    `postgresql+psycopg://` too, no other driver's); unset -> an embedded PostgreSQL under
+    `var_dir`."""
     database_pooling: Pooling = "session"
     """What `database_url` reaches: `session`, a server or a session-pooling PgBouncer;
     `transaction`, a transaction-pooling PgBouncer, through which no statement is prepared on
@@ -157,6 +161,13 @@ class Settings(BaseModel):
             " (transaction: DELAYSVC_DATABASE_URL is a transaction-pooling PgBouncer; "
             "transaction-prepared: one of 1.22 or later with max_prepared_statements above 0)",
         )
+
+    @field_validator("database_url", "direct_database_url")
+    @classmethod
+    def _psycopg_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            _check_database_url(f"DELAYSVC_{str(info.field_name).upper()}", value)
+        return value
 
     @field_validator("metrics_token")
     @classmethod
@@ -342,6 +353,32 @@ def _choice(
     if isinstance(value, str) and value.strip().lower() in allowed:
         return value.strip().lower()
     raise ConfigError(f"{variable}: {value!r} is not {kind}; use {' or '.join(allowed)}{hint}")
+
+
+def _check_database_url(variable: str, url: str) -> None:
+    """Refuse, naming `variable` and what it takes, a URL the service cannot connect with: its
+    own connections are psycopg 3's (COPY, pipelines, prepared statements), so not another
+    driver's (`postgresql+psycopg2://`), nor another database's. The URL is not repeated: it
+    may hold a password."""
+    try:
+        backend, _, driver = make_url(url).drivername.partition("+")
+    except ArgumentError:
+        problem = "is not a database URL"
+    else:
+        if backend not in ("postgresql", "postgres"):
+            problem = f"is a {backend} URL"
+        elif driver not in ("", "psycopg"):
+            problem = (
+                f"names the driver {driver}; psycopg2 and asyncio drivers can join your own "
+                "transactions (send(..., connection=...)), but the service's connections are "
+                "psycopg 3's"
+            )
+        else:
+            return
+    raise ConfigError(
+        f"{variable}: {problem}; use a PostgreSQL URL for psycopg 3: postgresql://user@host/db "
+        "(or postgresql+psycopg://)"
+    )
 
 
 def _describe(exc: ValidationError) -> str:
