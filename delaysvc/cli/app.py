@@ -56,11 +56,15 @@ class Group(click.Group):
             click.echo(f"error: {exc}", err=True)
             sys.exit(2 if exc.code in ("config_error", "invalid", "too_large") else 1)
         except Exception as exc:
-            from sqlalchemy.exc import OperationalError
+            from sqlalchemy.exc import DBAPIError, OperationalError
 
             if isinstance(exc, OperationalError):
                 reason = " ".join(str(exc.orig).split())
                 click.echo(f"error: database unreachable: {reason}", err=True)
+                sys.exit(1)
+            missing = store.not_migrated(exc) if isinstance(exc, DBAPIError) else None
+            if missing is not None:
+                click.echo(f"error: {missing}", err=True)
                 sys.exit(1)
             raise
 

@@ -150,7 +150,7 @@ def check(
             timeout_s=timeout,
         )
     except DBAPIError as exc:
-        reason = " ".join(str(exc.orig).split())
+        reason = store.not_migrated(exc) or " ".join(str(exc.orig).split())
         click.echo(f"error: delaysvc check could not finish: {reason}", err=True)
         sys.exit(2)
     for line in result.lines():

@@ -620,8 +620,8 @@ def _carrying_context(span: Any, items: Sequence[batching.Item]) -> list[batchin
 def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool) -> None:
     """Raise the domain error a database error on one of our own connections stands for, if
     it stands for one: a lost connection (or none to be had) -> `DatabaseUnavailable`, saying
-    whether the write may be stored; the key rule -> `DuplicateKey`; a level missing in the
-    database -> `SchemaNotReady`."""
+    whether the write may be stored; the key rule -> `DuplicateKey`; delaysvc's schema, a table
+    or a function missing in the database (not migrated) -> `SchemaNotReady`."""
     if exc.connection_invalidated or (isinstance(exc, OperationalError) and not connected):
         raise DatabaseUnavailable(
             f"the database is unavailable ({str(exc.orig).strip()}); "
@@ -635,6 +635,9 @@ def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool)
         ) from exc
     if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):
         raise DuplicateKey(str(exc.orig)) from None
+    missing = store.not_migrated(exc)
+    if missing is not None:
+        raise missing from exc
 
 
 def _lookup_key(key: object) -> str:

@@ -110,6 +110,7 @@ from delaysvc.store.levels import (
     LevelChange,
     check_levels,
     ensure_levels,
+    not_migrated,
     relocate_to_timer,
     stored_levels,
 )
@@ -245,6 +246,7 @@ __all__ = [
     "mark_stuck",
     "messages_stored",
     "move_due",
+    "not_migrated",
     "note_replaced",
     "oldest_waiting_in_level",
     "oldest_waiting_of_topic",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import OperationalError, ProgrammingError
+from sqlalchemy.exc import DBAPIError, OperationalError, ProgrammingError
 
 from delaysvc.config.levels import DelayLevels, format_ms
 from delaysvc.db.names import sql
@@ -170,6 +170,20 @@ def relocate_to_timer(conn: Connection, level: int) -> int:
     """Move all of a level's waiting messages to the timer lane, due times unchanged.
     -> how many moved."""
     return conn.execute(sql(_RELOCATE_TO_TIMER), {"lane": level}).scalar_one()
+
+
+_MISSING = frozenset({"3F000", "42P01", "42883"})  # no such schema, table, function
+
+
+def not_migrated(exc: DBAPIError) -> SchemaNotReady | None:
+    """The `SchemaNotReady` a database error of one of delaysvc's statements stands for when the
+    database lacks delaysvc's schema, one of its tables or one of its functions (never
+    migrated, or migrated by an older delaysvc); None for any other error."""
+    state = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    if state not in _MISSING:
+        return None
+    found = " ".join(str(exc.orig).strip().splitlines()[:1]) or f"SQLSTATE {state}"
+    return SchemaNotReady(f"the database is not migrated ({found}); run `delaysvc migrate`")
 
 
 def check_levels(conn: Connection, levels: DelayLevels) -> None:

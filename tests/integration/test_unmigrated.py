@@ -1,0 +1,98 @@
+"""A database delaysvc has not migrated (a new one, before `delaysvc migrate`): a send through
+the Python API, in a transaction of its own or the caller's, singly or in a batch, raises
+`SchemaNotReady` saying to run `delaysvc migrate`, and the commands print that on one line,
+not a traceback of the missing table. The long-lived processes refuse to start the same way
+(`store.check_levels`: tests/migrations/test_level_changes.py)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from delaysvc.config.settings import Settings
+from delaysvc.db.engines import make_engine
+from delaysvc.errors import SchemaNotReady
+from delaysvc.producer.sending import Producer
+from tests.conftest import Server, outside_env
+
+_counter = itertools.count()
+
+
+@pytest.fixture
+def empty_url(pg_server: Server) -> Iterator[str]:
+    """A new database, never migrated."""
+    name = f"delaysvc_empty{os.getpid()}_{next(_counter)}"
+    with pg_server.janitor(name):
+        yield pg_server.url(name)
+
+
+@pytest.fixture
+def producer(empty_url: str) -> Iterator[Producer]:
+    settings = Settings(database_url=empty_url)
+    engine = make_engine(settings)
+    yield Producer(settings, engine)
+    engine.dispose()
+
+
+def test_a_send_to_an_unmigrated_database_says_to_migrate(producer: Producer) -> None:
+    with pytest.raises(SchemaNotReady, match=r"not migrated .*; run `delaysvc migrate`"):
+        producer.send("orders.cancel", {"id": 1}, delay="5m")
+    with pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"):
+        producer.send_batch([{"topic": "orders.cancel", "body": {"id": n}} for n in range(3)])
+    with pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"):
+        producer.get(1)
+
+
+def test_a_send_in_the_callers_transaction_says_so_too(producer: Producer) -> None:
+    with (
+        producer.engine.connect() as conn,
+        conn.begin(),
+        pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"),
+    ):
+        producer.send("orders.cancel", {"id": 1}, delay="5m", connection=conn)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("send", "orders.cancel", '{"id": 1}', "--delay", "5m"),
+        ("stats",),
+        ("dead", "list"),
+        ("schedules", "list"),
+    ],
+    ids=lambda args: " ".join(args[:2]),
+)
+def test_a_command_on_an_unmigrated_database_says_to_migrate(
+    empty_url: str, args: tuple[str, ...]
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "delaysvc", *args],
+        env=outside_env() | {"DELAYSVC_DATABASE_URL": empty_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: the database is not migrated"), line
+    assert line.endswith("run `delaysvc migrate`"), line
+
+
+def test_the_check_of_an_unmigrated_database_cannot_finish_and_says_why(empty_url: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "delaysvc", "check"],
+        env=outside_env() | {"DELAYSVC_DATABASE_URL": empty_url},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr  # it could not finish: not a violation (1)
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: delaysvc check could not finish: the database is not migrated")
+    assert line.endswith("run `delaysvc migrate`"), line
