@@ -26,8 +26,19 @@ def up(ctx: Context, host: str, port: int) -> None:
 
     embedded = ("embedded",) if ctx.settings.embedded_database else ()
     extras.require("delaysvc up", "worker", "server", *embedded)
-
+    require_workers_can_start(ctx, handlers=True)
     sys.exit(run_all(ctx.settings, host, port))
+
+
+def require_workers_can_start(ctx: Context, handlers: bool) -> None:
+    """Refuse before anything starts what would stop every Celery process as it starts: a
+    broker URL kombu has no transport for, and (`handlers`) a handler module not found."""
+    from delaysvc.tasks.app import broker_options
+    from delaysvc.worker.consumer import require_handler_modules
+
+    broker_options(ctx.settings)
+    if handlers:
+        require_handler_modules(ctx.settings.handler_modules)
 
 
 @cli.command()
@@ -42,6 +53,7 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
     from delaysvc.runtime.supervisor import run_worker, worker_commands
 
     extras.require("delaysvc worker", "worker")
+    require_workers_can_start(ctx, handlers=True)
     if delivery:
         from delaysvc.db.engines import require_session
         from delaysvc.tasks.app import DELIVERY_NEEDS
@@ -62,6 +74,7 @@ def beat(ctx: Context) -> None:
     from delaysvc.runtime.supervisor import beat_command, run_processes
 
     extras.require("delaysvc beat", "worker")
+    require_workers_can_start(ctx, handlers=False)
     require_levels(ctx)
     sys.exit(run_processes([beat_command(ctx.settings)]))
 

@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cached_property
 from typing import Any
 
+import kombu
 from celery import Celery
 from celery.loaders.app import AppLoader
 from celery.schedules import schedule
@@ -44,6 +45,7 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
     needs no server, and each message file is deleted once consumed, so it does not grow (its
     limits: one machine, and consumers poll the folder every 20 ms)."""
     if settings.broker_url:
+        _check_broker_url(settings.broker_url)
         return settings.broker_url, {}
     folder = (settings.var_dir / "broker").resolve()  # made by the first connection
     return f"{broker.SCHEME}://localhost//", {
@@ -53,6 +55,28 @@ def broker_options(settings: Settings) -> tuple[str, dict[str, object]]:
         "store_processed": False,
         "polling_interval": 0.02,
     }
+
+
+def _check_broker_url(url: str) -> None:
+    """Refuse, naming DELAYSVC_BROKER_URL, a URL kombu has no transport for (or whose transport's
+    library is not installed): otherwise each worker and beat would fail as it starts, and be
+    started again, a traceback each time. The transport is looked up, nothing is connected;
+    the URL is not repeated (it may hold a password)."""
+    usage = "use redis://host:6379/0 or amqp://user:password@host:5672//"
+    scheme, found, _ = url.partition("://")
+    if not found or not scheme:
+        raise ConfigError(f"DELAYSVC_BROKER_URL: not a URL (no scheme://); {usage}")
+    try:
+        kombu.Connection(url).transport  # noqa: B018 (looked up, not connected)
+    except KeyError:
+        raise ConfigError(
+            f"DELAYSVC_BROKER_URL: no broker transport named {scheme!r}; {usage}"
+        ) from None
+    except ImportError as exc:
+        raise ConfigError(
+            f"DELAYSVC_BROKER_URL: the {scheme} transport needs a library that is not "
+            f"installed ({exc})"
+        ) from None
 
 
 def monotonic_now() -> datetime:

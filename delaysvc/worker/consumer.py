@@ -10,7 +10,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import importlib
+import importlib.util
 import logging
+import os
+import sys
 import threading
 import time
 import traceback
@@ -26,7 +29,7 @@ from delaysvc import store
 from delaysvc.config import tracing
 from delaysvc.config.validation import decode_body, validate_topic
 from delaysvc.db import engines as db
-from delaysvc.errors import DeadLetter, LeaseLost, RetryLater, ValidationError
+from delaysvc.errors import ConfigError, DeadLetter, LeaseLost, RetryLater, ValidationError
 from delaysvc.schema.tables import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
 
 if TYPE_CHECKING:
@@ -122,6 +125,27 @@ def registered(topic: str) -> Handler | None:
 def registered_topics() -> list[str]:
     """The topics and topic patterns (`webhook.*`) this process has handlers for."""
     return sorted(_registry)
+
+
+def require_handler_modules(modules: tuple[str, ...]) -> None:
+    """Refuse, naming DELAYSVC_HANDLERS, a handler module that cannot be found: otherwise each
+    worker would fail as it imports it, and be started again, a traceback each time. Found,
+    not imported (the workers import it), on this process's path and its working folder,
+    where the workers (`python -m celery`) look too; a parent package is imported to look
+    inside it."""
+    folder = os.getcwd()
+    if folder not in sys.path and "" not in sys.path:
+        sys.path.insert(0, folder)
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # its package is missing, or is not a package
+            found = None
+        if found is None:
+            raise ConfigError(
+                f"DELAYSVC_HANDLERS: no module named {module!r} in {folder} or the installed "
+                "packages; start from the folder that holds it, or install it"
+            )
 
 
 def load_handler_modules(modules: tuple[str, ...]) -> None:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, text
@@ -405,3 +406,59 @@ def test_create_user_reads_its_password_from_the_environment_without_a_warning(
     assert made.returncode == 0, made.stderr
     assert "not a delaysvc setting" not in made.stderr
     assert auth.check_login(engine, "ops", "a long enough password") is not None
+
+
+@pytest.mark.parametrize(
+    ("command", "variables", "named"),
+    [
+        (
+            ("worker",),
+            {"DELAYSVC_BROKER_URL": "foo://user:secret@broker.example/0"},
+            "DELAYSVC_BROKER_URL: no broker transport named 'foo'",
+        ),
+        (
+            ("beat",),
+            {"DELAYSVC_BROKER_URL": "foo://user:secret@broker.example/0"},
+            "DELAYSVC_BROKER_URL: no broker transport named 'foo'",
+        ),
+        (
+            ("up", "--port", "1"),
+            {"DELAYSVC_BROKER_URL": "broker.example:6379"},
+            "DELAYSVC_BROKER_URL: not a URL",
+        ),
+        (
+            ("worker",),
+            {"DELAYSVC_HANDLERS": "myapp.jobs, no_such_package.handlers"},
+            "DELAYSVC_HANDLERS: no module named 'no_such_package.handlers'",
+        ),
+    ],
+    ids=["worker-broker", "beat-broker", "up-broker", "worker-handlers"],
+)
+def test_a_bad_broker_url_or_handler_module_is_refused_before_anything_starts(
+    database_url: str,
+    tmp_path: Path,
+    command: tuple[str, ...],
+    variables: dict[str, str],
+    named: str,
+) -> None:
+    """Each of the service's processes would fail to start, and be started again until its
+    supervisor gave up, with a traceback each time: the command names the setting first."""
+    (tmp_path / "myapp").mkdir()
+    (tmp_path / "myapp" / "__init__.py").write_text("")
+    (tmp_path / "myapp" / "jobs.py").write_text("")  # found: the first module is fine
+    result = subprocess.run(
+        [sys.executable, "-m", "delaysvc", *command],
+        env=_clean_env(
+            DELAYSVC_DATABASE_URL=database_url,
+            DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
+            DELAYSVC_VAR_DIR=str(tmp_path / "var"),
+            **variables,
+        ),
+        cwd=tmp_path,  # where the workers, started with `python -m`, find the handlers
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    line = _assert_one_line_error(result, 2)
+    assert named in line, line
+    assert "secret" not in result.stderr  # a URL's password is not repeated
