@@ -15,10 +15,11 @@ commit), its runs alternate with the working tree's, each in its own process.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from timing import checkouts_in_turn
 
 TICK = os.sysconf("SC_CLK_TCK")
 BATCHES = 30
@@ -72,14 +73,10 @@ def main() -> None:
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     other = sys.argv[3] if len(sys.argv) > 3 else None
     tree = str(Path(__file__).resolve().parents[2])
-    sides = [("tree", tree)] + ([("other", str(Path(other).resolve()))] if other else [])
-    for _ in range(rounds):
-        for label, checkout in sides:
-            subprocess.run(
-                [sys.executable, __file__, "--measure", server, label],
-                check=True,
-                env={**os.environ, "PYTHONPATH": checkout},
-            )
+    sides: list[tuple[str, str, dict[str, str]]] = [("tree", tree, {})]
+    if other:
+        sides.append(("other", str(Path(other).resolve()), {}))
+    checkouts_in_turn(__file__, server, sides, rounds)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import resource
-import subprocess
 import sys
 import time
 import timeit
@@ -29,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import checkouts_in_turn
 
 SIZE = 10_000
 HIGH_TRIM = {"MALLOC_TRIM_THRESHOLD_": "100000000"}
@@ -83,13 +83,7 @@ def main() -> None:
     ways = [("tree", tree, {}), ("tree, " + "=".join(*HIGH_TRIM.items()), tree, HIGH_TRIM)]
     if len(sys.argv) > 3:
         ways.append(("other", str(Path(sys.argv[3]).resolve()), {}))
-    for _ in range(rounds):
-        for label, checkout, env in ways:
-            subprocess.run(
-                [sys.executable, __file__, "--measure", server, label],
-                check=True,
-                env={**os.environ, **env, "PYTHONPATH": checkout},
-            )
+    checkouts_in_turn(__file__, server, ways, rounds)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ median and spread."""
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -52,3 +54,18 @@ def print_spread(results: Mapping[str, list[float]], what: str) -> None:
     for name, values in results.items():
         median = statistics.median(values)  # of an even count, the mean of the middle two
         print(f"{name:{width}} {median:7.1f} {min(values):7.1f} {max(values):7.1f}")
+
+
+def checkouts_in_turn(
+    script: str, server: str, ways: list[tuple[str, str, dict[str, str]]], rounds: int
+) -> None:
+    """Run `script --measure SERVER LABEL` once a round for each (label, checkout, environment)
+    of `ways`, in turn, each in a process of its own that imports `delaysvc` from its checkout
+    (a `git worktree` of another commit, or this tree)."""
+    for _ in range(rounds):
+        for label, checkout, env in ways:
+            subprocess.run(
+                [sys.executable, script, "--measure", server, label],
+                check=True,
+                env={**os.environ, **env, "PYTHONPATH": checkout},
+            )
