@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from delaysvc.config.levels import DelayLevels, parse_duration_ms
+from delaysvc.config.levels import DelayLevels, format_ms, parse_duration_ms
 from delaysvc.errors import ValidationError
 from delaysvc.schema.tables import NO_LANE, TIMER_LANE
 
@@ -80,7 +80,9 @@ def resolve_schedule(
         return Placement(NO_LANE, 0, 0, None)
     if ms > max_delay_ms:
         raise ValidationError(
-            field_name, f"{ms} ms is more than the maximum delay of {max_delay_ms} ms"
+            field_name,
+            f"{format_ms(ms)} is more than the maximum delay, {format_ms(max_delay_ms)} "
+            "(DELAYSVC_MAX_DELAY)",
         )
     if ms == 0:
         return Placement(NO_LANE, 0, 0, None)
@@ -107,6 +109,8 @@ def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Placeme
         )
     if deliver_at - now > timedelta(milliseconds=max_delay_ms):
         raise ValidationError(
-            "deliver_at", f"{deliver_at.isoformat()} is more than {max_delay_ms} ms ahead"
+            "deliver_at",
+            f"{deliver_at.isoformat()} is more than {format_ms(max_delay_ms)} ahead, the maximum "
+            "delay (DELAYSVC_MAX_DELAY)",
         )
     return Placement(TIMER_LANE, None, None, deliver_at)

@@ -144,3 +144,24 @@ def test_bad_timing_values_name_their_field(options, field):
     with pytest.raises(ValidationError) as error:
         resolve(**options)
     assert error.value.field == field
+
+
+def test_a_delay_beyond_the_maximum_names_the_limit_as_a_duration_and_its_setting():
+    """Not `34560000000 ms`: the limit as it is set (DELAYSVC_MAX_DELAY, 400d by default)."""
+    limit = format_ms(YEAR_MS)
+    with pytest.raises(ValidationError) as refused:
+        resolve(delay="500d")
+    assert refused.value.detail == (
+        f"500d is more than the maximum delay, {limit} (DELAYSVC_MAX_DELAY)"
+    )
+    with pytest.raises(ValidationError) as refused:
+        resolve(delay_ms=YEAR_MS + 1)
+    assert refused.value.detail == (
+        f"{limit}1ms is more than the maximum delay, {limit} (DELAYSVC_MAX_DELAY)"
+    )
+    at = NOW + timedelta(days=401)
+    with pytest.raises(ValidationError) as refused:
+        resolve(deliver_at=at)
+    assert refused.value.detail == (
+        f"{at.isoformat()} is more than {limit} ahead, the maximum delay (DELAYSVC_MAX_DELAY)"
+    )
