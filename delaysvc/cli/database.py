@@ -16,9 +16,10 @@ from delaysvc.config.levels import format_ms
 @pass_ctx
 def migrate(ctx: Context) -> None:
     """Upgrade the schema and create one consume queue per configured level."""
-    from delaysvc.db.engines import make_engine
+    from delaysvc.db.engines import make_engine, require_one_database
     from delaysvc.schema.migrate import upgrade
 
+    require_one_database(ctx.settings)
     direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
     engine = make_engine(ctx.settings, direct) if direct else ctx.engine
     for change in upgrade(engine, ctx.settings.levels):

@@ -55,10 +55,11 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
     extras.require("delaysvc worker", "worker")
     require_workers_can_start(ctx, handlers=True)
     if delivery:
-        from delaysvc.db.engines import require_session
+        from delaysvc.db.engines import require_one_database, require_session
         from delaysvc.tasks.app import DELIVERY_NEEDS
 
         require_session(ctx.settings, DELIVERY_NEEDS)
+        require_one_database(ctx.settings)
     require_levels(ctx)
     commands = worker_commands(ctx.settings, delivery, consume, concurrency)
     if not commands:

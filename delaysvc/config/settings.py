@@ -67,7 +67,8 @@ class Settings(BaseModel):
     session."""
     direct_database_url: str | None = None
     """A direct (or session-pooled) URL of the same database, for what keeps a session across
-    transactions: the delivery worker's lanes and the archive's lock. Needed with
+    transactions: the delivery worker's lanes and the archive's lock (`delaysvc migrate` and a
+    delivery worker refuse one that reaches another database). Needed with
     `database_pooling=transaction` or `transaction-prepared`; unset otherwise, they use
     `database_url`."""
     broker_url: str | None = None

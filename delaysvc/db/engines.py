@@ -196,6 +196,34 @@ def session_url(settings: Settings, needs: str) -> str:
     return settings.direct_database_url or database_url(settings)
 
 
+_WHICH_DATABASE = """SELECT current_database(),
+    (SELECT oid FROM pg_database WHERE datname = current_database()), pg_postmaster_start_time()"""
+
+
+def require_one_database(settings: Settings) -> None:
+    """Refuse, naming both settings, a `direct_database_url` that reaches another database than
+    `database_url` (another name, or another server: its start time tells): what it is for
+    (the delivery's lane locks, migrations, the archive's lock) would act there, and never on
+    the producers' messages. Both are asked, through the pooler too."""
+    direct = settings.direct_database_url
+    if direct is None or direct == settings.database_url:
+        return
+    reached = []
+    for url in (direct, database_url(settings)):
+        with psycopg.connect(libpq_url(url), autocommit=True, prepare_threshold=None) as conn:
+            row = conn.execute(_WHICH_DATABASE).fetchone()
+            assert row is not None  # one row
+            reached.append(row)
+    (direct_name, direct_oid, direct_start), (name, oid, start) = reached
+    if (direct_oid, direct_start) != (oid, start):
+        raise ConfigError(
+            f"DELAYSVC_DIRECT_DATABASE_URL reaches another database ({direct_name!r}, on a "
+            f"server started at {direct_start:%Y-%m-%d %H:%M:%S %Z}) than DELAYSVC_DATABASE_URL "
+            f"({name!r}, started at {start:%Y-%m-%d %H:%M:%S %Z}): it must be the same "
+            "database, reached without the pooler"
+        )
+
+
 def require_session(settings: Settings, needs: str) -> None:
     """Refuse, naming what to set, work that keeps a session across transactions (a
     session-level advisory lock) when its only URL is a transaction-pooling PgBouncer, which

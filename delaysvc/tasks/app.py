@@ -25,7 +25,7 @@ from celery.signals import setup_logging, worker_init
 from sqlalchemy import Engine
 
 from delaysvc.config.settings import Settings
-from delaysvc.db.engines import make_engine, require_session
+from delaysvc.db.engines import make_engine, require_one_database, require_session
 from delaysvc.errors import ConfigError, SchemaNotReady
 from delaysvc.maintenance import history, periodic
 from delaysvc.tasks import broker
@@ -216,6 +216,7 @@ def _refuse_to_start(sender: object, **_: object) -> None:
     try:
         if DELIVERY_QUEUE in set(sender.app.amqp.queues.consume_from):  # type: ignore[attr-defined]
             require_session(settings, DELIVERY_NEEDS)
+            require_one_database(settings)
         engine = make_engine(settings)
         try:
             with engine.connect() as conn:
