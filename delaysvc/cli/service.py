@@ -7,7 +7,7 @@ import sys
 import click
 
 from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
-from delaysvc.runtime.supervisor import WEB_SERVERS, WEB_THREADS
+from delaysvc.runtime.supervisor import WEB_SERVERS, WEB_THREADS, require_free_port
 
 HOST = click.option(
     "--host", default="127.0.0.1", show_default=True, help="The web app's address (0.0.0.0: all)."
@@ -114,6 +114,7 @@ def web(ctx: Context, host: str, port: int, workers: int, threads: int | None, s
         )
     extras.require("delaysvc web", "server")
     require_levels(ctx)
+    require_free_port(host, port)
     command = web_command(
         host,
         port,

@@ -32,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Any
 import click
 
 from delaysvc.config.settings import Settings
+from delaysvc.errors import ConfigError
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -560,6 +561,23 @@ def _first_admin(engine: Engine) -> str | None:
     )
 
 
+def require_free_port(host: str, port: int) -> None:
+    """Refuse a web address another server listens on: gunicorn would try it for a few
+    seconds, exit, and be started again until the supervisor gave up, while the rest ran."""
+    family, kind, _, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(
+                f"{host}:{port} is in use ({exc.strerror}: another delaysvc up or web, or "
+                "another server): stop it, or give another --port"
+            ) from None
+
+
 def run_all(settings: Settings, host: str, port: int) -> int:
     from delaysvc.db.engines import database_url, make_engine
     from delaysvc.schema.migrate import upgrade
@@ -571,6 +589,7 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     ]
     console = Console(command.name for command in commands)
     lock = deployment_lock(settings.var_dir, lambda line: console.echo(SUPERVISOR, line))
+    require_free_port(host, port)  # after the lock: a second `up` here is named as such
     url = database_url(settings, embedded=True)
     engine = make_engine(settings, url)
     for change in upgrade(engine, settings.levels):

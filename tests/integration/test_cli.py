@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -462,3 +463,29 @@ def test_a_bad_broker_url_or_handler_module_is_refused_before_anything_starts(
     line = _assert_one_line_error(result, 2)
     assert named in line, line
     assert "secret" not in result.stderr  # a URL's password is not repeated
+
+
+@pytest.mark.parametrize("command", ["up", "web"])
+def test_a_port_in_use_is_refused_before_anything_starts(
+    database_url: str, tmp_path: Path, command: str
+) -> None:
+    """gunicorn would try for a few seconds and exit, and be started again until the
+    supervisor gave up, while the rest ran: the command says so first."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "delaysvc", command, "--port", str(port)],
+            env=_clean_env(
+                DELAYSVC_DATABASE_URL=database_url,
+                DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
+                DELAYSVC_VAR_DIR=str(tmp_path / "var"),
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    line = _assert_one_line_error(result, 2)
+    assert f"127.0.0.1:{port} is in use" in line, line
+    assert "--port" in line
