@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -147,12 +148,26 @@ def template_db(pg_server: Server) -> Iterator[str]:
 _counter = itertools.count()
 
 
-@pytest.fixture
-def database_url(pg_server: Server, template_db: str) -> Iterator[str]:
-    """A fresh migrated database for this test, cloned from the template."""
+@contextmanager
+def migrated_database(pg_server: Server, template_db: str) -> Iterator[str]:
+    """The URL of a fresh migrated database, cloned from the template, dropped after."""
     name = f"delaysvc_t{os.getpid()}_{next(_counter)}"
     with pg_server.janitor(name, template_dbname=template_db):
         yield pg_server.url(name)
+
+
+@pytest.fixture
+def database_url(pg_server: Server, template_db: str) -> Iterator[str]:
+    """A fresh migrated database for this test, cloned from the template."""
+    with migrated_database(pg_server, template_db) as url:
+        yield url
+
+
+@pytest.fixture
+def other_database_url(pg_server: Server, template_db: str) -> Iterator[str]:
+    """A second one, beside `database_url`, on the same server."""
+    with migrated_database(pg_server, template_db) as url:
+        yield url
 
 
 @pytest.fixture

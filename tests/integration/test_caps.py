@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 from sqlalchemy import Engine, text
@@ -16,7 +15,8 @@ from delaysvc.errors import BacklogFull, ConfigError
 from delaysvc.producer import caps
 from delaysvc.producer.sending import Producer
 from delaysvc.web import create_app
-from tests.conftest import TEST_LEVELS, outside_env
+from tests.conftest import TEST_LEVELS
+from tests.support.commands import run_delaysvc
 
 
 def _producer(settings: Settings, engine: Engine, configured: str) -> Producer:
@@ -261,14 +261,8 @@ def test_a_batch_counts_only_what_it_adds(settings: Settings, engine: Engine) ->
 
 
 def _cli(database_url: str, *args: str, **variables: str) -> subprocess.CompletedProcess[str]:
-    env = outside_env()
-    env.update(DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS=TEST_LEVELS, **variables)
-    return subprocess.run(
-        [sys.executable, "-m", "delaysvc", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return run_delaysvc(
+        *args, DELAYSVC_DATABASE_URL=database_url, DELAYSVC_DELAY_LEVELS=TEST_LEVELS, **variables
     )
 
 

@@ -19,6 +19,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.producer.sending import Producer
 from delaysvc.worker.consumer import Consumer, handler
 from tests.conftest import outside_env
+from tests.support.commands import run_delaysvc
 
 DEFAULT_DELAYS = ["1s", "5s", "10s", "30s", "1m", "2m", "3m", "4m", "5m"]
 DEFAULT_DELAYS += ["6m", "7m", "8m", "9m", "10m", "20m", "30m", "1h", "2h"]
@@ -33,13 +34,7 @@ def _clean_env(**variables: str) -> dict[str, str]:
 
 
 def _run(args: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "delaysvc", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_delaysvc(*args, env=env)
 
 
 @pytest.fixture
@@ -447,18 +442,13 @@ def test_a_bad_broker_url_or_handler_module_is_refused_before_anything_starts(
     (tmp_path / "myapp").mkdir()
     (tmp_path / "myapp" / "__init__.py").write_text("")
     (tmp_path / "myapp" / "jobs.py").write_text("")  # found: the first module is fine
-    result = subprocess.run(
-        [sys.executable, "-m", "delaysvc", *command],
-        env=_clean_env(
-            DELAYSVC_DATABASE_URL=database_url,
-            DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
-            DELAYSVC_VAR_DIR=str(tmp_path / "var"),
-            **variables,
-        ),
+    result = run_delaysvc(
+        *command,
         cwd=tmp_path,  # where the workers, started with `python -m`, find the handlers
-        capture_output=True,
-        text=True,
-        timeout=120,
+        DELAYSVC_DATABASE_URL=database_url,
+        DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
+        DELAYSVC_VAR_DIR=str(tmp_path / "var"),
+        **variables,
     )
     line = _assert_one_line_error(result, 2)
     assert named in line, line
@@ -475,16 +465,13 @@ def test_a_port_in_use_is_refused_before_anything_starts(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "delaysvc", command, "--port", str(port)],
-            env=_clean_env(
-                DELAYSVC_DATABASE_URL=database_url,
-                DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
-                DELAYSVC_VAR_DIR=str(tmp_path / "var"),
-            ),
-            capture_output=True,
-            text=True,
-            timeout=120,
+        result = run_delaysvc(
+            command,
+            "--port",
+            str(port),
+            DELAYSVC_DATABASE_URL=database_url,
+            DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
+            DELAYSVC_VAR_DIR=str(tmp_path / "var"),
         )
     line = _assert_one_line_error(result, 2)
     assert f"127.0.0.1:{port} is in use" in line, line

@@ -6,53 +6,33 @@ nothing of the producers'), before they act."""
 
 from __future__ import annotations
 
-import itertools
-import os
 import subprocess
-import sys
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
 
-from tests.conftest import Server, outside_env
-
-_counter = itertools.count()
-
-
-@pytest.fixture
-def other_url(pg_server: Server, template_db: str) -> Iterator[str]:
-    """A second migrated database on the same server."""
-    name = f"delaysvc_other{os.getpid()}_{next(_counter)}"
-    with pg_server.janitor(name, template_dbname=template_db):
-        yield pg_server.url(name)
+from tests.support.commands import run_delaysvc
 
 
 def _run(*args: str, database_url: str, direct_url: str) -> subprocess.CompletedProcess[str]:
-    env = outside_env() | {
-        "DELAYSVC_DATABASE_URL": database_url,
-        "DELAYSVC_DIRECT_DATABASE_URL": direct_url,
-        "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 8s",
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "delaysvc", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return run_delaysvc(
+        *args,
+        DELAYSVC_DATABASE_URL=database_url,
+        DELAYSVC_DIRECT_DATABASE_URL=direct_url,
+        DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s",
     )
 
 
 @pytest.mark.parametrize("args", [("migrate",), ("worker", "--no-consume")], ids=str)
 def test_a_direct_url_of_another_database_is_refused(
-    database_url: str, other_url: str, args: tuple[str, ...]
+    database_url: str, other_database_url: str, args: tuple[str, ...]
 ) -> None:
-    done = _run(*args, database_url=database_url, direct_url=other_url)
+    done = _run(*args, database_url=database_url, direct_url=other_database_url)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: DELAYSVC_DIRECT_DATABASE_URL reaches another database"), line
-    assert f"({_name(other_url)!r}" in line and f"({_name(database_url)!r}" in line
+    assert f"({_name(other_database_url)!r}" in line and f"({_name(database_url)!r}" in line
 
 
 def _name(url: str) -> str:

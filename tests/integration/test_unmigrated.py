@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +16,8 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine
 from delaysvc.errors import SchemaNotReady
 from delaysvc.producer.sending import Producer
-from tests.conftest import Server, outside_env
+from tests.conftest import Server
+from tests.support.commands import run_delaysvc
 
 _counter = itertools.count()
 
@@ -70,13 +69,7 @@ def test_a_send_in_the_callers_transaction_says_so_too(producer: Producer) -> No
 def test_a_command_on_an_unmigrated_database_says_to_migrate(
     empty_url: str, args: tuple[str, ...]
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "delaysvc", *args],
-        env=outside_env() | {"DELAYSVC_DATABASE_URL": empty_url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_delaysvc(*args, DELAYSVC_DATABASE_URL=empty_url)
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
     (line,) = done.stderr.strip().splitlines()
@@ -85,13 +78,7 @@ def test_a_command_on_an_unmigrated_database_says_to_migrate(
 
 
 def test_the_check_of_an_unmigrated_database_cannot_finish_and_says_why(empty_url: str) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "delaysvc", "check"],
-        env=outside_env() | {"DELAYSVC_DATABASE_URL": empty_url},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_delaysvc("check", DELAYSVC_DATABASE_URL=empty_url)
     assert done.returncode == 2, done.stderr  # it could not finish: not a violation (1)
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("error: delaysvc check could not finish: the database is not migrated")
