@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from scratch import server_and_rounds
 from timing import checkouts_in_turn
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -69,8 +70,7 @@ def measure(server: str, label: str) -> None:
 
 
 def main() -> None:
-    server = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+    server, rounds = server_and_rounds(4)
     other = sys.argv[3] if len(sys.argv) > 3 else None
     tree = str(Path(__file__).resolve().parents[2])
     sides: list[tuple[str, str, dict[str, str]]] = [("tree", tree, {})]

@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scratch import server_and_rounds
 from timing import checkouts_in_turn
 
 SIZE = 10_000
@@ -77,8 +78,7 @@ def measure(server: str, label: str) -> None:
 
 
 def main() -> None:
-    server = sys.argv[1] if len(sys.argv) > 1 else "postgresql://root@127.0.0.1:5432/postgres"
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    server, rounds = server_and_rounds(3)
     tree = str(Path(__file__).resolve().parents[2])
     ways = [("tree", tree, {}), ("tree, " + "=".join(*HIGH_TRIM.items()), tree, HIGH_TRIM)]
     if len(sys.argv) > 3:
