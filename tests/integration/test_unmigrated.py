@@ -6,10 +6,13 @@ not a traceback of the missing table. The long-lived processes refuse to start t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 from collections.abc import Iterator
 
+import psycopg
+import psycopg2
 import pytest
 
 from delaysvc.config.settings import Settings
@@ -54,6 +57,34 @@ def test_a_send_in_the_callers_transaction_says_so_too(producer: Producer) -> No
         pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"),
     ):
         producer.send("orders.cancel", {"id": 1}, delay="5m", connection=conn)
+
+
+def test_a_send_on_the_callers_own_driver_connection_says_so_too(
+    producer: Producer, empty_url: str
+) -> None:
+    """A plain psycopg 3 connection (a batch COPYs there), a psycopg2 one, an asyncio one."""
+    batch = [{"topic": "orders.cancel", "body": {"id": n}} for n in range(3)]
+    with psycopg.connect(empty_url) as conn:
+        for send in (
+            lambda: producer.send("orders.cancel", {"id": 1}, connection=conn),
+            lambda: producer.send_batch(batch, connection=conn),
+        ):
+            with pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"):
+                send()
+            conn.rollback()
+    old = psycopg2.connect(empty_url)
+    try:
+        with pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"):
+            producer.send_batch(batch, connection=old)
+    finally:
+        old.close()
+
+    async def on_asyncio() -> None:
+        async with await psycopg.AsyncConnection.connect(empty_url) as conn:
+            with pytest.raises(SchemaNotReady, match=r"run `delaysvc migrate`"):
+                await producer.asend_batch(batch, connection=conn)
+
+    asyncio.run(on_asyncio())
 
 
 @pytest.mark.parametrize(
