@@ -307,7 +307,8 @@ class _Starts:
         self.chunk_ms = 0
 
     def covers(self, message_id: int) -> bool:
-        return message_id in self.chunk
+        """Whether its attempt is counted: by the claim, or by a chunk started before."""
+        return message_id in self.attempts
 
     def next_chunk(self, upcoming: list[Job]) -> list[int]:
         """The next job, and after it while the previous chunk ran quickly, up to `size` - 1
@@ -326,7 +327,10 @@ class _Starts:
         return chunk
 
     def started(self, chunk: list[int], attempts: dict[int, int]) -> None:
-        self.chunk, self.attempts, self.chunk_ms = chunk, attempts, 0
+        """A chunk started: its jobs' attempts join those counted before (the claim's, which a
+        rerun ahead of them, started alone, must not make forgotten)."""
+        self.chunk, self.chunk_ms = chunk, 0
+        self.attempts.update(attempts)
 
     def attempt(self, message_id: int) -> int | None:
         return self.attempts.get(message_id)

@@ -236,6 +236,37 @@ def test_a_batch_starts_no_job_after_half_a_lease_and_gives_the_rest_back_unchar
     assert sorted(ran) == [(message_id, 1) for message_id in ids]  # each ran once, attempt 1
 
 
+def test_jobs_the_claim_started_still_run_once_behind_a_rerun_started_alone(
+    producer, consumer, engine
+):
+    """Once a topic's handlers prove quick, a claim counts the attempts of its first jobs never
+    attempted itself; a rerun among them starts alone, just before it runs. Jobs the claim
+    started behind a rerun run in this batch, once, as attempt 1: they used to be forgotten
+    when the rerun started, dropped as `consume.claim_lost`, left running until their lease
+    expired and charged an attempt that never ran."""
+    ran = []
+
+    @handler("t")
+    def note(message):
+        ran.append((message.body, message.attempts))
+        if message.body == "flaky" and message.attempts == 1:
+            raise ValueError("the first attempt fails")
+
+    flaky = producer.send("t", "flaky")
+    assert consumer.run_once("t").retried == 1
+    for n in range(7):
+        producer.send("t", f"quick {n}")
+    assert consumer.run_once("t").succeeded == 7
+    make_ready(engine, flaky.id)  # the retry falls due, ahead of the jobs sent next
+    fresh = [producer.send("t", f"fresh {n}").id for n in range(2)]
+    ran.clear()
+    result = consumer.run_once("t")
+    assert (result.claimed, result.succeeded) == (3, 3)
+    assert ran == [("flaky", 2), ("fresh 0", 1), ("fresh 1", 1)]
+    for message_id in [flaky.id, *fresh]:
+        assert producer.get(message_id).status == "succeeded"
+
+
 def slow_get(engine, message_id):
     with engine.connect() as conn:
         return store.get_message(conn, message_id)
