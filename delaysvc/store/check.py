@@ -237,13 +237,19 @@ SELECT id AS message_id, 'message ' || id AS subject,
     'status running (claim ' || COALESCE(claim_id::text, 'none') || ', attempt ' || attempts
     || '), lease expired ' || round(extract(epoch FROM now() - lease_until)) || ' s ago at '
     || lease_until || ' and not rescued' AS problem
-FROM delaysvc.commit_log
-WHERE status = 'running' AND lease_until < now() - :tolerance_s * interval '1 second'"""
+FROM delaysvc.commit_log c
+WHERE status = 'running' AND lease_until < now() - :tolerance_s * interval '1 second'
+    -- not a row a live transaction has locked or is writing (its xmax, while that transaction
+    -- holds the lock on its own id): a transactional handler's job, which renewal and rescue
+    -- skip until its transaction ends (`lock_running_job`), or a rescue under way
+    AND NOT EXISTS (SELECT FROM pg_locks l
+        WHERE l.locktype = 'transactionid' AND l.transactionid = c.xmax AND l.granted)"""
 
 
 def leases_expired_long_ago(conn: Connection, tolerance_s: float, limit: int) -> list[Any]:
     """No running job's lease expired more than `tolerance_s` ago (the rescue returns an
-    expired one to its topic queue within seconds)."""
+    expired one to its topic queue within seconds), but for one whose row a live transaction
+    holds: a transactional handler's, which keeps its job while it runs however long."""
     return _violations(conn, _EXPIRED_LEASES, tolerance_s=tolerance_s, limit=limit)
 
 

@@ -487,8 +487,11 @@ def test_a_job_whose_handler_transaction_is_open_is_neither_rescued_nor_renewed(
     settings, engine, producer, effects
 ):
     """Its row is locked until the commit: a lease that expires meanwhile (renewal skips the
-    locked row) gives no other consumer the job."""
+    locked row) gives no other consumer the job, and `delaysvc check` finds nothing wrong with
+    it (it used to report the lease expired and not rescued)."""
     import threading
+
+    from delaysvc.maintenance.check import run_check
 
     short = Consumer(settings.model_copy(update={"lease_seconds": 1}), engine)
     inside, rescued = threading.Event(), []
@@ -511,7 +514,9 @@ def test_a_job_whose_handler_transaction_is_open_is_neither_rescued_nor_renewed(
         )
         assert store.renew_leases(conn, {held.scalar_one(): [message.id]}, 30) == 0  # skipped
         rescued = store.rescue_expired_leases(conn, 10)
+    checked = run_check(engine, lease_tolerance_s=0.2)  # the lease expired over 0.2 s ago
     runner.join(30)
+    assert checked.ok, checked.lines()
     assert rescued == []
     assert effects() == {message.id: "done"}
     assert producer.get(message.id).status == "succeeded"
