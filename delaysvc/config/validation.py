@@ -64,7 +64,11 @@ MAX_PROPERTY_NAME = 128
 MAX_PROPERTY_VALUE = 4096
 CONTROL_CHARS = r"\x00-\x1f\x7f"
 """What a key must not hold: NUL and the other control characters (a regex class's body)."""
-_CONTROL = re.compile(f"[{CONTROL_CHARS}]")
+# text a key or a property must not hold: the control characters, and the halves of a UTF-16
+# pair (surrogates), which no UTF-8 text holds, so PostgreSQL cannot store them
+_REFUSED = re.compile(f"[{CONTROL_CHARS}\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+NOT_UNICODE = "contains text that is not valid Unicode (a lone UTF-16 surrogate)"
 
 
 def validate_topic(topic: object) -> str:
@@ -82,7 +86,9 @@ def validate_key(key: object) -> str | None:
         return None
     if not isinstance(key, str) or not 1 <= len(key) <= MAX_KEY_CHARS:
         raise ValidationError("key", f"must be a string of 1-{MAX_KEY_CHARS} characters")
-    if _CONTROL.search(key):
+    if refused := _REFUSED.search(key):
+        if _SURROGATE.match(refused.group()):
+            raise ValidationError("key", NOT_UNICODE)
         raise ValidationError("key", "must not contain NUL or other control characters")
     return key
 
@@ -123,6 +129,8 @@ def validate_properties(properties: object) -> dict[str, str] | None:
             )
         if "\x00" in name or "\x00" in value:
             raise ValidationError("properties", f"{name!r} contains a NUL character")
+        if _SURROGATE.search(name) or _SURROGATE.search(value):
+            raise ValidationError("properties", f"{name!r}: its name or value {NOT_UNICODE}")
     return dict(properties)
 
 

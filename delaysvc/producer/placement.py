@@ -4,7 +4,7 @@ lane and a delay, as a send, a batch and a retry place a message (`resolve_sched
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from delaysvc.config.levels import DelayLevels, format_ms, parse_duration_ms
 from delaysvc.errors import ValidationError
@@ -107,6 +107,12 @@ def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Placeme
         raise ValidationError(
             "deliver_at", "must be timezone-aware (a naive datetime is ambiguous); add tzinfo"
         )
+    try:
+        deliver_at.astimezone(UTC)
+    except OverflowError:  # Python has no earlier time: stored, it could not be read back
+        raise ValidationError(
+            "deliver_at", f"{deliver_at.isoformat()} is before 0001-01-01T00:00:00Z"
+        ) from None
     if deliver_at - now > timedelta(milliseconds=max_delay_ms):
         raise ValidationError(
             "deliver_at",

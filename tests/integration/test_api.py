@@ -136,13 +136,30 @@ def test_a_batch_request_holds_at_most_max_batch_messages(
         ({"topic": "t", "body": 1, "properties": {"a": 1}}, "properties"),
         ({"topic": "t", "body": 1, "colour": "red"}, "colour"),
         ({"topic": "no spaces", "body": 1}, "topic"),
+        # before the year 1 in UTC: was stored, then answered 400 (and 500 in a batch)
+        ({"topic": "t", "body": 1, "deliver_at": "0001-01-01T00:00:00+01:00"}, "deliver_at"),
+        # text PostgreSQL cannot store (a lone surrogate): was a 500
+        ({"topic": "t", "body": 1, "key": "\ud800"}, "key"),
+        ({"topic": "t", "body": 1, "tags": ["a\ud800"]}, "tags"),
+        ({"topic": "t", "body": 1, "properties": {"a": "\ud800"}}, "properties"),
+        ({"topic": "t", "body": 1, "properties": {"\ud800": "a"}}, "properties"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(
-    client: FlaskClient, send_token: dict[str, str], payload: dict[str, Any], named: str
+    client: FlaskClient,
+    send_token: dict[str, str],
+    engine: Engine,
+    payload: dict[str, Any],
+    named: str,
 ) -> None:
+    """Singly and in a batch, and nothing is stored."""
     response = client.post("/api/v1/messages", json=payload, headers=send_token)
     assert named in _error(response, 400, "invalid")
+    batch = {"messages": [{"topic": "t", "body": 0}, payload]}
+    response = client.post("/api/v1/messages/batch", json=batch, headers=send_token)
+    assert named in _error(response, 400, "invalid")
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one() == 0
 
 
 def test_not_json_is_415_and_too_large_is_413(

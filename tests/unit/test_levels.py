@@ -1,4 +1,4 @@
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
@@ -109,6 +109,16 @@ def test_deliver_at_must_be_aware_and_not_too_far():
         resolve(deliver_at=datetime(2026, 1, 1, 13, 0))
     with pytest.raises(ValidationError, match="ahead"):
         resolve(deliver_at=NOW + timedelta(days=401))
+
+
+def test_deliver_at_before_the_year_1_in_utc_is_refused():
+    """Python holds no earlier time: such a message, once stored, could not be read back (a
+    single send stored it and then failed; a batch failed with an OverflowError)."""
+    east = timezone(timedelta(hours=1))
+    with pytest.raises(ValidationError, match="before 0001-01-01T00:00:00Z"):
+        resolve(deliver_at=datetime(1, 1, 1, tzinfo=east))
+    first = datetime(1, 1, 1, tzinfo=UTC)
+    assert resolve(deliver_at=first) == Placement(TIMER_LANE, None, None, first)
 
 
 def test_default_delay_applies_only_when_nothing_is_named():
