@@ -22,6 +22,7 @@ from sqlalchemy.exc import ArgumentError
 
 from delaysvc.config.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
 from delaysvc.config.validation import (
+    ascii_digits,
     check_max_running,
     check_schema_name,
     parse_rate,
@@ -250,7 +251,7 @@ class Settings(BaseModel):
         """The configured limits, per topic: (max_running, rate_per_s)."""
         found: dict[str, tuple[int | None, float | None]] = {}
         for topic, value in _pairs("DELAYSVC_TOPIC_MAX_RUNNING", self.topic_max_running).items():
-            number = int(value) if value.strip().isdigit() else value
+            number = int(value) if ascii_digits(value.strip()) else value
             try:
                 found[topic] = (check_max_running(number), None)
             except DelaysvcValidationError as exc:
@@ -330,11 +331,11 @@ def _parse_cap(item: str) -> BacklogCap:
     scope, _, rest = item.partition(":")
     target, _, rest = rest.partition("=")
     limit, _, policy = rest.partition(":")
-    if scope not in ("level", "topic") or not target or not limit.isdigit():
+    if scope not in ("level", "topic") or not target or not ascii_digits(limit):
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: {item!r} is malformed; {usage}")
     if policy not in ("reject", "deliver-early"):
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: policy {policy!r} in {item!r}; {usage}")
-    if scope == "level" and not target.isdigit():
+    if scope == "level" and not ascii_digits(target):
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: level {target!r} is not a number; {usage}")
     if int(limit) <= 0:
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: limit in {item!r} must be positive")

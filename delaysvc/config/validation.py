@@ -71,6 +71,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 NOT_UNICODE = "contains text that is not valid Unicode (a lone UTF-16 surrogate)"
 
 
+def ascii_digits(text: str) -> bool:
+    """Whether `text` is a whole number in the digits 0-9: `str.isdigit()` also takes `²`
+    (on which `int()` raises) and other scripts' digits (which `int()` reads as a number
+    nobody typed)."""
+    return text.isascii() and text.isdigit()
+
+
 def validate_topic(topic: object) -> str:
     if not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic):
         raise ValidationError(

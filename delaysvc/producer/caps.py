@@ -40,7 +40,7 @@ from sqlalchemy import Engine
 
 from delaysvc import store
 from delaysvc.config.settings import BacklogCap, CapPolicy
-from delaysvc.config.validation import validate_topic
+from delaysvc.config.validation import ascii_digits, validate_topic
 from delaysvc.errors import BacklogFull, ValidationError
 from delaysvc.schema.tables import WAITING
 
@@ -193,9 +193,9 @@ def check_target(scope: object, target: object) -> tuple[str, str]:
     if scope == "level":
         if isinstance(target, int) and not isinstance(target, bool):
             target = str(target)
-        if isinstance(target, str) and target.isdigit() and 1 <= int(target) <= 1000:
+        if isinstance(target, str) and ascii_digits(target) and 1 <= int(target) <= 1000:
             return "level", str(int(target))
-        raise ValidationError("level", f"{target!r}: a level number from 1")
+        raise ValidationError("level", f"{target!r}: a level number from 1, in the digits 0-9")
     raise ValidationError("scope", f"{scope!r}: use level or topic")
 
 

@@ -123,6 +123,8 @@ def test_a_topic_cap_with_deliver_early_takes_the_soonest_due_across_lanes(
         ("queue:x=1:reject", "malformed"),
         ("topic:bad topic=1:reject", "topic"),
         ("level:2=0:reject", "must be positive"),
+        ("level:\uff12=1:reject", "not a number"),  # a full-width 2
+        ("level:2=\uff110:reject", "malformed"),  # a full-width 1
     ],
 )
 def test_bad_cap_settings_name_the_problem(caps: str, named: str) -> None:
@@ -404,6 +406,11 @@ def test_caps_through_the_api(settings: Settings, engine: Engine) -> None:
             client.put("/api/v1/levels/9/cap", json={"max_waiting": 1}, headers=admin).status_code
             == 400
         )
+        # digits of other scripts: a 500 for '²', a cap set on level 1 or 3 for the others
+        for level in ("\u00b2", "\u0661", "\uff13"):  # ², Arabic-Indic 1, full-width 3
+            bad = client.put(f"/api/v1/levels/{level}/cap", json={"max_waiting": 1}, headers=admin)
+            assert bad.status_code == 400, (level, bad.get_json())
+            assert "in the digits 0-9" in bad.get_json()["error"]["message"]
 
         # the cap binds every producer: this one has none of its own, the HTTP send too
         first = client.post(
