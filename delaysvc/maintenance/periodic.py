@@ -59,6 +59,9 @@ STILL_DECLARED = 2 * DECLARE_EVERY
 """A code-declared schedule declared this recently is declared by a running worker: deleting it
 is refused (it would be back at the worker's next round)."""
 MIN_EVERY_MS = 1000
+MAX_EVERY_MS = 3650 * 86_400_000
+"""The longest interval, ten years: counted from 1970, its ticks stay well within the years a
+datetime holds (to 9999)."""
 MAX_TICKS_PER_RUN = 100
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 MAX_BODY_BYTES = 64 * 1024
@@ -173,6 +176,10 @@ def _when(when: str | timedelta) -> tuple[str | None, int | None]:
         return cron, None
     if every_ms < MIN_EVERY_MS:
         raise ValidationError("schedule", f"an interval must be at least 1s, got {when!r}")
+    if every_ms > MAX_EVERY_MS:
+        raise ValidationError(
+            "schedule", f"an interval must be at most {format_ms(MAX_EVERY_MS)}, got {when!r}"
+        )
     return None, every_ms
 
 

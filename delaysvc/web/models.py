@@ -169,7 +169,7 @@ class NewScheduleJson(TypedDict):
         str,
         Field(
             description="a cron expression of five fields (`*/5 * * * *`), or an interval of "
-            "at least 1s (`30s`, `every 1h`)"
+            "1s to 3650d (`30s`, `every 1h`)"
         ),
     ]
     topic: Topic

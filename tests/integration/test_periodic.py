@@ -63,6 +63,9 @@ def _messages(engine: Engine, name: str) -> list[tuple[str, str, dict[str, str]]
         ("*/5 * * *", "schedule", "not a cron expression"),
         ("61 * * * *", "schedule", "not a cron expression"),
         ("500ms", "schedule", "at least 1s"),
+        # its ticks would pass the year 9999 (was an OverflowError: a 500 through the API)
+        ("every 3000000d", "schedule", "at most 3650d"),
+        ("999999999999d", "schedule", "at most 3650d"),
         ("every 5x", "schedule", "not a duration"),
         ("", "schedule", "cron expression or an interval"),
     ],
