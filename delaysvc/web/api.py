@@ -8,7 +8,7 @@ from functools import wraps
 from typing import Any, Literal
 
 from flask import Blueprint, current_app, g, jsonify, request
-from werkzeug.exceptions import Forbidden
+from werkzeug.exceptions import Forbidden, RequestEntityTooLarge
 
 from delaysvc import store
 from delaysvc.auth import ApiToken, authenticate_token
@@ -95,12 +95,24 @@ def require_topic(item: dict[str, Any], sender: ApiToken | None = None) -> None:
 def json_body() -> dict[str, Any]:
     if not request.is_json:
         return _raise_unsupported()
+    raw = request.get_data()  # over the app's MAX_CONTENT_LENGTH given as Content-Length: 413
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
+    if request.content_length is None and limit is not None and len(raw) >= limit:
+        raise RequestEntityTooLarge()  # a chunked body, read up to the limit and cut there
+    if not raw:
+        raise ValidationError("body", "the request body is empty: send a JSON object")
     try:
-        data = request.get_json(silent=True)  # malformed JSON or bad UTF-8 -> None
+        data = current_app.json.loads(raw)  # UTF-8, or UTF-16/32 (told by the first bytes)
     except RecursionError:
         raise ValidationError(
             "body", "the JSON is nested too deeply to parse (keep it under ~900 levels)"
         ) from None
+    except UnicodeDecodeError:
+        raise ValidationError(
+            "body", "the request body is not UTF-8 (nor UTF-16/32) text"
+        ) from None
+    except ValueError as exc:  # malformed JSON, a number of more than 4,300 digits
+        raise ValidationError("body", f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValidationError("body", "the request body must be a JSON object")
     return data

@@ -59,7 +59,7 @@ class AsgiApp:
         self.sends = sends
         self.engine = engine
         self.path = API_PREFIX + "/messages"
-        self.flask = WSGIMiddleware(app, workers=FLASK_THREADS)  # type: ignore[arg-type]
+        self.flask = WSGIMiddleware(_input_terminated(app), workers=FLASK_THREADS)  # type: ignore[arg-type]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -149,6 +149,19 @@ class AsgiApp:
             if name.lower() not in ("content-type", "content-length")
         ]
         return response.status_code, response.get_data(), extra
+
+
+def _input_terminated(app: Flask) -> Callable[[dict[str, Any], Any], Any]:
+    """The Flask app, told that the body a2wsgi gives it ends where the request's does (it
+    reads the ASGI body events to the last): without it, Werkzeug reads a body of no
+    Content-Length (`Transfer-Encoding: chunked`) as empty, and applies the app's
+    MAX_CONTENT_LENGTH (a 413) only to a length given."""
+
+    def wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+        environ["wsgi.input_terminated"] = True
+        return app(environ, start_response)
+
+    return wsgi
 
 
 async def _body(receive: Receive, size: int) -> bytes:

@@ -53,7 +53,11 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         code = (exc.name or "error").lower().replace(" ", "_")
-        response = error_response(exc.code or 500, code, exc.description or exc.name)
+        message = exc.description or exc.name
+        limit = app.config.get("MAX_CONTENT_LENGTH")
+        if exc.code == 413 and limit is not None:
+            message = f"the request body is over {limit:,} bytes, the most this server takes"
+        response = error_response(exc.code or 500, code, message)
         allow = exc.get_response().headers.get("Allow")  # a 405 says what is allowed
         if allow:
             response.headers["Allow"] = allow

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -172,6 +173,42 @@ def test_not_json_is_415_and_too_large_is_413(
     _error(
         client.post("/api/v1/messages", data="[1,", headers=send_token | _json()), 400, "invalid"
     )
+
+
+def test_a_chunked_body_over_the_limit_is_413_and_a_bad_body_is_named_for_what_it_is(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    """A body of no Content-Length (`Transfer-Encoding: chunked`) from a server that ends it
+    (gunicorn, a2wsgi: `wsgi.input_terminated`) is read up to the app's limit: past it, 413
+    (it was cut at the limit and answered 400, not JSON). Each kind of bad body says what it
+    is (they all used to say "must be a JSON object")."""
+    limit = client.application.config["MAX_CONTENT_LENGTH"]
+    big = b'{"topic": "t.big", "body": "' + b"x" * limit + b'"}'
+    chunked = {"wsgi.input_terminated": True}
+    response = client.post(
+        "/api/v1/messages",
+        input_stream=io.BytesIO(big),
+        headers=send_token | _json(),
+        environ_overrides=chunked,
+    )
+    assert f"over {limit:,} bytes" in _error(response, 413, "request_entity_too_large")
+    small = b'{"topic": "t.small", "body": 1}'
+    response = client.post(
+        "/api/v1/messages",
+        input_stream=io.BytesIO(small),
+        headers=send_token | _json(),
+        environ_overrides=chunked,
+    )
+    assert response.status_code == 201, response.get_json()
+    for body, says in [
+        (b"", "the request body is empty"),
+        (b'{"topic": "t", "body": ', "not valid JSON"),
+        (b'{"topic": "t", "body": "\xff"}', "not UTF-8"),  # a byte no UTF-8 text holds
+        (b'{"topic": "t", "body": ' + b"9" * 5000 + b"}", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+    ]:
+        response = client.post("/api/v1/messages", data=body, headers=send_token | _json())
+        assert says in _error(response, 400, "invalid"), body[:40]
 
 
 def _json() -> dict[str, str]:

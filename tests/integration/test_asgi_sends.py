@@ -164,10 +164,24 @@ def asgi(app: Flask) -> Iterator[AsgiApp]:
 
 
 async def _request(
-    asgi: AsgiApp, path: str, body: bytes, headers: dict[str, str], method: str = "POST"
+    asgi: AsgiApp,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    method: str = "POST",
+    chunked: bool = False,
 ) -> tuple[int, dict[str, str], bytes]:
-    """One request through the ASGI callable, as a server makes it."""
+    """One request through the ASGI callable, as a server makes it (`chunked`: its body sent
+    with `Transfer-Encoding: chunked`, in two parts, with no Content-Length)."""
     events = [{"type": "http.request", "body": body, "more_body": False}]
+    length = [(b"content-length", str(len(body)).encode())]
+    if chunked:
+        half = len(body) // 2
+        events = [
+            {"type": "http.request", "body": body[half:], "more_body": False},
+            {"type": "http.request", "body": body[:half], "more_body": True},
+        ]
+        length = [(b"transfer-encoding", b"chunked")]
     answer: dict[str, Any] = {"body": b""}
 
     async def receive() -> dict[str, Any]:
@@ -196,7 +210,7 @@ async def _request(
         "server": ("127.0.0.1", 80),
         "client": ("127.0.0.1", 5000),
         "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-        + [(b"content-length", str(len(body)).encode()), (b"host", b"localhost")],
+        + [*length, (b"host", b"localhost")],
     }
     await asgi(scope, receive, send)
     return answer["status"], answer["headers"], answer["body"]
@@ -315,6 +329,35 @@ def test_a_connection_lost_once_the_send_was_written_is_a_503_and_no_second_send
     assert error["code"] == "unavailable"
     assert "may be stored: send again with the same key" in error["message"]
     assert _stored(engine) == []  # killed before it committed, and not sent again
+
+
+def test_a_chunked_request_body_is_read_whole_and_one_over_the_limit_is_413(
+    asgi: AsgiApp, engine: Engine
+) -> None:
+    """A body sent with `Transfer-Encoding: chunked` (no Content-Length), as the sync server
+    reads it: it used to be read as empty, every such request a 400 "must be a JSON object"."""
+    token = auth.create_token(engine, "shop", "admin")
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    one = json.dumps({"topic": "greet", "body": {"name": "Ada"}}).encode()
+    batch = json.dumps({"messages": [{"topic": "greet", "body": n} for n in range(3)]}).encode()
+    limits = json.dumps({"max_running": 3}).encode()
+    too_big = json.dumps({"topic": "greet", "body": "x" * (9 * 1024 * 1024)}).encode()
+
+    async def main() -> list[tuple[int, dict[str, str], bytes]]:
+        await asgi.sends.open()
+        try:
+            return [
+                await _request(asgi, URL, one, headers, chunked=True),
+                await _request(asgi, URL + "/batch", batch, headers, chunked=True),
+                await _request(asgi, "/api/v1/topics/greet/limits", limits, headers, "PUT", True),
+                await _request(asgi, URL, too_big, headers, chunked=True),
+            ]
+        finally:
+            await asgi.sends.close()
+
+    answers = asyncio.run(main())
+    assert [status for status, _, _ in answers] == [201, 201, 200, 413], answers
+    assert len(_stored(engine)) == 4
 
 
 def test_other_requests_are_the_flask_apps(asgi: AsgiApp, engine: Engine) -> None:
