@@ -24,7 +24,9 @@ class Placement:
         """The due time for a send at `now` (the database computes the same from its clock)."""
         if self.deliver_at is not None:
             return self.deliver_at
-        return now + timedelta(milliseconds=self.delay_ms or 0)
+        # elapsed time: added in UTC, not to the clock of `now`'s zone
+        due = now.astimezone(UTC) + timedelta(milliseconds=self.delay_ms or 0)
+        return due.astimezone(now.tzinfo)
 
 
 def resolve_schedule(

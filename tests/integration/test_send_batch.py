@@ -117,6 +117,50 @@ def test_a_batchs_rows_hold_the_times_its_messages_give_in_every_lane(
     assert sent[1].deliver_at - sent[1].stored_at == timedelta(seconds=7)
 
 
+def test_a_batchs_due_times_are_exact_across_a_daylight_saving_change(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """A delay is elapsed time, as a single send's `statement_timestamp() + interval` makes
+    it, in a session whose time zone changes its clock meanwhile: the batch's due times used to
+    be wall-clock time added to the store time psycopg gives in that zone, an hour off."""
+    zone = ZoneInfo("Europe/Berlin")
+    now = datetime.now(zone)
+    change = next(  # the first day after which Berlin's clock has changed
+        day for day in range(1, 240) if (now + timedelta(days=day)).utcoffset() != now.utcoffset()
+    )
+    delay = timedelta(days=change + 1)
+    items = [
+        {"topic": "t", "body": 0, "delay_ms": delay // timedelta(milliseconds=1)},
+        {"topic": "t", "body": 1, "delay": "1h"},  # a level's
+    ]
+    with psycopg.connect(
+        libpq_url(settings.database_url), options="-c timezone=Europe/Berlin"
+    ) as conn:
+        sent = producer.send_batch(items, connection=conn)
+        single = producer.send("t", 2, delay_ms=items[0]["delay_ms"], connection=conn)
+        conn.commit()
+
+    def elapsed_until_due(message: Message) -> timedelta:  # not the clocks' difference
+        return message.deliver_at.astimezone(UTC) - message.stored_at.astimezone(UTC)
+
+    assert [elapsed_until_due(m) for m in [*sent, single]] == [delay, timedelta(hours=1), delay]
+    with engine.connect() as conn:
+        elapsed = conn.execute(
+            text(
+                "SELECT extract(epoch FROM c.deliver_ts - c.stored_at), "
+                "extract(epoch FROM coalesce(q.deliver_ts, t.deliver_ts) - c.stored_at) "
+                "FROM commit_log c LEFT JOIN consume_queue q ON q.message_id = c.id "
+                "LEFT JOIN timer_queue t ON t.message_id = c.id ORDER BY c.id"
+            )
+        ).all()
+    seconds = delay.total_seconds()
+    assert [tuple(map(float, row)) for row in elapsed] == [
+        (seconds, seconds),
+        (3600.0, 3600.0),
+        (seconds, seconds),
+    ]
+
+
 def test_a_batch_mixing_lanes_gives_each_lane_its_offsets_in_batch_order(
     producer: Producer, engine: Engine
 ) -> None:
