@@ -227,15 +227,15 @@ class Producer:
         """A send whose key may be held: store it, or put it in the holder's place (see
         `send`'s `on_duplicate`), in one transaction."""
 
-        def write(conn: joining.Joined) -> tuple[Any, bool, int | None]:
+        def write(conn: joining.Joined) -> tuple[Any, bool, int | None, store.NewMessage]:
             with conn.transaction():
                 for _ in range(5):
                     ((row, created, _),) = self._store(conn, [new])
                     if created:
-                        return row, True, None
+                        return row, True, None, new
                     holder = row
                     if holder.status not in (*WAITING, "ready"):
-                        return holder, False, None  # running: it runs with its own body
+                        return holder, False, None, new  # running: it runs with its own body
                     placed = new
                     if policy == "debounce":
                         placed = _not_earlier(conn, new, holder.deliver_ts)
@@ -245,14 +245,15 @@ class Producer:
                         continue  # it started meanwhile: the next insert finds it running
                     if created:
                         store.note_replaced(conn, holder.id, row.id)
-                        return row, True, holder.id
+                        return row, True, holder.id, placed
                 raise NotCancellable(f"the message holding key {new.key!r} keeps changing state")
 
-        row, created, replaced = self._write(connection, write)
+        row, created, replaced, placed = self._write(connection, write)
         if not created:
             log.info("message.duplicate_key", extra={"message_id": row.id, "topic": new.topic})
             return Message.from_row(row, created=False)
-        sent = Message.sent(new, row.id, row.stored_at, row.deliver_ts)
+        # as placed: a debounce that kept the holder's later due time put it in the timer lane
+        sent = Message.sent(placed, row.id, row.stored_at, row.deliver_ts)
         message = dataclasses.replace(sent, replaced_id=replaced)
         log.info(
             "message.replaced" if replaced else "message.sent",

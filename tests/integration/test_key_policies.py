@@ -54,6 +54,11 @@ def test_debounce_pushes_the_due_time_later_never_earlier_and_takes_the_new_body
     sooner = producer.send("kp.t", {"v": 3}, delay="1m", key="k", on_duplicate="debounce")
     kept = producer.get(sooner.id)
     assert kept.deliver_at == later.deliver_at  # not earlier than it was
+    # put in the timer lane at that time: the send says so as the message does (its answer
+    # gave the level it was asked for)
+    leveled = producer.send("kp.t", {"v": 4}, delay_level=1, key="k", on_duplicate="debounce")
+    assert (leveled.delay_level, producer.get(leveled.id).delay_level) == (None, None)
+    assert leveled.deliver_at == later.deliver_at
     assert kept.body == {"v": 3}
     assert [producer.get(m).status for m in (first.id, later.id)] == ["cancelled", "cancelled"]
 
