@@ -141,17 +141,18 @@ class AsyncSends:
                 sent = True
                 self.groups += 1
                 return await store.insert_group_async(conn, messages)
-        except psycopg.OperationalError as exc:  # PoolTimeout too: no connection to be had
-            if sent:
-                raise DatabaseUnavailable(
-                    f"the database is unavailable ({str(exc).strip()}); the connection was "
-                    "lost after the write was sent, so it may be stored: send again with the "
-                    "same key to be sure",
-                    maybe_stored=True,
-                ) from exc
-            log.warning("producer.async_unreachable", extra={"error": str(exc)})
-        except psycopg.Error:
-            pass
+        except psycopg.Error as exc:
+            if not store.rolled_back(exc) and isinstance(exc, psycopg.OperationalError):
+                # PoolTimeout too: no connection to be had
+                if sent:
+                    raise DatabaseUnavailable(
+                        f"the database is unavailable ({str(exc).strip()}); the connection was "
+                        "lost after the write was sent, so it may be stored: send again with "
+                        "the same key to be sure",
+                        maybe_stored=True,
+                    ) from exc
+                log.warning("producer.async_unreachable", extra={"error": str(exc)})
+            # else refused, or rolled back by a deadlock (nothing stored): each sent alone
         return [None] * len(messages)
 
 

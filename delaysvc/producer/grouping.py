@@ -7,7 +7,9 @@ to `MOST`) is written in one statement (`store.insert_group`): one round trip an
 for all of them, where each alone would pay both. Each message is still its own send, placed,
 capped and keyed as if sent alone, and each caller returns only once its group has committed.
 A group is one transaction: if its write fails, nothing of it is stored and every send in it
-raises the error (each its own copy).
+raises the error (each its own copy), but for PostgreSQL rolling it back (a deadlock on a key
+another writer holds): then each is written alone, as it would have been. A group writes its
+keys in one order (`store.insert_group`), so two groups never deadlock each other.
 
 It pays where many threads of one process send at once: 16 threads, N = 2, 1.42x the sends a
 second of each written alone; with 4 threads it is even (N = 1 costs a third there: PostgreSQL

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any, Literal, TypeVar
 
+import psycopg
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
@@ -408,7 +409,19 @@ class Producer:
     ) -> Sequence[tuple[Any, bool, int | None] | None]:
         """Single sends of several threads in one autocommitted statement
         (`store.insert_group`; None: one it did not store, to be sent alone)."""
-        return self._autocommitted(lambda cursor: store.insert_group(cursor, group))
+
+        def write(cursor: Any) -> Sequence[tuple[Any, bool, int | None] | None]:
+            try:
+                return store.insert_group(cursor, group)
+            except psycopg.Error as exc:
+                if not store.rolled_back(exc):
+                    raise
+                # a deadlock with another writer's keys (or a serialization failure) rolled the
+                # statement back, nothing of it stored: each is sent alone, as it came (one
+                # row's statement waits on a key, and deadlocks on none)
+                return [None] * len(group)
+
+        return self._autocommitted(write)
 
     def _autocommitted(self, write: Callable[[Any], _T]) -> _T:
         """`write(cursor)` on a driver cursor whose statement commits by itself, of a

@@ -126,8 +126,10 @@ def insert_group(
     stored for it (a cap covers it, or an unfinished message holds its key), to be sent alone
     (`insert_message`)."""
     prepare = None if cursor.connection.prepare_threshold is None else True
-    rows = cursor.execute(_driver_sql(SEND_GROUP), _group_params(messages), prepare=prepare)
-    return [None if row[0] is None else (Stored(*row), True, 0) for row in rows.fetchall()]
+    order = _key_order(messages)
+    params = _group_params([messages[i] for i in order])
+    rows = cursor.execute(_driver_sql(SEND_GROUP), params, prepare=prepare).fetchall()
+    return [None if row[0] is None else (Stored(*row), True, 0) for row in _unsorted(rows, order)]
 
 
 async def insert_group_async(
@@ -144,9 +146,37 @@ async def insert_group_async(
         cursor = await conn.execute(_driver_sql(SEND_ONE), params, prepare=prepare)
         row = await cursor.fetchone()
         return [None if row is None or row[0] is None else Stored(*row)]
-    params = _group_params(messages)
+    order = _key_order(messages)
+    params = _group_params([messages[i] for i in order])
     cursor = await conn.execute(_driver_sql(SEND_GROUP), params, prepare=prepare)
-    return [None if row[0] is None else Stored(*row) for row in await cursor.fetchall()]
+    rows = await cursor.fetchall()
+    return [None if row[0] is None else Stored(*row) for row in _unsorted(rows, order)]
+
+
+def rolled_back(error: Exception) -> bool:
+    """Whether a statement's `error` is PostgreSQL's rolling it back (SQLSTATE class 40: a
+    deadlock, a serialization failure), so nothing of it was stored and it may be sent again.
+    psycopg's classes do not tell it (its DeadlockDetected is no TransactionRollback)."""
+    return (getattr(error, "sqlstate", None) or "").startswith("40")
+
+
+def _key_order(messages: Sequence[NewMessage]) -> list[int]:
+    """The order a group writes its messages in: those with keys by (topic, key), the rest
+    after, each kind in the order they came. A key's row is locked from its insert to the
+    commit, and a writer inserting the same key waits for it: two groups sharing keys wait on
+    each other one way only, never both ways (a deadlock, which fails every send in both)."""
+    return sorted(
+        range(len(messages)),
+        key=lambda i: (0, messages[i].topic, messages[i].key) if messages[i].key else (1, "", ""),
+    )
+
+
+def _unsorted(rows: Sequence[Any], order: Sequence[int]) -> list[Any]:
+    """`rows`, one per message in `order`, put back in the messages' own order."""
+    put: list[Any] = [None] * len(rows)
+    for row, index in zip(rows, order, strict=True):
+        put[index] = row
+    return put
 
 
 def _group_params(messages: Sequence[NewMessage]) -> dict[str, list[Any]]:

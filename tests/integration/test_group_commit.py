@@ -7,6 +7,8 @@ the lock is let go: they are then written as one group."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from sqlalchemy import Connection, Engine, text
 
 from delaysvc.config.settings import Settings
 from delaysvc.errors import BacklogFull, DatabaseUnavailable
+from delaysvc.producer.aio import AsyncSends
 from delaysvc.producer.sending import Producer
 from delaysvc.store import insert_group
 from delaysvc.web import WEB_GROUP_WRITERS
@@ -170,6 +173,68 @@ def test_a_key_repeated_in_a_group_or_held_already_gives_its_holder(
     with engine.connect() as conn:
         keys = conn.execute(text("SELECT key, count(*) FROM commit_log GROUP BY key")).all()
     assert dict(keys) == {None: 1, "k0": 1, "k1": 1, "k2": 1}
+
+
+def test_a_group_deadlocked_on_a_key_sends_each_of_its_messages_alone(
+    producer: Producer, engine: Engine
+) -> None:
+    """A group waits on a key another transaction inserted, and that transaction then sends a
+    key the group inserted: PostgreSQL ends the group's statement as a deadlock. Nothing of the
+    group was stored, so each of its sends is written alone and gives what it would have given
+    (the holder of its key, a new message): they all used to fail with the deadlock, the
+    unkeyed one too. A group writes its keys in (topic, key) order, so two groups cannot wait
+    on each other so."""
+    with engine.connect() as theirs, theirs.begin():
+        k2 = producer.send("t.k", "theirs", delay_level=1, key="k2", connection=theirs)
+        sends = Sends(producer)
+        with locked(engine, "topic_queue"):
+            held_first(engine, sends)
+            sends.queue("t.k", "mine", delay_level=1, key="k1")
+            sends.queue("t.k", "mine", delay_level=1, key="k2")
+            sends.queue("t.k", "unkeyed", delay_level=1)
+        # the group has inserted k1 and waits on k2, theirs
+        until(lambda: _waiting_on_a_lock(engine) == 1, "the group to wait on k2")
+        k1 = producer.send("t.k", "theirs", delay_level=1, key="k1", connection=theirs)
+    _, mine_k1, mine_k2, unkeyed = sends.join()
+    assert not isinstance(mine_k1, Exception), mine_k1
+    assert (mine_k2.created, mine_k2.id) == (False, k2.id)
+    assert (mine_k1.created, mine_k1.id) == (False, k1.id)
+    assert unkeyed.created
+
+
+def test_an_asyncio_group_deadlocked_on_a_key_leaves_its_sends_to_be_sent_alone(
+    settings: Settings, engine: Engine
+) -> None:
+    """The same deadlock on the asyncio way (`AsyncSends`, the ASGI server's): the group stored
+    nothing, and says so (each send is then sent the producer's way). It used to be reported
+    as a lost connection: DatabaseUnavailable, "may be stored"."""
+    producer = Producer(settings, engine)
+    sends = AsyncSends(producer)
+    group = [producer.prepare("t.k", "mine", delay_level=1, key=key) for key in ("k1", "k2")]
+    group.append(producer.prepare("t.k", "unkeyed", delay_level=1))
+
+    async def main(theirs: Connection) -> list[Any]:
+        await sends.open()
+        try:
+            written = asyncio.create_task(sends._written(group))
+            while _waiting_on_a_lock(engine) == 0:  # the group has k1, and waits on k2
+                await asyncio.sleep(0.01)
+            send = functools.partial(producer.send, "t.k", "theirs", delay_level=1, key="k1")
+            await asyncio.to_thread(send, connection=theirs)
+            return await written
+        finally:
+            await sends.close()
+
+    with engine.connect() as theirs, theirs.begin():
+        producer.send("t.k", "theirs", delay_level=1, key="k2", connection=theirs)
+        assert asyncio.run(main(theirs)) == [None, None, None]
+    assert _count_topic(engine, "t.k") == 2  # theirs
+
+
+def _count_topic(engine: Engine, topic: str) -> int:
+    with engine.connect() as conn:
+        query = text("SELECT count(*) FROM commit_log WHERE topic = :topic")
+        return conn.execute(query, {"topic": topic}).scalar_one()
 
 
 def test_a_capped_send_in_a_group_is_refused_alone(settings: Settings, engine: Engine) -> None:
