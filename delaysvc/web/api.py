@@ -67,10 +67,12 @@ def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
 
 def bearer_token(header: str) -> str | None:
-    """The token an `Authorization: Bearer <token>` header carries; None for any other."""
-    if not header.startswith("Bearer "):
+    """The token an `Authorization: Bearer <token>` header carries (the scheme's name in any
+    case, as RFC 7235 has it); None for any other."""
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
         return None
-    return header[len("Bearer ") :].strip()
+    return given.strip()
 
 
 def token() -> ApiToken:
@@ -137,7 +139,8 @@ def message_options(item: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(at, str):
             raise ValidationError("deliver_at", "must be an ISO 8601 string with a timezone")
         try:
-            options["deliver_at"] = datetime.fromisoformat(at)
+            # RFC 3339 allows a lower-case t and z, which Python 3.11's parser does not
+            options["deliver_at"] = datetime.fromisoformat(at.upper())
         except ValueError:
             raise ValidationError("deliver_at", f"{at!r} is not an ISO 8601 time") from None
     return options

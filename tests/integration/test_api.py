@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -215,6 +216,18 @@ def _json() -> dict[str, str]:
     return {"Content-Type": "application/json"}
 
 
+def test_deliver_at_takes_rfc_3339_with_a_lower_case_t_and_z(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    tomorrow = (datetime.now(UTC) + timedelta(days=1)).strftime("%Y-%m-%dT03:04:05.5")
+    at = tomorrow.lower() + "z"  # was refused: Python 3.11 reads only upper case
+    response = client.post(
+        "/api/v1/messages", json={"topic": "t", "body": 1, "deliver_at": at}, headers=send_token
+    )
+    assert response.status_code == 201, response.get_json()
+    assert response.get_json()["deliver_at"].startswith(tomorrow)
+
+
 def test_unknown_ids_are_404(client: FlaskClient, send_token: dict[str, str]) -> None:
     _error(client.get("/api/v1/messages/987654", headers=send_token), 404, "not_found")
     _error(client.delete("/api/v1/messages/987654", headers=send_token), 404, "not_found")
@@ -230,6 +243,15 @@ def test_auth_no_token_401_revoked_401_wrong_scope_403(
     )
     _error(client.get("/api/v1/dead", headers=send_token), 403, "forbidden")
     token = send_token["Authorization"].split()[1]
+    # the scheme's name in any case (RFC 7235): "bearer" was a 401
+    for scheme in ("bearer", "BEARER"):
+        lower = {"Authorization": f"{scheme} {token}"}
+        assert client.get("/api/v1/messages/1", headers=lower).status_code == 404
+    _error(
+        client.get("/api/v1/levels", headers={"Authorization": f"Basic {token}"}),
+        401,
+        "unauthorized",
+    )
     auth.revoke_token(engine, "shop")
     _error(
         client.get("/api/v1/levels", headers={"Authorization": f"Bearer {token}"}),
