@@ -47,7 +47,9 @@ MAX_PRIORITY = 1000
 
 
 def validate_priority(priority: object) -> int:
-    """A whole number from -1000 to 1000 (higher is claimed first; 0 by default)."""
+    """A whole number from -1000 to 1000 (higher is claimed first); None (not given): 0."""
+    if priority is None:
+        return 0
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise ValidationError("priority", f"must be a whole number, got {priority!r}")
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:

@@ -101,7 +101,7 @@ class MessageFieldsJson(TypedDict):
     ]
     priority: NotRequired[
         Annotated[
-            int,
+            int | None,
             Field(
                 ge=-MAX_PRIORITY,
                 le=MAX_PRIORITY,

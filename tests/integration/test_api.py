@@ -822,6 +822,15 @@ def test_priority_is_sent_and_shown(client: FlaskClient, send_token: dict[str, s
         "/api/v1/messages", json={"topic": "t.p", "body": 1, "priority": 5000}, headers=send_token
     )
     assert "-1000 to 1000" in _error(bad, 400, "invalid")
+    # null is not given, as for every other field (it was refused), singly and in a batch
+    plain = {"topic": "t.p", "body": 1, "priority": None}
+    sent = client.post("/api/v1/messages", json=plain, headers=send_token)
+    assert sent.status_code == 201, sent.get_json()
+    batch = client.post("/api/v1/messages/batch", json={"messages": [plain]}, headers=send_token)
+    assert batch.status_code == 201, batch.get_json()
+    for made in (sent.get_json(), batch.get_json()["messages"][0]):
+        shown = client.get(f"/api/v1/messages/{made['id']}", headers=send_token).get_json()
+        assert shown["priority"] == 0
 
 
 def test_the_api_opens_no_cookie_session_and_sets_no_cookie_while_the_dashboard_does(

@@ -101,7 +101,7 @@ CASES: list[tuple[str, str, Any, bool]] = [
     ("NewMessage", "priority", -MAX_PRIORITY, True),
     ("NewMessage", "priority", MAX_PRIORITY + 1, False),
     ("NewMessage", "priority", -MAX_PRIORITY - 1, False),
-    ("NewMessage", "priority", None, False),
+    ("NewMessage", "priority", None, True),  # not given
     ("NewMessage", "priority", True, False),
     ("NewMessage", "delay", "30m", True),
     ("NewMessage", "delay", "1h30m250ms", True),
