@@ -192,7 +192,8 @@ def send_messages():
 def find_message():
     topic, key = request.args.get("topic"), request.args.get("key")
     if not topic or not key:
-        raise ValidationError("topic", "look up a message with ?topic=...&key=...")
+        missing = "topic" if not topic else "key"
+        raise ValidationError(missing, "look up a message with ?topic=...&key=..., both given")
     return jsonify(message_json(services()["producer"].find(topic, key, topics=token().topics)))
 
 

@@ -91,6 +91,10 @@ def test_get_lookup_and_cancel(client: FlaskClient, send_token: dict[str, str]) 
     assert (got["status"], got["delay_level"], got["attempts"]) == ("scheduled", 3, 0)
     found = client.get("/api/v1/messages?topic=sms.send&key=k", headers=send_token).get_json()
     assert found["id"] == sent["id"]
+    # the field missing is the one named (an empty key named the topic)
+    for query, missing in [("topic=sms.send&key=", "key"), ("key=k", "topic")]:
+        lookup = client.get(f"/api/v1/messages?{query}", headers=send_token)
+        assert _error(lookup, 400, "invalid").startswith(f"{missing}: ")
 
     cancelled = client.delete(f"/api/v1/messages/{sent['id']}", headers=send_token)
     assert (cancelled.status_code, cancelled.get_json()["status"]) == (200, "cancelled")
