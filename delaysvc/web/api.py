@@ -331,6 +331,10 @@ def get_schedule(name: str):
 @requires("admin")
 def put_schedule(name: str):
     options = json_body()
+    allowed = ("schedule", "topic", "body", "timezone", "on_missed")
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:  # a misspelt timezone would have been UTC
+        raise ValidationError(unknown[0], f"unknown field; allowed: {', '.join(allowed)}")
     require_topic(options)
     item = schedule(
         name,

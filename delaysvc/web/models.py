@@ -162,6 +162,7 @@ class CapChangeJson(TypedDict):
     ]
 
 
+@with_config(FORBID_OTHERS)
 class NewScheduleJson(TypedDict):
     """A periodic schedule: when, what it sends to which topic."""
 

@@ -691,6 +691,11 @@ def test_periodic_schedules_through_the_api(
         200,
     )
     assert (replaced["schedule"], replaced["timezone"]) == ("every 1h", "Europe/Berlin")
+    # a field it does not take is refused, naming it: a misspelt timezone was ignored (UTC)
+    misspelt = client.put(
+        "/api/v1/schedules/reports", json=new | {"time_zone": "Asia/Tokyo"}, headers=admin_token
+    )
+    assert "time_zone: unknown field; allowed: schedule" in _error(misspelt, 400, "invalid")
     listed = checked(client.get("/api/v1/schedules", headers=admin_token), "/schedules", "get", 200)
     assert [item["name"] for item in listed["schedules"]] == ["reports"]
     paused = checked(
