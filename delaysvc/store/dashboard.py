@@ -12,6 +12,7 @@ lane per minute with counts per `LATENESS_BUCKETS_MS` bucket.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -355,14 +356,19 @@ ORDER BY count(*) DESC, topic, max(message_id) DESC LIMIT :limit
     )
 
 
+_CR_LF = "chr(13) || chr(10) || '?'"  # a regular expression: CR, then an LF if one follows
+
+
 def _group_filter(topic: str | None, error: str | None) -> tuple[str, dict[str, Any]]:
     where, params = [], {}
     if topic is not None:
         where.append("d.topic = :topic")
         params["topic"] = topic
     if error is not None:
-        where.append("d.error = :error")
-        params["error"] = error
+        # line breaks as LF on both sides: a browser sends a form field's as CRLF, and an
+        # error of several lines (a psycopg error's DETAIL) came back matching nothing
+        where.append(f"regexp_replace(d.error, {_CR_LF}, chr(10), 'g') = :error")
+        params["error"] = re.sub("\r\n?", "\n", error)
     return " AND ".join(where), params
 
 

@@ -344,6 +344,31 @@ def test_redrive_and_purge_all_matching_a_group(
     assert [producer.get(i).status for i in dead_ids[3:5]] == ["dead", "dead"]  # history kept
 
 
+def test_a_group_whose_error_spans_lines_is_acted_on_as_a_browser_sends_it(
+    admin: FlaskClient, settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """A browser sends a form field's line breaks as CRLF: a group whose error has a line
+    break (a psycopg error's DETAIL, a pydantic error) is still the group the buttons act on,
+    and the page they come back to shows it (it was "0 redriven", "0 purged")."""
+    dead = make_dead(
+        settings,
+        engine,
+        producer,
+        [{"topic": "dash.fails", "error": "no stock\nDETAIL: sku 7"} for _ in range(3)],
+    )
+    token = csrf(admin)
+    group = {"csrf_token": token, "scope": "group", "topic": "dash.fails"}
+    sent = "ValueError: no stock\r\nDETAIL: sku 7"  # as the browser sends it
+    response = admin.post("/dead/redrive", data={**group, "error": sent, "ids": []})
+    assert flashes(admin, response) == ["3 redriven"]
+    assert [producer.get(i).status for i in dead] == ["ready"] * 3
+    make_dead(settings, engine, producer, [{"topic": "dash.fails", "error": "a\nb"}])
+    response = admin.post("/dead/purge", data={**group, "error": "ValueError: a\r\nb"})
+    assert flashes(admin, response) == ["1 purged"]
+    # (the three redriven ran again meanwhile, and died again: their group is back)
+    assert [error for _, error, _ in _groups(admin)] == ["ValueError: no stock\nDETAIL: sku 7"]
+
+
 def test_dead_ids_in_group_matches_the_error_exactly(engine: Engine, dead_ids: list[int]) -> None:
     with engine.connect() as conn:
         assert (
