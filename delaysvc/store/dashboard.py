@@ -115,7 +115,8 @@ def prune_samples(conn: Connection, older_than: datetime, limit: int = PRUNE_BAT
 
 def lane_rates(conn: Connection) -> dict[int, float]:
     """Messages moved per second per lane, from the two newest samples (by the primary key:
-    two index probes, then the rows of those two instants)."""
+    two index probes, then the rows of those two instants), the newest of the last 5 minutes
+    (as the API's levels: an older one is no rate of now)."""
     rows = conn.execute(
         sql(
             """
@@ -128,6 +129,7 @@ SELECT a.lane,
            AS per_second
 FROM delaysvc.stats_sample a JOIN delaysvc.stats_sample b ON b.lane = a.lane
 WHERE a.sampled_at = (SELECT t FROM newest) AND b.sampled_at = (SELECT t FROM previous)
+    AND a.sampled_at > clock_timestamp() - interval '5 minutes'
 """
         )
     )

@@ -205,6 +205,21 @@ def test_lane_rates_need_two_samples_and_never_go_negative(engine: Engine) -> No
         assert dash.lane_rates(conn) == {1: 2.0, 2: 0.0}
 
 
+def test_lane_rates_are_not_shown_from_samples_older_than_the_apis(engine: Engine) -> None:
+    """Beat's sampler stopped two hours ago: the overview showed the rate of then, where the
+    API's levels say none (they read samples of the last 5 minutes)."""
+    t = datetime.now(UTC) - timedelta(hours=2)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO stats_sample (sampled_at, lane, pending, moved_total, early_total) "
+                "VALUES (:a, 1, 0, 100, 0), (:b, 1, 0, 600, 0)"
+            ),
+            {"a": t, "b": t + timedelta(seconds=1)},
+        )
+        assert dash.lane_rates(conn) == {}
+
+
 def test_bounded_sets_the_statement_timeout_for_its_transaction(engine: Engine) -> None:
     with dash.bounded(engine, 1234) as conn:
         assert conn.execute(text("SHOW statement_timeout")).scalar_one() == "1234ms"
