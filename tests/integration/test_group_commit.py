@@ -185,6 +185,7 @@ def test_a_group_deadlocked_on_a_key_sends_each_of_its_messages_alone(
     unkeyed one too. A group writes its keys in (topic, key) order, so two groups cannot wait
     on each other so."""
     with engine.connect() as theirs, theirs.begin():
+        _outwaits_the_deadlock_check(theirs)
         k2 = producer.send("t.k", "theirs", delay_level=1, key="k2", connection=theirs)
         sends = Sends(producer)
         with locked(engine, "topic_queue"):
@@ -226,9 +227,17 @@ def test_an_asyncio_group_deadlocked_on_a_key_leaves_its_sends_to_be_sent_alone(
             await sends.close()
 
     with engine.connect() as theirs, theirs.begin():
+        _outwaits_the_deadlock_check(theirs)
         producer.send("t.k", "theirs", delay_level=1, key="k2", connection=theirs)
         assert asyncio.run(main(theirs)) == [None, None, None]
     assert _count_topic(engine, "t.k") == 2  # theirs
+
+
+def _outwaits_the_deadlock_check(theirs: Connection) -> None:
+    """The other transaction checks for a deadlock only after 10 s, the group after the
+    server's 1 s: the group, which waits first, is the one PostgreSQL ends (left to the two
+    1 s timers, a loaded machine once ended the other)."""
+    theirs.execute(text("SET LOCAL deadlock_timeout = '10s'"))
 
 
 def _count_topic(engine: Engine, topic: str) -> int:
