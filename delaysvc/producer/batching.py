@@ -24,7 +24,7 @@ import gc
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple, TypeVar
 
@@ -46,7 +46,7 @@ from delaysvc.config.validation import (
 from delaysvc.errors import ValidationError
 from delaysvc.producer import caps
 from delaysvc.producer.message import Message
-from delaysvc.producer.placement import Placement, resolve_schedule
+from delaysvc.producer.placement import Placement, elapsed_after, resolve_schedule
 from delaysvc.schema.tables import NO_LANE, level_partition
 from delaysvc.store import batches
 
@@ -487,12 +487,7 @@ def _copied(
                 if delay is None:
                     delay = 0
                 if delay not in due_after:
-                    # elapsed time, as the database adds an interval: added in UTC, since an
-                    # aware datetime adds to its zone's clock, which a change of daylight
-                    # saving time moves by an hour
-                    after = (stored_at.astimezone(UTC) + timedelta(milliseconds=delay)).astimezone(
-                        stored_at.tzinfo
-                    )
+                    after = elapsed_after(stored_at, delay)
                     due_after[delay] = after, batches.wire_time(after)
                 due, wire_due = due_after[delay]
             offset = next(lane_offsets[lane]) if lane >= 0 else None

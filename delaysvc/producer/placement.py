@@ -24,9 +24,14 @@ class Placement:
         """The due time for a send at `now` (the database computes the same from its clock)."""
         if self.deliver_at is not None:
             return self.deliver_at
-        # elapsed time: added in UTC, not to the clock of `now`'s zone
-        due = now.astimezone(UTC) + timedelta(milliseconds=self.delay_ms or 0)
-        return due.astimezone(now.tzinfo)
+        return elapsed_after(now, self.delay_ms or 0)
+
+
+def elapsed_after(at: datetime, ms: int) -> datetime:
+    """`ms` of elapsed time after `at` (aware), in `at`'s zone, as the database adds an
+    interval: added in UTC, since an aware datetime adds to its zone's clock, which a change
+    of daylight saving time moves by an hour."""
+    return (at.astimezone(UTC) + timedelta(milliseconds=ms)).astimezone(at.tzinfo)
 
 
 def resolve_schedule(
