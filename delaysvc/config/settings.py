@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
-from delaysvc.config.levels import DEFAULT_LEVELS, DelayLevels, parse_duration_ms
+from delaysvc.config.levels import DEFAULT_LEVELS, DelayLevels, format_ms, parse_duration_ms
 from delaysvc.config.validation import (
+    MAX_WAITING,
     ascii_digits,
     check_max_running,
     check_schema_name,
@@ -40,6 +41,10 @@ TRANSACTION_POOLINGS: tuple[Pooling, ...] = ("transaction", "transaction-prepare
 LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 DAY_MS = 86_400_000
+MAX_SETTING_DAYS = 3650
+"""The longest delay and history retention a deployment may set (ten years): a due time or a
+cut-off must stay a date both Python and PostgreSQL can hold."""
+MAX_STATEMENT_TIMEOUT_MS = 2_147_483_647  # PostgreSQL's statement_timeout is an int of ms
 
 
 @dataclass(frozen=True)
@@ -88,20 +93,20 @@ class Settings(BaseModel):
     """Jobs of a topic running at once, `sms.send=4,report.build=1` (`delaysvc.worker.limits`)."""
     topic_rates: str = ""
     """Starts of a topic per time, `sms.send=10/s,mail.send=600/m` (`delaysvc.worker.limits`)."""
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0, le=1_000_000_000)
     """The largest encoded body a send accepts."""
     max_delay: str = "400d"
-    """The longest delay a send accepts (`delay`, `delay_ms` or `deliver_at`)."""
+    """The longest delay a send accepts (`delay`, `delay_ms` or `deliver_at`), at most 3650d."""
     history_retention: str | None = None
     """Finished messages are kept this long (`30d`), then their day of history is dropped whole
     (`delaysvc.maintenance.history`); unset, they stay until `delaysvc pipeline archive` copies them
     out."""
     max_retries: int = Field(default=16, ge=0, le=1000)
     """Retries before the dead letters; a handler's `max_retries=` overrides it."""
-    lease_seconds: int = Field(default=30, gt=0)
+    lease_seconds: int = Field(default=30, gt=0, le=86_400)
     """A running job's lease: its process renews it every third of this while it lives, so a
     job is taken again this long (at most) after its process died, and never while it runs."""
-    task_lease_seconds: int = Field(default=300, gt=0)
+    task_lease_seconds: int = Field(default=300, gt=0, le=7 * 86_400)
     """The fixed lease of a job handed to a Celery task (`topic_tasks`): the task runs where
     delaysvc cannot renew it, so its job is taken again after this long without an outcome."""
     worker_max_memory_mb: int = Field(default=512, ge=0)
@@ -124,7 +129,7 @@ class Settings(BaseModel):
     in `var/secret_key`."""
     secure_cookies: bool = False
     """Mark the dashboard's session cookie Secure (set it when the site is served over https)."""
-    statement_timeout_ms: int = Field(default=5_000, gt=0)
+    statement_timeout_ms: int = Field(default=5_000, gt=0, le=MAX_STATEMENT_TIMEOUT_MS)
     """The statement timeout of the dashboard's and `/metrics`' queries."""
     metrics_token: str | None = None
     """When set, `GET /metrics` needs `Authorization: Bearer <this>`; unset, it is open."""
@@ -208,6 +213,12 @@ class Settings(BaseModel):
         """Cross-field validation; touching each derived property parses it."""
         _ = (self.levels, self.handler_modules, self.default_delays_ms, self.task_topics)
         _ = (self.caps, self.max_delay_ms, self.topic_limits, self.history_retention_ms)
+        for topic, delay_ms in self.default_delays_ms.items():
+            if delay_ms > self.max_delay_ms:
+                raise ConfigError(
+                    f"DELAYSVC_TOPIC_DELAYS ({topic}): {format_ms(delay_ms)} is more than the "
+                    f"maximum delay, {format_ms(self.max_delay_ms)} (DELAYSVC_MAX_DELAY)"
+                )
         for cap in self.caps:
             if cap.scope == "level" and not 1 <= int(cap.target) <= self.levels.max_level:
                 raise ConfigError(
@@ -225,13 +236,15 @@ class Settings(BaseModel):
 
     @cached_property
     def max_delay_ms(self) -> int:
-        return _config_duration("DELAYSVC_MAX_DELAY", self.max_delay)
+        return _config_duration("DELAYSVC_MAX_DELAY", self.max_delay, at_most_days=MAX_SETTING_DAYS)
 
     @cached_property
     def history_retention_ms(self) -> int | None:
         if self.history_retention is None:
             return None
-        retention = _config_duration("DELAYSVC_HISTORY_RETENTION", self.history_retention)
+        retention = _config_duration(
+            "DELAYSVC_HISTORY_RETENTION", self.history_retention, at_most_days=MAX_SETTING_DAYS
+        )
         if retention < DAY_MS:
             raise ConfigError(
                 f"DELAYSVC_HISTORY_RETENTION={self.history_retention!r}: history is dropped a "
@@ -270,7 +283,16 @@ class Settings(BaseModel):
 
     @cached_property
     def caps(self) -> tuple[BacklogCap, ...]:
-        return tuple(_parse_cap(item) for item in _items(self.backlog_caps))
+        caps = tuple(_parse_cap(item) for item in _items(self.backlog_caps))
+        seen: set[tuple[str, str]] = set()
+        for cap in caps:
+            if (cap.scope, cap.target) in seen:
+                raise ConfigError(
+                    f"DELAYSVC_BACKLOG_CAPS: {cap.scope} {cap.target} is capped twice; "
+                    "give each level or topic one cap"
+                )
+            seen.add((cap.scope, cap.target))
+        return caps
 
     @property
     def embedded_database(self) -> bool:
@@ -315,15 +337,20 @@ def _pairs(variable: str, text: str) -> dict[str, str]:
             validate_topic(topic.strip())
         except DelaysvcValidationError as exc:
             raise ConfigError(f"{variable}: {exc}") from None
+        if topic.strip() in pairs:
+            raise ConfigError(f"{variable}: {topic.strip()!r} is given twice; give each topic once")
         pairs[topic.strip()] = value.strip()
     return pairs
 
 
-def _config_duration(variable: str, text: str) -> int:
+def _config_duration(variable: str, text: str, *, at_most_days: int | None = None) -> int:
     try:
-        return parse_duration_ms(text)
+        ms = parse_duration_ms(text)
     except DelaysvcValidationError as exc:
         raise ConfigError(f"{variable}: {exc}") from None
+    if at_most_days is not None and ms > at_most_days * DAY_MS:
+        raise ConfigError(f"{variable}: {text!r} is more than {at_most_days}d, the most allowed")
+    return ms
 
 
 def _parse_cap(item: str) -> BacklogCap:
@@ -337,8 +364,10 @@ def _parse_cap(item: str) -> BacklogCap:
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: policy {policy!r} in {item!r}; {usage}")
     if scope == "level" and not ascii_digits(target):
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: level {target!r} is not a number; {usage}")
-    if int(limit) <= 0:
-        raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: limit in {item!r} must be positive")
+    if not 1 <= int(limit) <= MAX_WAITING:
+        raise ConfigError(
+            f"DELAYSVC_BACKLOG_CAPS: limit in {item!r} must be from 1 to {MAX_WAITING:,}"
+        )
     if scope == "topic":
         try:
             validate_topic(target)

@@ -250,6 +250,8 @@ script's digits."""
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_RATE_PER_S = 1_000_000
 MAX_RUNNING = 100_000
+MAX_WAITING = 1_000_000_000
+"""The largest backlog cap (messages waiting in a level or topic)."""
 
 
 def parse_rate(value: object) -> float | None:

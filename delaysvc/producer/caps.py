@@ -40,7 +40,7 @@ from sqlalchemy import Engine
 
 from delaysvc import store
 from delaysvc.config.settings import BacklogCap, CapPolicy
-from delaysvc.config.validation import ascii_digits, validate_topic
+from delaysvc.config.validation import MAX_WAITING, ascii_digits, validate_topic
 from delaysvc.errors import BacklogFull, ValidationError
 from delaysvc.schema.tables import WAITING
 
@@ -182,7 +182,6 @@ def after_insert(
 
 # ---------------------------------------------------------------- setting caps
 
-MAX_WAITING = 1_000_000_000
 POLICIES: tuple[CapPolicy, ...] = ("reject", "deliver-early")
 
 

@@ -46,3 +46,62 @@ def test_a_url_for_another_driver_or_database_is_refused_naming_what_is_taken(
     assert problem in message
     assert "postgresql://" in message and "postgresql+psycopg://" in message
     assert "u@h" not in message  # a URL may hold a password: it is not echoed
+
+
+# A setting that is taken must work everywhere it is used: values that were taken and then
+# failed late (a send that stored a row no command could read back, /metrics' 400, a migrate
+# traceback) are refused where the settings are read, naming the variable and the bound.
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("DELAYSVC_MAX_DELAY", "3000000d", "more than 3650d"),
+        ("DELAYSVC_HISTORY_RETENTION", "1000000d", "more than 3650d"),
+        ("DELAYSVC_STATEMENT_TIMEOUT_MS", "99999999999999", "2147483647"),
+        ("DELAYSVC_LEASE_SECONDS", "99999999999999", "86400"),
+        ("DELAYSVC_TASK_LEASE_SECONDS", "99999999999999", "604800"),
+        ("DELAYSVC_MAX_BODY_BYTES", "99999999999999", "1000000000"),
+        ("DELAYSVC_TOPIC_DELAYS", "t=500d", "more than the maximum delay, 400d"),
+        ("DELAYSVC_BACKLOG_CAPS", "level:1=99999999999999999999:reject", "1 to 1,000,000,000"),
+        ("DELAYSVC_BACKLOG_CAPS", "topic:t=1000000001:reject", "1 to 1,000,000,000"),
+    ],
+)
+def test_a_value_out_of_range_is_refused_naming_the_variable_and_the_bound(
+    variable: str, value: str, said: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        Settings.from_env({variable: value})
+    assert variable in str(refused.value)
+    assert said in str(refused.value)
+
+
+def test_the_bounds_themselves_are_taken() -> None:
+    settings = Settings.from_env(
+        {
+            "DELAYSVC_MAX_DELAY": "3650d",
+            "DELAYSVC_HISTORY_RETENTION": "3650d",
+            "DELAYSVC_TOPIC_DELAYS": "t=3650d",
+            "DELAYSVC_BACKLOG_CAPS": "topic:t=1000000000:reject",
+            "DELAYSVC_LEASE_SECONDS": "86400",
+        }
+    )
+    assert settings.default_delays_ms == {"t": 3650 * 86_400_000}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("DELAYSVC_TOPIC_DELAYS", "t=1m,u=2m,t=5m"),
+        ("DELAYSVC_TOPIC_MAX_RUNNING", "t=1,t=4"),
+        ("DELAYSVC_TOPIC_RATES", "t=1/s, t=5/s"),
+        ("DELAYSVC_TOPIC_TASKS", "t=a.b,t=c.d"),
+        ("DELAYSVC_BACKLOG_CAPS", "level:2=10:reject,level:2=20:deliver-early"),
+        ("DELAYSVC_BACKLOG_CAPS", "topic:t=10:reject,topic:t=20:reject"),
+    ],
+)
+def test_an_entry_given_twice_is_refused_not_overridden_by_the_last(
+    variable: str, value: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        Settings.from_env({variable: value})
+    assert str(refused.value).startswith(variable)
+    assert "twice" in str(refused.value)
