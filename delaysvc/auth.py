@@ -134,12 +134,23 @@ def revoke_token(engine: Engine, name: str) -> bool:
 
 
 def create_user(engine: Engine, name: str, password: str, role: str = "viewer") -> None:
+    """Add a dashboard user, or set an existing one's password and role: that ends every
+    dashboard session the user has (see `end_sessions`)."""
     if role not in ROLES:
         raise ValidationError("role", f"{role!r} is not a role; use one of {ROLES}")
     if len(password) < 8:
         raise ValidationError("password", "must be at least 8 characters")
     with engine.begin() as conn:
         store.upsert_user(conn, name, generate_password_hash(password), role)
+
+
+def end_sessions(engine: Engine, user: Any) -> bool:
+    """End every dashboard session of `user` (a row of `check_login` or `store.find_user`), on
+    every browser and every copy of its cookie: a session carries the user's session
+    generation from its login, and is no session once that moves on. -> whether it moved on
+    (False: something else moved it on first, or the user is gone)."""
+    with engine.begin() as conn:
+        return store_users.end_sessions(conn, user.id, user.session_generation)
 
 
 FIRST_ADMIN = "admin"

@@ -291,6 +291,9 @@ dashboard_user = Table(
     Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
     Column("failed_logins", Integer, nullable=False, server_default=text("0")),
     Column("locked_until", Timestamp),
+    # the generation of the user's dashboard sessions: a session cookie carries the one it was
+    # made in and is no session once this moves on (logout and every password set bump it)
+    Column("session_generation", Integer, nullable=False, server_default=text("0")),
     CheckConstraint("role IN ('admin', 'viewer')", name="ck_dashboard_user_role"),
 )
 

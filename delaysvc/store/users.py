@@ -10,12 +10,15 @@ from delaysvc.db.names import sql
 
 
 def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
+    """Add the user, or set an existing one's password and role: that ends its dashboard
+    sessions (their generation moves on) and lifts its lockout."""
     conn.execute(
         sql(
             "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, "
             ":hash, :role) "
             "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
-            "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL"
+            "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL, "
+            "session_generation = delaysvc.dashboard_user.session_generation + 1"
         ),
         {"name": name, "hash": password_hash, "role": role},
     )
@@ -41,7 +44,8 @@ def find_user(conn: Connection, name: str) -> Any:
     return conn.execute(
         sql(
             "SELECT id, name, password_hash, role, failed_logins, locked_until, "
-            "locked_until > now() AS locked FROM delaysvc.dashboard_user WHERE name = :name"
+            "locked_until > now() AS locked, session_generation "
+            "FROM delaysvc.dashboard_user WHERE name = :name"
         ),
         {"name": name},
     ).first()
@@ -63,7 +67,7 @@ def count_login_attempt(
             "locked_until = CASE WHEN failed_logins + 1 >= :max "
             "THEN now() + :lock * interval '1 second' ELSE locked_until END "
             "WHERE name = :name AND (locked_until IS NULL OR locked_until <= now()) "
-            "RETURNING id, name, password_hash, role"
+            "RETURNING id, name, password_hash, role, session_generation"
         ),
         {"name": name, "max": max_failures, "lock": lockout_seconds},
     ).first()
@@ -78,3 +82,16 @@ def clear_failed_logins(conn: Connection, name: str) -> None:
         ),
         {"name": name},
     )
+
+
+def end_sessions(conn: Connection, user_id: int, generation: int) -> bool:
+    """End every dashboard session of the user made in `generation` (the user's current one):
+    the generation moves on. -> whether it did (False: already moved on, or no such user)."""
+    ended = conn.execute(
+        sql(
+            "UPDATE delaysvc.dashboard_user SET session_generation = session_generation + 1 "
+            "WHERE id = :id AND session_generation = :generation"
+        ),
+        {"id": user_id, "generation": generation},
+    )
+    return ended.rowcount == 1

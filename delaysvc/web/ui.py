@@ -45,6 +45,8 @@ ui = Blueprint("ui", __name__)
 PUBLIC_ENDPOINTS = {"login", "static"}
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "X-CSRF-Token"
+SESSION_GENERATION = "generation"
+"""The session's key for the user's session generation at login (see `current_user`)."""
 
 
 def session_secret(settings: Settings) -> str | None:
@@ -101,13 +103,17 @@ def csrf_ok() -> bool:
 
 def current_user() -> Any:
     """The dashboard_user row of the session, read again on every request so that a deleted
-    user or a changed role takes effect at once. None when nobody is logged in."""
+    user or a changed role takes effect at once. None when nobody is logged in, and when the
+    session's generation is not the user's (the user logged out, or got a new password, since
+    this session's login: every copy of its cookie is then no session)."""
     if "user" not in g:
         name = session.get("user")
         user = None
         if name:
             with services()["engine"].connect() as conn:
                 user = store.find_user(conn, name)
+            if user is not None and session.get(SESSION_GENERATION) != user.session_generation:
+                user = None
         g.user = user
     return g.user
 
@@ -192,6 +198,7 @@ def login() -> Any:
             session.clear()
             session.permanent = True  # expires after PERMANENT_SESSION_LIFETIME
             session["user"] = user.name
+            session[SESSION_GENERATION] = user.session_generation
             session["csrf"] = secrets.token_urlsafe(32)
             log.info("dashboard.login", extra={"user": user.name})
             return redirect(safe_next(request.form.get("next")))
@@ -205,7 +212,11 @@ def login() -> Any:
 
 @ui.post("/logout")
 def logout() -> Any:
-    log.info("dashboard.logout", extra={"user": session.get("user")})
+    """End the session: every session of the user, on every browser and every copy of the
+    cookie (a copied cookie would otherwise work on until its 12 hours end)."""
+    user = current_user()
+    log.info("dashboard.logout", extra={"user": user.name})
+    auth.end_sessions(services()["engine"], user)
     session.clear()
     flash("logged out")
     return redirect(url_for("dashboard.ui.login"))

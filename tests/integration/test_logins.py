@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from delaysvc import auth
+from delaysvc import auth, store
 
 NAME, PASSWORD = "ada", "right-password-1"
 
@@ -148,6 +148,42 @@ def test_after_the_lockout_ends_one_more_failure_locks_again(engine: Engine, use
         conn.execute(text("UPDATE dashboard_user SET locked_until = now() - interval '1 second'"))
     assert auth.check_login(engine, NAME, PASSWORD) is not None
     assert _failed_logins(engine) == (0, False)
+
+
+def _session_generation(engine: Engine) -> int:
+    with engine.connect() as conn:
+        found = store.find_user(conn, NAME)
+    return int(found.session_generation)
+
+
+def test_a_login_checked_while_the_password_is_reset_gets_a_session_of_the_old_generation(
+    engine: Engine, user: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old password, right when the login read the user, still hashing when `create-user`
+    sets a new one: the login succeeds with the generation it read, which the reset has moved
+    on from, so the session it makes is no session (the dashboard checks the generation on every
+    request). Ending sessions names the generation it ends: a stale row ends nothing."""
+    hashes = Hashes(auth.check_password_hash, hold=PASSWORD)
+    monkeypatch.setattr(auth, "check_password_hash", hashes)
+    assert _session_generation(engine) == 0
+    answers: list[Any] = []
+    login = threading.Thread(
+        target=lambda: answers.append(auth.check_login(engine, NAME, PASSWORD))
+    )
+    login.start()
+    hashes.wait_holding(1)
+    auth.create_user(engine, NAME, "a-new-password-1", role="admin")
+    hashes.release.set()
+    login.join(60)
+    [found] = answers
+    assert (found.name, found.session_generation) == (NAME, 0)
+    assert _session_generation(engine) == 1
+    assert auth.end_sessions(engine, found) is False
+    assert _session_generation(engine) == 1
+    current = auth.check_login(engine, NAME, "a-new-password-1")
+    assert current.session_generation == 1
+    assert auth.end_sessions(engine, current) is True
+    assert _session_generation(engine) == 2
 
 
 def test_the_first_admin_is_made_once_on_a_database_without_users(engine: Engine) -> None:

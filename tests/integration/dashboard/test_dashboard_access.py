@@ -158,6 +158,54 @@ def test_logout_needs_the_token_and_ends_the_session(admin: FlaskClient) -> None
     assert admin.get("/ui/overview.json").status_code == 401
 
 
+def _copy_of_the_session(app: Flask, client: FlaskClient) -> FlaskClient:
+    """Another browser holding a copy of `client`'s session cookie."""
+    cookie = client.get_cookie("delaysvc_session")
+    assert cookie is not None
+    copy = app.test_client()
+    copy.set_cookie("delaysvc_session", cookie.value)
+    return copy
+
+
+def test_logout_ends_every_copy_of_the_session_and_the_users_other_sessions(
+    app: Flask, admin: FlaskClient, viewer: FlaskClient
+) -> None:
+    """A copied cookie (a shared machine, a stolen one) worked on after logout until its 12
+    hours ended; now logout ends it, and the user's sessions in other browsers, not another
+    user's."""
+    copy = _copy_of_the_session(app, admin)
+    elsewhere = app.test_client()
+    assert login(elsewhere, ADMIN).status_code == 302
+    for client in (admin, copy, elsewhere):
+        assert client.get("/").status_code == 200
+    assert admin.post("/logout", data={"csrf_token": csrf(admin)}).status_code == 302
+    for client in (admin, copy, elsewhere):
+        assert (client.get("/").status_code, client.get("/").location) == (302, "/login?next=/")
+        assert client.get("/ui/overview.json").status_code == 401
+    assert copy.post("/logout", data={"csrf_token": csrf(copy)}).status_code == 302
+    assert copy.get("/").location == "/login?next=/"
+    assert viewer.get("/").status_code == 200
+    assert login(admin, ADMIN).status_code == 302
+    assert admin.get("/").status_code == 200
+    assert copy.get("/").status_code == 302  # the new login is not the old cookie's
+
+
+def test_a_new_password_ends_the_users_sessions(
+    app: Flask, admin: FlaskClient, viewer: FlaskClient, engine: Engine
+) -> None:
+    """`delaysvc create-user NAME` on an existing user (a password reset) ends the sessions
+    made with the old password, copies of their cookie too."""
+    copy = _copy_of_the_session(app, admin)
+    auth.create_user(engine, ADMIN[0], "a-new-password-1", role="admin")
+    for client in (admin, copy):
+        assert (client.get("/").status_code, client.get("/").location) == (302, "/login?next=/")
+    assert login(admin, ADMIN).status_code == 401
+    assert login(admin, (ADMIN[0], "a-new-password-1")).status_code == 302
+    assert admin.get("/").status_code == 200
+    assert copy.get("/").status_code == 302
+    assert viewer.get("/").status_code == 200
+
+
 def test_csrf_token_changes_at_login(app: Flask) -> None:
     client = app.test_client()
     client.get("/login")
@@ -222,8 +270,20 @@ def test_viewer_sees_no_action_buttons_and_every_action_is_403(
 def test_a_role_change_takes_effect_on_the_next_request(
     admin: FlaskClient, engine: Engine, producer: Producer
 ) -> None:
+    """`create-user` sets the role with a password, so it also ends the user's sessions; a
+    role changed in the table alone is read on the next request."""
     sent = producer.send("dash.t", {"n": 1}, delay_level=3)
     auth.create_user(engine, ADMIN[0], ADMIN[1], role="viewer")
     response = admin.post(f"/messages/{sent.id}/cancel", data={"csrf_token": csrf(admin)})
+    assert (response.status_code, response.location) == (
+        302,
+        f"/login?next=/messages/{sent.id}/cancel",
+    )
+    assert login(admin, ADMIN).status_code == 302
+    response = admin.post(f"/messages/{sent.id}/cancel", data={"csrf_token": csrf(admin)})
     assert response.status_code == 403
-    assert producer.get(sent.id).status == "scheduled"
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE dashboard_user SET role = 'admin' WHERE name = :n"), {"n": "ada"})
+    response = admin.post(f"/messages/{sent.id}/cancel", data={"csrf_token": csrf(admin)})
+    assert response.status_code == 302
+    assert producer.get(sent.id).status == "cancelled"
