@@ -166,7 +166,7 @@ def _pause_schedule(name: str, paused: bool) -> Any:
     except DelaysvcError as exc:
         done(f"not changed: {exc}")
     else:
-        done(f"{name} {'paused' if paused else 'resumed: next run ' + when(row.next_tick)}")
+        done(f"{name} paused" if paused else f"{name} resumed: next run {when(row.next_tick)} UTC")
     return redirect(url_for("dashboard.ui.schedules"))
 
 

@@ -20,6 +20,7 @@ from delaysvc.producer.sending import Producer
 from delaysvc.store import dashboard as dash
 from delaysvc.tasks.app import STATS_SECONDS
 from delaysvc.web import create_app
+from delaysvc.web.ui_format import when
 from tests.support.dashboard import ADMIN, csrf, flashes, login, make_dead
 
 
@@ -405,6 +406,9 @@ def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
     nightly = re.search(r'<tr data-name="dash.nightly".*?</tr>', page, re.S).group(0)
     assert "30 2 * * *" in nightly and "Europe/Berlin" in nightly and ">Pause<" in nightly
     assert re.search(r'class="time last-run">-<', nightly)  # never ran
+    # the times are UTC (the schedules' own zones are another column): the headers say so
+    assert "<th>time zone</th>" in page
+    assert "<th>next run (UTC)</th><th>last run (UTC)</th>" in page
 
     notes = flashes(
         admin, admin.post("/schedules/dash.nightly/pause", data={"csrf_token": csrf(admin)})
@@ -413,7 +417,8 @@ def test_schedules_page_shows_next_and_last_runs_and_pauses_and_resumes(
     nightly = re.search(r'<tr data-name="dash.nightly".*?</tr>', admin.get("/schedules").text, re.S)
     assert ">Resume<" in nightly.group(0) and "paused" in nightly.group(0)
     resumed = admin.post("/schedules/dash.nightly/resume", data={"csrf_token": csrf(admin)})
-    assert flashes(admin, resumed)[0].startswith("dash.nightly resumed: next run ")
+    next_run = when(schedules.get("dash.nightly").next_tick)
+    assert flashes(admin, resumed) == [f"dash.nightly resumed: next run {next_run} UTC"]
     assert not schedules.get("dash.nightly").paused
     missing = admin.post("/schedules/nope/pause", data={"csrf_token": csrf(admin)})
     assert flashes(admin, missing) == ["not changed: no periodic schedule is named &#39;nope&#39;"]
