@@ -9,9 +9,14 @@ to the broker, where a worker would hold it in memory until it is due (lost to a
 late acks off, back only after Redis's visibility timeout with them on). It is stored in
 delaysvc instead, as a message of topic `celery.<task name>` whose key is the task id, and when
 it is due delaysvc's worker publishes it to Celery as it was, without the ETA: the same task id
-(`AsyncResult(id)` works), name, args, kwargs, queue and routing, headers, priority,
-link/link_error callbacks and retry count. `revoke(id)` (or `AsyncResult(id).revoke()`)
-cancels it in delaysvc as well, before it is due.
+(`AsyncResult(id)` works), name, args, kwargs, headers, priority, link/link_error callbacks
+and retry count, and the same routing: a kombu `Queue` or `Exchange` among the publish options
+is stored whole (its exchange, the exchange's type, routing key, arguments and bindings; a
+`Broadcast` stays one) and rebuilt, so Celery publishes to the exchange, with the routing key,
+and declares the queue it would have. `revoke(id)` (or `AsyncResult(id).revoke()`) cancels it
+in delaysvc as well, before it is due. Celery's publish signals (`before_task_publish`,
+`after_task_publish`) and its task-sent event come with that publish, in delaysvc's worker,
+not from `apply_async`: the publish runs in the span that continues the caller's trace.
 
 Where it runs: call `durable(app)` in the module that creates the app, so that every process
 that imports the app publishes this way (the web application, and Celery's workers, whose
@@ -43,8 +48,9 @@ from celery import Celery
 from celery.app.amqp import AMQP, task_message
 from celery.app.control import Control
 from celery.utils.time import maybe_make_aware
-from kombu import Exchange, Queue
+from kombu import Exchange, Queue, binding
 from kombu import serialization as kombu_serialization
+from kombu.common import Broadcast
 from kombu.utils import json as kombu_json
 from kombu.utils.imports import symbol_by_name
 
@@ -69,6 +75,12 @@ RETRIES_FOUND = 100
 3); Celery's own revoke, which follows, still reaches the workers."""
 _NOT_PORTABLE = {"declare", "producer", "connection"}
 """Publish options that are live objects of the sending process; Celery derives them again."""
+_DECLARED = ("queue", "exchange")
+"""Publish options stored as a kombu entity's declaration when they hold one (a name stays a
+name): Celery takes the exchange, its type, the routing key and what it declares from them."""
+_KOMBU = "kombu"
+"""The key of a stored declaration that names its kombu class: "Queue", "Broadcast" or
+"Exchange"."""
 _TOPIC_CHARACTER = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -231,23 +243,62 @@ def _stored_body(app: Celery, name: str, message: Any, options: dict[str, Any]) 
 
 
 def _portable(options: dict[str, Any]) -> dict[str, Any]:
-    """The publish options as data: a queue or exchange by name (the exchange's type kept)."""
+    """The publish options as data: a kombu queue or exchange as its whole declaration
+    (`_declaration`), from which Celery takes the exchange, its type and the routing key."""
     kept: dict[str, Any] = {}
     for name, value in options.items():
         if name in _NOT_PORTABLE:
             continue
-        if isinstance(value, Queue):
-            value = value.name
-        elif isinstance(value, Exchange):
-            kept.setdefault("exchange_type", value.type)
-            value = value.name
+        entity = value if isinstance(value, (Queue, Exchange)) else None
+        if entity is not None:
+            value = _declaration(entity) if name in _DECLARED else entity.name
         try:
             kombu_json.dumps(value)
         except TypeError:
-            log.warning("celery.option_dropped", extra={"option": name, "value": repr(value)})
-            continue
+            if entity is None:
+                log.warning("celery.option_dropped", extra={"option": name, "value": repr(value)})
+                continue
+            log.warning("celery.option_by_name", extra={"option": name, "value": repr(value)})
+            value = entity.name
         kept[name] = value
     return kept
+
+
+def _declaration(entity: Queue | Exchange) -> dict[str, Any]:
+    """A kombu Queue, Broadcast or Exchange as data (`kombu` names which), rebuilt by
+    `_entity`: all its attributes, its exchange's and its bindings'."""
+    kind = "Exchange"
+    if isinstance(entity, Queue):  # another subclass of Queue than Broadcast: as a Queue
+        kind = "Broadcast" if isinstance(entity, Broadcast) else "Queue"
+    return {_KOMBU: kind, **entity.as_dict(recurse=True)}
+
+
+def _entity(declaration: dict[str, Any]) -> Queue | Exchange:
+    """The kombu entity `_declaration` made data of."""
+    fields = {name: value for name, value in declaration.items() if name != _KOMBU}
+    if declaration[_KOMBU] == "Exchange":
+        return Exchange(**fields)
+    if fields.get("exchange") is not None:
+        fields["exchange"] = Exchange(**fields["exchange"])
+    fields["bindings"] = [
+        binding(**{**bound, "exchange": bound["exchange"] and Exchange(**bound["exchange"])})
+        for bound in fields.get("bindings") or ()
+    ]
+    if declaration[_KOMBU] == "Broadcast":  # its queue's name is `queue`, its exchange's `name`
+        fields.pop("queue", None)
+        return Broadcast(queue=fields.pop("name"), **fields)
+    return Queue(**fields)
+
+
+def _publish_options(stored: dict[str, Any]) -> dict[str, Any]:
+    """The stored publish options with their queue and exchange rebuilt; a message stored
+    before declarations were kept names its queue only, which Celery looks up by name."""
+    options = dict(stored)
+    for name in _DECLARED:
+        value = options.get(name)
+        if isinstance(value, dict) and _KOMBU in value:
+            options[name] = _entity(value)
+    return options
 
 
 # -- when due: publish it to Celery --------------------------------------------------------------
@@ -282,7 +333,7 @@ def publish_when_due(message: Job) -> None:
         task_body = tuple(task_body)  # as Celery builds it (JSON has no tuples)
     headers = {**envelope["headers"], "eta": None}
     sent_event = envelope["sent_event"] and {**envelope["sent_event"], "eta": None}
-    options = {**envelope["options"], "serializer": envelope["serializer"]}
+    options = {**_publish_options(envelope["options"]), "serializer": envelope["serializer"]}
     if "expiration" in options and headers.get("expires"):
         # the broker's TTL counts from the publish: what is left of it now
         expires = maybe_make_aware(datetime.fromisoformat(headers["expires"]), app.timezone)

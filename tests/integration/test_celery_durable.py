@@ -13,7 +13,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from celery import Celery
-from kombu import Queue
+from kombu import Exchange, Queue, binding
+from kombu.common import Broadcast
+from kombu.utils import json as kombu_json
 
 from delaysvc import store
 from delaysvc.contrib import celery as durable_celery
@@ -141,6 +143,61 @@ def test_when_due_it_is_published_as_it_was_without_its_eta(celery_app, producer
     assert embed["callbacks"][0]["task"] == "shop.invoice"
     assert embed["callbacks"][0]["args"] == [7]
     assert stored(producer, task_id, "shop.invoice").status == "succeeded"
+
+
+def declared(queue: Queue) -> dict:
+    """All of `queue`'s declaration, its bindings (a set) in order."""
+    declaration = queue.as_dict(recurse=True)
+    declaration["bindings"].sort(key=lambda bound: bound["routing_key"])
+    return declaration
+
+
+def test_a_queue_and_an_exchange_are_stored_as_declared(celery_app, producer):
+    """What Celery declares and routes by comes back whole from PostgreSQL: the queue's class,
+    arguments, exchange and bindings (RabbitMQ refuses a queue declared with other arguments;
+    tests/integration/test_celery_routing.py publishes to it)."""
+    topic = Exchange(f"{celery_app.main}-ex", "topic", durable=False, delivery_mode="transient")
+    sent = [
+        Queue("q", topic, "k.#", queue_arguments={"x-queue-type": "quorum"}, max_priority=9),
+        Queue("bound", bindings=[binding(topic, "a.*"), binding(Exchange("f", "fanout"))]),
+        Broadcast("everyone"),
+        Broadcast("named", queue="mine", exchange=Exchange("x", "fanout", auto_delete=True)),
+    ]
+    for queue in sent:
+        result = celery_app.send_task("shop.cancel_order", (1,), countdown=30, queue=queue)
+        result_exchange = celery_app.send_task(
+            "shop.cancel_order", (1,), countdown=30, queue=queue, exchange=topic
+        )
+        for task_id in (result.id, result_exchange.id):
+            envelope = kombu_json.loads(stored(producer, task_id).body["message"])
+            options = durable_celery._publish_options(envelope["options"])
+            assert type(options["queue"]) is type(queue)
+            assert declared(options["queue"]) == declared(queue)
+        assert options["exchange"].as_dict() == topic.as_dict()
+
+
+def test_a_task_stored_with_its_queue_by_name_is_published_to_it(celery_app, producer, engine):
+    """A task stored before the queue's declaration was kept names its queue only: Celery
+    finds that queue by name when it is due, as it did then."""
+    task_id = str(uuid.uuid4())
+    celery_app.send_task("shop.invoice", (42,), countdown=30, task_id=task_id)
+    message = stored(producer, task_id, "shop.invoice")
+    envelope = kombu_json.loads(message.body["message"])
+    queue = f"{celery_app.main}-invoices"
+    assert envelope["options"]["queue"]["name"] == queue  # stored now: the whole declaration
+    envelope["options"]["queue"] = queue
+    as_before = {**message.body, "message": kombu_json.dumps(envelope)}
+    message = producer.send(
+        message.topic,
+        as_before,
+        deliver_at=message.deliver_at,
+        key=message.key,
+        on_duplicate="replace",
+    )
+    run_due(producer, engine, message)
+    (published,) = broker_messages(celery_app, queue)
+    assert published.headers["id"] == task_id
+    assert published.delivery_info["routing_key"] == queue
 
 
 def test_a_binary_serializer_round_trips(celery_app, producer, engine):
