@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from functools import cached_property
 from typing import Any
@@ -15,6 +16,7 @@ from sqlalchemy import Engine
 
 from delaysvc import store
 from delaysvc.config.settings import Settings
+from delaysvc.config.validation import ascii_digits
 from delaysvc.errors import DelaysvcError
 
 
@@ -87,6 +89,35 @@ def require_levels(ctx: Context) -> None:
     with ctx.engine.connect() as conn:
         store.check_levels(conn, ctx.settings.levels)
 
+
+class Whole(click.IntRange):
+    """A whole number in the digits 0-9, within the range: click's `int` also reads other
+    scripts' digits (`١٢` as 12), a number nobody typed."""
+
+    def __init__(self, low: int | None = None, high: int | None = None) -> None:
+        super().__init__(min=low, max=high)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not ascii_digits(value.strip().removeprefix("-")):
+            self.fail(f"{value!r} is not a whole number (digits 0-9)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class Seconds(click.FloatRange):
+    """A finite number of seconds, more than 0 and at most `high` (`nan`, `inf` refused)."""
+
+    def __init__(self, high: float) -> None:
+        super().__init__(min=0, max=high, min_open=True)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return super().convert(seconds, param, ctx)
+
+
+MESSAGE_ID = Whole(1, 2**63 - 1)
+"""A message id: a positive bigint."""
 
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead.")
 

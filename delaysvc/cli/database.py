@@ -7,9 +7,11 @@ import sys
 import click
 
 from delaysvc import store
-from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
+from delaysvc.cli.app import JSON_OPTION, Context, Seconds, Whole, cli, echo_json, pass_ctx
 from delaysvc.cli.topics import echo_topics
 from delaysvc.config.levels import format_ms
+
+DAY_S = 86_400.0
 
 
 @cli.command()
@@ -113,18 +115,30 @@ def stats(ctx: Context, as_json: bool) -> None:
 @cli.command()
 @click.option(
     "--lease-tolerance",
-    type=float,
+    type=Seconds(DAY_S),
     help="Seconds a running job's lease may have expired unrescued [default: 2 leases].",
 )
 @click.option(
     "--schedule-tolerance",
-    type=float,
+    type=Seconds(DAY_S),
     default=60.0,
     show_default=True,
     help="Seconds a periodic schedule's next tick may be in the past.",
 )
-@click.option("--limit", default=100, show_default=True, help="Violations listed at most.")
-@click.option("--timeout", default=300.0, show_default=True, help="Seconds per statement.")
+@click.option(
+    "--limit",
+    type=Whole(1, 100_000),
+    default=100,
+    show_default=True,
+    help="Violations listed at most.",
+)
+@click.option(
+    "--timeout",
+    type=Seconds(DAY_S),
+    default=300.0,
+    show_default=True,
+    help="Seconds per statement.",
+)
 @pass_ctx
 def check(
     ctx: Context,
@@ -160,7 +174,7 @@ def check(
 
 
 @cli.command("skip-head")
-@click.argument("lane", type=int)
+@click.argument("lane", type=Whole(0, 1000))
 @pass_ctx
 def skip_head(ctx: Context, lane: int) -> None:
     """Move the head of a stuck LANE to the dead letters so the lane moves on."""

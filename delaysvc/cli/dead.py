@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
+from delaysvc.cli.app import JSON_OPTION, MESSAGE_ID, Context, Whole, cli, echo_json, pass_ctx
 from delaysvc.errors import ValidationError
 
 
@@ -17,7 +17,9 @@ def dead() -> None:
 
 @dead.command("list")
 @click.option("--topic", help="Only the dead letters of this topic.")
-@click.option("--limit", default=50, show_default=True, help="List at most this many.")
+@click.option(
+    "--limit", type=Whole(1, 100_000), default=50, show_default=True, help="List at most this many."
+)
 @JSON_OPTION
 @pass_ctx
 def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> None:
@@ -38,7 +40,7 @@ def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> Non
 
 
 @dead.command("redrive")
-@click.argument("message_ids", type=int, nargs=-1)
+@click.argument("message_ids", type=MESSAGE_ID, nargs=-1)
 @click.option("--topic", help="All dead letters of a topic ...")
 @click.option("--error-contains", help="... whose error contains this text.")
 @pass_ctx
@@ -49,8 +51,9 @@ def dead_redrive(
     from delaysvc.producer.dead_letters import DeadLetters
 
     letters = DeadLetters(ctx.engine)
+    _ids_or_filters(message_ids, topic, error_contains)
     if message_ids:
-        count = len([letters.redrive(i) for i in message_ids])
+        count = len(letters.redrive_all(message_ids))
     elif topic or error_contains:
         count = letters.redrive_matching(topic=topic, error_contains=error_contains)
     else:
@@ -59,7 +62,7 @@ def dead_redrive(
 
 
 @dead.command("purge")
-@click.argument("message_ids", type=int, nargs=-1)
+@click.argument("message_ids", type=MESSAGE_ID, nargs=-1)
 @click.option("--topic", help="All dead letters of a topic ...")
 @click.option("--error-contains", help="... whose error contains this text.")
 @click.option("--yes", is_flag=True, help="Do not ask first.")
@@ -78,6 +81,7 @@ def dead_purge(
     letters = DeadLetters(ctx.engine)
     if not (message_ids or topic or error_contains):
         raise ValidationError("ids", "give message ids, --topic or --error-contains")
+    _ids_or_filters(message_ids, topic, error_contains)
     if not yes:
         which = (
             f"dead letters {', '.join(map(str, message_ids))}"
@@ -94,3 +98,9 @@ def dead_purge(
     elif topic or error_contains:
         count = letters.purge_matching(topic=topic, error_contains=error_contains)
     click.echo(f"purged: {count}")
+
+
+def _ids_or_filters(ids: tuple[int, ...], topic: str | None, error_contains: str | None) -> None:
+    """Ids and a filter together would act on the ids alone, the filter ignored: refused."""
+    if ids and (topic is not None or error_contains is not None):
+        raise ValidationError("ids", "give message ids, or --topic / --error-contains, not both")

@@ -8,29 +8,36 @@ from typing import Any
 
 import click
 
-from delaysvc.cli.app import Context, cli, pass_ctx
+from delaysvc.cli.app import MESSAGE_ID, Context, Whole, cli, pass_ctx
 from delaysvc.errors import ValidationError
 from delaysvc.producer.sending import OnDuplicate
 
 
 def _parse_body(text: str) -> Any:
-    """BODY is JSON when it parses as JSON, else the text itself."""
+    """BODY is JSON when it parses as JSON, else the text itself (`NaN` and `Infinity`, which
+    Python's parser takes and JSON has not, are text)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except ValueError:
         return text
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
 
 
 @cli.command()
 @click.argument("topic")
 @click.argument("body")
 @click.option("--delay", help="Duration such as 30m, 1h30m, 250ms.")
-@click.option("--level", "delay_level", type=int, help="Delay level (1..max; <=0 = now).")
+@click.option("--level", "delay_level", type=Whole(), help="Delay level (1..max; <=0 = now).")
 @click.option("--at", "deliver_at", help="ISO 8601 time with a timezone.")
 @click.option("--key", help="Unique among unfinished messages of the topic.")
 @click.option("--tag", "tags", multiple=True, help="Repeatable.")
 @click.option("--property", "properties", multiple=True, help="NAME=VALUE, repeatable.")
-@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
+@click.option(
+    "--priority", type=Whole(-1000, 1000), default=0, show_default=True, help="Higher runs first."
+)
 @click.option(
     "--on-duplicate",
     type=click.Choice(["keep", "replace", "debounce"]),
@@ -88,7 +95,7 @@ def send(
 
 
 @cli.command()
-@click.argument("message_id", type=int, required=False)
+@click.argument("message_id", type=MESSAGE_ID, required=False)
 @click.option("--topic", help="With --key: the unfinished message holding KEY in TOPIC.")
 @click.option("--key", help="With --topic.")
 @pass_ctx
@@ -99,7 +106,7 @@ def cancel(ctx: Context, message_id: int | None, topic: str | None, key: str | N
 
 
 @cli.command()
-@click.argument("message_id", type=int)
+@click.argument("message_id", type=MESSAGE_ID)
 @pass_ctx
 def show(ctx: Context, message_id: int) -> None:
     """Print a message as JSON."""

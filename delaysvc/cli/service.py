@@ -6,13 +6,15 @@ import sys
 
 import click
 
-from delaysvc.cli.app import Context, cli, pass_ctx, require_levels
+from delaysvc.cli.app import Context, Whole, cli, pass_ctx, require_levels
 from delaysvc.runtime.supervisor import WEB_SERVERS, WEB_THREADS, require_free_port
 
 HOST = click.option(
     "--host", default="127.0.0.1", show_default=True, help="The web app's address (0.0.0.0: all)."
 )
-PORT = click.option("--port", default=8080, show_default=True, help="The web app's port.")
+PORT = click.option(
+    "--port", type=Whole(1, 65535), default=8080, show_default=True, help="The web app's port."
+)
 
 
 @cli.command()
@@ -44,7 +46,9 @@ def require_workers_can_start(ctx: Context, handlers: bool) -> None:
 @cli.command()
 @click.option("--delivery/--no-delivery", default=True, help="Serve the delivery queue.")
 @click.option("--consume/--no-consume", default=True, help="Serve the consume queue.")
-@click.option("--concurrency", "-c", type=int, help="Consumer processes (default: cores).")
+@click.option(
+    "--concurrency", "-c", type=Whole(1, 1024), help="Consumer processes (default: cores)."
+)
 @pass_ctx
 def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None) -> None:
     """Run Celery workers (delivery: threads, one per lane; consume: processes); prints a
@@ -83,10 +87,16 @@ def beat(ctx: Context) -> None:
 @cli.command()
 @HOST
 @PORT
-@click.option("--workers", default=2, show_default=True, help="gunicorn worker processes.")
+@click.option(
+    "--workers",
+    type=Whole(1, 1024),
+    default=2,
+    show_default=True,
+    help="gunicorn worker processes.",
+)
 @click.option(
     "--threads",
-    type=click.IntRange(min=1),
+    type=Whole(1, 1024),
     default=None,
     help=f"With --server sync: requests each worker serves at once [default: {WEB_THREADS}] "
     "(more than 1: gunicorn's threaded workers, each holding at most 2N client connections, "

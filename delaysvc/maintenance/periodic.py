@@ -165,6 +165,12 @@ def _when(when: str | timedelta) -> tuple[str | None, int | None]:
         every_ms = parse_duration_ms(text, field="schedule")
     else:
         cron = " ".join(when.split())
+        if not cron.startswith("@") and len(cron.split()) != 5:
+            raise ValidationError(
+                "schedule",
+                f"{when!r} has {len(cron.split())} fields; a cron expression has five (minute "
+                "hour day month weekday), no seconds: for those use an interval such as '30s'",
+            )
         try:
             CronSim(cron, datetime.now(UTC))
         except CronSimError as exc:

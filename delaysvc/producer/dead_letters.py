@@ -46,20 +46,33 @@ class DeadLetters:
     def redrive(self, message_id: int, *, topics: Collection[str] | None = None) -> Message:
         """Run a dead message again now with a fresh retry budget. `topics` (an API token's):
         a letter of any other topic is NotFound, as if it were none."""
+        return self.redrive_all([message_id], topics=topics)[0]
+
+    def redrive_all(
+        self, message_ids: Sequence[int], *, topics: Collection[str] | None = None
+    ) -> Sequence[Message]:
+        """Redrive every one of `message_ids` in one transaction, or none of them: an id that
+        is no dead letter (or one whose key a newer message holds) fails the whole call."""
+        ids = list(dict.fromkeys(message_ids))
+        none = "; none was redriven" if len(ids) > 1 else ""
+        rows, current = [], None
         try:
             with self.engine.begin() as conn:
-                hidden = topics is not None and _topic_of(conn, message_id) not in topics
-                row = None if hidden else store.redrive_dead(conn, message_id)
+                for current in ids:
+                    hidden = topics is not None and _topic_of(conn, current) not in topics
+                    row = None if hidden else store.redrive_dead(conn, current)
+                    if row is None:
+                        raise NotFound(f"message {current} is not a dead letter{none}")
+                    rows.append(row)
         except IntegrityError as exc:
             if store.unique_violation(exc, "uq_commit_log_topic_key"):
                 raise DuplicateKey(
-                    f"message {message_id}: its key is held by a newer unfinished message"
+                    f"message {current}: its key is held by a newer unfinished message{none}"
                 ) from None
             raise
-        if row is None:
-            raise NotFound(f"message {message_id} is not a dead letter")
-        log.info("dead.redriven", extra={"message_id": message_id})
-        return Message.from_row(row)
+        for message_id in ids:
+            log.info("dead.redriven", extra={"message_id": message_id})
+        return [Message.from_row(row) for row in rows]
 
     def redrive_matching(self, topic: str | None = None, error_contains: str | None = None) -> int:
         """Redrive every dead letter matching the filter, in bounded batches; letters whose key

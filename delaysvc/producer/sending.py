@@ -435,7 +435,7 @@ class Producer:
                     sent = True  # from here on, a statement sent may have committed
                     return write(cursor)
             except DBAPIError as exc:
-                _raise_domain_error(exc, connected=sent, maybe_stored=sent)
+                _raise_domain_error(exc, "send", connected=sent, maybe_stored=sent)
                 raise
 
         return self._retried(attempt)
@@ -517,7 +517,7 @@ class Producer:
         """Cancel a scheduled, retrying or ready message; it will never run. Running or
         finished -> NotCancellable; unknown -> NotFound. `topics` (an API token's): a message
         of any other topic is NotFound too."""
-        with self._connection(connection) as conn, conn.transaction():
+        with self._connection(connection, "cancel") as conn, conn.transaction():
             return Message.from_row(self._cancel(conn, message_id, topic, key, topics))
 
     def _cancel(
@@ -551,7 +551,7 @@ class Producer:
         topics: Collection[str] | None = None,
     ) -> Message:
         """`topics` (an API token's): a message of any other topic is NotFound."""
-        with self._connection(connection) as conn:
+        with self._connection(connection, "read") as conn:
             return Message.from_row(self._locate(conn, message_id, None, None, topics))
 
     def find(
@@ -563,7 +563,7 @@ class Producer:
         topics: Collection[str] | None = None,
     ) -> Message:
         """`topics` (an API token's): a message of any other topic is NotFound."""
-        with self._connection(connection) as conn:
+        with self._connection(connection, "read") as conn:
             return Message.from_row(self._locate(conn, None, topic, key, topics))
 
     @staticmethod
@@ -577,6 +577,8 @@ class Producer:
         """The message by id, or by topic and key. Not found, or of a topic outside `topics`
         -> NotFound, with the same words either way: a token limited to topics learns
         nothing about the messages of others."""
+        if message_id is not None and (topic is not None or key is not None):
+            raise ValidationError("id", "give a message id, or topic and key, not both")
         if message_id is not None:
             row = store.get_message(conn, message_id)
             missing = f"no message with id {message_id}"
@@ -590,8 +592,11 @@ class Producer:
         return row
 
     @contextmanager
-    def _connection(self, joined: Joinable | None) -> Iterator[joining.Joined]:
-        """The caller's connection (their transaction, their commit) or a fresh transaction."""
+    def _connection(
+        self, joined: Joinable | None, doing: Doing = "send"
+    ) -> Iterator[joining.Joined]:
+        """The caller's connection (their transaction, their commit) or a fresh transaction;
+        a database error raised as the domain error it stands for, said of what it was `doing`."""
         if joined is not None:
             with joining.joined(joined) as conn:
                 autocommits = False
@@ -601,7 +606,7 @@ class Producer:
                 except DBAPIError as exc:
                     # in the caller's transaction nothing is stored until they commit; on an
                     # autocommitting connection, a statement sent may have stored itself
-                    _raise_domain_error(exc, connected=True, maybe_stored=autocommits)
+                    _raise_domain_error(exc, doing, connected=True, maybe_stored=autocommits)
                     raise
             return
         started = maybe_stored = False
@@ -612,7 +617,7 @@ class Producer:
                     yield joining.SqlAlchemyJoined(conn)
                     maybe_stored = True  # committing
         except DBAPIError as exc:
-            _raise_domain_error(exc, connected=started, maybe_stored=maybe_stored)
+            _raise_domain_error(exc, doing, connected=started, maybe_stored=maybe_stored)
             raise
 
 
@@ -631,20 +636,35 @@ def _carrying_context(span: Any, items: Sequence[batching.Item]) -> list[batchin
     ]
 
 
-def _raise_domain_error(exc: DBAPIError, *, connected: bool, maybe_stored: bool) -> None:
+Doing = Literal["send", "cancel", "read"]
+_UNDONE: dict[Doing, tuple[str, str]] = {
+    # (nothing was sent: what it means, the connection was lost at the commit: what it means)
+    "send": (
+        "; nothing was stored",
+        "; the connection was lost after the write was sent, so it may be stored: send again "
+        "with the same key to be sure",
+    ),
+    "cancel": (
+        "; nothing was cancelled",
+        "; the connection was lost after the cancel was sent, so it may be cancelled: look the "
+        "message up to be sure",
+    ),
+    "read": ("", ""),
+}
+
+
+def _raise_domain_error(
+    exc: DBAPIError, doing: Doing, *, connected: bool, maybe_stored: bool
+) -> None:
     """Raise the domain error a database error on one of our own connections stands for, if
-    it stands for one: a lost connection (or none to be had) -> `DatabaseUnavailable`, saying
-    whether the write may be stored; the key rule -> `DuplicateKey`; delaysvc's schema, a table
-    or a function missing in the database (not migrated) -> `SchemaNotReady`."""
+    it stands for one: a lost connection (or none to be had) -> `DatabaseUnavailable`, in one
+    line, saying whether what it was `doing` may be done; the key rule -> `DuplicateKey`;
+    delaysvc's schema, a table or a function missing in the database (not migrated) ->
+    `SchemaNotReady`."""
     if exc.connection_invalidated or (isinstance(exc, OperationalError) and not connected):
+        reason = " ".join(str(exc.orig).split())
         raise DatabaseUnavailable(
-            f"the database is unavailable ({str(exc.orig).strip()}); "
-            + (
-                "the connection was lost after the write was sent, so it may be "
-                "stored: send again with the same key to be sure"
-                if maybe_stored
-                else "nothing was stored"
-            ),
+            f"the database is unavailable ({reason}){_UNDONE[doing][maybe_stored]}",
             maybe_stored=maybe_stored,
         ) from exc
     if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):

@@ -14,6 +14,7 @@ the supervisor's own). Celery's banners are off (`-q`) and gunicorn's access log
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -562,16 +563,29 @@ def _first_admin(engine: Engine) -> str | None:
 
 
 def require_free_port(host: str, port: int) -> None:
-    """Refuse a web address another server listens on: gunicorn would try it for a few
-    seconds, exit, and be started again until the supervisor gave up, while the rest ran."""
-    family, kind, _, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
+    """Refuse a web address the web server could not listen on, above all one another server
+    listens on: gunicorn would try it for a few seconds, exit, and be started again until the
+    supervisor gave up, while the rest ran."""
+    if not host.strip():
+        raise ConfigError("--host is empty: give an address or a name (0.0.0.0: all addresses)")
+    try:
+        family, kind, _, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(
+            f"--host {host!r} is no address this machine has a name for ({exc})"
+        ) from None
     with socket.socket(family, kind) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
         try:
             probe.bind(address)
         except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise ConfigError(
+                    f"cannot listen on {host}:{port} ({exc.strerror}): give an address of this "
+                    "machine (0.0.0.0: all)"
+                ) from None
             raise ConfigError(
                 f"{host}:{port} is in use ({exc.strerror}: another delaysvc up or web, or "
                 "another server): stop it, or give another --port"

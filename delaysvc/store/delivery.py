@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from sqlalchemy import Connection
 
 from delaysvc.db.names import sql
-from delaysvc.errors import NotStuck
+from delaysvc.errors import NotFound, NotStuck
 from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
 from delaysvc.store.cancelling import take_out_of_lane
 from delaysvc.store.consuming import _unprepared
@@ -241,7 +241,12 @@ def skip_stuck_head(conn: Connection, lane: int) -> int:
     name = "the timer lane" if lane == TIMER_LANE else f"level {lane}"
     locked = lock_lane(conn, lane)
     if locked is None:
-        raise NotStuck(f"{name} is being delivered right now (or does not exist); try again")
+        lanes = conn.execute(sql("SELECT array_agg(lane) FROM delaysvc.schedule_offset")).scalar()
+        if lane not in (lanes or ()):
+            raise NotFound(
+                f"there is no lane {lane}: 0 is the timer lane, 1..{max(lanes or [0])} the levels"
+            )
+        raise NotStuck(f"{name} is being delivered right now; try again")
     if locked.stuck_offset is None:
         raise NotStuck(f"{name} is not stuck: its head moves; nothing to skip")
     head = lane_head(conn, lane)
