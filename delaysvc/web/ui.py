@@ -3,7 +3,8 @@
 Every page needs a logged-in user (users come from `delaysvc create-user`); `viewer` reads,
 `admin` also acts. Every POST carries the session's CSRF token (a form field, or the
 `X-CSRF-Token` header for fetch calls) and is refused with 400 without it. Pages redirect to
-/login when nobody is logged in; the JSON endpoints under /ui/ answer 401 instead.
+/login when nobody is logged in; the JSON endpoints under /ui/ answer 401 instead. Bad input (a
+NUL in any parameter included) gets the dashboard's 400 page naming it, or JSON under /ui/.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from flask import (
     session,
     url_for,
 )
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DataError, OperationalError
 from werkzeug.exceptions import HTTPException
 
 from delaysvc import auth, store
 from delaysvc.config.settings import Settings
-from delaysvc.errors import DelaysvcError
+from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.web.api import services
 from delaysvc.web.errors import STATUS
 
@@ -139,8 +140,27 @@ def wants_json() -> bool:
     return request.path.startswith("/ui/")
 
 
+NUL_ALLOWED = {"password"}
+"""Form fields that may hold a NUL (a password is only hashed, never stored or sought)."""
+
+
+def refuse_nul() -> None:
+    """A NUL in a query parameter, a form field or the path: a ValidationError naming it (the
+    dashboard's 400 page), before a statement would send it to PostgreSQL, whose text cannot
+    hold one (that DataError is the JSON API's answer, not a page)."""
+    fields = [
+        *request.args.items(multi=True),
+        *((name, value) for name, value in request.form.items(multi=True)),
+        *(request.view_args or {}).items(),
+    ]
+    for name, value in fields:
+        if isinstance(value, str) and "\x00" in value and name not in NUL_ALLOWED:
+            raise ValidationError(name, "must not contain a NUL character (%00)")
+
+
 @ui.before_request
 def guard() -> Any:
+    refuse_nul()
     if request.endpoint and request.endpoint.rsplit(".", 1)[-1] in PUBLIC_ENDPOINTS:
         if request.method == "POST" and not csrf_ok():
             abort(400, "the form has expired; reload the page and try again")
@@ -240,6 +260,14 @@ def domain_error(exc: DelaysvcError) -> Any:
 @ui.errorhandler(HTTPException)
 def http_error(exc: HTTPException) -> Any:
     return _error_page(exc.code or 500, exc.description or exc.name)
+
+
+@ui.errorhandler(DataError)
+def refused_by_database(exc: DataError) -> Any:
+    """Input no check anticipated, refused by PostgreSQL (a number out of range): the user's
+    mistake, answered with the dashboard's page (the API's handler answers JSON)."""
+    log.warning("dashboard.data_error", extra={"error": str(exc.orig)})
+    return _error_page(400, f"a value was refused: {exc.orig}")
 
 
 @ui.errorhandler(OperationalError)
