@@ -168,8 +168,8 @@ def _when(when: str | timedelta) -> tuple[str | None, int | None]:
         if not cron.startswith("@") and len(cron.split()) != 5:
             raise ValidationError(
                 "schedule",
-                f"{when!r} has {len(cron.split())} fields; a cron expression has five (minute "
-                "hour day month weekday), no seconds: for those use an interval such as '30s'",
+                f"{when!r} is not a cron expression: it has {len(cron.split())} fields, not five "
+                "(minute hour day month weekday); for seconds use an interval such as '30s'",
             )
         try:
             CronSim(cron, datetime.now(UTC))

@@ -122,7 +122,7 @@ def test_a_topic_cap_with_deliver_early_takes_the_soonest_due_across_lanes(
         ("level:2=10:drop", "policy 'drop'"),
         ("queue:x=1:reject", "malformed"),
         ("topic:bad topic=1:reject", "topic"),
-        ("level:2=0:reject", "must be positive"),
+        ("level:2=0:reject", "must be from 1 to 1,000,000,000"),
         ("level:\uff12=1:reject", "not a number"),  # a full-width 2
         ("level:2=\uff110:reject", "malformed"),  # a full-width 1
     ],

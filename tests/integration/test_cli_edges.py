@@ -162,7 +162,7 @@ def test_a_web_address_that_cannot_be_listened_on_is_one_line(
 def test_a_cron_expression_with_seconds_is_refused(delaysvc: Run) -> None:
     """cronsim takes a sixth field (seconds); the documents and the API promise five."""
     result = delaysvc("schedules", "add", "s", "*/5 * * * * *", "--topic", "t.tick")
-    _refused(result, 2, "has 6 fields; a cron expression has five")
+    _refused(result, 2, "is not a cron expression: it has 6 fields, not five")
     assert json.loads(delaysvc("schedules", "list", "--json").stdout)["schedules"] == []
 
 
