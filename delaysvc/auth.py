@@ -73,13 +73,31 @@ def create_token(
     topics (each must be a valid topic name); None: every topic."""
     if scope not in SCOPES:
         raise ValidationError("scope", f"{scope!r} is not a scope; use one of {SCOPES}")
-    if not name or len(name) > 100:
-        raise ValidationError("name", "must be 1-100 characters")
+    check_name("a token's name", name)
     only = None if topics is None else _token_topics(topics)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as conn:
-        store_tokens.insert_token(conn, name, _hash_token(token), scope, only)
+        if not store_tokens.insert_token(conn, name, _hash_token(token), scope, only):
+            raise ValidationError(
+                "name",
+                f"a token named {name!r} exists (a revoked token keeps its name); choose another",
+            )
     return token
+
+
+MAX_NAME = 100
+
+
+def check_name(what: str, name: str) -> str:
+    """A token's or a user's name: 1-100 printable characters, not starting or ending with a
+    space (` ada` would pass for `ada` on a list)."""
+    if not 1 <= len(name) <= MAX_NAME:
+        raise ValidationError("name", f"{what} must be 1-{MAX_NAME} characters")
+    if not name.isprintable():
+        raise ValidationError("name", f"{what} must not contain control characters")
+    if name != name.strip():
+        raise ValidationError("name", f"{what} must not start or end with a space")
+    return name
 
 
 def _token_topics(topics: Iterable[str]) -> list[str]:
@@ -138,6 +156,7 @@ def create_user(engine: Engine, name: str, password: str, role: str = "viewer") 
     dashboard session the user has (see `end_sessions`)."""
     if role not in ROLES:
         raise ValidationError("role", f"{role!r} is not a role; use one of {ROLES}")
+    check_name("a user's name", name)
     if len(password) < 8:
         raise ValidationError("password", "must be at least 8 characters")
     with engine.begin() as conn:

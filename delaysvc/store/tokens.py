@@ -20,14 +20,17 @@ def insert_token(
     token_hash: str,
     scope: str,
     topics: Sequence[str] | None = None,
-) -> None:
-    conn.execute(
+) -> bool:
+    """-> False, and nothing stored, when a token (live or revoked) holds the name."""
+    inserted = conn.execute(
         sql(
             "INSERT INTO delaysvc.api_token (name, token_hash, scope, topics) "
-            "VALUES (:name, :hash, :scope, CAST(:topics AS text[]))"
+            "VALUES (:name, :hash, :scope, CAST(:topics AS text[])) "
+            "ON CONFLICT (name) DO NOTHING RETURNING name"
         ),
         {"name": name, "hash": token_hash, "scope": scope, "topics": topics},
     )
+    return inserted.first() is not None
 
 
 def find_token(conn: Connection, token_hash: str) -> Any:

@@ -178,3 +178,35 @@ def test_a_database_that_is_down_is_one_line_saying_what_was_not_done() -> None:
             stderr.splitlines()[-1]
         ]
         assert "\t" not in stderr
+
+
+def test_a_token_name_in_use_or_revoked_is_refused_in_one_line(delaysvc: Run) -> None:
+    """It was a traceback of PostgreSQL's unique violation (api_token_name_key)."""
+    assert delaysvc("create-token", "shop").returncode == 0
+    _refused(delaysvc("create-token", "shop"), 2, "a token named 'shop' exists")
+    assert delaysvc("revoke-token", "shop").returncode == 0
+    _refused(delaysvc("create-token", "shop"), 2, "a revoked token keeps its name")
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("", "must be 1-100 characters"),
+        ("   ", "must not start or end with a space"),
+        (" ada", "must not start or end with a space"),
+        ("ada\x1b[2J", "must not contain control characters"),
+        ("a" * 101, "must be 1-100 characters"),
+    ],
+)
+@pytest.mark.parametrize("command", ["create-user", "create-token"])
+def test_a_user_or_token_name_no_one_could_tell_apart_or_type_is_refused(
+    delaysvc: Run, engine: Engine, command: str, name: str, said: str
+) -> None:
+    """`create-user ""` made a user who could never log in; `" ada"` one a list shows as
+    `ada`; a name with escape codes rewrote the terminal that listed it."""
+    result = delaysvc(command, name, DELAYSVC_NEW_USER_PASSWORD="long enough password")
+    _refused(result, 2, said)
+    with engine.connect() as conn:
+        users = conn.execute(text("SELECT count(*) FROM dashboard_user")).scalar_one()
+        tokens = conn.execute(text("SELECT count(*) FROM api_token")).scalar_one()
+    assert (users, tokens) == (0, 0)
