@@ -131,9 +131,22 @@ def int_arg(name: str, default: int | None, low: int, high: int | None) -> Any:
     return params.int_arg(request.args, name, default, low, high)
 
 
+def whole_numbers(options: dict[str, Any], *fields: str) -> dict[str, Any]:
+    """`options` with the integer `fields` given as a number with a zero fraction (`1000.0`,
+    what some encoders write for every number) as the integer it is: JSON Schema's `integer`,
+    which the API's document states, is any number without a fraction. Other values are left
+    to the checks, which name the field."""
+    for field in fields:
+        value = options.get(field)
+        if isinstance(value, float) and value.is_integer():
+            options[field] = int(value)
+    return options
+
+
 def message_options(item: dict[str, Any]) -> dict[str, Any]:
-    """The JSON fields of one message, with deliver_at parsed from ISO 8601."""
-    options = dict(item)
+    """The JSON fields of one message, with deliver_at parsed from ISO 8601 and its integers
+    as integers (`whole_numbers`)."""
+    options = whole_numbers(dict(item), "delay_ms", "delay_level", "priority")
     at = options.get("deliver_at")
     if at is not None:
         if not isinstance(at, str):
@@ -263,7 +276,7 @@ def put_limits(topic: str):
     found = set_limits(
         services()["engine"],
         topic,
-        max_running=options.get("max_running"),
+        max_running=whole_numbers(options, "max_running").get("max_running"),
         rate=options.get("rate"),
     )
     return jsonify(limits_json(found))
@@ -303,7 +316,8 @@ def _put_cap(scope: Literal["level", "topic"], target: object) -> Any:
     if unknown:
         raise ValidationError(unknown[0], "unknown field; allowed: max_waiting, policy")
     engine = services()["engine"]
-    found = set_cap(engine, scope, target, options.get("max_waiting"), options.get("policy"))
+    max_waiting = whole_numbers(options, "max_waiting").get("max_waiting")
+    found = set_cap(engine, scope, target, max_waiting, options.get("policy"))
     if found is None:  # lifted
         _, name = check_target(scope, target)
         return jsonify(lifted_cap_json(scope, name))
