@@ -196,10 +196,19 @@ def _extend(app: Celery, component: str, durable_cls: type, cached: str | None) 
 
 
 def _due(app: Celery, message: Any) -> datetime | None:
-    """The message's ETA (task protocol 2), as an aware datetime; None without one."""
+    """The message's ETA (task protocol 2), as an aware datetime; None without one. A message
+    of task protocol 1 with an ETA is refused: its countdown would go to the broker, not
+    durable, while the app believes it is."""
     headers = getattr(message, "headers", None)
     eta = headers.get("eta") if isinstance(headers, dict) else None
     if not eta:
+        body = getattr(message, "body", None)
+        if isinstance(body, dict) and body.get("eta"):  # protocol 1 keeps it in the body
+            raise ValueError(
+                "delaysvc.contrib.celery.durable() stores countdowns of Celery's task protocol "
+                "2 (its default since Celery 4); this app sends protocol 1 "
+                "(task_protocol=1): set task_protocol=2"
+            )
         return None
     due = eta if isinstance(eta, datetime) else datetime.fromisoformat(eta)
     return maybe_make_aware(due, app.timezone)

@@ -113,6 +113,19 @@ def test_a_short_countdown_and_no_countdown_go_to_the_broker(celery_app, produce
         stored(producer, short.id)
 
 
+def test_a_countdown_of_task_protocol_1_is_refused_not_left_to_the_broker(celery_app, producer):
+    """Protocol 1 keeps the ETA in the body, where durable() did not look: the countdown went
+    to the broker, held in a worker's memory, while the app believed it durable."""
+    celery_app.conf.task_protocol = 1
+    default = celery_app.conf.task_default_queue
+    task = celery_app.tasks["shop.cancel_order"]
+    with pytest.raises(ValueError, match="task_protocol=1"):
+        task.apply_async((1,), countdown=60)
+    assert broker_messages(celery_app, default) == []
+    task.apply_async((2,))  # no countdown: to the broker, as before
+    assert len(broker_messages(celery_app, default)) == 1
+
+
 def test_when_due_it_is_published_as_it_was_without_its_eta(celery_app, producer, engine):
     callback = celery_app.signature("shop.invoice", args=(7,))
     task_id = str(uuid.uuid4())
