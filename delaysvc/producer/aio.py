@@ -36,10 +36,9 @@ from delaysvc.db.engines import (
     psycopg_prepare_options,
     server_closed,
 )
-from delaysvc.errors import DatabaseUnavailable
 from delaysvc.producer.grouping import MOST
 from delaysvc.producer.message import Message
-from delaysvc.producer.sending import Producer
+from delaysvc.producer.sending import Producer, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +144,7 @@ class AsyncSends:
             if not store.rolled_back(exc) and isinstance(exc, psycopg.OperationalError):
                 # PoolTimeout too: no connection to be had
                 if sent:
-                    raise DatabaseUnavailable(
-                        f"the database is unavailable ({str(exc).strip()}); the connection was "
-                        "lost after the write was sent, so it may be stored: send again with "
-                        "the same key to be sure",
-                        maybe_stored=True,
-                    ) from exc
+                    raise unavailable(exc, "send", maybe_stored=True) from exc
                 log.warning("producer.async_unreachable", extra={"error": str(exc)})
             # else refused, or rolled back by a deadlock (nothing stored): each sent alone
         return [None] * len(messages)

@@ -653,6 +653,16 @@ _UNDONE: dict[Doing, tuple[str, str]] = {
 }
 
 
+def unavailable(error: object, doing: Doing, *, maybe_stored: bool) -> DatabaseUnavailable:
+    """The database could not be reached (`error`: the driver's), in one line, saying whether
+    what it was `doing` may be done."""
+    reason = " ".join(str(error).split())
+    return DatabaseUnavailable(
+        f"the database is unavailable ({reason}){_UNDONE[doing][maybe_stored]}",
+        maybe_stored=maybe_stored,
+    )
+
+
 def _raise_domain_error(
     exc: DBAPIError, doing: Doing, *, connected: bool, maybe_stored: bool
 ) -> None:
@@ -662,11 +672,7 @@ def _raise_domain_error(
     delaysvc's schema, a table or a function missing in the database (not migrated) ->
     `SchemaNotReady`."""
     if exc.connection_invalidated or (isinstance(exc, OperationalError) and not connected):
-        reason = " ".join(str(exc.orig).split())
-        raise DatabaseUnavailable(
-            f"the database is unavailable ({reason}){_UNDONE[doing][maybe_stored]}",
-            maybe_stored=maybe_stored,
-        ) from exc
+        raise unavailable(exc.orig, doing, maybe_stored=maybe_stored) from exc
     if isinstance(exc, IntegrityError) and store.unique_violation(exc, "uq_commit_log_topic_key"):
         raise DuplicateKey(str(exc.orig)) from None
     missing = store.not_migrated(exc)

@@ -34,6 +34,7 @@ from flask import (
 from sqlalchemy import Engine
 
 from delaysvc.auth import ApiToken, authenticate_token
+from delaysvc.config.validation import ascii_digits
 from delaysvc.producer.sending import Producer
 from delaysvc.web.api import bearer_token, send_one
 
@@ -140,4 +141,4 @@ def requests_hooked(app: Flask) -> bool:
 def content_length(given: str) -> int | None:
     """A request's body length as its Content-Length gives it (None: not given, or not a
     length)."""
-    return int(given) if given.isdigit() and given.isascii() else None
+    return int(given) if ascii_digits(given) else None
