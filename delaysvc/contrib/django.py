@@ -16,7 +16,10 @@ itself, and a batch, a capped send or a cancel commits as one transaction of its
 ORM work and the job's success commit together in one `atomic()` block. Errors are delaysvc's
 (`ValidationError`, `BacklogFull`, `DatabaseUnavailable`...); one raised before anything was
 written (a bad argument, a full backlog with the `reject` policy) leaves the `atomic()` block
-usable. Django's psycopg 3 and psycopg2 backends both work.
+usable. Django's psycopg 3 and psycopg2 backends both work. A `Message`'s times are aware, in
+UTC, whatever `USE_TZ` says (with `USE_TZ=False` Django's connection gives naive local times;
+delaysvc's statements read them aware: `delaysvc.db.connections`); a `deliver_at` must be
+aware here too, a naive one is refused as everywhere.
 
 The tables are delaysvc's, not Django's: apply them with `delaysvc migrate` (with
 `DELAYSVC_DATABASE_URL` naming the same database) in your deployment, beside Django's own

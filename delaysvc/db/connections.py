@@ -34,6 +34,7 @@ import sys
 from collections import namedtuple
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import UTC, datetime, timezone
 from functools import cache
 from typing import Any, Protocol, TypeVar
 
@@ -309,17 +310,20 @@ class Rows:
         return [row[0] for row in self._rows]
 
 
-_JSON, _JSONB = 114, 3802  # type OIDs
+_JSON, _JSONB, _TIMESTAMPTZ = 114, 3802, 1184  # type OIDs
 
 
 def _read_rows(description: Sequence[Any] | None, rows: Sequence[Sequence[Any]]) -> list[Any]:
     """Rows with their columns by name, json parsed (Django has its drivers give jsonb as text,
-    for its JSONField to parse). A bytea stays as the driver gives it, as under SQLAlchemy."""
+    for its JSONField to parse), times in UTC (a connection's session may have a time zone of
+    its own: Django's `TIME_ZONE` with `USE_TZ=False`), as a `Message` has them everywhere. A
+    bytea stays as the driver gives it, as under SQLAlchemy."""
     if description is None:
         return []
     row_type = _row_type(tuple(column[0] for column in description))
     json_columns = [i for i, column in enumerate(description) if column[1] in (_JSON, _JSONB)]
-    if not json_columns:
+    time_columns = [i for i, column in enumerate(description) if column[1] == _TIMESTAMPTZ]
+    if not json_columns and not time_columns:
         return [row_type(*row) for row in rows]
     read = []
     for row in rows:
@@ -327,6 +331,10 @@ def _read_rows(description: Sequence[Any] | None, rows: Sequence[Sequence[Any]])
         for i in json_columns:
             if isinstance(values[i], str):
                 values[i] = json.loads(values[i])
+        for i in time_columns:
+            at = values[i]
+            if isinstance(at, datetime) and at.tzinfo is not UTC:
+                values[i] = at.astimezone(UTC)  # a naive one (not expected): the local zone's
         read.append(row_type(*values))
     return read
 
@@ -533,7 +541,11 @@ class _Django:
         self.dbapi_error: type[Exception] = wrapper.Database.Error  # psycopg's or psycopg2's
 
     def cursor(self) -> Any:
-        return self.wrapper.cursor()
+        """Django's cursor, giving a timestamptz as an aware time whatever `USE_TZ` says
+        (`_aware_times`)."""
+        cursor = self.wrapper.cursor()
+        _aware_times(cursor.cursor)
+        return cursor
 
     def psycopg_cursor(self) -> None:
         return None
@@ -556,3 +568,18 @@ class _Django:
         from django.db import transaction
 
         return transaction.atomic(using=self.wrapper.alias)
+
+
+def _aware_times(cursor: Any) -> None:
+    """Have a driver cursor of Django's give a timestamptz as an aware time, as the driver
+    does by default. With `USE_TZ=False` Django has it give naive times of the connection's
+    time zone (`TIME_ZONE`): psycopg 3 by a loader of its own, psycopg2 with no
+    `tzinfo_factory`. Only this cursor is changed, not Django's others; `_read_rows` then
+    gives the times in UTC."""
+    if isinstance(cursor, psycopg.Cursor):
+        from psycopg.types.datetime import TimestamptzBinaryLoader, TimestamptzLoader
+
+        cursor.adapters.register_loader("timestamptz", TimestamptzLoader)
+        cursor.adapters.register_loader("timestamptz", TimestamptzBinaryLoader)
+    elif getattr(cursor, "tzinfo_factory", False) is None:  # psycopg2
+        cursor.tzinfo_factory = timezone

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -55,6 +56,7 @@ assert django_settings.SETTINGS_MODULE == "tests.django_project.settings"
 
 from django.core.management import call_command  # noqa: E402
 from django.db import connection, connections, transaction  # noqa: E402
+from django.test import override_settings  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
 from sqlalchemy import Engine  # noqa: E402
 
@@ -260,7 +262,6 @@ def test_a_django_handler_commits_its_orm_rows_with_the_jobs_success(
     # the job's lock went through Django's cursor (its success was never reached)
     assert sum(table("commit_log") in query["sql"] for query in queries) == 1
     assert producer.get(sent.id).attempts == 1
-    from datetime import UTC, datetime, timedelta
 
     from delaysvc import store
     from delaysvc.maintenance import delivery
@@ -273,6 +274,52 @@ def test_a_django_handler_commits_its_orm_rows_with_the_jobs_success(
     assert consumer.run_once("order.create").succeeded == 1
     assert list(Order.objects.values_list("total", flat=True)) == [7]
     assert producer.get(sent.id).status == "succeeded"
+
+
+@pytest.fixture
+def naive_times() -> Iterator[str]:
+    """The project with `USE_TZ=False` and a `TIME_ZONE` other than UTC: Django's connection
+    then gives a timestamptz as a naive time of that zone. Django sets `TZ` for the zone;
+    it is put back after, as it was."""
+    saved = os.environ.get("TZ")
+    try:
+        with override_settings(USE_TZ=False, TIME_ZONE="America/New_York"):
+            yield "America/New_York"
+    finally:
+        if saved is None:
+            os.environ.pop("TZ", None)
+        else:
+            os.environ["TZ"] = saved
+        time.tzset()
+
+
+def test_with_use_tz_false_a_messages_times_are_aware_utc(naive_times: str) -> None:
+    with connection.cursor() as cursor:  # the connection really is in that mode
+        cursor.execute("SELECT now(), current_setting('TimeZone')")
+        now, zone = cursor.fetchone()
+    assert (now.tzinfo, zone) == (None, naive_times)
+    before = datetime.now(UTC)
+    at = (before + timedelta(hours=2)).replace(microsecond=0)
+    with transaction.atomic():
+        sent = delaysvc_django.send("order.tz", 1, delay="7s")
+        timed = delaysvc_django.send("order.tz", 2, deliver_at=at)
+        batch = delaysvc_django.send_batch([{"topic": "order.tz", "body": 3, "delay_level": 1}])
+        read = delaysvc_django.get(sent.id)
+        # a naive deliver_at is refused, as everywhere (docs/how-to/producing.md)
+        with pytest.raises(ValidationError, match="timezone-aware"):
+            delaysvc_django.send("order.tz", 4, deliver_at=at.replace(tzinfo=None))
+    after = datetime.now(UTC)
+    times = [
+        value
+        for message in (sent, timed, *batch, read)
+        for value in (message.stored_at, message.deliver_at)
+    ]
+    assert [value.utcoffset() for value in times] == [timedelta(0)] * len(times)
+    assert before - timedelta(seconds=5) <= sent.stored_at <= after + timedelta(seconds=5)
+    assert sent.deliver_at - sent.stored_at == timedelta(seconds=7)
+    assert timed.deliver_at == at
+    assert batch[0].deliver_at - batch[0].stored_at == timedelta(seconds=1)  # level 1: 1s
+    assert (read.stored_at, read.deliver_at) == (sent.stored_at, sent.deliver_at)
 
 
 @pytest.mark.skipif(DRIVER != "psycopg", reason="run once, from the psycopg 3 process")
@@ -290,4 +337,4 @@ def test_the_same_on_djangos_psycopg2_backend() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "9 passed, 1 skipped" in done.stdout
+    assert "10 passed, 1 skipped" in done.stdout
