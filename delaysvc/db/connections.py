@@ -18,6 +18,9 @@ errors in one place whatever the driver. A caller may hold:
 A psycopg 3 connection (and a SQLAlchemy one on psycopg 3) also lends a cursor of its own
 (`psycopg_cursor`): a single send is then a prepared statement and a batch is COPYed in;
 other drivers run the same statements through `execute`, a batch staged from one JSON document.
+A psycopg 3 connection the caller has in pipeline mode (`with conn.pipeline():`) lends none,
+since psycopg has no COPY there: its batches are staged too, and each statement is synced
+(`_synced`), so its rows are read as anywhere else.
 
 A connection in autocommit mode with no transaction open (Django outside `atomic()`, a psycopg
 connection with `autocommit=True`) commits each statement by itself: a single send is one
@@ -39,7 +42,7 @@ from functools import cache
 from typing import Any, Protocol, TypeVar
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 from sqlalchemy import Connection, Engine, TextClause
 from sqlalchemy.exc import DBAPIError, MultipleResultsFound, NoResultFound
@@ -223,7 +226,8 @@ class DriverJoined:
             if self._cursor is None:
                 self._cursor = self.driver.cursor()
             cursor = self._cursor
-            cursor.execute(sql, dict(parameters or {}))  # a mapping, so `%%` is read as `%`
+            with _synced(cursor):
+                cursor.execute(sql, dict(parameters or {}))  # a mapping: `%%` is read as `%`
             description = cursor.description
             rows = cursor.fetchall() if description is not None else []
             return Rows(_read_rows(description, rows), cursor.rowcount)
@@ -273,6 +277,20 @@ class DriverJoined:
             raise DBAPIError.instance(
                 sql, None, error, self.driver.dbapi_error, connection_invalidated=self.driver.lost()
             ) from exc
+
+
+def _synced(cursor: Any) -> AbstractContextManager[Any]:
+    """Around a statement on a psycopg 3 connection the caller has in pipeline mode
+    (`with conn.pipeline():`): a pipeline block of its own, whose end sends it with whatever
+    the caller queued before and waits for the results, so its rows (and its errors) are
+    there to read, as on any other connection. Elsewhere nothing."""
+    if isinstance(cursor, psycopg.Cursor) and _in_pipeline(cursor.connection):
+        return cursor.connection.pipeline()
+    return nullcontext()
+
+
+def _in_pipeline(conn: psycopg.Connection[Any]) -> bool:
+    return conn.pgconn.pipeline_status != PipelineStatus.OFF
 
 
 class Rows:
@@ -394,11 +412,15 @@ class _Psycopg:
         self.conn = conn
 
     def cursor(self) -> Any:
-        return self.psycopg_cursor()
-
-    def psycopg_cursor(self) -> psycopg.Cursor[Any]:
         # server-side binding and tuples, whatever the connection's own factories
         return psycopg.Cursor(self.conn, row_factory=tuple_row)
+
+    def psycopg_cursor(self) -> psycopg.Cursor[Any] | None:
+        """None in pipeline mode, where psycopg has no COPY: a batch is then staged and
+        inserted by `execute`'s statements, as on other drivers, each synced (`_synced`)."""
+        if _in_pipeline(self.conn):
+            return None
+        return self.cursor()
 
     def caught(self, exc: BaseException) -> BaseException | None:
         return exc if isinstance(exc, psycopg.Error) else None

@@ -15,7 +15,8 @@ batch adds (`delaysvc.producer.caps`). A COPY fails whole if a key it writes is 
 transaction after the batch looked (the key's unique index); a batch with keys therefore COPYs
 inside a savepoint, and after such a race is stored again through the staged insert
 (`store.insert_messages`), which skips the keys taken. Other drivers (psycopg2, Django's
-cursor, asyncio connections) have no COPY here: their batches take that staged insert too.
+cursor, asyncio connections) have no COPY here, nor has a psycopg 3 connection in pipeline mode:
+their batches take that staged insert too.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ connection behave as on our own connections."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,12 @@ def _ways(database_url: str, engine: Engine, psycopg2_engine: Engine) -> dict[st
             yield conn
 
     @contextmanager
+    def psycopg3_pipeline() -> Iterator[Any]:
+        # the caller's statements and delaysvc's sent in psycopg's pipeline mode
+        with psycopg.connect(dsn) as conn, conn.pipeline():
+            yield conn
+
+    @contextmanager
     def psycopg2_plain() -> Iterator[Any]:
         conn = psycopg2.connect(dsn, cursor_factory=psycopg2.extras.RealDictCursor)
         try:
@@ -93,6 +99,7 @@ def _ways(database_url: str, engine: Engine, psycopg2_engine: Engine) -> dict[st
             Held("sqlalchemy-psycopg2-session", lambda: sa_session(psycopg2_engine)),
             Held("psycopg3", psycopg3),
             Held("psycopg3-autocommit-transaction", psycopg3_autocommit_in_transaction),
+            Held("psycopg3-pipeline", psycopg3_pipeline),
             Held("psycopg2", psycopg2_plain),
         )
     }
@@ -105,6 +112,7 @@ WAYS = [
     "sqlalchemy-psycopg2-session",
     "psycopg3",
     "psycopg3-autocommit-transaction",
+    "psycopg3-pipeline",
     "psycopg2",
 ]
 
@@ -222,7 +230,8 @@ def test_a_refused_send_leaves_the_callers_transaction_usable(
 
 
 @pytest.mark.parametrize(
-    "autocommit", ["psycopg3", "psycopg2", "sqlalchemy-psycopg3", "sqlalchemy-psycopg2"]
+    "autocommit",
+    ["psycopg3", "psycopg3-pipeline", "psycopg2", "sqlalchemy-psycopg3", "sqlalchemy-psycopg2"],
 )
 def test_on_an_autocommitting_connection_each_call_commits_by_itself(
     producer: Producer,
@@ -235,9 +244,12 @@ def test_on_an_autocommitting_connection_each_call_commits_by_itself(
     cancel each get a transaction of their own (a batch's staging table is emptied at commit:
     without one it would store nothing). Each is stored before the connection closes."""
     dsn = libpq_url(database_url)
-    if autocommit == "psycopg3":
+    pipeline: AbstractContextManager[Any] = nullcontext()
+    if autocommit.startswith("psycopg3"):
         conn: Any = psycopg.connect(dsn, autocommit=True)
         driver = conn
+        if autocommit == "psycopg3-pipeline":
+            pipeline = conn.pipeline()
     elif autocommit == "psycopg2":
         conn = driver = psycopg2.connect(dsn)
         conn.autocommit = True
@@ -246,14 +258,15 @@ def test_on_an_autocommitting_connection_each_call_commits_by_itself(
         conn = on.connect().execution_options(isolation_level="AUTOCOMMIT")
         driver = conn.connection.dbapi_connection
     try:
-        one = producer.send("shop.auto", 1, delay_level=2, key="k", connection=conn)
-        assert producer.send("shop.auto", 9, key="k", connection=conn).id == one.id
-        batch = producer.send_batch(
-            [{"topic": "shop.auto", "body": n, "delay_level": 1} for n in range(3)],
-            connection=conn,
-        )
-        producer.cancel(batch[0].id, connection=conn)
-        assert driver.autocommit is True  # as the caller left it
+        with pipeline:
+            one = producer.send("shop.auto", 1, delay_level=2, key="k", connection=conn)
+            assert producer.send("shop.auto", 9, key="k", connection=conn).id == one.id
+            batch = producer.send_batch(
+                [{"topic": "shop.auto", "body": n, "delay_level": 1} for n in range(3)],
+                connection=conn,
+            )
+            producer.cancel(batch[0].id, connection=conn)
+            assert driver.autocommit is True  # as the caller left it
         assert stored(engine, "shop.auto") == {
             **NOTHING,
             "commit_log": [one.id, *(m.id for m in batch)],

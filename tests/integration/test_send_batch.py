@@ -389,6 +389,55 @@ def test_a_batch_copied_in_a_psycopg_transaction_is_the_callers_to_commit_or_rol
     assert _lane_counts(engine) == ({0: 2, 2: 1}, {0: 2, 2: 1})
 
 
+def test_a_batch_in_the_callers_pipeline_is_stored_with_what_the_pipeline_queued(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """`with conn.pipeline(): send_batch(..., connection=conn)`: psycopg has no COPY in
+    pipeline mode, so the batch is staged and inserted (as psycopg2's), each statement synced
+    with what the caller queued before it; the caller's transaction commits or rolls back the
+    lot, and an item refused leaves the pipeline usable."""
+    held = producer.send("t", "old", delay_level=1, key="held")
+    items = [
+        {"topic": "t", "body": b"\x00\xff", "delay_level": 2, "tags": ["x"]},
+        {"topic": "t", "body": {"n": 1}, "delay": "7s", "key": "k"},
+        {"topic": "t", "body": 2, "key": "held"},
+        {"topic": "t", "body": 3, "key": "k"},
+        {"topic": "t", "body": 4, "properties": {"p": "v"}},
+    ]
+    with psycopg.connect(libpq_url(settings.database_url)) as conn:
+        conn.execute("CREATE TABLE orders (id int)")
+        conn.commit()
+        with conn.pipeline():
+            conn.execute("INSERT INTO orders VALUES (1)")
+            producer.send_batch(items, connection=conn)
+        conn.rollback()
+        assert conn.execute("SELECT count(*) FROM orders").fetchone() == (0,)
+        assert _count(engine) == 1  # the held one
+        with conn.pipeline():
+            conn.execute("INSERT INTO orders VALUES (42)")
+            with pytest.raises(ValidationError, match=r"messages\[1\]\.topic"):
+                producer.send_batch([items[0], {"topic": "", "body": 0}], connection=conn)
+            sent = producer.send_batch(items, connection=conn)
+            one = producer.send("t", 5, delay_level=3, connection=conn)
+            assert conn.info.pipeline_status == pq.PipelineStatus.ON
+        conn.commit()
+        assert conn.execute("SELECT id FROM orders").fetchall() == [(42,)]
+    assert [m.created for m in sent] == [True, True, False, False, True]
+    assert (sent[2].id, sent[3].id) == (held.id, sent[1].id)
+    for message in (*sent, one):
+        _same_as_stored(producer, message)
+    assert producer.get(sent[0].id).body == b"\x00\xff"
+    assert _lanes(engine) == sorted(
+        [
+            ("level1", held.id),
+            ("level2", sent[0].id),
+            ("timer", sent[1].id),
+            ("ready", sent[4].id),
+            ("level3", one.id),
+        ]
+    )
+
+
 def test_an_item_refused_while_the_ids_are_drawn_leaves_the_callers_transaction_as_it_was(
     producer: Producer, engine: Engine, settings: Settings
 ) -> None:
