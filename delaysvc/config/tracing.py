@@ -8,8 +8,10 @@ application's), once the application has set a TracerProvider:
 - a single send is a PRODUCER span `send <topic>`, and its context is stored in the message's
   properties as the application's propagator writes it (by default W3C `traceparent`,
   `tracestate` and `baggage`; `PROPAGATED`): those names are delaysvc's while tracing is on, a
-  value the caller gives for one is replaced; a batch is one `send` span, its context in
-  every message of it;
+  value the caller gives for one is replaced (`carried`), and not counted against the
+  caller's limit, `MAX_PROPERTIES`, which the context comes on top of (`validated_properties`):
+  tracing never makes a valid send invalid, and a message's properties, its context included,
+  can be sent again; a batch is one `send` span, its context in every message of it;
 - each run of a handler is a CONSUMER span `process <topic>` linked to that context (a link,
   not a parent: the run is a trace of its own, or a child of whatever traces the worker), with
   OpenTelemetry's messaging attributes and delaysvc's: the attempt, the wait from due to start,
@@ -35,7 +37,7 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
 from typing import Any
 
-from delaysvc.config.validation import MAX_PROPERTY_VALUE
+from delaysvc.config.validation import MAX_PROPERTY_VALUE, validate_properties
 
 SYSTEM = "delaysvc"
 """`messaging.system` of every span delaysvc starts, and the name of its tracer."""
@@ -109,6 +111,30 @@ def context_properties() -> dict[str, str]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return {name: value for name, value in carrier.items() if len(value) <= MAX_PROPERTY_VALUE}
+
+
+def context_fields() -> frozenset[str]:
+    """The property names the trace context takes while tracing is on (the global
+    propagator's fields: `PROPAGATED` by default); none while it is off."""
+    if tracer() is None:
+        return frozenset()
+    from opentelemetry import propagate
+
+    return frozenset(propagate.get_global_textmap().fields)
+
+
+def validated_properties(
+    properties: object, fields: frozenset[str] = frozenset()
+) -> dict[str, str] | None:
+    """`validate_properties`, with a caller's value for a field of the trace context
+    (`fields`: `context_fields()`) checked like any property but not counted against
+    `MAX_PROPERTIES`: it is replaced by the send's own (`carried`), and the limit is on the
+    caller's own properties, which the context comes on top of."""
+    if not fields or not isinstance(properties, dict) or fields.isdisjoint(properties):
+        return validate_properties(properties)
+    validate_properties({k: v for k, v in properties.items() if k in fields})
+    validate_properties({k: v for k, v in properties.items() if k not in fields})
+    return dict(properties)
 
 
 def carried(properties: Mapping[str, str] | None, context: Mapping[str, str]) -> dict[str, str]:

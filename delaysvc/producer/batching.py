@@ -33,6 +33,7 @@ from psycopg import Cursor
 from psycopg.errors import UniqueViolation
 
 from delaysvc import store
+from delaysvc.config import tracing
 from delaysvc.config.levels import DelayLevels
 from delaysvc.config.settings import BacklogCap, Settings
 from delaysvc.config.validation import (
@@ -40,7 +41,6 @@ from delaysvc.config.validation import (
     encode_body,
     validate_key,
     validate_priority,
-    validate_properties,
     validate_tags,
     validate_topic,
 )
@@ -134,6 +134,7 @@ class _Checker:
         self.now = now
         self.topics: dict[str, int | None] = {}  # a valid topic -> its default delay
         self.placements: dict[tuple[Any, ...], Placement] = {}
+        self.context_fields = tracing.context_fields()  # not counted (tracing.validated_properties)
         self.shapes: dict[tuple[str, ...], _Shape | None] = {}  # None: not for the quick way
 
     def item(self, item: object) -> Item:
@@ -190,9 +191,8 @@ class _Checker:
         return Item(topic, item["body"], placed.lane, placed.delay_level, placed.delay_ms,
                     placed.deliver_at, *self.rest(item))  # fmt: skip
 
-    @staticmethod
     def rest(
-        item: Mapping[str, Any],
+        self, item: Mapping[str, Any]
     ) -> tuple[str | None, list[str] | None, dict[str, str] | None, int]:
         """An item's key, tags, properties and priority, checked."""
         tags = item.get("tags")
@@ -202,7 +202,7 @@ class _Checker:
         return (
             validate_key(item.get("key")),
             validate_tags(list(tags) if isinstance(tags, tuple) else tags),
-            validate_properties(properties),
+            tracing.validated_properties(properties, self.context_fields),
             validate_priority(item.get("priority", 0)),
         )
 

@@ -28,7 +28,6 @@ from delaysvc.config.validation import (
     encode_body,
     validate_key,
     validate_priority,
-    validate_properties,
     validate_tags,
     validate_topic,
 )
@@ -144,8 +143,9 @@ class Producer:
             deliver_at=schedule.deliver_at,
             key=validate_key(key),
             tags=validate_tags(list(tags) if isinstance(tags, tuple) else tags),
-            properties=validate_properties(
-                dict(properties) if isinstance(properties, Mapping) else properties
+            properties=tracing.validated_properties(
+                dict(properties) if isinstance(properties, Mapping) else properties,
+                tracing.context_fields(),  # the trace context's: not counted (tracing on)
             ),
             priority=validate_priority(priority),
         )

@@ -24,7 +24,8 @@ from opentelemetry.util._once import Once
 
 from delaysvc.config import tracing
 from delaysvc.config.settings import Settings
-from delaysvc.errors import DeadLetter, RetryLater
+from delaysvc.config.validation import MAX_PROPERTIES
+from delaysvc.errors import DeadLetter, RetryLater, ValidationError
 from delaysvc.maintenance import delivery
 from delaysvc.producer.sending import Producer
 from delaysvc.worker.consumer import Consumer, handler
@@ -368,6 +369,33 @@ def test_a_lane_run_is_a_span_with_the_messages_moved_and_their_lateness(
     # statement time, the sum at the clock's: a mean may pass the largest by a fraction of a ms)
     assert 0 <= largest < 500
     assert 0 <= mean < 500
+
+
+def test_the_context_is_carried_besides_the_most_properties_a_caller_may_give(
+    producer: Producer, spans: InMemorySpanExporter
+) -> None:
+    """The limit (`MAX_PROPERTIES`) is on the caller's own properties: the context comes on
+    top, so tracing never makes a valid send invalid. A property named for the context is
+    delaysvc's while tracing is on: replaced by the send's own, and not counted, so a
+    message's properties, context included, can be sent again (a handler passing them on)."""
+    own = {f"p{n}": str(n) for n in range(MAX_PROPERTIES)}
+    given = {**own, "traceparent": "00-given", "tracestate": "given=1"}
+    one = producer.send("t.props", 1, properties=own)
+    again = producer.send("t.props", 2, properties=given)
+    (batch,) = producer.send_batch([{"topic": "t.props", "body": 3, "properties": given}])
+    first, second, batch_send = named(spans, "send t.props")
+    assert producer.get(one.id).properties == {**own, "traceparent": traceparent(first)}
+    assert producer.get(again.id).properties == {**own, "traceparent": traceparent(second)}
+    assert producer.get(batch.id).properties == {**own, "traceparent": traceparent(batch_send)}
+    assert len(one.properties) == MAX_PROPERTIES + 1  # what the send answers is what is stored
+    resent = producer.send("t.props", 4, properties=producer.get(one.id).properties)
+    assert set(resent.properties) == {*own, "traceparent"}
+    # more of one's own is refused, traced or not, and a context field's value is checked
+    for refused in ({**given, "one": "more"}, {**own, "traceparent": "a\x00b"}):
+        with pytest.raises(ValidationError, match="properties"):
+            producer.send("t.props", 5, properties=refused)
+        with pytest.raises(ValidationError, match=r"messages\[0\]\.properties"):
+            producer.send_batch([{"topic": "t.props", "body": 5, "properties": refused}])
 
 
 def test_with_no_tracer_provider_nothing_is_added_to_a_message(
