@@ -91,7 +91,13 @@ class Schedule:
             step = timedelta(milliseconds=self.every_ms)
             return _EPOCH + ((after - _EPOCH) // step + 1) * step
         assert self.cron is not None
-        return next(CronSim(self.cron, after.astimezone(self.zone))).astimezone(UTC)
+        # cronsim walks the wall clock: from the second pass of an hour the clocks repeat, its
+        # next time can be one the first pass had (02:30 after 02:10 the second time), a tick
+        # already past; a time that happens twice runs once, so the next one after it counts
+        for tick in CronSim(self.cron, after.astimezone(self.zone)):
+            if tick.astimezone(UTC) > after:
+                return tick.astimezone(UTC)
+        raise AssertionError("a cron expression has ticks without end")
 
     def latest_tick(self, at: datetime) -> datetime:
         """The last tick at or before `at` (UTC)."""
@@ -99,8 +105,13 @@ class Schedule:
             step = timedelta(milliseconds=self.every_ms)
             return _EPOCH + ((at - _EPOCH) // step) * step
         assert self.cron is not None
-        after = (at + timedelta(microseconds=1)).astimezone(self.zone)
-        return next(CronSim(self.cron, after, reverse=True)).astimezone(UTC)
+        # walked back from an hour later on the wall clock: in the second pass of an hour the
+        # clocks repeat, the latest tick can be at a later wall time (its first pass)
+        start = (at + timedelta(hours=1, microseconds=1)).astimezone(self.zone)
+        for tick in CronSim(self.cron, start, reverse=True):
+            if tick.astimezone(UTC) <= at:
+                return tick.astimezone(UTC)
+        raise AssertionError("a cron expression has ticks without end")
 
     @property
     def zone(self) -> ZoneInfo:

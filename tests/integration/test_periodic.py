@@ -120,6 +120,37 @@ def test_a_cron_expression_ticks_in_its_time_zone_across_daylight_saving() -> No
                      for n in range(7)]  # fmt: skip
 
 
+def test_in_the_hours_second_pass_the_next_tick_is_tomorrows_and_the_latest_todays() -> None:
+    """From the second pass of the repeated hour (02:10 CET, after 02:10 CEST), cronsim's
+    next 02:30 was the first pass's, already past: the next tick was before `after`."""
+    nightly = schedule("s", "30 2 * * *", topic="t", timezone="Europe/Berlin")
+    second_pass = datetime(2026, 10, 25, 1, 10, tzinfo=UTC)  # 02:10 CET
+    assert nightly.next_tick(second_pass) == datetime(2026, 10, 26, 1, 30, tzinfo=UTC)
+    assert nightly.latest_tick(second_pass) == datetime(2026, 10, 25, 0, 30, tzinfo=UTC)
+    new_york = schedule("s", "30 1 * * *", topic="t", timezone="America/New_York")
+    second_pass = datetime(2026, 11, 1, 6, 10, tzinfo=UTC)  # 01:10 EST, after 01:10 EDT
+    assert new_york.next_tick(second_pass) == datetime(2026, 11, 2, 6, 30, tzinfo=UTC)
+    assert new_york.latest_tick(second_pass) == datetime(2026, 11, 1, 5, 30, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("on_missed", ["skip", "latest"])
+def test_a_beat_back_in_the_hours_second_pass_fires_a_missed_daily_tick_at_most_once(
+    engine: Engine, on_missed: str
+) -> None:
+    """A beat down over the 02:30 CEST tick, back at 02:10 CET: the tick was fired again on
+    every run (next_tick set back to it each time) until 02:30 CET, 1,201 times a second."""
+    nightly = schedule(
+        "nightly", "30 2 * * *", topic="t.dst", timezone="Europe/Berlin", on_missed=on_missed
+    )
+    _put(engine, nightly, datetime(2026, 10, 25, 0, 30, tzinfo=UTC))  # then beat went down
+    back = datetime(2026, 10, 25, 1, 10, tzinfo=UTC)
+    fired = sum(fire_due(engine, back + timedelta(seconds=n)).fired for n in range(5))
+    assert fired == (1 if on_missed == "latest" else 0)
+    keys = [key for key, _, _ in _messages(engine, "nightly")]
+    assert keys == (["periodic:nightly:2026-10-25T00:30:00+00:00"] if fired else [])
+    assert Schedules(engine).get("nightly").next_tick == datetime(2026, 10, 26, 1, 30, tzinfo=UTC)
+
+
 # ------------------------------------------------------------------ firing
 
 
