@@ -62,6 +62,16 @@ MIN_EVERY_MS = 1000
 MAX_EVERY_MS = 3650 * 86_400_000
 """The longest interval, ten years: counted from 1970, its ticks stay well within the years a
 datetime holds (to 9999)."""
+SHORTHANDS = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+"""cron's shorthands, stored as the five fields they stand for (cronsim reads none of them)."""
 MAX_TICKS_PER_RUN = 100
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 MAX_BODY_BYTES = 64 * 1024
@@ -176,7 +186,8 @@ def _when(when: str | timedelta) -> tuple[str | None, int | None]:
         every_ms = parse_duration_ms(text, field="schedule")
     else:
         cron = " ".join(when.split())
-        if not cron.startswith("@") and len(cron.split()) != 5:
+        cron = SHORTHANDS.get(cron.lower(), cron)
+        if len(cron.split()) != 5:
             raise ValidationError(
                 "schedule",
                 f"{when!r} is not a cron expression: it has {len(cron.split())} fields, not five "

@@ -120,6 +120,20 @@ def test_a_cron_expression_ticks_in_its_time_zone_across_daylight_saving() -> No
                      for n in range(7)]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("shorthand", "fields"),
+    [("@daily", "0 0 * * *"), ("@HOURLY", "0 * * * *"), ("@weekly", "0 0 * * 0"),
+     ("@monthly", "0 0 1 * *"), ("@yearly", "0 0 1 1 *"), ("@annually", "0 0 1 1 *")],
+)  # fmt: skip
+def test_cron_shorthands_are_the_five_fields_they_stand_for(shorthand: str, fields: str) -> None:
+    """The documents promised them; cronsim reads none, so each was refused as 'Wrong number
+    of fields' (and a handler module declaring one could not be imported)."""
+    item = schedule("s", shorthand, topic="t")
+    assert item.cron == fields
+    after = datetime(2026, 3, 4, 5, 6, tzinfo=UTC)
+    assert item.next_tick(after) == schedule("s", fields, topic="t").next_tick(after)
+
+
 def test_in_the_hours_second_pass_the_next_tick_is_tomorrows_and_the_latest_todays() -> None:
     """From the second pass of the repeated hour (02:10 CET, after 02:10 CEST), cronsim's
     next 02:30 was the first pass's, already past: the next tick was before `after`."""
