@@ -346,8 +346,11 @@ def _pairs(variable: str, text: str) -> dict[str, str]:
 def _config_duration(variable: str, text: str, *, at_most_days: int | None = None) -> int:
     try:
         ms = parse_duration_ms(text)
-    except DelaysvcValidationError as exc:
-        raise ConfigError(f"{variable}: {exc}") from None
+    except DelaysvcValidationError:
+        raise ConfigError(
+            f"{variable}: {text!r} is not a duration; use whole numbers with units ms, s, m, h, "
+            "d such as '30d' or '1d12h'"
+        ) from None
     if at_most_days is not None and ms > at_most_days * DAY_MS:
         raise ConfigError(f"{variable}: {text!r} is more than {at_most_days}d, the most allowed")
     return ms

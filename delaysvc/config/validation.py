@@ -249,6 +249,9 @@ RATE_PATTERN = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*/\s*(s|m|h)")
 script's digits."""
 _PER = {"s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_RATE_PER_S = 1_000_000
+MIN_RATE_PER_S = 1 / 86_400
+"""One start a day: a topic waits 1/rate between starts, which for a rate near 0 is past any
+date (a consume task's countdown overflowed)."""
 MAX_RUNNING = 100_000
 MAX_WAITING = 1_000_000_000
 """The largest backlog cap (messages waiting in a level or topic)."""
@@ -266,9 +269,11 @@ def parse_rate(value: object) -> float | None:
         rate = float(found.group(1)) / _PER[found.group(2)]
     else:
         raise ValidationError("rate", f"{value!r}: use starts per time such as '10/s', '600/m'")
-    if not rate > 0 or rate > MAX_RATE_PER_S:
+    if not MIN_RATE_PER_S <= rate <= MAX_RATE_PER_S:
         raise ValidationError(
-            "rate", f"{value!r}: must be more than 0 and at most {MAX_RATE_PER_S}/s"
+            "rate",
+            f"{value!r}: must be at least one a day ({MIN_RATE_PER_S:.7f}/s, 1/24h) and at "
+            f"most {MAX_RATE_PER_S}/s",
         )
     return rate
 

@@ -30,6 +30,7 @@ from delaysvc.config.validation import (
     MAX_RATE_PER_S,
     MAX_RUNNING,
     MAX_TAGS,
+    MIN_RATE_PER_S,
     RATE_PATTERN,
     TAG_PATTERN,
     TOPIC_PATTERN,
@@ -140,10 +141,10 @@ class LimitsChangeJson(TypedDict):
     max_running: NotRequired[Annotated[int, Field(ge=1, le=MAX_RUNNING)] | None]
     rate: NotRequired[
         Annotated[
-            Rate | Annotated[float, Field(gt=0, le=MAX_RATE_PER_S)] | None,
+            Rate | Annotated[float, Field(ge=MIN_RATE_PER_S, le=MAX_RATE_PER_S)] | None,
             Field(
                 description=f"starts per time ('10/s', '600/m', '100/h') or per second; at "
-                f"most {MAX_RATE_PER_S}/s"
+                f"least one a day ({MIN_RATE_PER_S:.7f}/s), at most {MAX_RATE_PER_S}/s"
             ),
         ]
     ]

@@ -276,7 +276,12 @@ def test_dropping_a_day_waits_for_a_long_reader_then_gives_up_saying_so(
 
 @pytest.mark.parametrize(
     ("value", "complaint"),
-    [("soon", "is not a duration"), ("12h", "at least one day")],
+    [
+        # it said "delay: ... such as '45m', '1h30m' or '250ms'", each refused here
+        ("soon", "DELAYSVC_HISTORY_RETENTION: 'soon' is not a duration"),
+        ("30", "such as '30d' or '1d12h'"),
+        ("12h", "at least one day"),
+    ],
 )
 def test_a_retention_that_cannot_be_kept_is_refused_naming_the_setting(
     value: str, complaint: str

@@ -44,6 +44,12 @@ def test_limits_are_validated_naming_the_field() -> None:
         with pytest.raises(ValidationError, match="rate") as caught:
             limits.parse_rate(bad)
         assert caught.value.field == "rate"
+    # a consumer waits 1/rate between starts: for these the consume task's countdown
+    # overflowed, again on every run; the least is one a day
+    assert limits.parse_rate("1/h") == pytest.approx(1 / 3600)
+    for tiny in ("0.000000000001/s", 1e-300, "0.01/h"):
+        with pytest.raises(ValidationError, match="at least one a day") as caught:
+            limits.parse_rate(tiny)
     for bad in (0, -1, 1.5, "2", True):
         with pytest.raises(ValidationError, match="a whole number from 1") as caught:
             limits.check_max_running(bad)

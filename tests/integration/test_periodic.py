@@ -83,6 +83,9 @@ def test_a_bad_name_time_zone_or_policy_is_refused_naming_it() -> None:
     with pytest.raises(ValidationError, match="IANA time zone") as caught:
         schedule("s", "0 3 * * *", topic="t", timezone="Mars/Olympus")
     assert caught.value.field == "timezone"
+    # the zone of whichever host's beat computes the ticks (a file zoneinfo reads as a zone)
+    with pytest.raises(ValidationError, match="'localtime' is not an IANA time zone"):
+        schedule("s", "0 3 * * *", topic="t", timezone="localtime")
     with pytest.raises(ValidationError, match="'skip' or 'latest'") as caught:
         schedule("s", "1m", topic="t", on_missed="all")
     assert caught.value.field == "on_missed"

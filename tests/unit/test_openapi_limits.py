@@ -21,6 +21,7 @@ from delaysvc.config.validation import (
     MAX_RATE_PER_S,
     MAX_RUNNING,
     MAX_TAGS,
+    MIN_RATE_PER_S,
     check_max_running,
     parse_rate,
     validate_key,
@@ -126,6 +127,8 @@ CASES: list[tuple[str, str, Any, bool]] = [
     ("LimitsChange", "rate", MAX_RATE_PER_S + 0.5, False),
     ("LimitsChange", "rate", 0.001, True),
     ("LimitsChange", "rate", 0, False),
+    ("LimitsChange", "rate", MIN_RATE_PER_S, True),
+    ("LimitsChange", "rate", 1e-12, False),  # 1/rate was past any date: a task's countdown
     ("LimitsChange", "rate", 10**400, False),
     ("CapChange", "max_waiting", MAX_WAITING, True),
     ("CapChange", "max_waiting", MAX_WAITING + 1, False),
