@@ -154,6 +154,11 @@ def before_insert(
             )
 
 
+CATCH_UP = 10_000
+"""How far beyond its cap and the send's own messages a send counts a topic's backlog, to
+deliver early: a level's count is exact, a topic's is bounded (it reads the waiting rows)."""
+
+
 def after_insert(
     conn: store.Statements,
     capped: Sequence[BacklogCap],
@@ -167,7 +172,9 @@ def after_insert(
         incoming = _net(cap, created, leaving)
         if cap.policy != "deliver-early" or incoming <= 0:
             continue
-        overflow = _pending(conn, cap, cap.limit + incoming + 1) - cap.limit
+        # a topic over its cap by more than this send (the cap was lowered, retries came
+        # back) is brought under it up to CATCH_UP messages at a send, not one more each time
+        overflow = _pending(conn, cap, cap.limit + incoming + CATCH_UP) - cap.limit
         if overflow <= 0:
             continue
         if cap.scope == "level":

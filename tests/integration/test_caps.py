@@ -115,6 +115,21 @@ def test_a_topic_cap_with_deliver_early_takes_the_soonest_due_across_lanes(
     assert _early(engine, 0) == 1
 
 
+@pytest.mark.parametrize("target", ["topic:t.lowered", "level:4"])
+def test_a_deliver_early_cap_lowered_under_the_backlog_is_met_at_the_next_send(
+    settings: Settings, engine: Engine, target: str
+) -> None:
+    """A topic's backlog was counted only up to the cap and the send's own messages plus one:
+    lowered from 50 to 10, each send delivered two early, and the topic stayed 39 over."""
+    producer = Producer(settings, engine)
+    producer.send_batch([{"topic": "t.lowered", "body": n, "delay_level": 4} for n in range(50)])
+    scope, name = target.split(":")
+    caps.set_cap(engine, scope, name, 10, "deliver-early")
+    producer.send("t.lowered", {"n": "one more"}, delay_level=4)
+    assert _waiting(engine, "t.lowered") == 10
+    assert _early(engine, 4) == 41
+
+
 @pytest.mark.parametrize(
     ("caps", "named"),
     [
