@@ -20,10 +20,12 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 from kombu.common import Broadcast
 
-from delaysvc.contrib import celery as durable_celery
 from delaysvc.contrib.celery import durable
-from delaysvc.worker import consumer as consumption
-from tests.integration.test_celery_durable import run_due, stored
+from tests.integration.test_celery_durable import (  # noqa: F401  (an autouse fixture)
+    clean_registry,
+    run_due,
+    stored,
+)
 
 
 def _rabbitmq_wanted() -> bool:
@@ -40,17 +42,6 @@ def _rabbitmq_wanted() -> bool:
 pytestmark = pytest.mark.skipif(not _rabbitmq_wanted(), reason="no RabbitMQ at 127.0.0.1:5672")
 
 TASK = "shop.notify"
-
-
-@pytest.fixture(autouse=True)
-def clean_registry() -> Iterator[None]:
-    saved = dict(consumption._registry)
-    apps = dict(durable_celery._apps)
-    yield
-    consumption._registry.clear()
-    consumption._registry.update(saved)
-    durable_celery._apps.clear()
-    durable_celery._apps.update(apps)
 
 
 class Broker:
