@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from sqlalchemy import Engine
 
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import database_url
+from delaysvc.errors import ValidationError
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
 
@@ -136,6 +138,35 @@ def transform(frame: Any) -> Any:
 # ---------------------------------------------------------------- load
 
 
+_SPARK_WRITES = re.compile(r"_SUCCESS|part-.*|\..*\.crc")
+"""The files a Spark Parquet write leaves in its folder: a folder of these alone is a report
+written before, which a report replaces."""
+
+
+def check_out(out: Path, archive_folders: list[str]) -> None:
+    """Refuse an `out` a report may not replace: one holding anything but an earlier
+    report's Parquet (the archive's folders, a user's files: replacing deleted them), or one
+    inside or around an archive folder."""
+    here = out.resolve()
+    for folder in archive_folders:
+        archived = Path(folder.removeprefix("file:")).resolve()
+        if here == archived or here in archived.parents or archived in here.parents:
+            raise ValidationError(
+                "--out", f"{out} holds or is in the archive's folder {archived}: give another"
+            )
+    if here.exists() and not here.is_dir():
+        raise ValidationError("--out", f"{out} is a file; give a folder for the report")
+    if here.is_dir():
+        others = sorted(p.name for p in here.iterdir() if not _SPARK_WRITES.fullmatch(p.name))
+        if others:
+            shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+            raise ValidationError(
+                "--out",
+                f"{out} holds other things than an earlier report ({shown}), which writing "
+                "the report there would delete: give a new folder, or an earlier report's",
+            )
+
+
 def load(report: Any, engine: Engine, out: Path, run_id: int) -> int:
     """Parquet under `out` (replaced), then upserted into report_hourly. -> rows."""
     report.write.mode("overwrite").parquet(str(out))
@@ -147,6 +178,8 @@ def load(report: Any, engine: Engine, out: Path, run_id: int) -> int:
 
 def run(spark: Any, settings: Settings, engine: Engine, out: Path) -> ReportResult:
     started = time.monotonic()
+    with engine.connect() as conn:
+        check_out(out, store.verified_archive_folders(conn))
     with engine.begin() as conn:
         run_id = store.start_run(conn, "report", {}, None, None)
     try:
