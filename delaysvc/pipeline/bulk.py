@@ -36,10 +36,12 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import logging
+import math
 import re
-import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -48,16 +50,17 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
 from delaysvc.config.validation import encode_body
 from delaysvc.db.engines import make_engine
-from delaysvc.errors import BacklogFull, ValidationError
+from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError
 from delaysvc.pipeline import store
 from delaysvc.producer.sending import Producer
-from delaysvc.store import NewMessage
+from delaysvc.store import NewMessage, check_levels, not_migrated
 
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
@@ -70,6 +73,10 @@ RID = "_rid"
 FAST_COLUMNS = (RID, "_fast", "_line", "_head", "_body")
 NULL = "\\N"  # COPY text's NULL
 WHOLE_NUMBER = re.compile(r" *(-?[0-9]+) *")  # a level or delay_ms cell: ASCII digits
+# a CSV row's whole text when its cells are not as many as the header's (Spark's corrupt
+# record column): the row takes the producer's path, which counts its cells
+CELLS = "_delaysvc_row_text"
+PARQUET_PART = "part-00000.parquet"  # the one file of a Parquet rejects folder
 
 
 @dataclass
@@ -107,9 +114,16 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
     if not path.exists():
         raise ValidationError("path", f"{path} does not exist")
     if fmt == "csv":
+        from pyspark.sql.types import StringType, StructField, StructType
+
         # RFC 4180 quoting (a quote inside a quoted cell is doubled), as Python's csv writes
-        reader = spark.read.option("header", True).option("multiLine", True)
-        return reader.option("escape", '"').csv(str(path))
+        reader = spark.read.option("header", True).option("multiLine", True).option("escape", '"')
+        header = reader.csv(str(path)).schema  # every column as text
+        # a row of more (or fewer) cells than the header keeps its text in CELLS: Spark would
+        # drop the extra cells silently (an unquoted comma in a body shifts the row's cells)
+        schema = StructType([*header.fields, StructField(CELLS, StringType())])
+        reader = reader.schema(schema).option("columnNameOfCorruptRecord", CELLS)
+        return reader.option("mode", "PERMISSIVE").csv(str(path))
     if fmt == "jsonl":
         return spark.read.text(str(path))
     return spark.read.parquet(str(path))
@@ -118,9 +132,10 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
 # ---------------------------------------------------------------- transform
 
 
-def to_options(record: dict[str, Any], key_from_row: bool) -> dict[str, Any]:
+def to_options(record: dict[str, Any], key_from_row: bool, fmt: str = "csv") -> dict[str, Any]:
     """Pure: a record's send options. Empty cells are absent; a body (or tags, properties)
-    that is JSON text is decoded; a level or delay_ms is a whole number; deliver_at is ISO
+    that is JSON text is decoded, but in JSON Lines (`fmt`) the body is the line's value as it
+    is (a string stays a string); a level or delay_ms is a whole number; deliver_at is ISO
     8601. Raises ValidationError; the producer checks everything else."""
     unknown = sorted(k for k in record if k not in FIELDS and record[k] not in (None, ""))
     if unknown:
@@ -129,7 +144,7 @@ def to_options(record: dict[str, Any], key_from_row: bool) -> dict[str, Any]:
     for name in ("topic", "body"):
         if name not in options:
             raise ValidationError(name, "is required")
-    if isinstance(options["body"], str):
+    if fmt != "jsonl" and isinstance(options["body"], str):
         options["body"] = body_value(options["body"])
     for name in ("tags", "properties"):
         if isinstance(options.get(name), str):
@@ -152,13 +167,26 @@ def to_options(record: dict[str, Any], key_from_row: bool) -> dict[str, Any]:
 
 
 def body_value(text: str) -> Any:
-    """A body cell: the JSON value it spells, else the text itself (plain text is a body)."""
+    """A body cell: the JSON value it spells, else the text itself (plain text is a body).
+    `NaN`, `Infinity`, `-Infinity` and a number too large for a float (`1e400`), which Python's
+    parser takes and JSON has not, are text (as `delaysvc send` reads its BODY)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except ValueError:
         return text
     except RecursionError:
         raise ValidationError("body", "is nested too deeply to read as JSON") from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(number: str) -> float:
+    value = float(number)
+    if math.isinf(value):
+        raise ValueError(f"{number} is too large for a float")
+    return value
 
 
 def row_key(record: dict[str, Any]) -> str:
@@ -178,11 +206,11 @@ def _plain(value: Any) -> Any:
 
 
 def _instant(value: Any) -> datetime | None:
-    if value is None or (isinstance(value, datetime) and value.tzinfo is not None):
+    """deliver_at as a datetime; a naive one (no time zone) is refused by the producer.
+    `rules.prepare` gives a Parquet timestamp as ISO text: with its offset when the column is
+    an instant (TIMESTAMP), without one when it is not (TIMESTAMP_NTZ, a naive datetime)."""
+    if value is None or isinstance(value, datetime):
         return value
-    if isinstance(value, datetime):
-        # Parquet timestamps arrive from Spark as naive local times of this process
-        return value.astimezone()
     try:
         return datetime.fromisoformat(str(value))  # a naive time is refused by the producer
     except ValueError:
@@ -191,7 +219,17 @@ def _instant(value: Any) -> datetime | None:
 
 def _record(row: Any, fmt: str) -> dict[str, Any]:
     if fmt != "jsonl":
-        return dict(row.asDict())
+        record = dict(row.asDict())
+        text = record.pop(CELLS, None)
+        if text is not None:  # a CSV row of more or fewer cells than the header
+            cells = len(next(csv.reader(io.StringIO(text)), []))
+            if cells > len(record):
+                raise ValidationError(
+                    "row",
+                    f"has {cells} cells, the header {len(record)} (an unquoted comma in a "
+                    "cell? quote the cell)",
+                )
+        return record
     try:
         value = json.loads(row["value"])
     except ValueError as exc:
@@ -313,7 +351,7 @@ def validate(
             elif fast:
                 yield rid, fast_line(head, body, producer.settings), None
             else:
-                options = to_options(_record(original, fmt), key_from_row)
+                options = to_options(_record(original, fmt), key_from_row, fmt)
                 yield rid, message_line(producer.prepare(**options, now=now)), None
         except ValidationError as exc:
             yield rid, None, str(exc)
@@ -401,7 +439,7 @@ def _raw(row: Any, fmt: str) -> str:
     if fmt == "jsonl":
         return str(row["value"])
     cells = row.asDict(recursive=True)
-    return json.dumps({k: _text(v) for k, v in cells.items() if k != RID})
+    return json.dumps({k: _text(v) for k, v in cells.items() if k not in (RID, CELLS)})
 
 
 def _text(value: Any) -> str | None:
@@ -441,12 +479,89 @@ def write_rejects(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if path.is_dir():
-        shutil.rmtree(path)
-    path.unlink(missing_ok=True)
-    path.mkdir()
+    # a folder of ours (`check_rejects`): its one file is replaced, nothing else is deleted
+    path.mkdir(exist_ok=True)
     table = pa.table({n: pa.array([r.get(n) for r in records], pa.string()) for n in names})
-    pq.write_table(table, path / "part-00000.parquet")
+    pq.write_table(table, path / PARQUET_PART)
+
+
+def check_rejects(rejects: Path, path: Path, fmt: str) -> None:
+    """Before anything is stored: the rejects can be written at `rejects`, and writing them
+    there loses nothing that is not an earlier rejects output. Refused (ValidationError): the
+    input itself, a folder holding the input or inside it, a Parquet rejects path that is a
+    file or a folder holding anything but a rejects file (`PARQUET_PART`), a CSV or JSON
+    Lines rejects path that is a folder or a file other than an earlier rejects file (one
+    whose first row has a `reason`), and a place that cannot be written (its folders are
+    made here)."""
+    target, source = rejects.resolve(), path.resolve()
+    if target == source or source.is_relative_to(target) or target.is_relative_to(source):
+        raise ValidationError(
+            "rejects", f"{rejects} is the input {path}, holds it or is inside it: name another"
+        )
+    if fmt == "parquet" and rejects.is_dir():
+        others = sorted(p.name for p in rejects.iterdir() if p.name != PARQUET_PART)
+        if others:
+            raise ValidationError(
+                "rejects",
+                f"{rejects} is a folder holding other files ({', '.join(others[:3])}): name a "
+                "new path (only an earlier rejects folder, holding "
+                f"{PARQUET_PART} alone, is written over)",
+            )
+    elif rejects.is_dir():
+        raise ValidationError("rejects", f"{rejects} is a folder; the rejects are one file")
+    elif rejects.exists() and (fmt == "parquet" or not _earlier_rejects(rejects, fmt)):
+        raise ValidationError(
+            "rejects",
+            f"{rejects} is a file that is not an earlier rejects output: name a new path",
+        )
+    folder = rejects if rejects.is_dir() else rejects.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder, prefix=".delaysvc-"):
+            pass
+        if rejects.is_file():
+            rejects.open("a").close()
+    except OSError as exc:
+        raise ValidationError("rejects", f"{rejects} cannot be written: {exc}") from None
+
+
+def _earlier_rejects(path: Path, fmt: str) -> bool:
+    """An existing file is an earlier rejects file: empty, or its first row has `reason`."""
+    try:
+        with path.open(newline="") as f:
+            first = f.readline()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if not first.strip():
+        return True
+    if fmt == "csv":
+        return "reason" in next(csv.reader([first]), [])
+    try:
+        value = json.loads(first)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and "reason" in value
+
+
+def check_database(settings: Settings) -> None:
+    """Before any Spark job: the database is there and migrated for the configured levels,
+    as one error (SchemaNotReady, DatabaseUnavailable) instead of a failed Spark task's
+    traceback."""
+    engine = make_engine(settings, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            check_levels(conn, settings.levels)
+            store.forget_bulk_run(conn, "")  # the batches' table is there (no run is "")
+    except OperationalError as exc:
+        reason = " ".join(str(exc.orig).split())
+        raise DatabaseUnavailable(f"database unreachable: {reason}", maybe_stored=False) from None
+    except DBAPIError as exc:
+        missing = not_migrated(exc)
+        if missing is None:
+            raise
+        raise missing from None
+    finally:
+        engine.dispose()
 
 
 def _jsonl_reject(raw: str, reason: str) -> dict[str, Any]:
@@ -479,10 +594,14 @@ def run(
     ledger = uuid.uuid4().hex  # this run's batches (`_store_batch`), whichever task attempt
     fmt = detect_format(path, fmt)
     rejects = rejects or default_rejects(path, fmt)
+    if not path.exists():
+        raise ValidationError("path", f"{path} does not exist")
+    check_rejects(rejects, path, fmt)
+    check_database(settings)
     # row ids are given before any repartition, so a second read of the file gives each row
     # the same id (the rejects' original cells are read back by id)
     frame = extract(spark, path, fmt).withColumn(RID, F.monotonically_increasing_id())
-    columns = [c for c in frame.columns if c != RID]
+    columns = [c for c in frame.columns if c not in (RID, CELLS)]
     # a CSV read with multiLine (quoted newlines) is one partition: spread the rows before
     # validating, so every core validates and stores. By range of (topic, key): partitions
     # writing at once then insert into different parts of the key index (round-robin rows

@@ -47,6 +47,7 @@ from pyspark.sql.types import (
     LongType,
     ShortType,
     StringType,
+    TimestampNTZType,
     TimestampType,
 )
 
@@ -112,7 +113,7 @@ def prepare(frame: DataFrame, settings: Settings, key_from_row: bool) -> DataFra
             plain.append(column.isNull())
     if "deliver_at" in source and isinstance(frame.schema["deliver_at"].dataType, TimestampType):
         cells["__at_ts"] = F.col("deliver_at")
-    original = F.struct(*(F.col(f"`{c}`") for c in source))
+    original = F.struct(*(_original(frame, c) for c in source))
     frame = frame.select(
         RID,
         original.alias("__orig"),
@@ -205,6 +206,21 @@ def _cell(frame: DataFrame, name: str) -> tuple[Column, Column]:
     if name == "deliver_at" and isinstance(data_type, TimestampType):
         return F.date_format(column, "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"), F.lit(True)
     return F.lit(None).cast("string"), column.isNull()
+
+
+def _original(frame: DataFrame, name: str) -> Column:
+    """A cell as the producer's path reads it: a timestamp deliver_at as ISO text, with its
+    offset when the column holds instants (TIMESTAMP), without one when it holds times of no
+    zone (TIMESTAMP_NTZ, as pandas and pyarrow write a naive datetime), which the producer
+    refuses as it refuses the same text in a CSV (Spark would hand Python both as naive
+    local times of the process)."""
+    column = F.col(f"`{name}`")
+    data_type = frame.schema[name].dataType
+    if name == "deliver_at" and isinstance(data_type, TimestampType):
+        return F.date_format(column, "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX").alias(name)
+    if name == "deliver_at" and isinstance(data_type, TimestampNTZType):
+        return column.cast("string").alias(name)
+    return column
 
 
 def _copy_escape(text: Column) -> Column:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, text
 
 from delaysvc.config.settings import Settings
-from delaysvc.errors import DelaysvcError
+from delaysvc.errors import DatabaseUnavailable, DelaysvcError, SchemaNotReady, ValidationError
 from delaysvc.pipeline import bulk
 from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer.sending import Producer
@@ -267,6 +268,178 @@ def test_cli_bulk_schedule_ends_with_one_summary_line(
     assert summary[0].startswith("bulk-schedule: read 2, written 1, rejected 1, ")
     assert summary[0].endswith(f"; duplicates 0; rejects -> {tmp_path / 'jobs.rejects.csv'}")
     assert _count(engine, "topic = 'bulk.cli'") == 1
+
+
+def test_bulk_schedule_never_deletes_a_rejects_folder_it_did_not_make(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """--rejects naming a folder of the user's (here the one holding the input) is refused
+    before anything is stored; an earlier rejects folder is written over, nothing else in it
+    touched."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "mydata"
+    folder.mkdir()
+    table = folder / "jobs.parquet"
+    pq.write_table(pa.table({"topic": ["bulk.rm", "bad topic"], "body": ["{}", "{}"]}), table)
+    (folder / "other-file.txt").write_text("important")
+    for rejects in (folder, folder / "other-file.txt", table):
+        with pytest.raises(ValidationError, match=r"^rejects: "):
+            bulk.run(spark, settings, table, rejects=rejects)
+    assert sorted(p.name for p in folder.iterdir()) == ["jobs.parquet", "other-file.txt"]
+    assert (folder / "other-file.txt").read_text() == "important"
+    assert _count(engine) == 0
+
+    earlier = tmp_path / "earlier.rejects.parquet"
+    for _ in range(2):  # the second run writes over the first's rejects folder
+        result = bulk.run(spark, settings, table, rejects=earlier)
+        assert (result.written + result.duplicates, result.rejected) == (1, 1)
+        assert [p.name for p in earlier.iterdir()] == [bulk.PARQUET_PART]
+        refused = pq.read_table(earlier).to_pylist()
+        assert [(r["topic"], r["reason"].split(":")[0]) for r in refused] == [
+            ("bad topic", "topic")
+        ]
+
+
+@pytest.mark.parametrize("rejects", ["/proc/jobs.rejects.csv", "{tmp}/a-folder"])
+def test_bulk_schedule_refuses_rejects_it_cannot_write_before_storing_anything(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, rejects: str
+) -> None:
+    (tmp_path / "a-folder").mkdir()
+    path = tmp_path / "jobs.csv"
+    path.write_text("topic,body,key\nbulk.rj,{},good-1\nbad topic,{},bad-1\n")
+    with pytest.raises(ValidationError, match=r"^rejects: .*(cannot be written|is a folder)"):
+        bulk.run(spark, settings, path, rejects=Path(rejects.replace("{tmp}", str(tmp_path))))
+    assert _count(engine) == 0
+
+
+def test_bulk_schedule_json_lines_bodies_are_the_lines_values_as_they_are(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """A JSON string body stays a string, whatever its text spells (as Producer.send)."""
+    bodies = ["42", "true", '{"a": 1}', "null", "NaN", "hello", 42, {"a": 1}]
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"topic": "bulk.s", "key": f"s{n}", "body": b}) + "\n"
+            for n, b in enumerate(bodies)
+        )
+    )
+    result = bulk.run(spark, settings, path)
+    assert (result.written, result.rejected) == (len(bodies), 0)
+    with engine.connect() as conn:
+        stored = dict(conn.execute(text("SELECT key, body FROM commit_log")).all())
+    assert {k: json.loads(bytes(b)) for k, b in stored.items()} == {
+        f"s{n}": b for n, b in enumerate(bodies)
+    }
+
+
+def test_bulk_schedule_csv_bodies_that_are_not_json_are_text(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """NaN, Infinity, -Infinity and 1e400 (Python's parser takes them, JSON has not) are text,
+    as `delaysvc send` stores them."""
+    bodies = ["NaN", "Infinity", "-Infinity", "1e400", "[1, NaN]", '{"a": -1e999}', "1e300"]
+    path = tmp_path / "jobs.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["topic", "body", "key"])
+        writer.writerows(["bulk.n", b, f"n{n}"] for n, b in enumerate(bodies))
+    result = bulk.run(spark, settings, path)
+    assert (result.written, result.rejected) == (len(bodies), 0)
+    with engine.connect() as conn:
+        stored = dict(conn.execute(text("SELECT key, body FROM commit_log")).all())
+    assert {k: bytes(b) for k, b in stored.items()} == {
+        **{f"n{n}": json.dumps(b).encode() for n, b in enumerate(bodies[:-1])},
+        "n6": b"1e+300",
+    }
+
+
+def test_bulk_schedule_refuses_a_csv_row_of_more_cells_than_the_header(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """An unquoted comma in a body makes one cell more: the row is refused, not stored with
+    its cells shifted; a row of fewer cells is the row with its last cells empty."""
+    path = tmp_path / "ragged.csv"
+    path.write_text(
+        "topic,body,key\n"
+        'bulk.r,{"a":1,"b":2},order-1\n'
+        'bulk.r,{"a":1},order-2,extra-cell\n'
+        'bulk.r,"{""a"":3}"\n'
+        'bulk.r,"{""a"":4}",order-4\n'
+    )
+    result = bulk.run(spark, settings, path)
+    assert (result.written, result.rejected) == (2, 2)
+    with (tmp_path / "ragged.rejects.csv").open() as f:
+        rejects = list(csv.DictReader(f))
+    assert list(rejects[0]) == ["topic", "body", "key", "reason"]
+    assert [r["reason"] for r in rejects] == [
+        "row: has 4 cells, the header 3 (an unquoted comma in a cell? quote the cell)"
+    ] * 2
+    with engine.connect() as conn:
+        stored = conn.execute(text("SELECT key, body FROM commit_log ORDER BY body")).all()
+    assert [(k, bytes(b)) for k, b in stored] == [(None, b'{"a":3}'), ("order-4", b'{"a":4}')]
+
+
+def test_bulk_schedule_refuses_a_parquet_deliver_at_without_a_time_zone(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """A TIMESTAMP_NTZ (pandas' and pyarrow's naive datetime) is refused as the same time
+    in a CSV is; a TIMESTAMP (an instant) is that instant on either path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    at = datetime(2027, 3, 1, 12, 0)
+    naive = tmp_path / "naive.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "topic": ["bulk.at"],
+                "body": ["{}"],
+                "key": ["naive-1"],
+                "deliver_at": pa.array([at], pa.timestamp("us")),
+            }
+        ),
+        naive,
+    )
+    result = bulk.run(spark, settings, naive)
+    assert (result.written, result.rejected) == (0, 1)
+    refused = pq.read_table(tmp_path / "naive.rejects.parquet").to_pylist()
+    assert [r["reason"].split(" (")[0] for r in refused] == ["deliver_at: must be timezone-aware"]
+
+    aware = tmp_path / "aware.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "topic": ["bulk.at", "bulk.at"],
+                "body": ["{}", "[]"],
+                "key": ["fast", None],  # keyless + --key-from-row: the producer's path
+                "deliver_at": pa.array([at.replace(tzinfo=UTC)] * 2, pa.timestamp("us", "UTC")),
+            }
+        ),
+        aware,
+    )
+    result = bulk.run(spark, settings, aware, key_from_row=True)
+    assert (result.written, result.rejected) == (2, 0)
+    with engine.connect() as conn:
+        times = conn.execute(text("SELECT deliver_ts FROM commit_log")).scalars().all()
+    assert times == [at.replace(tzinfo=UTC)] * 2
+
+
+def test_bulk_schedule_on_a_database_not_migrated_or_missing_is_one_error(
+    spark: Any, settings: Settings, pg_server: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "jobs.csv"
+    path.write_text("topic,body,key\nbulk.um,{},good-1\n")
+    name = f"delaysvc_bare_{uuid.uuid4().hex[:8]}"
+    with pg_server.janitor(name):
+        bare = settings.model_copy(update={"database_url": pg_server.url(name)})
+        with pytest.raises(SchemaNotReady, match="not migrated"):
+            bulk.run(spark, bare, path)
+    missing = settings.model_copy(update={"database_url": pg_server.url(name + "_none")})
+    with pytest.raises(DatabaseUnavailable, match=f'database "{name}_none" does not exist'):
+        bulk.run(spark, missing, path)
 
 
 # Every kind of cell the producer's rules tell apart, per column ("" and None are both empty).
