@@ -8,8 +8,12 @@ a day at a time. A day that ended before the cutoff is copied whole and its part
 those rows deleted in bounded batches (they leave dead rows only in a partition that will be
 dropped whole later).
 
-Each run (one day, or the part of one) has a `pipeline_run` row and its own folder `run=<id>`.
-The order of the steps is what makes a run safe to kill at any point:
+Each run (one day, or the part of one) has a `pipeline_run` row and its own folder
+`run=<id>-<token>` (the token random, kept in the run's params: run ids restart at 1 in another
+database, or a re-created one, archiving to the same --out), recorded as an absolute path when the
+run starts. Before Spark writes into it the folder gets a marker file holding the token; a folder
+is only ever removed or replaced when it holds its own run's marker (a write a crash cut short),
+never one another run wrote. The order of the steps is what makes a run safe to kill at any point:
 
 1. record the run (id range, day and cutoff) and write its rows to its folder;
 2. read the folder back: its row count and sum of id hashes must equal PostgreSQL's for the
@@ -21,7 +25,9 @@ The order of the steps is what makes a run safe to kill at any point:
 
 The next run first finishes what a killed one left: without a recorded checksum nothing was
 deleted, so the folder is written again from scratch; with one, the verified folder is kept
-and the drop or the deletes resume. Only verified folders count as archived
+and the drop or the deletes resume, from the recorded folder (whatever --out or working
+directory the next run has); a verified folder gone missing or changed fails its run, and its rows
+still in PostgreSQL are taken by a new run. Only verified folders count as archived
 (`verified_archive_folders`). One run at a time (a PostgreSQL advisory lock).
 """
 
@@ -29,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import secrets
 import shutil
 import time
 from collections.abc import Iterator
@@ -42,9 +50,10 @@ from typing import Any, NoReturn
 from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import NullPool
 
-from delaysvc.config.settings import Settings
+from delaysvc.config.levels import parse_duration_ms
+from delaysvc.config.settings import MAX_SETTING_DAYS, Settings
 from delaysvc.db.engines import make_engine, session_url
-from delaysvc.errors import DelaysvcError
+from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.maintenance import history
 from delaysvc.pipeline import store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
@@ -58,6 +67,10 @@ DROP_PATIENCE = 600.0
 """How long dropping a day waits for readers of the history (a report running for minutes)
 before the command gives up; its copy stays verified and the next run drops it."""
 CRASH_POINTS = ("written", "verified", "deleting")
+MARKER = "_delaysvc_run"
+"""The file in a run's folder holding the run's token, written before Spark writes into it
+(Spark and Parquet readers skip names starting with `_`)."""
+DAY_MS = 86_400_000
 
 
 class SimulatedCrash(RuntimeError):
@@ -84,6 +97,11 @@ class Span:
     cutoff: datetime
     partition: str | None
     """Set when the span is a whole day of history: dropped whole once verified."""
+    folder: Path
+    """The run's own folder (absolute), recorded in its `pipeline_run.output_path`."""
+    token: str | None
+    """The run's random token, in its folder's name and marker (None: a run left by a version
+    before the tokens; its verified folder is kept, never removed)."""
 
 
 @dataclass
@@ -154,7 +172,39 @@ def format_checksum(value: tuple[int, int]) -> str:
 
 
 def load(frame: Any, folder: Path) -> None:
-    frame.write.mode("overwrite").partitionBy("topic", "date").parquet(str(folder))
+    """Into the run's folder, which holds only its marker: Spark adds, never deletes."""
+    frame.write.mode("append").partitionBy("topic", "date").parquet(str(folder))
+
+
+# ---------------------------------------------------------------- the command's checks
+
+
+def older_than_ms(text: str) -> int:
+    """`--older-than`: a duration of at most MAX_SETTING_DAYS (a longer one puts the cutoff
+    before year 1)."""
+    ms = parse_duration_ms(text, field="--older-than")
+    if ms > MAX_SETTING_DAYS * DAY_MS:
+        raise ValidationError(
+            "--older-than", f"{text!r} is more than {MAX_SETTING_DAYS}d, the most allowed"
+        )
+    return ms
+
+
+def check_out(out: Path) -> Path:
+    """`--out` is a folder this process can write into (made if missing), checked before Spark
+    starts. -> its absolute path, the one recorded."""
+    out = out.resolve()
+    if out.exists() and not out.is_dir():
+        raise ValidationError("--out", f"{out} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".{MARKER}.{os.getpid()}.{secrets.token_hex(4)}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        why = exc.strerror or exc
+        raise ValidationError("--out", f"cannot write into {out} ({why})") from None
+    return out
 
 
 # ---------------------------------------------------------------- the run
@@ -170,8 +220,9 @@ def run(
 ) -> ArchiveResult:
     """Finish any run a crash left behind, then archive what is older than the retention.
     `crash_at` (one of CRASH_POINTS) stops the run there, as a kill would (tests)."""
-    if out.exists() and not out.is_dir():
-        raise DelaysvcError(f"--out {out} is a file, not a folder")
+    if older_than_ms > MAX_SETTING_DAYS * DAY_MS:
+        raise ValidationError("--older-than", f"more than {MAX_SETTING_DAYS}d, the most allowed")
+    out = check_out(out)
     started = time.monotonic()
     result = ArchiveResult()
     url = session_url(settings, ARCHIVE)  # the lock's session, and the reads (not pooled)
@@ -179,12 +230,12 @@ def run(
         job = ArchiveRun(spark, engine, target, out, crash_at, result)
         moved = history.move_all(engine)
         log.info("archive.history_moved", extra={"rows": moved})
-        for left, recorded in _leftovers(engine):
+        for left, recorded in _leftovers(engine, out):
             log.info("archive.resume", extra={"run_id": left.run_id})
             _finish(job, left, recorded)
         with engine.connect() as conn:  # once: rows finishing meanwhile wait for the next run
             cutoff = store.transaction_now(conn) - timedelta(milliseconds=older_than_ms)
-        while (fresh := _start(engine, cutoff, older_than_ms)) is not None:
+        while (fresh := _start(engine, cutoff, older_than_ms, out)) is not None:
             _finish(job, fresh, None)
     result.seconds = time.monotonic() - started
     return result
@@ -209,13 +260,30 @@ def _archive_lock(settings: Settings, url: str) -> Iterator[None]:
         engine.dispose()
 
 
-def _leftovers(engine: Engine) -> list[tuple[Span, str | None]]:
+def _leftovers(engine: Engine, out: Path) -> list[tuple[Span, str | None]]:
+    """The runs a crash left, each with its recorded folder: a verified one where it was
+    written; an unverified one left by a version before the tokens gets a token and a new
+    folder under `out` (it is written again from scratch anyway)."""
     with engine.begin() as conn:
         runs = store.unfinished_runs(conn, "archive")
-    return [(_span(r.id, r.range_from_id, r.range_to_id, r.params), r.checksum) for r in runs]
+        left = []
+        for r in runs:
+            params, path = dict(r.params), r.output_path
+            if r.checksum is None and params.get("token") is None:
+                params["token"] = secrets.token_hex(16)
+                path = str(_folder(out, r.id, params["token"]))
+                store.merge_run_params(conn, r.id, {"token": params["token"]})
+                store.update_run(conn, r.id, output_path=path)
+            folder = Path(path) if path else _folder(out, r.id, None)
+            left.append((_span(r.id, r.range_from_id, r.range_to_id, params, folder), r.checksum))
+    return left
 
 
-def _span(run_id: int, low: int, high: int, params: dict[str, Any]) -> Span:
+def _folder(out: Path, run_id: int, token: str | None) -> Path:
+    return out / (f"run={run_id}" if token is None else f"run={run_id}-{token[:8]}")
+
+
+def _span(run_id: int, low: int, high: int, params: dict[str, Any], folder: Path) -> Span:
     since = params.get("since")  # absent in a run left by a version before the history
     return Span(
         run_id,
@@ -224,10 +292,12 @@ def _span(run_id: int, low: int, high: int, params: dict[str, Any]) -> Span:
         None if since is None else datetime.fromisoformat(since),
         datetime.fromisoformat(params["cutoff"]),
         params.get("partition"),
+        folder,
+        params.get("token"),
     )
 
 
-def _start(engine: Engine, cutoff: datetime, older_than_ms: int) -> Span | None:
+def _start(engine: Engine, cutoff: datetime, older_than_ms: int, out: Path) -> Span | None:
     """Record a run for the oldest day of history with rows finished before the cutoff: the
     whole day if it ended by then, else its rows up to the cutoff. None: nothing to archive.
     A day with no rows left is dropped on the way."""
@@ -244,30 +314,34 @@ def _start(engine: Engine, cutoff: datetime, older_than_ms: int) -> Span | None:
             if whole and _drop_empty_day(engine, day):
                 log.info("archive.empty_day_dropped", extra={"partition": day.name})
             continue
+        token = secrets.token_hex(16)
         with engine.begin() as conn:
             params = {
                 "cutoff": until.isoformat(),
                 "since": day.starts.isoformat(),
                 "partition": day.name if whole else None,
                 "older_than_ms": older_than_ms,
+                "token": token,
             }
             run_id = store.start_run(conn, "archive", params, low, high)
+            folder = _folder(out, run_id, token)
+            store.update_run(conn, run_id, output_path=str(folder))
         log.info(
             "archive.started",
             extra={"run_id": run_id, "partition": day.name, "whole_day": whole},
         )
-        return _span(run_id, low, high, params)
+        return _span(run_id, low, high, params, folder)
     log.info("archive.nothing_to_do", extra={"cutoff": cutoff.isoformat()})
     return None
 
 
 def _finish(job: ArchiveRun, span: Span, recorded: str | None) -> None:
-    folder = job.out / f"run={span.run_id}"
+    folder = span.folder
     job.result.runs.append(span.run_id)
     job.result.folders.append(str(folder))
     if recorded is None:
         _write_and_verify(job, span, folder)
-    elif format_checksum(checksum(job.spark.read.parquet(str(folder)))) != recorded:
+    elif _folder_checksum(job.spark, folder) != recorded:
         _fail(job.engine, span.run_id, f"its verified folder {folder} is missing or changed")
     if span.partition is None:
         _delete(job, span, folder)
@@ -275,15 +349,27 @@ def _finish(job: ArchiveRun, span: Span, recorded: str | None) -> None:
         _drop(job, span, folder)
 
 
+def _folder_checksum(spark: Any, folder: Path) -> str | None:
+    """The checksum of a verified folder as it is now; None when it is gone or unreadable."""
+    from pyspark.errors import AnalysisException
+
+    if not folder.is_dir():
+        return None
+    try:
+        return format_checksum(checksum(spark.read.parquet(str(folder))))
+    except AnalysisException:  # no Parquet left in it
+        return None
+
+
 def _write_and_verify(job: ArchiveRun, span: Span, folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
+    _claim(job.engine, span)
     load(transform(extract(job.spark, job.target, span)), folder)
     job.crash("written")
     written = checksum(job.spark.read.parquet(str(folder)))
     with job.engine.connect() as conn:
         source = store.range_checksum(conn, span.low, span.high, span.since, span.cutoff)
     if written != source:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_own(span)
         _fail(
             job.engine,
             span.run_id,
@@ -302,6 +388,42 @@ def _write_and_verify(job: ArchiveRun, span: Span, folder: Path) -> None:
     job.result.written += written[0]
     log.info("archive.verified", extra={"run_id": span.run_id, "rows": written[0]})
     job.crash("verified")
+
+
+def _claim(engine: Engine, span: Span) -> None:
+    """Make the run's folder empty but for its marker: a folder holding the run's own marker
+    is a write a crash cut short, replaced; any other folder there is refused, untouched
+    (the run fails: nothing was deleted from PostgreSQL, the next run writes a new folder)."""
+    assert span.token is not None  # an unverified run always has one (`_leftovers`)
+    if os.path.lexists(span.folder):
+        if not _own(span):
+            _fail(
+                engine,
+                span.run_id,
+                f"{span.folder} exists and was not written by this run; left as it is, "
+                "nothing deleted, run it again to archive into a new folder",
+                invalid=True,
+            )
+        shutil.rmtree(span.folder)
+    span.folder.mkdir(parents=True)
+    (span.folder / MARKER).write_text(span.token)
+
+
+def _own(span: Span) -> bool:
+    """The folder holds this run's marker (a symbolic link is never taken as the run's)."""
+    try:
+        return (
+            span.token is not None
+            and not span.folder.is_symlink()
+            and (span.folder / MARKER).read_text() == span.token
+        )
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _remove_own(span: Span) -> None:
+    if _own(span):
+        shutil.rmtree(span.folder, ignore_errors=True)
 
 
 def _delete(job: ArchiveRun, span: Span, folder: Path) -> None:
@@ -327,7 +449,7 @@ def _drop(job: ArchiveRun, span: Span, folder: Path) -> None:
         job.engine, lambda conn: _drop_if_unchanged(conn, span), span.partition, DROP_PATIENCE
     )
     if dropped is None:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_own(span)
         _fail(
             job.engine,
             span.run_id,
@@ -371,7 +493,9 @@ def _drop_empty_day(engine: Engine, day: Partition) -> bool:
     return history.patiently(engine, drop, day.name, DROP_PATIENCE)
 
 
-def _fail(engine: Engine, run_id: int, why: str) -> NoReturn:
+def _fail(engine: Engine, run_id: int, why: str, *, invalid: bool = False) -> NoReturn:
     with engine.begin() as conn:
         store.update_run(conn, run_id, status="failed", error=why, finished=True)
+    if invalid:
+        raise ValidationError("--out", f"archive run {run_id}: {why}")
     raise DelaysvcError(f"archive run {run_id}: {why}")

@@ -12,7 +12,6 @@ from typing import Any
 
 import click
 
-from delaysvc.config.levels import parse_duration_ms
 from delaysvc.config.settings import Settings
 from delaysvc.errors import DelaysvcError, ValidationError
 
@@ -113,10 +112,12 @@ def _summary(job: str, read: int, written: int, rejected: int, seconds: float, m
 def archive(services: Services, older_than: str, out: Path) -> None:
     """Finished messages older than --older-than -> Parquet, verified, then dropped (whole
     days of history) or deleted (the part of the day the cutoff falls in)."""
-    retention_ms = parse_duration_ms(older_than, field="--older-than")
+    from delaysvc.pipeline import archive as job
+
+    retention_ms = job.older_than_ms(older_than)
+    out = job.check_out(out)  # before Spark starts: its errors are pages of Java
     services.require(jdbc=True)
     from delaysvc.db.engines import require_session
-    from delaysvc.pipeline import archive as job
 
     require_session(services.configured, job.ARCHIVE)  # before Spark starts: it has a session
 

@@ -6,15 +6,19 @@ numbers against hand-computed percentiles."""
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 from sqlalchemy import Engine, text
 
 from delaysvc.config.settings import Settings
-from delaysvc.errors import DeadLetter, DelaysvcError
+from delaysvc.db.engines import make_engine
+from delaysvc.errors import DeadLetter, DelaysvcError, ValidationError
 from delaysvc.maintenance import history
 from delaysvc.pipeline import archive, bulk, report
 from delaysvc.pipeline import store as pipeline_store
@@ -22,6 +26,7 @@ from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.producer.sending import Producer
 from delaysvc.store import history as store_history
 from delaysvc.worker.consumer import Consumer, handler
+from tests.conftest import TEST_LEVELS
 from tests.integration.test_history import reading_the_history
 from tests.support.pipeline import DAY_MS, T0, _count, _md5_hash_sum, _nearest_rank
 
@@ -249,7 +254,7 @@ def test_an_archive_run_killed_at_any_step_is_finished_exactly_once_by_the_next(
     assert resumed.deleted == left - 1
     assert _archived_ids(spark, engine) == sorted(ids)  # each message exactly once
     assert _count(engine) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["run=1"]
+    assert [re.fullmatch(r"run=1-[0-9a-f]{8}", p.name) is not None for p in out.iterdir()] == [True]
     with engine.connect() as conn:
         runs = conn.execute(text("SELECT id, status FROM pipeline_run ORDER BY id")).all()
     assert [tuple(r) for r in runs] == [(1, "succeeded")]
@@ -263,7 +268,7 @@ def test_archive_refuses_to_delete_when_the_copy_does_not_verify(
     with pytest.raises(archive.SimulatedCrash):
         archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at="verified")
     # the verified folder loses a file before the deletes resume
-    victim = next((out / "run=1").glob("topic=archive.ok/*/*.parquet"))
+    victim = next(out.glob("run=1-*/topic=archive.ok/*/*.parquet"))
     victim.unlink()
     with pytest.raises(DelaysvcError, match="missing or changed"):
         archive.run(spark, settings, engine, 30 * DAY_MS, out)
@@ -288,7 +293,7 @@ def test_a_day_that_changed_after_its_copy_was_verified_is_not_dropped_and_the_n
     with pytest.raises(DelaysvcError, match="changed after its copy was verified"):
         archive.run(spark, settings, engine, 30 * DAY_MS, out)
     assert _count(engine) == 13  # nothing dropped
-    assert not (out / "run=1").exists()
+    assert list(out.glob("run=1-*")) == []
 
     again = archive.run(spark, settings, engine, 30 * DAY_MS, out)
 
@@ -414,3 +419,154 @@ def test_report_counts_archived_and_live_messages_per_topic_level_and_hour(
         assert conn.execute(text("SELECT count(*) FROM report_hourly")).scalar_one() == 4
         run_ids = conn.execute(text("SELECT DISTINCT run_id FROM report_hourly")).scalars().all()
     assert run_ids == [again.run_id]
+
+
+def _cancelled_messages(settings: Settings, engine: Engine, topic: str, count: int) -> list[int]:
+    """`count` messages of `topic` cancelled 40 days ago."""
+    producer = Producer(settings, engine)
+    sent = producer.send_batch([{"topic": topic, "body": n, "delay": "1h"} for n in range(count)])
+    for message in sent:
+        producer.cancel(message.id)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE commit_log SET finished_at = finished_at - interval '40 days'"))
+    return [m.id for m in sent]
+
+
+def _runs(engine: Engine) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [
+            tuple(r) for r in conn.execute(text("SELECT id, status FROM pipeline_run ORDER BY id"))
+        ]
+
+
+def test_two_databases_archiving_into_one_out_keep_each_others_runs(
+    spark: Any, settings: Settings, engine: Engine, other_database_url: str, tmp_path: Path
+) -> None:
+    """Run ids restart at 1 in each database (or a re-created one): the second database's
+    run 1 replaced the first's folder `run=1`, whose rows were already gone from PostgreSQL,
+    and the first database's archive then held the second's messages."""
+    out = tmp_path / "archive"
+    first = _cancelled_messages(settings, engine, "db.first", 5)
+    assert archive.run(spark, settings, engine, 30 * DAY_MS, out).deleted == 5
+    other_settings = Settings(database_url=other_database_url, delay_levels=TEST_LEVELS)
+    other_engine = make_engine(other_settings)
+    try:
+        second = _cancelled_messages(other_settings, other_engine, "db.second", 3)
+        assert archive.run(spark, other_settings, other_engine, 30 * DAY_MS, out).deleted == 3
+        assert _archived_ids(spark, other_engine) == sorted(second)
+    finally:
+        other_engine.dispose()
+    assert _archived_ids(spark, engine) == sorted(first)
+    assert len(list(out.iterdir())) == 2
+
+
+def test_a_folder_in_a_runs_place_that_the_run_did_not_write_is_refused_and_kept(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Only a folder holding its own run's marker (a write a crash cut short) is replaced."""
+    _finished_messages(settings, engine, 5)
+    out = tmp_path / "archive"
+    with pytest.raises(archive.SimulatedCrash):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at="written")
+    (folder,) = out.iterdir()
+    (folder / archive.MARKER).write_text("another run's token")
+    (folder / "keep.txt").write_text("not ours")
+    with pytest.raises(ValidationError, match="was not written by this run; left as it is"):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert (folder / "keep.txt").read_text() == "not ours"
+    assert (folder / archive.MARKER).read_text() == "another run's token"
+    assert _count(engine) == 8  # nothing deleted
+    assert _runs(engine) == [(1, "failed")]
+
+    again = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+
+    assert (again.runs, again.written, again.deleted) == ([2], 7, 7)
+    assert (folder / "keep.txt").read_text() == "not ours"
+    assert _runs(engine) == [(1, "failed"), (2, "succeeded")]
+
+
+def test_a_run_killed_while_deleting_is_finished_from_its_recorded_folder_from_another_directory(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default --out is relative (var/archive): the run records its folder's absolute
+    path, and the next run, started elsewhere, finishes the deletes from it. (The relative path
+    was recorded, so the report from elsewhere found nothing; the next run looked in its own
+    --out and failed on every run, the deletes never finished.)"""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    archive_delete_batch = archive.DELETE_BATCH
+    archive.DELETE_BATCH = 7
+    try:
+        ids = _finished_messages(settings, engine, 20)
+        older_than = _within_one_day(engine)
+        monkeypatch.chdir(first)
+        with pytest.raises(archive.SimulatedCrash):
+            archive.run(
+                spark, settings, engine, older_than, Path("var/archive"), crash_at="deleting"
+            )
+        with engine.connect() as conn:
+            (recorded,) = conn.execute(text("SELECT output_path FROM pipeline_run")).scalars()
+        assert Path(recorded).parent == first / "var" / "archive"
+        monkeypatch.chdir(second)
+        resumed = archive.run(spark, settings, engine, older_than, Path("var/archive"))
+    finally:
+        archive.DELETE_BATCH = archive_delete_batch
+    assert (resumed.runs, resumed.folders, resumed.deleted) == ([1], [recorded], 23 - 7 - 1)
+    assert _archived_ids(spark, engine) == sorted(ids)
+    assert _count(engine) == 1
+    assert _runs(engine) == [(1, "succeeded")]
+    assert list((second / "var" / "archive").iterdir()) == []  # made, nothing written there
+
+
+def test_a_verified_folder_gone_missing_fails_its_run_and_the_next_run_archives_its_rows(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """(It failed with Spark's PATH_NOT_FOUND on every run, the run stayed running, and the
+    report listed the missing folder.)"""
+    ids = _finished_messages(settings, engine, 10)
+    out = tmp_path / "archive"
+    with pytest.raises(archive.SimulatedCrash):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out, crash_at="verified")
+    (folder,) = out.iterdir()
+    shutil.rmtree(folder)
+    with pytest.raises(DelaysvcError, match="missing or changed"):
+        archive.run(spark, settings, engine, 30 * DAY_MS, out)
+    assert _count(engine) == 13  # nothing dropped
+    assert _runs(engine) == [(1, "failed")]
+    with engine.connect() as conn:
+        assert pipeline_store.verified_archive_folders(conn) == []
+
+    again = archive.run(spark, settings, engine, 30 * DAY_MS, out)
+
+    assert (again.runs, again.written, again.deleted) == ([2], 12, 12)
+    assert _archived_ids(spark, engine) == sorted(ids)
+    assert _count(engine) == 1
+    assert _runs(engine) == [(1, "failed"), (2, "succeeded")]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--out", "/proc/delaysvc-archive"],
+            "error: --out: cannot write into /proc/delaysvc-archive",
+        ),
+        (["--older-than", "3651d"], "error: --older-than: '3651d' is more than 3650d"),
+        (["--older-than", "3000000d"], "error: --older-than: '3000000d' is more than 3650d"),
+        (["--older-than", "10000000000000d"], "error: --older-than: '10000000000000d' is more"),
+    ],
+)
+def test_archive_refuses_an_out_it_cannot_write_or_a_too_long_older_than_in_one_line(
+    database_url: str, tmp_path: Path, args: list[str], message: str
+) -> None:
+    """Before Spark starts (its error was pages of Java; the overflow a Python traceback).
+    /proc: root may write anywhere else."""
+    from delaysvc.cli import cli
+
+    args = ["--out", str(tmp_path / "archive"), *args]  # the last --out is taken
+    env = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": TEST_LEVELS}
+    result = CliRunner().invoke(cli, ["pipeline", "archive", *args], env=env)
+    assert result.exit_code == 2, result.output
+    assert len(result.output.splitlines()) == 1, result.output
+    assert result.output.startswith(message)
