@@ -109,7 +109,6 @@ class ArchiveRun:
     spark: Any
     engine: Engine
     target: JdbcTarget
-    out: Path
     crash_at: str | None
     result: ArchiveResult
 
@@ -227,7 +226,7 @@ def run(
     result = ArchiveResult()
     url = session_url(settings, ARCHIVE)  # the lock's session, and the reads (not pooled)
     with _archive_lock(settings, url), jdbc_target(url) as target:
-        job = ArchiveRun(spark, engine, target, out, crash_at, result)
+        job = ArchiveRun(spark, engine, target, crash_at, result)
         moved = history.move_all(engine)
         log.info("archive.history_moved", extra={"rows": moved})
         for left, recorded in _leftovers(engine, out):
