@@ -119,6 +119,8 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
         # RFC 4180 quoting (a quote inside a quoted cell is doubled), as Python's csv writes
         reader = spark.read.option("header", True).option("multiLine", True).option("escape", '"')
         header = reader.csv(str(path)).schema  # every column as text
+        if not header.fields:  # an empty file: no rows (Spark refuses a corrupt column alone)
+            return reader.csv(str(path))
         # a row of more (or fewer) cells than the header keeps its text in CELLS: Spark would
         # drop the extra cells silently (an unquoted comma in a body shifts the row's cells)
         schema = StructType([*header.fields, StructField(CELLS, StringType())])

@@ -380,6 +380,9 @@ def test_bulk_schedule_refuses_a_csv_row_of_more_cells_than_the_header(
     with engine.connect() as conn:
         stored = conn.execute(text("SELECT key, body FROM commit_log ORDER BY body")).all()
     assert [(k, bytes(b)) for k, b in stored] == [(None, b'{"a":3}'), ("order-4", b'{"a":4}')]
+    empty = tmp_path / "empty.csv"  # no header, no rows
+    empty.write_text("")
+    assert bulk.run(spark, settings, empty).read == 0
 
 
 def test_bulk_schedule_refuses_a_parquet_deliver_at_without_a_time_zone(
