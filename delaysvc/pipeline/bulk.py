@@ -208,11 +208,13 @@ def _plain(value: Any) -> Any:
 
 
 def _instant(value: Any) -> datetime | None:
-    """deliver_at as a datetime; a naive one (no time zone) is refused by the producer.
-    `rules.prepare` gives a Parquet timestamp as ISO text: with its offset when the column is
-    an instant (TIMESTAMP), without one when it is not (TIMESTAMP_NTZ, a naive datetime)."""
-    if value is None or isinstance(value, datetime):
+    """deliver_at as a datetime; naive ISO text is refused by the producer. A Parquet
+    TIMESTAMP (an instant) arrives from Spark as a naive local time of this process; a
+    TIMESTAMP_NTZ (no time zone) as naive ISO text (`rules.prepare`), refused."""
+    if value is None or (isinstance(value, datetime) and value.tzinfo is not None):
         return value
+    if isinstance(value, datetime):
+        return value.astimezone()  # a TIMESTAMP column's instant, in this process's zone
     try:
         return datetime.fromisoformat(str(value))  # a naive time is refused by the producer
     except ValueError:

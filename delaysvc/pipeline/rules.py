@@ -209,16 +209,13 @@ def _cell(frame: DataFrame, name: str) -> tuple[Column, Column]:
 
 
 def _original(frame: DataFrame, name: str) -> Column:
-    """A cell as the producer's path reads it: a timestamp deliver_at as ISO text, with its
-    offset when the column holds instants (TIMESTAMP), without one when it holds times of no
-    zone (TIMESTAMP_NTZ, as pandas and pyarrow write a naive datetime), which the producer
-    refuses as it refuses the same text in a CSV (Spark would hand Python both as naive
-    local times of the process)."""
+    """A cell as the producer's path reads it. A deliver_at of times without a zone
+    (TIMESTAMP_NTZ, as pandas and pyarrow write a naive datetime) as ISO text without an
+    offset, which the producer refuses as it refuses the same text in a CSV: Spark would hand
+    it to Python as a naive datetime, as it does an instant (TIMESTAMP) in the local time of
+    the process, and `bulk._instant` reads a naive datetime as such an instant."""
     column = F.col(f"`{name}`")
-    data_type = frame.schema[name].dataType
-    if name == "deliver_at" and isinstance(data_type, TimestampType):
-        return F.date_format(column, "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX").alias(name)
-    if name == "deliver_at" and isinstance(data_type, TimestampNTZType):
+    if name == "deliver_at" and isinstance(frame.schema[name].dataType, TimestampNTZType):
         return column.cast("string").alias(name)
     return column
 
