@@ -173,7 +173,9 @@ def bulk_schedule(
     if not path.exists():
         raise ValidationError("path", f"{path} does not exist")
     fmt = bulk.detect_format(path, fmt)
+    bulk.check_rejects(rejects or bulk.default_rejects(path, fmt), path, fmt)
     services.require(jdbc=False)
+    bulk.check_database(services.settings)  # before Spark starts: one line, not its noise
     result = bulk.run(
         services.spark(), services.settings, path, fmt, rejects, key_from_row, partitions
     )

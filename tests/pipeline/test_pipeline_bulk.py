@@ -237,6 +237,15 @@ def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_t
             ["bulk-schedule", "{tmp}/jobs.txt", "--format", "xml"],
             "error: format: 'xml' is not one of csv, jsonl, parquet",
         ),
+        # refused before Spark starts: its start printed lines before the error
+        (
+            ["bulk-schedule", "{tmp}/jobs.csv", "--rejects", "/proc/x.csv"],
+            "error: rejects: /proc/x.csv cannot be written",
+        ),
+        (
+            ["bulk-schedule", "{tmp}/jobs.csv", "--rejects", "{tmp}"],
+            "error: rejects: {tmp} is the input {tmp}/jobs.csv, holds it or is inside it",
+        ),
     ],
 )
 def test_cli_user_errors_are_one_line_and_exit_2(
@@ -245,7 +254,9 @@ def test_cli_user_errors_are_one_line_and_exit_2(
     from delaysvc.cli import cli
 
     (tmp_path / "jobs.txt").write_text("topic,body\n")
+    (tmp_path / "jobs.csv").write_text("topic,body\n")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     result = CliRunner().invoke(cli, ["pipeline", *args])
     assert result.exit_code == 2
     assert len(result.output.splitlines()) == 1, result.output
