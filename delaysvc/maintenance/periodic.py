@@ -31,6 +31,7 @@ import re
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import cache
 from typing import Any, Literal, TypeVar
 from zoneinfo import ZoneInfo, available_timezones
 
@@ -72,12 +73,17 @@ SHORTHANDS = {
     "@hourly": "0 * * * *",
 }
 """cron's shorthands, stored as the five fields they stand for (cronsim reads none of them)."""
-_IANA_ZONES = frozenset(available_timezones()) - {"localtime", "posixrules"}
-"""The IANA time zones a schedule may tick in: zoneinfo's names, less the files a host may
-hold beside them (`localtime`, each host's own zone: ticks would differ by host)."""
 MAX_TICKS_PER_RUN = 100
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 MAX_BODY_BYTES = 64 * 1024
+
+
+@cache
+def _iana_zones() -> frozenset[str]:
+    """The IANA time zones a schedule may tick in: zoneinfo's names, less the files a host may
+    hold beside them (`localtime`, each host's own zone: ticks would differ by host). Read
+    from the disk at the first schedule checked, not when the module is imported."""
+    return frozenset(available_timezones()) - {"localtime", "posixrules"}
 
 
 @dataclass(frozen=True)
@@ -168,7 +174,7 @@ def schedule(
     topic = validate_topic(topic)
     data, is_json = encode_body(body, MAX_BODY_BYTES)
     cron, every_ms = _when(when)
-    if timezone not in _IANA_ZONES:  # not `localtime`: each host's own zone
+    if timezone not in _iana_zones():  # not `localtime`: each host's own zone
         raise ValidationError(
             "timezone", f"{timezone!r} is not an IANA time zone (such as 'Europe/Berlin', 'UTC')"
         )

@@ -51,7 +51,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.pool import NullPool
 
 from delaysvc.config.levels import parse_duration_ms
-from delaysvc.config.settings import MAX_SETTING_DAYS, Settings
+from delaysvc.config.settings import DAY_MS, MAX_SETTING_DAYS, Settings
 from delaysvc.db.engines import make_engine, session_url
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.maintenance import history
@@ -70,7 +70,6 @@ CRASH_POINTS = ("written", "verified", "deleting")
 MARKER = "_delaysvc_run"
 """The file in a run's folder holding the run's token, written before Spark writes into it
 (Spark and Parquet readers skip names starting with `_`)."""
-DAY_MS = 86_400_000
 
 
 class SimulatedCrash(RuntimeError):
