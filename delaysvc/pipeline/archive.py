@@ -56,6 +56,7 @@ from delaysvc.db.engines import make_engine, session_url
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.maintenance import history
 from delaysvc.pipeline import store
+from delaysvc.pipeline.requirements import unwritable
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
 from delaysvc.store import history as store_history
 from delaysvc.store.history import Partition
@@ -194,14 +195,9 @@ def check_out(out: Path) -> Path:
     out = out.resolve()
     if out.exists() and not out.is_dir():
         raise ValidationError("--out", f"{out} is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".{MARKER}.{os.getpid()}.{secrets.token_hex(4)}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        why = exc.strerror or exc
-        raise ValidationError("--out", f"cannot write into {out} ({why})") from None
+    why = unwritable(out)
+    if why is not None:
+        raise ValidationError("--out", f"cannot write into {out} ({why})")
     return out
 
 

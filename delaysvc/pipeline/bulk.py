@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import re
-import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -59,6 +58,7 @@ from delaysvc.config.validation import encode_body
 from delaysvc.db.engines import make_engine
 from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError
 from delaysvc.pipeline import store
+from delaysvc.pipeline.requirements import unwritable
 from delaysvc.producer.sending import Producer
 from delaysvc.store import NewMessage, check_levels, not_migrated
 
@@ -518,15 +518,14 @@ def check_rejects(rejects: Path, path: Path, fmt: str) -> None:
             "rejects",
             f"{rejects} is a file that is not an earlier rejects output: name a new path",
         )
-    folder = rejects if rejects.is_dir() else rejects.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder, prefix=".delaysvc-"):
-            pass
-        if rejects.is_file():
+    why = unwritable(rejects if rejects.is_dir() else rejects.parent)
+    if why is None and rejects.is_file():
+        try:
             rejects.open("a").close()
-    except OSError as exc:
-        raise ValidationError("rejects", f"{rejects} cannot be written: {exc}") from None
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+    if why is not None:
+        raise ValidationError("rejects", f"{rejects} cannot be written ({why})")
 
 
 def _earlier_rejects(path: Path, fmt: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -46,6 +47,18 @@ def missing_jdbc_driver(jdbc_jar: Path, more_jars: Iterable[str] = ()) -> str | 
         f"the PostgreSQL JDBC driver is not at {jdbc_jar}: apt-get install "
         "libpostgresql-jdbc-java, or set DELAYSVC_JDBC_JAR to the driver's jar"
     )
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot write into `folder` (made here, with its parents, if missing),
+    or None: a file is made there and removed, before Spark starts."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder, prefix=".delaysvc-"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
 def _holds_driver(jar: Path) -> bool:
