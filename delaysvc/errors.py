@@ -4,6 +4,17 @@ Every error a user can cause is a `DelaysvcError` with a stable `code`; the HTTP
 codes to status codes in one place (`delaysvc.web.errors`), the CLI prints the message on one line.
 """
 
+SHOWN_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """A value an error message quotes (`repr`), cut to SHOWN_CHARS: a request may hold a value
+    of megabytes, which its error would otherwise send back whole."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[: SHOWN_CHARS - 20]}... ({len(text):,} characters)"
+
 
 class DelaysvcError(Exception):
     """Base of every error delaysvc raises on purpose."""

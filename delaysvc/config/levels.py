@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from delaysvc.errors import ConfigError, ValidationError
+from delaysvc.errors import ConfigError, ValidationError, shown
 
 DEFAULT_LEVELS = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
 MAX_LEVELS = 64
@@ -33,6 +33,9 @@ FIRST_RETRY_LEVEL = 3
 _LEVEL_TOKEN = re.compile(r"([0-9]+)([smhd])")
 DURATION_PATTERN = re.compile(r"(?:[0-9]+(?:ms|s|m|h|d))+")
 _DURATION_PART = re.compile(r"([0-9]+)(ms|s|m|h|d)")
+MAX_DURATION_DIGITS = 18
+"""Digits of one number of a duration: 18 of days is far past any bound a duration is checked
+against, and still an int PostgreSQL's bigint holds as milliseconds."""
 
 
 def format_ms(ms: int) -> str:
@@ -53,10 +56,15 @@ def parse_duration_ms(text: str, *, field: str = "delay") -> int:
     if not isinstance(text, str) or not DURATION_PATTERN.fullmatch(text):
         raise ValidationError(
             field,
-            f"{text!r} is not a duration; use whole numbers with units ms, s, m, h, d "
+            f"{shown(text)} is not a duration; use whole numbers with units ms, s, m, h, d "
             "such as '45m', '1h30m' or '250ms'",
         )
-    return sum(int(n) * UNIT_MS[unit] for n, unit in _DURATION_PART.findall(text))
+    parts = _DURATION_PART.findall(text)
+    if any(len(n) > MAX_DURATION_DIGITS for n, _ in parts):  # int() reads at most 4,300
+        raise ValidationError(
+            field, f"{shown(text)} has a number of more than {MAX_DURATION_DIGITS} digits"
+        )
+    return sum(int(n) * UNIT_MS[unit] for n, unit in parts)
 
 
 @dataclass(frozen=True)

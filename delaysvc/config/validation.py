@@ -26,7 +26,7 @@ try:
 except ImportError:  # no wheel for this Python (PyPy): json's encoder alone
     orjson = None  # type: ignore[assignment]
 
-from delaysvc.errors import ConfigError, TooLarge, ValidationError
+from delaysvc.errors import ConfigError, TooLarge, ValidationError, shown
 
 TOPIC_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,126}")
 TAG_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -51,7 +51,7 @@ def validate_priority(priority: object) -> int:
     if priority is None:
         return 0
     if isinstance(priority, bool) or not isinstance(priority, int):
-        raise ValidationError("priority", f"must be a whole number, got {priority!r}")
+        raise ValidationError("priority", f"must be a whole number, got {shown(priority)}")
     if not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
         raise ValidationError(
             "priority", f"{priority} is out of range: use -{MAX_PRIORITY} to {MAX_PRIORITY}"
@@ -64,6 +64,10 @@ MAX_TAGS = 16
 MAX_PROPERTIES = 64
 MAX_PROPERTY_NAME = 128
 MAX_PROPERTY_VALUE = 4096
+MAX_BODY_DEPTH = 254
+"""The deepest a JSON body may nest (arrays and objects within each other): orjson's own limit,
+well within what every reader of a stored body decodes (`json.loads` in a worker's handler or
+an API answer, Spark). A body nested deeper was stored, and then could not be read back."""
 CONTROL_CHARS = r"\x00-\x1f\x7f"
 """What a key must not hold: NUL and the other control characters (a regex class's body)."""
 # text a key or a property must not hold: the control characters, and the halves of a UTF-16
@@ -84,7 +88,7 @@ def validate_topic(topic: object) -> str:
     if not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic):
         raise ValidationError(
             "topic",
-            f"{topic!r} is not a topic name; use 1-127 characters of letters, digits, "
+            f"{shown(topic)} is not a topic name; use 1-127 characters of letters, digits, "
             "'.', '_' and '-', starting with a letter or digit",
         )
     return topic
@@ -112,7 +116,7 @@ def validate_tags(tags: object) -> list[str] | None:
     for tag in tags:
         if not isinstance(tag, str) or not TAG_PATTERN.fullmatch(tag):
             raise ValidationError(
-                "tags", f"{tag!r} is not a tag; use 1-64 characters of letters, digits, '._:-'"
+                "tags", f"{shown(tag)} is not a tag; use 1-64 characters of letters, digits, '._:-'"
             )
     return list(tags)
 
@@ -129,17 +133,19 @@ def validate_properties(properties: object) -> dict[str, str] | None:
     for name, value in properties.items():
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_PROPERTY_NAME:
             raise ValidationError(
-                "properties", f"name {name!r} must be a string of 1-{MAX_PROPERTY_NAME} characters"
+                "properties",
+                f"name {shown(name)} must be a string of 1-{MAX_PROPERTY_NAME} characters",
             )
         if not isinstance(value, str) or len(value) > MAX_PROPERTY_VALUE:
             raise ValidationError(
                 "properties",
-                f"value of {name!r} must be a string of at most {MAX_PROPERTY_VALUE} characters",
+                f"value of {shown(name)} must be a string of at most {MAX_PROPERTY_VALUE} "
+                "characters",
             )
         if "\x00" in name or "\x00" in value:
-            raise ValidationError("properties", f"{name!r} contains a NUL character")
+            raise ValidationError("properties", f"{shown(name)} contains a NUL character")
         if _SURROGATE.search(name) or _SURROGATE.search(value):
-            raise ValidationError("properties", f"{name!r}: its name or value {NOT_UNICODE}")
+            raise ValidationError("properties", f"{shown(name)}: its name or value {NOT_UNICODE}")
     return dict(properties)
 
 
@@ -193,15 +199,39 @@ _ORJSON_OPTIONS = (
 def _json_bytes(body: Any) -> bytes:
     """`body` as JSON in UTF-8; raises as `_to_json` does, or UnicodeEncodeError. (orjson's
     options given by position and `find` rather than `in`: 0.4 us of 1.0 a body, ad hoc.)"""
+    depth_checked = False
     if orjson is not None:
         try:
             data = orjson.dumps(body, _beyond_json, _ORJSON_OPTIONS)
-        except TypeError:  # orjson.JSONEncodeError: json decides
-            pass
+        except TypeError as exc:  # orjson.JSONEncodeError: json decides
+            if str(exc) == "Recursion limit reached":  # nested past MAX_BODY_DEPTH
+                raise RecursionError from None
         else:
             if data.find(b"null") < 0:
                 return data
-    return _to_json(body).encode("utf-8")
+            depth_checked = True  # orjson wrote it: within its depth, MAX_BODY_DEPTH
+    text = _to_json(body)  # raises RecursionError for a body that contains itself
+    if not depth_checked and _nested_deeper(body, MAX_BODY_DEPTH):
+        raise RecursionError
+    return text.encode("utf-8")
+
+
+def _nested_deeper(body: Any, limit: int) -> bool:
+    """Whether `body` nests arrays and objects more than `limit` deep (a body json encodes
+    and orjson did not: an integer beyond 64 bits may stop orjson before a deep part)."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            inner: Any = value.values()
+        elif isinstance(value, list | tuple):
+            inner = value
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((item, depth + 1) for item in inner)
+    return False
 
 
 def json_text(value: Any) -> str:
@@ -233,7 +263,7 @@ def encode_body(body: Any, max_bytes: int) -> tuple[bytes, bool]:
             raise ValidationError("body", f"must be JSON-serialisable or bytes ({exc})") from None
         except RecursionError:
             raise ValidationError(
-                "body", "is nested too deeply to encode as JSON, or contains itself"
+                "body", f"is nested more than {MAX_BODY_DEPTH} levels deep, or contains itself"
             ) from None
     if len(data) > max_bytes:
         raise TooLarge("body", f"is {len(data)} bytes, the limit is {max_bytes}")
@@ -268,11 +298,13 @@ def parse_rate(value: object) -> float | None:
     elif isinstance(value, str) and (found := RATE_PATTERN.fullmatch(value.strip())):
         rate = float(found.group(1)) / _PER[found.group(2)]
     else:
-        raise ValidationError("rate", f"{value!r}: use starts per time such as '10/s', '600/m'")
+        raise ValidationError(
+            "rate", f"{shown(value)}: use starts per time such as '10/s', '600/m'"
+        )
     if not MIN_RATE_PER_S <= rate <= MAX_RATE_PER_S:
         raise ValidationError(
             "rate",
-            f"{value!r}: must be at least one a day ({MIN_RATE_PER_S:.7f}/s, 1/24h) and at "
+            f"{shown(value)}: must be at least one a day ({MIN_RATE_PER_S:.7f}/s, 1/24h) and at "
             f"most {MAX_RATE_PER_S}/s",
         )
     return rate
@@ -282,7 +314,9 @@ def check_max_running(value: object) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RUNNING:
-        raise ValidationError("max_running", f"{value!r}: a whole number from 1 to {MAX_RUNNING}")
+        raise ValidationError(
+            "max_running", f"{shown(value)}: a whole number from 1 to {MAX_RUNNING}"
+        )
     return value
 
 

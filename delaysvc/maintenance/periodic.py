@@ -40,7 +40,7 @@ from sqlalchemy import Connection, Engine
 
 from delaysvc.config.levels import format_ms, parse_duration_ms
 from delaysvc.config.validation import encode_body, validate_topic
-from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError
+from delaysvc.errors import ConfigError, DeclaredInCode, NotFound, ValidationError, shown
 from delaysvc.schema.tables import NO_LANE
 from delaysvc.store import NewMessage, insert_message_on
 from delaysvc.store import schedules as store_schedules
@@ -168,18 +168,19 @@ def schedule(
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValidationError(
             "name",
-            f"{name!r} is not a schedule name: 1-200 letters, digits and . _ : -, "
+            f"{shown(name)} is not a schedule name: 1-200 letters, digits and . _ : -, "
             "starting with a letter or digit",
         )
     topic = validate_topic(topic)
     data, is_json = encode_body(body, MAX_BODY_BYTES)
     cron, every_ms = _when(when)
-    if timezone not in _iana_zones():  # not `localtime`: each host's own zone
+    if not isinstance(timezone, str) or timezone not in _iana_zones():  # not `localtime`
         raise ValidationError(
-            "timezone", f"{timezone!r} is not an IANA time zone (such as 'Europe/Berlin', 'UTC')"
+            "timezone",
+            f"{shown(timezone)} is not an IANA time zone (such as 'Europe/Berlin', 'UTC')",
         )
     if on_missed not in ON_MISSED:
-        raise ValidationError("on_missed", f"{on_missed!r}: use 'skip' or 'latest'")
+        raise ValidationError("on_missed", f"{shown(on_missed)}: use 'skip' or 'latest'")
     return Schedule(name, topic, data, is_json, cron, every_ms, timezone, on_missed)
 
 
@@ -197,23 +198,24 @@ def _when(when: str | timedelta) -> tuple[str | None, int | None]:
         if len(cron.split()) != 5:
             raise ValidationError(
                 "schedule",
-                f"{when!r} is not a cron expression: it has {len(cron.split())} fields, not five "
+                f"{shown(when)} is not a cron expression: it has {len(cron.split())} fields, "
+                "not five "
                 "(minute hour day month weekday); for seconds use an interval such as '30s'",
             )
         try:
             CronSim(cron, datetime.now(UTC))
-        except CronSimError as exc:
+        except (CronSimError, ValueError) as exc:  # ValueError: a number int() cannot read
             raise ValidationError(
                 "schedule",
-                f"{when!r} is not a cron expression ({exc}); use five fields such as "
+                f"{shown(when)} is not a cron expression ({exc}); use five fields such as "
                 "'*/5 * * * *', or an interval such as '5m'",
             ) from None
         return cron, None
     if every_ms < MIN_EVERY_MS:
-        raise ValidationError("schedule", f"an interval must be at least 1s, got {when!r}")
+        raise ValidationError("schedule", f"an interval must be at least 1s, got {shown(when)}")
     if every_ms > MAX_EVERY_MS:
         raise ValidationError(
-            "schedule", f"an interval must be at most {format_ms(MAX_EVERY_MS)}, got {when!r}"
+            "schedule", f"an interval must be at most {format_ms(MAX_EVERY_MS)}, got {shown(when)}"
         )
     return None, every_ms
 
@@ -392,6 +394,7 @@ class Schedules:
             return store_schedules.all_schedules(conn)
 
     def get(self, name: str, *, topics: Collection[str] | None = None) -> Any:
+        _possible(name)
         with self.engine.connect() as conn:
             return _found(store_schedules.get(conn, name), name, topics)
 
@@ -414,11 +417,13 @@ class Schedules:
             return row, existing is None
 
     def pause(self, name: str, *, topics: Collection[str] | None = None) -> Any:
+        _possible(name)
         with self.engine.begin() as conn:
             _found(store_schedules.get(conn, name, lock=True), name, topics)
             return _found(store_schedules.set_paused(conn, name, True, None), name)
 
     def resume(self, name: str, *, topics: Collection[str] | None = None) -> Any:
+        _possible(name)
         with self.engine.begin() as conn:
             row = _found(store_schedules.get(conn, name, lock=True), name, topics)
             now = store_schedules.statement_now(conn)
@@ -426,11 +431,19 @@ class Schedules:
             return store_schedules.set_paused(conn, name, False, next_tick)
 
     def delete(self, name: str, *, topics: Collection[str] | None = None) -> None:
+        _possible(name)
         with self.engine.begin() as conn:
             row = _found(store_schedules.get(conn, name, lock=True), name, topics)
             if row.declared_in == "code":
                 _refuse_if_still_declared(row, store_schedules.statement_now(conn))
             store_schedules.delete(conn, name)
+
+
+def _possible(name: str) -> None:
+    """NotFound for a name no schedule can have (a NUL in it is the database's error, not a
+    missing schedule's), before the database is asked."""
+    if not NAME.fullmatch(name):
+        raise NotFound(f"no periodic schedule is named {shown(name)}")
 
 
 def _refuse_if_still_declared(row: Any, now: datetime) -> None:

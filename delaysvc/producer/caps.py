@@ -39,9 +39,10 @@ from typing import Any, Protocol
 from sqlalchemy import Engine
 
 from delaysvc import store
+from delaysvc.config.levels import MAX_LEVELS
 from delaysvc.config.settings import BacklogCap, CapPolicy
 from delaysvc.config.validation import MAX_WAITING, ascii_digits, validate_topic
-from delaysvc.errors import BacklogFull, ValidationError
+from delaysvc.errors import BacklogFull, ValidationError, shown
 from delaysvc.schema.tables import WAITING
 
 log = logging.getLogger(__name__)
@@ -199,29 +200,38 @@ def check_target(scope: object, target: object) -> tuple[str, str]:
     if scope == "level":
         if isinstance(target, int) and not isinstance(target, bool):
             target = str(target)
-        if isinstance(target, str) and ascii_digits(target) and 1 <= int(target) <= 1000:
+        if (
+            isinstance(target, str)
+            and ascii_digits(target)
+            and len(target) <= 4  # int() reads at most 4,300 digits
+            and 1 <= int(target) <= MAX_LEVELS
+        ):
             return "level", str(int(target))
-        raise ValidationError("level", f"{target!r}: a level number from 1, in the digits 0-9")
-    raise ValidationError("scope", f"{scope!r}: use level or topic")
+        raise ValidationError(
+            "level", f"{shown(target)}: a level number from 1 to {MAX_LEVELS}, in the digits 0-9"
+        )
+    raise ValidationError("scope", f"{shown(scope)}: use level or topic")
 
 
 def parse_target(text: str) -> tuple[str, str]:
     """`level:16` or `topic:sms.send` -> (scope, target), validated."""
     scope, sep, target = text.partition(":")
     if not sep:
-        raise ValidationError("target", f"{text!r}: use level:N or topic:NAME")
+        raise ValidationError("target", f"{shown(text)}: use level:N or topic:NAME")
     return check_target(scope, target)
 
 
 def check_max_waiting(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_WAITING:
-        raise ValidationError("max_waiting", f"{value!r}: a whole number from 1 to {MAX_WAITING}")
+        raise ValidationError(
+            "max_waiting", f"{shown(value)}: a whole number from 1 to {MAX_WAITING}"
+        )
     return value
 
 
 def check_policy(value: object) -> CapPolicy:
     if value not in POLICIES:
-        raise ValidationError("policy", f"{value!r}: use reject or deliver-early")
+        raise ValidationError("policy", f"{shown(value)}: use reject or deliver-early")
     return value
 
 

@@ -23,9 +23,10 @@ API_PREFIX = "/api/v1"
 class AsciiIntegerConverter(IntegerConverter):
     r"""`<int:...>` in a path: the digits 0-9 only. Werkzeug's matches `\d+`, every script's
     digits, and int() reads them (`/messages/\u0661`, an Arabic-Indic one, was message 1);
-    here they match no route: 404."""
+    here they match no route: 404. At most 19 digits, a bigint's: int() of more than 4,300
+    raised, a 500."""
 
-    regex = r"[0-9]+"
+    regex = r"[0-9]{1,19}"
 
 
 class _DashboardSessions(SecureCookieSessionInterface):

@@ -890,3 +890,109 @@ def test_the_api_opens_no_cookie_session_and_sets_no_cookie_while_the_dashboard_
     assert opened == []
     assert client.get("/login").status_code == 200
     assert opened == ["/login"]
+
+
+def _nested(depth: int) -> Any:
+    """Arrays `depth` deep: `[[...]]`."""
+    body: Any = []
+    for _ in range(depth - 1):
+        body = [body]
+    return body
+
+
+def test_a_body_nested_past_the_limit_is_400_and_stored_nowhere(
+    client: FlaskClient, send_token: dict[str, str], admin_token: dict[str, str]
+) -> None:
+    """A body nested 300 deep was stored, and reading it back ran out of Python's recursion:
+    the schedule's PUT answered 500 after its commit, and every GET /schedules from then on."""
+    deepest = _nested(254)
+    put = client.put(
+        "/api/v1/schedules/deep",
+        json={"schedule": "1h", "topic": "t", "body": deepest},
+        headers=admin_token,
+    )
+    assert put.status_code == 201, put.get_json()
+    assert put.get_json()["body"] == deepest
+    listed = client.get("/api/v1/schedules", headers=admin_token)
+    assert listed.status_code == 200 and listed.get_json()["schedules"][0]["body"] == deepest
+    sent = client.post("/api/v1/messages", json={"topic": "t", "body": deepest}, headers=send_token)
+    assert sent.status_code == 201
+    read = client.get(f"/api/v1/messages/{sent.get_json()['id']}", headers=send_token)
+    assert read.status_code == 200
+
+    for depth in (255, 300, 800):
+        too_deep = {"schedule": "1h", "topic": "t", "body": _nested(depth)}
+        message = _error(
+            client.put("/api/v1/schedules/deeper", json=too_deep, headers=admin_token),
+            400,
+            "invalid",
+        )
+        assert message.startswith("body: is nested more than 254 levels deep"), message
+        message = _error(
+            client.post(
+                "/api/v1/messages",
+                json={"topic": "t", "body": too_deep["body"]},
+                headers=send_token,
+            ),
+            400,
+            "invalid",
+        )
+        assert message.startswith("body: is nested more than 254 levels deep"), message
+    assert [s["name"] for s in client.get("/api/v1/schedules", headers=admin_token).get_json()[
+        "schedules"
+    ]] == ["deep"]  # fmt: skip
+
+
+def test_a_timezone_that_is_no_text_is_400_naming_it(
+    client: FlaskClient, admin_token: dict[str, str]
+) -> None:
+    for zone in ([], {}, ["UTC"], {"a": 1}):
+        new = {"schedule": "*/5 * * * *", "topic": "t", "timezone": zone}
+        message = _error(
+            client.put("/api/v1/schedules/tz", json=new, headers=admin_token), 400, "invalid"
+        )
+        assert message.startswith("timezone: "), message
+
+
+def test_numbers_of_thousands_of_digits_are_refused_not_a_500(
+    client: FlaskClient, send_token: dict[str, str], admin_token: dict[str, str]
+) -> None:
+    """Python reads at most 4,300 digits as an int; past that int() raised, unhandled."""
+    digits = "9" * 5000
+    send = {"topic": "t", "body": 1, "delay": f"{digits}s"}
+    message = _error(client.post("/api/v1/messages", json=send, headers=send_token), 400, "invalid")
+    assert message.startswith("delay: "), message
+    batch = client.post("/api/v1/messages/batch", json={"messages": [send]}, headers=send_token)
+    assert batch.status_code == 400, batch.get_json()
+    for when in (f"{digits}s", f"{digits} * * * *", f"*/{digits} * * * *"):
+        new = {"schedule": when, "topic": "t"}
+        message = _error(
+            client.put("/api/v1/schedules/long", json=new, headers=admin_token), 400, "invalid"
+        )
+        assert message.startswith("schedule: "), message
+    message = _error(
+        client.put(f"/api/v1/levels/{digits}/cap", json={"max_waiting": 5}, headers=admin_token),
+        400,
+        "invalid",
+    )
+    assert message.startswith("level: "), message
+    for method, path in (
+        ("GET", f"/api/v1/messages/{digits}"),
+        ("DELETE", f"/api/v1/messages/{digits}"),
+        ("POST", f"/api/v1/dead/{digits}/redrive"),
+    ):
+        response = client.open(path, method=method, headers=admin_token)
+        assert response.status_code == 404, (method, response.status_code)
+
+
+def test_a_nul_in_a_schedule_name_is_a_schedule_that_does_not_exist(
+    client: FlaskClient, admin_token: dict[str, str]
+) -> None:
+    for method, path in (
+        ("GET", "/api/v1/schedules/a%00b"),
+        ("DELETE", "/api/v1/schedules/a%00b"),
+        ("POST", "/api/v1/schedules/a%00b/pause"),
+        ("POST", "/api/v1/schedules/a%00b/resume"),
+    ):
+        response = client.open(path, method=method, headers=admin_token)
+        assert response.status_code == 404, (method, path, response.get_json())

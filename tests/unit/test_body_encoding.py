@@ -147,7 +147,13 @@ def test_bodies_json_cannot_hold_are_refused_naming_the_body() -> None:
         ({"at": float("inf")}, "Out of range float"),
         ({(1, 2): "tuple key"}, "keys must be"),
         (circular, "contains itself"),
-        (deep, "nested too deeply"),
+        (deep, "nested more than 254 levels deep"),
+        (_nested(255), "nested more than 254 levels deep"),
+        # orjson stops at the big integer before the deep part: json writes it, the depth is
+        # checked all the same
+        ({"id": 2**64, "deep": _nested(254)}, "nested more than 254 levels deep"),
+        ({"id": 2**64, "deep": _nested(253)}, None),
+        (_nested(254), None),
         ("\udc80", "not valid Unicode"),
     ]
     for body, says in cases:
@@ -198,3 +204,11 @@ def test_json_text_is_the_same_value_as_json_dumps_writes(value: Any) -> None:
         assert text == json.dumps(value)
     else:
         assert text == orjson.dumps(value).decode()
+
+
+def _nested(depth: int) -> Any:
+    """Arrays `depth` deep: `[[...]]`."""
+    body: Any = []
+    for _ in range(depth - 1):
+        body = [body]
+    return body
