@@ -76,6 +76,11 @@ LOCK_KEY = "hashtextextended(:lock, 0)"
 """The key of an advisory lock named by the parameter `:lock` (a `lock_name`)."""
 
 
+MIGRATE_LOCK = "migrate"
+"""The advisory lock a migration holds for its transaction (`schema.migrate.lock_migrations`);
+the lanes' count fold takes it too, for its own (`store.fold_lane_counts`)."""
+
+
 def lock_name(what: str) -> str:
     """The name of one of this schema's advisory locks (`'jobs lane 3'`), for `LOCK_KEY`: every
     lock names its schema, so two deployments in one database (two schemas) never hold, wait

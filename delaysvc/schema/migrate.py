@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine, text
 
 from delaysvc import store
 from delaysvc.config.levels import DelayLevels
-from delaysvc.db.names import LOCK_KEY, lock_name, sql
+from delaysvc.db.names import LOCK_KEY, MIGRATE_LOCK, lock_name, sql
 
 log = logging.getLogger(__name__)
 VERSION_TABLE = "delaysvc_version"
@@ -65,7 +65,9 @@ def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list
 def lock_migrations(conn: Connection) -> None:
     """Wait until no other process migrates this schema, then hold that until the transaction
     ends."""
-    conn.execute(sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})"), {"lock": lock_name("migrate")})
+    conn.execute(
+        sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})"), {"lock": lock_name(MIGRATE_LOCK)}
+    )
 
 
 def downgrade(engine: Engine, revision: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Connection
 
-from delaysvc.db.names import LOCK_KEY, lock_name, sql
+from delaysvc.db.names import LOCK_KEY, MIGRATE_LOCK, lock_name, sql
 from delaysvc.schema.tables import CAPPED_INDEX_PREFIX
 from delaysvc.store.producing import find_unfinished_by_keys
 from delaysvc.store.shared import NOT_MOVED, WAITING, Statements
@@ -88,7 +88,17 @@ def lane_pending(conn: Statements, lane: int) -> int:
 
 def fold_lane_counts(conn: Connection) -> int:
     """Fold every committed delta into one row per lane (exact: a delta committed meanwhile
-    is not seen, so not deleted, and is folded next time). -> rows folded."""
+    is not seen, so not deleted, and is folded next time). -> rows folded.
+
+    Not while the schema is migrated (its lock, `schema.migrate.lock_migrations`, held to the
+    end of this transaction; a fold that finds it taken folds nothing): a level removed drops
+    its lane's count rows, and a fold that had deleted them uncommitted made that DELETE wait,
+    then miss the total the fold put back."""
+    taken = conn.execute(
+        sql(f"SELECT pg_try_advisory_xact_lock({LOCK_KEY})"), {"lock": lock_name(MIGRATE_LOCK)}
+    ).scalar_one()
+    if not taken:
+        return 0
     return conn.execute(
         sql(
             """

@@ -19,6 +19,7 @@ from delaysvc.config.levels import DelayLevels
 from delaysvc.config.settings import Settings
 from delaysvc.errors import SchemaNotReady
 from delaysvc.maintenance import delivery
+from delaysvc.maintenance.check import run_check
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.migrate import upgrade
 from delaysvc.schema.tables import TIMER_LANE
@@ -287,3 +288,37 @@ def test_a_retry_by_a_worker_with_a_removed_level_goes_to_the_timer_lane(
     row = where(engine, message.id)
     assert (row.status, row.lane) == ("retrying", TIMER_LANE)
     assert pending(engine)[TIMER_LANE] == 1
+
+
+def test_a_level_removed_while_the_lane_counts_are_folded_keeps_no_count(producer, engine):
+    """Beat folds the lanes' count deltas every second. A fold that had deleted level 5's
+    deltas (uncommitted) made the removal's DELETE of them wait, then miss the folded total the
+    fold committed: level 5 kept a count of 3 for a queue that was gone (`check` failed, and a
+    level 5 added again was full for its cap at once)."""
+    for n in range(3):
+        producer.send("t", n, delay_level=5)
+    fold = engine.connect()
+    fold.begin()
+    assert store.fold_lane_counts(fold) > 0  # beat's fold, not yet committed
+    removed: list[store.LevelChange] = []
+    migrate = threading.Thread(
+        target=lambda: removed.extend(upgrade(engine, DelayLevels.parse("1s 2s 3s 5s")))
+    )
+    migrate.start()
+    time.sleep(1.0)
+    fold.commit()
+    fold.close()
+    migrate.join(30)
+    assert [(c.level, c.new_ms, c.relocated) for c in removed] == [(5, None, 3)]
+    with engine.connect() as conn:
+        counts = dict(
+            conn.execute(
+                text("SELECT lane, sum(delta) FROM delaysvc.lane_count GROUP BY lane")
+            ).all()
+        )
+    assert counts.get(5, 0) == 0
+    assert pending(engine)[TIMER_LANE] == 3
+    checked = run_check(engine)
+    assert checked.exit_code == 0, checked.lines()
+    upgrade(engine, DelayLevels.parse(TEST_LEVELS))
+    assert pending(engine)[5] == 0
