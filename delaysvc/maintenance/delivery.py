@@ -68,6 +68,8 @@ def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = Non
                 if moved.misplaced
                 else store.Relocated(0, 0, ())
             )
+            if locked.stuck_offset is not None and not moved.count:
+                _unstick_if_head_left(conn, lane, locked.stuck_offset)
     except OperationalError:
         raise  # the database is away: the caller backs off and tries again later
     except DBAPIError as exc:
@@ -103,6 +105,16 @@ def _relocate_misplaced(
         },
     )
     return relocated
+
+
+def _unstick_if_head_left(conn: Connection, lane: int, stuck_offset: int) -> None:
+    """A lane stuck on a head that is no longer in it (cancelled, or taken to the timer lane by
+    a level change) is not stuck: a move that moves something clears the flag, and an idle lane
+    would otherwise keep it (and skip-head refuse it) for good."""
+    head = store.lane_head(conn, lane)
+    if head is None or head.queue_offset != stuck_offset:
+        store.clear_stuck(conn, lane)
+        log.info("delivery.lane_unstuck", extra={"lane": lane, "offset": stuck_offset})
 
 
 def _mark_stuck(conn: Connection, lane: int, exc: DBAPIError) -> TickResult:

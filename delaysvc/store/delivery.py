@@ -232,6 +232,16 @@ def mark_stuck(conn: Connection, lane: int, offset: int | None, error: str) -> N
     )
 
 
+def clear_stuck(conn: Connection, lane: int) -> None:
+    conn.execute(
+        sql(
+            "UPDATE delaysvc.schedule_offset SET stuck_offset = NULL, stuck_error = NULL, "
+            "stuck_since = NULL WHERE lane = :lane"
+        ),
+        {"lane": lane},
+    )
+
+
 def skip_stuck_head(conn: Connection, lane: int) -> int:
     """Operator action: move a stuck lane's head message to the dead letters. -> its id.
 

@@ -226,6 +226,41 @@ def test_a_head_that_cannot_be_moved_is_retried_marked_stuck_and_skippable(produ
     assert lane.stuck_offset is None
 
 
+def _stuck_offset(engine, lane):  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return next(s for s in store.lane_stats(conn) if s.lane == lane).stuck_offset
+
+
+def test_a_lane_is_no_longer_stuck_once_the_head_it_was_stuck_on_has_left_it(producer, engine):
+    """The flag was cleared only by a move that moved something: after an operator cancelled
+    the stuck head (or a level change took it to the timer lane), an idle lane stayed STUCK in
+    stats, the API and /metrics, and skip-head refused to clear it."""
+    bad = producer.send("t", 1, delay_level=1)
+    later = producer.send("t", 2, delay="1h")  # the timer lane's, for the second case
+    producer.send("t", 3, delay_level=1)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO topic_queue (message_id, topic, deliver_ts) VALUES (:id, 'x', now())"
+            ),
+            {"id": bad.id},
+        )
+    assert tick(engine, 1, bad.deliver_at).stuck
+    assert _stuck_offset(engine, 1) is not None
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM topic_queue"))
+    producer.cancel(bad.id)
+    # the next head is not due yet: nothing moves, and the lane is not stuck any more
+    assert tick(engine, 1, bad.deliver_at).moved == 0  # the next was sent after it
+    assert _stuck_offset(engine, 1) is None
+    # an empty lane the same: the timer lane stuck on a message cancelled since
+    with engine.begin() as conn:
+        store.mark_stuck(conn, TIMER_LANE, store.lane_head(conn, TIMER_LANE).queue_offset, "x")
+    producer.cancel(later.id)
+    assert tick(engine, TIMER_LANE, later.deliver_at).moved == 0
+    assert _stuck_offset(engine, TIMER_LANE) is None
+
+
 def test_lane_stats_pending_is_max_offset_minus_schedule_offset(producer, engine):
     for i in range(7):
         producer.send("t", i, delay_level=2)
