@@ -28,6 +28,7 @@ class LevelChange:
     old_ms: int
     new_ms: int | None  # None: the level is no longer configured
     relocated: int  # waiting messages moved to the timer lane, due times unchanged
+    cap: str | None = None  # the removed level's backlog cap, removed with it
 
     def describe(self) -> str:
         old = format_ms(self.old_ms)
@@ -41,6 +42,8 @@ class LevelChange:
                 f"; its {self.relocated} waiting messages moved to the timer lane, "
                 "due when they were due"
             )
+        if self.cap:
+            what += f"; its backlog cap ({self.cap}) removed with it"
         return what
 
 
@@ -127,6 +130,17 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
             sql("DELETE FROM delaysvc.schedule_offset WHERE lane = :lane"), {"lane": level}
         )
         conn.execute(sql("DELETE FROM delaysvc.lane_count WHERE lane = :lane"), {"lane": level})
+        # a cap chosen for this level's delay would bind a level added later under its number
+        cap = conn.execute(
+            sql(
+                "DELETE FROM delaysvc.backlog_cap WHERE scope = 'level' AND target = :target "
+                "RETURNING max_waiting, policy"
+            ),
+            {"target": str(level)},
+        ).first()
+        if cap is not None:
+            described = f"at most {cap.max_waiting} waiting, {cap.policy}"
+            return LevelChange(level, old_ms, new_ms, relocated, described)
     else:
         conn.execute(
             sql("UPDATE delaysvc.schedule_offset SET delay_ms = :ms WHERE lane = :lane"),

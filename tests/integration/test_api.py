@@ -996,3 +996,18 @@ def test_a_nul_in_a_schedule_name_is_a_schedule_that_does_not_exist(
     ):
         response = client.open(path, method=method, headers=admin_token)
         assert response.status_code == 404, (method, path, response.get_json())
+
+
+def test_an_error_quotes_a_long_value_cut_short(
+    app: Flask, client: FlaskClient, admin_token: dict[str, str]
+) -> None:
+    """A value of megabytes came back whole in its 400."""
+    app.config["MAX_CONTENT_LENGTH"] = 1 << 20
+    rate = "x" * 100_000
+    message = _error(
+        client.put("/api/v1/topics/t/limits", json={"rate": rate}, headers=admin_token),
+        400,
+        "invalid",
+    )
+    assert message.startswith("rate: 'xxxx") and "(100,002 characters)" in message
+    assert len(message) < 200

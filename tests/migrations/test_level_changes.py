@@ -322,3 +322,25 @@ def test_a_level_removed_while_the_lane_counts_are_folded_keeps_no_count(produce
     assert checked.exit_code == 0, checked.lines()
     upgrade(engine, DelayLevels.parse(TEST_LEVELS))
     assert pending(engine)[5] == 0
+
+
+def test_a_removed_levels_backlog_cap_goes_with_it(settings, engine):
+    """The cap stayed: `caps list` showed it while `caps set` refused the level, and a level
+    added later under that number (another delay) was bound by it unannounced."""
+    from delaysvc.producer.caps import set_cap
+
+    set_cap(engine, "level", 5, 1, "reject")
+    set_cap(engine, "level", 3, 7, "reject")
+    changes = upgrade(engine, DelayLevels.parse("1s 2s 3s 5s"))
+    assert [c.describe() for c in changes] == [
+        "level 5 removed (was 8s); its backlog cap (at most 1 waiting, reject) removed with it"
+    ]
+    with engine.connect() as conn:
+        assert [(c.scope, c.target) for c in store.backlog_caps(conn)] == [("level", "3")]
+    upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 2h"))
+    two_hours = Producer(
+        Settings(database_url=settings.database_url, delay_levels="1s 2s 3s 5s 2h"), engine
+    )
+    for n in range(2):
+        assert two_hours.send("t", n, delay_level=5).created
+    upgrade(engine, DelayLevels.parse(TEST_LEVELS))
