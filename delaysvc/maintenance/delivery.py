@@ -18,6 +18,7 @@ dashboard) until the cause is fixed or an operator skips the head to the dead le
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -52,6 +53,8 @@ class TickResult:
     lateness_buckets: dict[int, int] = field(default_factory=dict)
     delay_ms: int | None = None  # the lane's delay, as the database has it
     lateness_sum_ms: float = 0.0  # the lateness the buckets count, added up
+    more_due: bool = False  # more rows may be due now (`store.Moved.more_due`)
+    narrowed: bool = False  # the batch failed on a row: this tick moved its first row alone
 
 
 def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = None) -> TickResult:
@@ -75,7 +78,7 @@ def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = Non
     except DBAPIError as exc:
         if batch > 1:
             log.warning("delivery.batch_failed", extra={"lane": lane, "error": str(exc.orig)})
-            return run_once(conn, lane, 1, now)
+            return dataclasses.replace(run_once(conn, lane, 1, now), narrowed=True)
         return _mark_stuck(conn, lane, exc)
     if moved.count:
         log.debug("delivery.moved", extra={"lane": lane, "count": moved.count})
@@ -89,6 +92,7 @@ def run_once(conn: Connection, lane: int, batch: int, now: datetime | None = Non
         lateness_buckets=moved.lateness_buckets,
         delay_ms=locked.delay_ms,
         lateness_sum_ms=moved.lateness_sum_ms,
+        more_due=moved.more_due,
     )
 
 
@@ -202,8 +206,16 @@ class LaneRunner:
         return self.moved_total
 
     def _loop(self, conn: Connection, deadline: float) -> None:
+        alone = 0  # rows to move one at a time: a batch failed on one of them
         while not self.stop.is_set() and time.monotonic() < deadline:
-            result = run_once(conn, self.lane, self.batch)
+            batch = 1 if alone else self.batch
+            result = run_once(conn, self.lane, batch)
+            if result.narrowed:
+                # the rows ahead of the one that fails go one by one, at once, up to it (then
+                # the lane is marked stuck on it), not one a tick
+                alone = self.batch - 1
+            elif alone:
+                alone = alone - 1 if result.moved else 0
             if result.moved:
                 self.moved_total += result.moved
                 self.lateness.add(result)
@@ -218,7 +230,7 @@ class LaneRunner:
                 self.lateness.flush(conn, self.lane)
             if time.monotonic() - self._beaten >= LANE_HEARTBEAT_SECONDS:
                 self._heartbeat(conn)
-            if result.moved == self.batch:
+            if result.moved and (result.moved == batch or result.more_due or alone):
                 continue  # more may be due right now
             if result.stuck:
                 wait = 1.0

@@ -55,6 +55,10 @@ SELECT count(*) AS moved, max(queue_offset) AS max_offset,
            AS lateness_sum_ms,
        (SELECT date_part('epoch', deliver_ts - clock_timestamp()) FROM next_head)
            AS next_due_seconds,
+       -- the window looked at was full and all due: rows beyond it may be due too (a window
+       -- holding a row another transaction has locked moves one row short of the batch)
+       (SELECT count(*) FROM head) = CAST(:batch AS int) AND NOT EXISTS (SELECT 1 FROM next_head)
+           AS more_due,
        -- a level's first row not due is due within one delay of now, unless the database
        -- clock went back or it was sent with another delay (`relocate_misplaced`). Compared
        -- with the clock after this statement's snapshot, plus a margin: a send that committed
@@ -99,6 +103,8 @@ _MOVE_DUE_TIMER = f"""
 WITH due AS (
     SELECT ctid FROM delaysvc.timer_queue WHERE deliver_ts <= {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT :batch FOR UPDATE SKIP LOCKED
+), head AS (
+    SELECT ctid FROM due  -- the window looked at (rows locked elsewhere are skipped in it)
 ), next_head AS (
     SELECT deliver_ts FROM delaysvc.timer_queue WHERE deliver_ts > {NOW}
     ORDER BY deliver_ts, queue_offset LIMIT 1
@@ -124,6 +130,8 @@ class Moved:
     """The level's first row not due is more than one delay ahead (`relocate_misplaced`)."""
     lateness_sum_ms: float = 0.0
     """The moved rows' lateness added up (what the buckets count)."""
+    more_due: bool = False
+    """The rows looked at were a full batch, all due: more beyond them may be due now."""
 
 
 def move_due(
@@ -149,6 +157,7 @@ def move_due(
         {int(b): int(n) for b, n in (row.lateness_buckets or {}).items()},
         bool(row.misplaced),
         float(row.lateness_sum_ms or 0.0),
+        bool(row.more_due),
     )
 
 

@@ -261,6 +261,46 @@ def test_a_lane_is_no_longer_stuck_once_the_head_it_was_stuck_on_has_left_it(pro
     assert _stuck_offset(engine, TIMER_LANE) is None
 
 
+def test_rows_ahead_of_one_that_cannot_be_moved_are_moved_without_waiting(producer, engine):
+    """A batch failing on its 200th row moved one row per tick, and the runner slept up to a
+    second between ticks: the rows ahead of the bad one (and the lane's stuck mark) came one a
+    second."""
+    sent = producer.send_batch([{"topic": "t", "body": n, "delay_level": 1} for n in range(300)])
+    bad = sent[200]
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"IF NEW.message_id = {bad.id} THEN RAISE EXCEPTION 'refused'; END IF; "
+                "RETURN NEW; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER refuse BEFORE INSERT ON topic_queue "
+                "FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        )
+    time.sleep(max(0.0, (sent[-1].deliver_at - db_now(engine)).total_seconds()) + 0.05)
+    runner = delivery.LaneRunner(engine, 1, 1000, idle_poll_seconds=0.05)
+    assert runner.run(budget_seconds=3.0) == 200
+    assert _stuck_offset(engine, 1) is not None
+    assert producer.get(bad.id).status == "scheduled"
+
+
+def test_a_row_held_by_an_open_cancel_does_not_slow_its_level(producer, engine):
+    """The level's head window kept the held row, each tick moved one row fewer than the batch,
+    and the runner took that for a drained level and slept: a level moved one batch a second
+    while a caller's transaction held one of its rows."""
+    sent = producer.send_batch([{"topic": "t", "body": n, "delay_level": 1} for n in range(3000)])
+    time.sleep(max(0.0, (sent[-1].deliver_at - db_now(engine)).total_seconds()) + 0.05)
+    with engine.connect() as holder, holder.begin():
+        producer.cancel(sent[10].id, connection=holder)  # not committed while the lane runs
+        runner = delivery.LaneRunner(engine, 1, 100, idle_poll_seconds=0.05)
+        assert runner.run(budget_seconds=2.0) == 2999
+    assert producer.get(sent[10].id).status == "cancelled"
+
+
 def test_lane_stats_pending_is_max_offset_minus_schedule_offset(producer, engine):
     for i in range(7):
         producer.send("t", i, delay_level=2)
