@@ -10,6 +10,7 @@ from delaysvc import store
 from delaysvc.cli.app import JSON_OPTION, Context, Seconds, Whole, cli, echo_json, pass_ctx
 from delaysvc.cli.topics import echo_topics
 from delaysvc.config.levels import format_ms
+from delaysvc.errors import SchemaNotReady
 
 DAY_S = 86_400.0
 
@@ -41,33 +42,45 @@ def migrate(ctx: Context) -> None:
 @JSON_OPTION
 @pass_ctx
 def levels(ctx: Context, no_db: bool, as_json: bool) -> None:
-    """Table of delay levels: level, delay, pending."""
+    """Table of delay levels: level, delay, pending. The database's levels (the one truth for
+    a level's delay), with a note on stderr where DELAYSVC_DELAY_LEVELS differs from them;
+    with --no-db the configured ones."""
     configured = ctx.settings.levels
+    delays = {level: configured.delay_ms(level) for level in range(1, configured.max_level + 1)}
     pending: dict[int, int] = {}
+    differs: str | None = None
     if not no_db:
         with ctx.engine.connect() as conn:
             pending = {row.lane: row.pending for row in store.lane_stats(conn)}
+            delays = dict(sorted(store.stored_levels(conn).items()))
+            try:
+                store.check_levels(conn, configured)
+            except SchemaNotReady as exc:
+                differs = str(exc)
     if as_json:
         echo_json(
             {
                 "levels": [
                     {
                         "level": level,
-                        "delay": format_ms(configured.delay_ms(level)),
-                        "delay_ms": configured.delay_ms(level),
+                        "delay": format_ms(delay_ms),
+                        "delay_ms": delay_ms,
                         "pending": pending.get(level),
                     }
-                    for level in range(1, configured.max_level + 1)
+                    for level, delay_ms in delays.items()
                 ],
                 "timer_pending": None if no_db else pending.get(0, 0),
+                "differs": differs,
             }
         )
         return
+    if differs:
+        click.echo(f"note: {differs}", err=True)
     click.echo(f"{'level':>5}  {'delay':>6}  {'pending':>9}")
-    for level in range(1, configured.max_level + 1):
+    for level, delay_ms in delays.items():
         count = pending.get(level)
         shown = "-" if count is None else str(count)
-        click.echo(f"{level:>5}  {format_ms(configured.delay_ms(level)):>6}  {shown:>9}")
+        click.echo(f"{level:>5}  {format_ms(delay_ms):>6}  {shown:>9}")
     if not no_db:
         click.echo(f"{'timer':>5}  {'any':>6}  {pending.get(0, 0):>9}")
 

@@ -169,6 +169,28 @@ def test_no_database_configured_is_an_error_naming_the_variable_never_a_new_data
     assert list(tmp_path.iterdir()) == []  # no var/, no database
 
 
+def test_levels_shows_the_databases_levels_and_names_a_configured_difference(
+    delaysvc: Run, producer: Producer
+) -> None:
+    """It showed the configured delays beside the database's counts: with a level string not
+    yet migrated, a message due in 5s was listed at 5m, and a level holding messages was left
+    out."""
+    producer.send("t", 1, delay_level=4)
+    for n in range(3):
+        producer.send("t", n, delay_level=5)
+    result = delaysvc("levels", DELAYSVC_DELAY_LEVELS="1s 2s 3s 5m")
+    assert result.returncode == 0, result.stderr
+    rows = {row[0]: row[1:] for row in (line.split() for line in result.stdout.splitlines()[1:])}
+    assert (rows["4"], rows["5"]) == (["5s", "1"], ["8s", "3"])
+    assert "level 4: 5m configured, 5s in the database" in result.stderr
+    assert "level 5: none configured, 8s in the database" in result.stderr
+    listed = json.loads(delaysvc("levels", "--json", DELAYSVC_DELAY_LEVELS="1s 2s 3s 5m").stdout)
+    assert [level["delay"] for level in listed["levels"]] == ["1s", "2s", "3s", "5s", "8s"]
+    assert "level 4: 5m configured" in listed["differs"]
+    same = json.loads(delaysvc("levels", "--json").stdout)
+    assert same["differs"] is None
+
+
 def test_version_and_json_output(delaysvc: Run, producer: Producer) -> None:
     version = delaysvc("--version")
     assert (version.returncode, version.stdout.split()[:2]) == (0, ["delaysvc,", "version"])
