@@ -182,7 +182,18 @@ def after_insert(
             ids = store.oldest_waiting_in_level(conn, int(cap.target), overflow)
         else:
             ids = store.oldest_waiting_of_topic(conn, cap.target, overflow)
-        early[f"{cap.scope}:{cap.target}"] += store.deliver_now(conn, ids)
+        moved = store.deliver_now(conn, ids)
+        if moved is None:
+            log.warning(
+                "backlog.early_delivery_failed",
+                extra={
+                    "cap": f"{cap.scope}:{cap.target}",
+                    "hint": "its oldest waiting message cannot be moved (its lane is marked "
+                    "stuck: delaysvc stats, skip-head); the send is stored over the cap",
+                },
+            )
+            continue
+        early[f"{cap.scope}:{cap.target}"] += moved
     for target, count in early.items():
         log.warning("backlog.delivered_early", extra={"cap": target, "count": count})
     return sum(early.values())

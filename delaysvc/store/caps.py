@@ -203,11 +203,24 @@ WITH pick AS (
 SELECT count(*) FROM moved"""
 
 
-def deliver_now(conn: Statements, message_ids: Sequence[int]) -> int:
+def deliver_now(conn: Statements, message_ids: Sequence[int]) -> int | None:
     """Move waiting messages into their topics' queues before their time (a backlog cap's
     overflow), counted per lane in `early_total`. -> how many moved (a message being moved
-    by its lane at the same moment is left to it)."""
-    return conn.execute(sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
+    by its lane at the same moment is left to it); None when the move failed (a message that
+    cannot be moved, which its lane marks stuck), undone in a savepoint: the send that set it
+    off is stored all the same, and the cap is over by it until the oldest moves."""
+    conn.execute(sql("SAVEPOINT delaysvc_early"))
+    try:
+        moved = conn.execute(sql(_DELIVER_NOW), {"ids": list(message_ids)}).scalar_one()
+    except Exception as failed:  # the driver's own type (psycopg, psycopg2, Django, SQLAlchemy)
+        try:
+            conn.execute(sql("ROLLBACK TO SAVEPOINT delaysvc_early"))
+            conn.execute(sql("RELEASE SAVEPOINT delaysvc_early"))
+        except Exception:
+            raise failed from None  # the connection is gone: the send's error is the move's
+        return None
+    conn.execute(sql("RELEASE SAVEPOINT delaysvc_early"))
+    return int(moved)
 
 
 # ---------------------------------------------------------------- the capped topics' index

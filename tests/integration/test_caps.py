@@ -102,6 +102,39 @@ def test_a_level_cap_with_deliver_early_delivers_the_oldest_now(
     assert _early(engine, 4) == 6
 
 
+@pytest.mark.parametrize("way", ["send", "send_batch"])
+def test_a_deliver_early_cap_whose_oldest_cannot_be_moved_still_stores_the_send(
+    settings: Settings, engine: Engine, way: str
+) -> None:
+    """Every send over the cap failed with the driver's error while the level's oldest
+    message could not be moved: the send is stored, the cap is over by it until the oldest
+    moves (its lane marks it stuck), and the rest of the early delivery is left as it was."""
+    producer = _producer(settings, engine, "level:4=2:deliver-early")
+    bad = producer.send("t.flow", "bad", delay_level=4)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+                f"IF NEW.message_id = {bad.id} THEN RAISE EXCEPTION 'refused'; END IF; "
+                "RETURN NEW; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE TRIGGER refuse BEFORE INSERT ON topic_queue "
+                "FOR EACH ROW EXECUTE FUNCTION refuse()"
+            )
+        )
+    producer.send("t.flow", "ok", delay_level=4)
+    if way == "send":
+        more = [producer.send("t.flow", "over", delay_level=4)]
+    else:
+        more = producer.send_batch([{"topic": "t.flow", "body": "over", "delay_level": 4}])
+    statuses = _statuses(engine)
+    assert statuses[bad.id] == "scheduled" and statuses[more[0].id] == "scheduled"
+    assert len(statuses) == 3 and _early(engine, 4) == 0
+
+
 def test_a_topic_cap_with_deliver_early_takes_the_soonest_due_across_lanes(
     settings: Settings, engine: Engine
 ) -> None:
