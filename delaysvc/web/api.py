@@ -203,7 +203,8 @@ def send_messages():
 @api.get("/messages")
 @requires("send")
 def find_message():
-    topic, key = request.args.get("topic"), request.args.get("key")
+    params.only(request.args, "topic", "key")
+    topic, key = params.text_arg(request.args, "topic"), params.text_arg(request.args, "key")
     if not topic or not key:
         missing = "topic" if not topic else "key"
         raise ValidationError(missing, "look up a message with ?topic=...&key=..., both given")
@@ -244,10 +245,12 @@ def topics():
 @api.get("/dead")
 @requires("admin")
 def dead_letters():
+    params.only(request.args, "topic", "after", "limit")
     after = int_arg("after", None, 0, None)
     limit = int_arg("limit", 100, 1, MAX_DEAD_PAGE)
     letters = DeadLetters(services()["engine"])
-    rows = letters.list(request.args.get("topic"), after, limit, topics=token().topics)
+    topic = params.text_arg(request.args, "topic")
+    rows = letters.list(topic, after, limit, topics=token().topics)
     return jsonify({"dead": [dead_letter_json(r) for r in rows]})
 
 

@@ -132,7 +132,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
         401: "no or unknown token",
         403: "the token lacks the scope, or is limited to topics and this is not one of them",
         404: "not found, or of a topic outside the token's topics",
-        409: "not cancellable, or a schedule declared in code",
+        409: "not cancellable, a schedule declared in code, a lane no longer stuck, or a "
+        "redriven dead letter whose key a newer unfinished message holds",
         413: "too large",
         415: "not JSON",
         429: "backlog cap reached",
@@ -163,7 +164,7 @@ def _cap_path(what: str, parameter: dict[str, Any]) -> dict[str, Any]:
             "requestBody": _body(CapChangeJson),
             "responses": {
                 "200": _json(_ref(CapJson), "the cap (max_waiting null: lifted)"),
-                **_errors(400, 401, 403, 404, 415),
+                **_errors(400, 401, 403, 404, 413, 415),
             },
         },
     }
@@ -301,7 +302,7 @@ def document() -> dict[str, Any]:
                     "summary": "Run a dead letter again (admin)",
                     "responses": {
                         "200": _json(_ref(MessageJson), "ready again"),
-                        **_errors(401, 403, 404),
+                        **_errors(401, 403, 404, 409),
                     },
                 },
             },
@@ -323,7 +324,7 @@ def document() -> dict[str, Any]:
                     "requestBody": _body(LimitsChangeJson),
                     "responses": {
                         "200": _json(_ref(LimitsJson), "the topic's limits"),
-                        **_errors(400, 401, 403, 415),
+                        **_errors(400, 401, 403, 413, 415),
                     },
                 },
             },

@@ -43,6 +43,19 @@ def _one(args: MultiDict[str, str], name: str, blank: bool) -> str | None:
     return None if raw is None or (blank and not raw) else raw
 
 
+def text_arg(args: MultiDict[str, str], name: str) -> str | None:
+    """A text parameter's one value, None if absent; given twice: a ValidationError."""
+    return _one(args, name, blank=False)
+
+
+def only(args: MultiDict[str, str], *names: str) -> None:
+    """Refuse a parameter the route does not take: a misspelt filter (`?topc=`) would
+    otherwise be ignored, and the answer widened to what it meant to leave out."""
+    for name in args:
+        if name not in names:
+            raise ValidationError(name, f"unknown query parameter; allowed: {', '.join(names)}")
+
+
 def int_arg(
     args: MultiDict[str, str],
     name: str,

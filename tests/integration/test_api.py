@@ -1011,3 +1011,18 @@ def test_an_error_quotes_a_long_value_cut_short(
     )
     assert message.startswith("rate: 'xxxx") and "(100,002 characters)" in message
     assert len(message) < 200
+
+
+def test_a_misspelt_or_repeated_filter_is_400_not_ignored(
+    client: FlaskClient, send_token: dict[str, str], admin_token: dict[str, str]
+) -> None:
+    """`/dead?topc=x` listed every topic's dead letters; a repeated topic took the first."""
+    for path, token, named in (
+        ("/api/v1/dead?topc=orders", admin_token, "topc"),
+        ("/api/v1/dead?topic=a&topic=b", admin_token, "topic"),
+        ("/api/v1/messages?topic=t&key=k&status=dead", send_token, "status"),
+        ("/api/v1/messages?topic=t&key=k&key=j", send_token, "key"),
+    ):
+        message = _error(client.get(path, headers=token), 400, "invalid")
+        assert message.startswith(f"{named}: "), (path, message)
+    assert client.get("/api/v1/dead?topic=a&limit=5", headers=admin_token).status_code == 200
