@@ -122,7 +122,9 @@ def _unstick_if_head_left(conn: Connection, lane: int, stuck_offset: int) -> Non
 
 
 def _mark_stuck(conn: Connection, lane: int, exc: DBAPIError) -> TickResult:
-    error = f"{type(exc.orig).__name__}: {exc.orig}".strip()
+    # on one line (a PL/pgSQL error's CONTEXT comes on lines of its own): stats shows it in a
+    # table row
+    error = " ".join(f"{type(exc.orig).__name__}: {exc.orig}".split())
     with conn.begin():
         head = store.lane_head(conn, lane)
         store.mark_stuck(conn, lane, head.queue_offset if head else None, error)

@@ -285,6 +285,10 @@ def test_rows_ahead_of_one_that_cannot_be_moved_are_moved_without_waiting(produc
     runner = delivery.LaneRunner(engine, 1, 1000, idle_poll_seconds=0.05)
     assert runner.run(budget_seconds=3.0) == 200
     assert _stuck_offset(engine, 1) is not None
+    with engine.connect() as conn:
+        error = next(s for s in store.lane_stats(conn) if s.lane == 1).stuck_error
+    # one line (PL/pgSQL's CONTEXT line broke `delaysvc stats`' table)
+    assert error.startswith("RaiseException: refused") and "\n" not in error, error
     assert producer.get(bad.id).status == "scheduled"
 
 
