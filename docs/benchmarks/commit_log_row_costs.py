@@ -25,11 +25,10 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psycopg
-from scratch import batch_lots, scratch_database, server_and_rounds
+from scratch import batch_lots, copy_data, scratch_database, server_and_rounds
 from timing import alternate, print_spread
 
 from delaysvc.db.engines import libpq_url
@@ -56,8 +55,8 @@ def main() -> None:
         Producer(settings, engine).send_batch(batch_lots(1, ROWS)[0])
         assert settings.database_url is not None
         conn = psycopg.connect(libpq_url(settings.database_url), autocommit=True)
-        message_rows = _read(conn, "delaysvc.commit_log", MESSAGE_COLUMNS, "id")
-        level_rows = _read(conn, "delaysvc.consume_queue", LEVEL_COLUMNS, "queue_offset")
+        message_rows = copy_data(conn, "delaysvc.commit_log", MESSAGE_COLUMNS, "id")
+        level_rows = copy_data(conn, "delaysvc.consume_queue", LEVEL_COLUMNS, "queue_offset")
         for statement in COPIES:
             conn.execute(statement)
         partition = f"delaysvc.{level_partition(LEVEL)}"
@@ -81,18 +80,6 @@ def main() -> None:
         results = alternate({way: partial(copy_ms, *args) for way, args in ways.items()}, rounds)
         conn.close()
     print_spread(results, f"ms a COPY of {ROWS:,} rows")
-
-
-def _read(conn: psycopg.Connection[Any], table: str, columns: str, order: str) -> bytes:
-    """`table`'s rows as binary COPY data, in `order`."""
-    data = bytearray()
-    with conn.cursor() as cursor:
-        query = f"COPY (SELECT {columns} FROM {table} ORDER BY {order}) TO STDOUT (FORMAT BINARY)"
-        with cursor.copy(query) as copy:
-            for block in copy:
-                data += block
-    assert data, f"no rows in {table}"
-    return bytes(data)
 
 
 if __name__ == "__main__":
