@@ -5,7 +5,9 @@ Every check is one set-based statement of `delaysvc.store.check`; all of them ru
 ONLY transaction at REPEATABLE READ, so they see one snapshot (a message moving between tables
 meanwhile is seen in one place), under a statement and a lock timeout. They take ACCESS SHARE
 locks only, which no writer's lock conflicts with (DDL alone does: a partition drop or a level
-change waits for the check, at most its own lock timeout, as it would for any reader).
+change waits for the check, at most its own lock timeout, as it would for any reader), on every
+table they read before the snapshot is taken, so DDL committed meanwhile is wholly in it or not
+at all.
 
 What is checked (DESIGN.md's invariants, and the columns they rest on):
 

@@ -37,16 +37,35 @@ def _violations(conn: Connection, body: str, **params: Any) -> list[Any]:
     return list(conn.execute(sql(statement), params))
 
 
+READ = (
+    # a level change's order (`store.levels.ensure_levels` locks these two first), so the two
+    # never wait for each other both ways
+    "schedule_offset",
+    "consume_queue",
+    "timer_queue",
+    "topic_queue",
+    "commit_log",
+    "lane_count",
+    "dead_letter",
+    "message_history",
+    "periodic_schedule",
+)
+"""The tables the checks read, each with its partitions."""
+
+
 def begin_snapshot(conn: Connection, timeout_ms: int, lock_timeout_ms: int) -> None:
-    """The first statements of a check's transaction: one snapshot, read only, bounded."""
+    """The first statements of a check's transaction: read only, bounded, and every table it
+    reads locked (ACCESS SHARE) before its one snapshot is taken, at the first query after.
+    A table dropped by DDL committed after the snapshot (a level removed, a history day
+    dropped) would vanish from it all the same, and the check report the rows it held as
+    lost; locked first, the DDL has either committed before the snapshot or waits for the
+    check. (SET and LOCK are not queries: the snapshot is not taken yet.)"""
     conn.execute(sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-    conn.execute(
-        sql(
-            "SELECT set_config('statement_timeout', :timeout, true), "
-            "set_config('lock_timeout', :lock_timeout, true)"
-        ),
-        {"timeout": f"{int(timeout_ms)}ms", "lock_timeout": f"{int(lock_timeout_ms)}ms"},
-    )
+    # 1 ms at least: 0 is no timeout at all
+    conn.execute(sql(f"SET LOCAL statement_timeout = {max(1, int(timeout_ms))}"))
+    conn.execute(sql(f"SET LOCAL lock_timeout = {max(1, int(lock_timeout_ms))}"))
+    tables = ", ".join(f"delaysvc.{name}" for name in READ)
+    conn.execute(sql(f"LOCK TABLE {tables} IN ACCESS SHARE MODE"))
 
 
 def summary(conn: Connection) -> Any:

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -553,6 +554,48 @@ def test_the_check_takes_only_access_share_locks_and_blocks_no_writer(
         thread.join(timeout=60)
         assert not thread.is_alive() and errors == []
     assert run_check(engine).ok
+
+
+def test_a_level_removed_while_a_check_runs_waits_for_it_and_the_check_sees_one_state(
+    world: World, producer: Producer, engine: Engine
+) -> None:
+    """The check took its snapshot before it locked a table: a level removal that committed
+    after the snapshot but before the check read the levels showed its moved messages "in no
+    queue", its count off and its sequence missing (false violations on a consistent
+    database); and one that began after the check's first statement deadlocked with it (the
+    check locked consume_queue first, schedule_offset later; the change the other way)."""
+    from delaysvc.config.levels import DelayLevels
+    from delaysvc.schema.migrate import upgrade
+
+    for n in range(3):
+        producer.send("t", n, delay_level=5)
+    changes: list[object] = []
+    errors: list[BaseException] = []
+
+    def remove_level_5() -> None:
+        try:
+            changes.extend(upgrade(engine, DelayLevels.parse("1s 2s 3s 5s")))
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    with engine.connect() as checking, snapshot(checking):
+        migrate = threading.Thread(target=remove_level_5)
+        migrate.start()
+        with engine.connect() as watching:  # until the change waits for the check's locks
+            for _ in range(500):
+                waiting = watching.execute(
+                    text("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                ).scalar_one()
+                if waiting or not migrate.is_alive():
+                    break
+                time.sleep(0.01)
+        result = check_snapshot(checking, CheckOptions())
+        assert result.ok, result.lines()
+    migrate.join(timeout=60)
+    assert errors == [] and len(changes) == 1
+    after = run_check(engine)
+    assert after.ok, after.lines()
+    upgrade(engine, DelayLevels.parse(TEST_LEVELS))
 
 
 def test_a_connection_in_a_transaction_is_refused(engine: Engine) -> None:
