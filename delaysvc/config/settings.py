@@ -42,6 +42,9 @@ LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 DAY_MS = 86_400_000
 MAX_SETTING_DAYS = 3650
+MAX_TASK_LEASE_SECONDS = 7 * 86_400
+"""The longest lease a worker may take (DELAYSVC_TASK_LEASE_SECONDS; DELAYSVC_LEASE_SECONDS is
+at most a day): `delaysvc check` flags a lease ending further ahead."""
 """The longest delay and history retention a deployment may set (ten years): a due time or a
 cut-off must stay a date both Python and PostgreSQL can hold."""
 MAX_STATEMENT_TIMEOUT_MS = 2_147_483_647  # PostgreSQL's statement_timeout is an int of ms
@@ -106,7 +109,7 @@ class Settings(BaseModel):
     lease_seconds: int = Field(default=30, gt=0, le=86_400)
     """A running job's lease: its process renews it every third of this while it lives, so a
     job is taken again this long (at most) after its process died, and never while it runs."""
-    task_lease_seconds: int = Field(default=300, gt=0, le=7 * 86_400)
+    task_lease_seconds: int = Field(default=300, gt=0, le=MAX_TASK_LEASE_SECONDS)
     """The fixed lease of a job handed to a Celery task (`topic_tasks`): the task runs where
     delaysvc cannot renew it, so its job is taken again after this long without an outcome."""
     worker_max_memory_mb: int = Field(default=512, ge=0)

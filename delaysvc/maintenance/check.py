@@ -22,7 +22,10 @@ What is checked (DESIGN.md's invariants, and the columns they rest on):
   never the last offset its sequence gave out;
 - each lane's exact count (`lane_count`) equals its queue's rows;
 - a key is held by at most one unfinished message of its topic;
-- no lease expired longer ago than a tolerance and not rescued;
+- no lease expired longer ago than a tolerance and not rescued, and none ends further ahead
+  than the longest lease a worker takes;
+- every level's queue rows have their lane (a schedule_offset row: else nothing delivers them);
+- no cancelled message started after its cancel;
 - no running periodic schedule's next tick further in the past than a tolerance.
 """
 
@@ -36,10 +39,13 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from delaysvc.config.settings import MAX_TASK_LEASE_SECONDS
 from delaysvc.store import check as store_check
 
 DEFAULT_LIMIT = 100
 DEFAULT_LEASE_TOLERANCE_S = 60.0
+LONGEST_LEASE_S = MAX_TASK_LEASE_SECONDS
+"""The longest lease any worker takes (DELAYSVC_TASK_LEASE_SECONDS at its most)."""
 DEFAULT_SCHEDULE_TOLERANCE_S = 60.0  # periodic_schedules.GRACE: later than that, a tick is missed
 DEFAULT_TIMEOUT_S = 300.0
 LOCK_TIMEOUT_S = 5.0
@@ -205,6 +211,14 @@ CHECKS: list[tuple[str, Check]] = [
         "leases_expired_long_ago",
         lambda c, o: store_check.leases_expired_long_ago(c, o.lease_tolerance_s, o.limit),
     ),
+    ("messages_no_lane_serves", lambda c, o: store_check.messages_no_lane_serves(c, o.limit)),
+    (
+        "leases_beyond_the_longest",
+        lambda c, o: store_check.leases_beyond_the_longest(
+            c, LONGEST_LEASE_S, o.lease_tolerance_s, o.limit
+        ),
+    ),
+    ("runs_after_their_cancel", lambda c, o: store_check.runs_after_their_cancel(c, o.limit)),
     (
         "schedules_overdue",
         lambda c, o: store_check.schedules_overdue(c, o.schedule_tolerance_s, o.limit),

@@ -272,6 +272,57 @@ def leases_expired_long_ago(conn: Connection, tolerance_s: float, limit: int) ->
     return _violations(conn, _EXPIRED_LEASES, tolerance_s=tolerance_s, limit=limit)
 
 
+# -- a level's waiting messages are in a place some lane serves (a level with no
+# schedule_offset row has no runner: its messages would never be delivered)
+_NO_LANE = """
+SELECT q.message_id, 'message ' || q.message_id AS subject,
+    'in level ' || q.level || '''s queue, which no lane serves (it has no schedule_offset '
+    || 'row): never delivered; delaysvc migrate makes the lane again' AS problem
+FROM delaysvc.consume_queue q
+WHERE NOT EXISTS (SELECT FROM delaysvc.schedule_offset s WHERE s.lane = q.level)"""
+
+
+def messages_no_lane_serves(conn: Connection, limit: int) -> list[Any]:
+    """Every row of a level's queue has its level's lane (its schedule_offset row)."""
+    return _violations(conn, _NO_LANE, limit=limit)
+
+
+# -- a running job is under a lease a worker renews: never one longer than any worker takes
+_LONG_LEASES = """
+SELECT id AS message_id, 'message ' || id AS subject,
+    'status running (claim ' || COALESCE(claim_id::text, 'none') || '), lease until '
+    || lease_until || ', more than the longest lease a worker takes (' || :longest_s
+    || ' s) ahead: never rescued if its worker is gone' AS problem
+FROM delaysvc.commit_log
+WHERE status = 'running'
+    AND lease_until > now() + (:longest_s + :tolerance_s) * interval '1 second'"""
+
+
+def leases_beyond_the_longest(
+    conn: Connection, longest_s: int, tolerance_s: float, limit: int
+) -> list[Any]:
+    """No running job's lease ends further ahead than the longest lease a worker takes
+    (`longest_s`, plus `tolerance_s`)."""
+    return _violations(
+        conn, _LONG_LEASES, longest_s=longest_s, tolerance_s=tolerance_s, limit=limit
+    )
+
+
+# -- nothing runs after its cancel was acknowledged (a cancel takes only a waiting message: a
+# cancelled one started before it only, in an attempt before a retry)
+_AFTER_CANCEL = """
+SELECT id AS message_id, 'message ' || id AS subject,
+    'cancelled at ' || finished_at || ' but started at ' || started_at || ', after its cancel'
+    AS problem
+FROM delaysvc.message
+WHERE status = 'cancelled' AND started_at > finished_at"""
+
+
+def runs_after_their_cancel(conn: Connection, limit: int) -> list[Any]:
+    """No cancelled message (in commit_log or the history) started after its cancel."""
+    return _violations(conn, _AFTER_CANCEL, limit=limit)
+
+
 _LANE_COUNTS = """
 WITH counted AS (
     SELECT lane, sum(delta) AS n FROM delaysvc.lane_count GROUP BY lane

@@ -484,6 +484,42 @@ def test_a_lease_expired_within_the_tolerance_is_no_violation(world: World, engi
     assert not run_check(engine, lease_tolerance_s=10).ok
 
 
+def test_messages_in_a_level_no_lane_serves(world: World, engine: Engine) -> None:
+    """A level's schedule_offset row gone: no runner serves it and its messages are never
+    delivered, and the check said ok."""
+    execute(engine, "DELETE FROM schedule_offset WHERE lane = 5")
+    problem = only(engine, "messages_no_lane_serves", f"message {world.at_level}")
+    assert problem.startswith("in level 5's queue, which no lane serves"), problem
+
+
+def test_a_lease_further_ahead_than_any_worker_takes(world: World, engine: Engine) -> None:
+    """A lease 100 years ahead is never rescued if its worker is gone: not flagged before."""
+    execute(
+        engine,
+        "UPDATE commit_log SET lease_until = now() + interval '100 years' WHERE id = :id",
+        id=world.running,
+    )
+    problem = only(engine, "leases_beyond_the_longest", f"message {world.running}")
+    assert "more than the longest lease a worker takes (604800 s) ahead" in problem, problem
+    execute(
+        engine,
+        "UPDATE commit_log SET lease_until = now() + interval '6 days' WHERE id = :id",
+        id=world.running,
+    )
+    assert run_check(engine).ok
+
+
+def test_a_cancelled_message_started_after_its_cancel(world: World, engine: Engine) -> None:
+    """DESIGN's "nothing runs after its cancel was acknowledged" was not checked."""
+    execute(
+        engine,
+        "UPDATE commit_log SET started_at = finished_at + interval '1 second' WHERE id = :id",
+        id=world.cancelled,
+    )
+    problem = only(engine, "runs_after_their_cancel", f"message {world.cancelled}")
+    assert problem.startswith("cancelled at ") and ", after its cancel" in problem, problem
+
+
 def test_a_schedule_whose_next_tick_is_long_past(world: World, engine: Engine) -> None:
     execute(engine, "UPDATE periodic_schedule SET next_tick = now() - interval '1 hour'")
     problem = only(engine, "schedules_overdue", "schedule 'hourly'")
