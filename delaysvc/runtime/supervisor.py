@@ -26,8 +26,10 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
 import click
@@ -124,6 +126,10 @@ def web_command(
     logs = ["--access-logfile", "-"] if access_log else []
     if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
         logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
+    # its workers die with their master (uvicorn's never look for it), and finish a request
+    # within the grace `up` gives the master before it kills it
+    hooks = ["-c", "python:delaysvc.runtime.gunicorn_hooks"]
+    hooks += ["--graceful-timeout", str(STOP_GRACE_SECONDS - 5)]
     if server == "asgi":
         app = ["-k", "uvicorn_worker.UvicornWorker", "delaysvc.web.asgi:create_asgi_app()"]
     else:
@@ -144,6 +150,7 @@ def web_command(
             *logs,
             "--log-level",
             "warning",
+            *hooks,
             *app,
         ],
     )
@@ -183,18 +190,22 @@ QUICK_EXITS_BEFORE_GIVING_UP = 5
 (a setting, the database, a port): the supervisor stops everything and says so."""
 
 
-def die_with_parent() -> Callable[[], None] | None:
+def die_with_parent(parent: int | None = None) -> Callable[[], None] | None:
     """On Linux, a function for `preexec_fn` that has the kernel send the child SIGTERM when
     its supervisor dies, however it dies (SIGKILL, the OOM killer, a closed terminal), so no
     child outlives it and keeps a port or a lane for a deployment nobody supervises. The
     signal follows the thread that started the child: `Supervisor` starts every child from
-    the thread that runs its loop. Elsewhere: None (the children outlive a killed supervisor)."""
+    the thread that runs its loop. `parent`: the supervisor's pid (default: this process's;
+    gunicorn's workers call it after their fork with their master's:
+    `delaysvc.runtime.gunicorn_hooks`). Elsewhere: None (the children outlive a killed
+    supervisor)."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
 
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now: nothing to load after fork
-    parent = os.getpid()
+    if parent is None:
+        parent = os.getpid()
 
     def set_parent_death_signal() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -324,10 +335,21 @@ class Supervisor:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.say(
+                    f"{self._name_of(process)} did not stop within {STOP_GRACE_SECONDS} s: "
+                    "killed (a job it was running runs again once its lease ends)",
+                    err=True,
+                )
                 process.kill()
                 process.wait()
         for relay in self.relays:
             relay.join(timeout=2)  # the children's last lines
+
+    def _name_of(self, process: subprocess.Popen[bytes]) -> str:
+        for child in self.children:
+            if child.process is process:
+                return child.command.name
+        return f"a replaced process (pid {process.pid})"
 
 
 def run_processes(
@@ -497,9 +519,15 @@ def deployment_lock(var_dir: Path, say: Callable[[str], None]) -> int:
     killed with SIGKILL keeps it held until its children, told by the kernel, have stopped.
     -> the descriptor. A second `up` on the same var/ is refused while the first runs, and
     waits (at most DEPLOYMENT_WAIT_SECONDS) while a killed one's children finish."""
-    var_dir.mkdir(parents=True, exist_ok=True)
     path = var_dir.resolve() / "up.pid"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        var_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot write {path} ({exc.strerror}): make {var_dir.resolve()} a folder this "
+            "user can write, or set DELAYSVC_VAR_DIR to one"
+        ) from None
     deadline = time.monotonic() + DEPLOYMENT_WAIT_SECONDS
     waiting = False
     while True:
@@ -539,13 +567,18 @@ def _pid_in(path: Path) -> int | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs: a zombie (killed, not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (not Linux): os.kill's answer
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"  # the state, after the command's name
 
 
 def _first_admin(engine: Engine) -> str | None:
@@ -592,9 +625,55 @@ def require_free_port(host: str, port: int) -> None:
             ) from None
 
 
+class _StopWhileStarting:
+    """`up`'s SIGTERM and SIGINT until `run_processes` takes them. SIGTERM's default ends the
+    process without its exit handlers, which stop an embedded server it started: a SIGTERM
+    here exits through them. While the embedded server starts (`holding`), either signal
+    waits until it has: the wheel counts this process as the server's user only once the
+    server runs, and a process stopped before that left it running, counted by nobody; and
+    initdb, stopped halfway by Python's KeyboardInterrupt (SIGKILL to the child), left a
+    folder no later start could use."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.held = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.holding:
+            self.held = signum
+            return
+        self.stop(signum)
+
+    @staticmethod
+    def stop(signum: int) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(0)  # exit handlers run: an embedded server started so far stops
+
+    @contextmanager
+    def held_back(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.held:
+            self.stop(self.held)
+
+
+def keeper_command(var_dir: Path) -> Command:
+    """The embedded PostgreSQL's keeper (`delaysvc.runtime.embedded_keeper`)."""
+    module = "delaysvc.runtime.embedded_keeper"
+    return Command("database", [sys.executable, "-m", module, str(var_dir.resolve())])
+
+
 def run_all(settings: Settings, host: str, port: int) -> int:
     from delaysvc.db.engines import database_url, make_engine
     from delaysvc.schema.migrate import upgrade
+
+    stopping = _StopWhileStarting()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stopping)
 
     commands = [
         web_command(host, port, access_log=False, log_format=settings.log_format),
@@ -604,7 +683,8 @@ def run_all(settings: Settings, host: str, port: int) -> int:
     console = Console(command.name for command in commands)
     lock = deployment_lock(settings.var_dir, lambda line: console.echo(SUPERVISOR, line))
     require_free_port(host, port)  # after the lock: a second `up` here is named as such
-    url = database_url(settings, embedded=True)
+    with stopping.held_back():
+        url = database_url(settings, embedded=True)
     engine = make_engine(settings, url)
     for change in upgrade(engine, settings.levels):
         console.echo(SUPERVISOR, change.describe())
@@ -629,6 +709,8 @@ def run_all(settings: Settings, host: str, port: int) -> int:
             SUPERVISOR, f"broker: filesystem under {settings.var_dir.resolve() / 'broker'}"
         )
     console.echo(SUPERVISOR, f"starting {', '.join(command.name for command in commands)}")
+    if settings.embedded_database:  # kept running while up runs, stopped when it dies
+        commands.append(keeper_command(settings.var_dir))
     if first_login:
         console.echo(SUPERVISOR, first_login)
     announce = announce_when_ready(

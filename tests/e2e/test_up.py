@@ -381,10 +381,80 @@ def _command_line(pid: int) -> str | None:
         return None
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is no zombie (gone, but not yet reaped by its parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _postmaster(folder: Path) -> int | None:
+    """The pid of the embedded PostgreSQL serving `folder`'s var/pg, while it runs."""
+    try:
+        pid = int((folder / "var" / "pg" / "postmaster.pid").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pid if _running(pid) else None
+
+
 def _not_postgres(pids: list[int]) -> list[int]:
     """Leaves out the embedded PostgreSQL, which outlives a killed `up` by design (the next
     `up` attaches to it; the last process attached stops it), and the processes gone."""
     return [pid for pid in pids if "postgres" not in (_command_line(pid) or "postgres")]
+
+
+@SECOND_PASS_ONLY
+def test_up_leaves_no_embedded_postgres_however_it_stops_and_starts_again_one_that_died(
+    tmp_path: Path,
+) -> None:
+    """The embedded PostgreSQL is one of up's parts: killed while up runs, it is started again
+    (it stayed down, the workers writing tracebacks, until another command happened to start
+    it); and it stops with up when up is killed with SIGKILL or stopped by SIGTERM while it
+    starts (it ran on, counted as used by the dead up)."""
+    env = _clean_env(DELAYSVC_HANDLERS="tests.e2e.handlers")
+    up = start_up(tmp_path, env, free_port())
+    output = Output(up)
+    try:
+        output.wait_for("delaysvc ready:")
+        postmaster = _postmaster(tmp_path)
+        assert postmaster is not None
+        os.kill(postmaster, signal.SIGKILL)
+        output.wait_for("had stopped: started it again", 60)
+        assert _postmaster(tmp_path) not in (None, postmaster)
+
+        os.kill(up.pid, signal.SIGKILL)  # nothing else uses the server
+        up.wait(timeout=10)
+        wait_for(
+            lambda: _postmaster(tmp_path) is None and not _processes_in(tmp_path),
+            60,
+            "the server and every child of the killed up to stop",
+            explain=lambda: (
+                f"postmaster {_postmaster(tmp_path)}, children {_processes_in(tmp_path)}, "
+                f"users {(tmp_path / 'var' / 'pg' / '.handle_pids.json').read_text()}"
+            ),
+        )
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+    # SIGTERM while up starts, after it started the server, before it runs its parts
+    up = start_up(tmp_path, env, free_port())
+    try:
+        wait_for(lambda: _postmaster(tmp_path), 120, "up to start the embedded server")
+        up.send_signal(signal.SIGTERM)
+        up.wait(timeout=90)
+        wait_for(
+            lambda: _postmaster(tmp_path) is None and not _processes_in(tmp_path),
+            60,
+            "the server up started to stop",
+        )
+    finally:
+        if up.poll() is None:
+            up.kill()
+        for pid in _processes_in(tmp_path):
+            os.kill(pid, signal.SIGKILL)
 
 
 @FIRST_PASS_ONLY
@@ -422,6 +492,22 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         os.kill(consume, signal.SIGKILL)
         output.wait_for("consume exited with -9; restarting it in 1 s", 30)
         output.wait_for("restarting consume", 30)
+
+        # the web server's master killed: its workers go with it (uvicorn's kept the port, and
+        # every restart of the web failed until up gave up), and the restarted web answers
+        (web,) = [pid for pid, cmd in _children_of(up.pid).items() if "gunicorn" in cmd]
+        web_workers = list(_children_of(web))
+        assert web_workers, "gunicorn's workers"
+        os.kill(web, signal.SIGKILL)
+        output.wait_for("web exited with -9; restarting it in 1 s", 30)
+        wait_for(
+            lambda: not any(_running(pid) for pid in web_workers),
+            15,
+            "the killed master's workers to exit",
+            explain=lambda: str({pid: _command_line(pid) for pid in web_workers}),
+        )
+        output.wait_for("restarting web", 30)
+        assert wait_until_answering(f"http://127.0.0.1:{port}/healthz", 60)
         # the restarted consumer runs it, once booted (a second after its death, then
         # Celery's start: a few seconds here)
         late_ms = _level_1_handler_started_late_ms(url)
@@ -434,11 +520,11 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         web_workers = set(_children_of(web))
         os.kill(up.pid, signal.SIGHUP)
         output.wait_for("reloading web (it starts new workers itself)", 30)
-        for name in ("delivery", "consume", "beat"):
+        for name in ("delivery", "consume", "beat", "database"):
             output.wait_for(f"reloading {name}: a new one starts, the old one finishes", 30)
         wait_for(
             lambda: (
-                len(_children_of(up.pid)) == 4
+                len(_children_of(up.pid)) == 5
                 and not set(before) - {web} & set(_children_of(up.pid))
             ),
             60,
@@ -451,7 +537,8 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
 
         assert_check_clean(url)
         children = list(_children_of(up.pid))
-        assert len(children) == 4, _children_of(up.pid)  # web, delivery, consume, beat
+        # web, delivery, consume, beat, and the embedded database's keeper
+        assert len(children) == 5, _children_of(up.pid)
         os.kill(up.pid, signal.SIGKILL)
         up.wait(timeout=10)
         # each child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops as it would on

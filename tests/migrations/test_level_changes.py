@@ -313,7 +313,7 @@ def test_a_level_removed_while_the_lane_counts_are_folded_keeps_no_count(produce
     with engine.connect() as conn:
         counts = dict(
             conn.execute(
-                text("SELECT lane, sum(delta) FROM delaysvc.lane_count GROUP BY lane")
+                text("SELECT lane, sum(delta) FROM lane_count GROUP BY lane")
             ).all()
         )
     assert counts.get(5, 0) == 0

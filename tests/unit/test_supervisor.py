@@ -160,3 +160,52 @@ def test_a_flood_of_sighups_neither_stops_nor_hangs_the_supervisor(tmp_path: Pat
         supervisor.kill()
         if pidfile.exists() and pidfile.read_text() and process_alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+
+def test_a_killed_up_not_yet_reaped_is_not_running() -> None:
+    """A second `up` right after a kill -9 was refused as "already running" while the killed
+    one was a zombie its parent had not reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: not up._alive(child.pid), 10, "the exited child to count as gone")
+    assert Path(f"/proc/{child.pid}").exists()  # a zombie: not reaped yet
+    child.wait()
+    assert up._alive(os.getpid())
+
+
+def test_a_var_dir_that_cannot_be_written_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "var").write_text("a file, not a folder")
+    with pytest.raises(up.click.ClickException) as refused:
+        up.deployment_lock(tmp_path / "var", print)
+    assert refused.value.message.startswith(f"cannot write {tmp_path / 'var' / 'up.pid'} (")
+    assert "set DELAYSVC_VAR_DIR to one" in refused.value.message
+
+
+def test_an_embedded_database_folder_never_finished_is_named_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """A first `up` stopped while initdb made var/pg left it half made; every later start
+    failed with initdb's traceback ("exists but is not empty")."""
+    from delaysvc.db.engines import start_embedded
+    from delaysvc.errors import ConfigError
+
+    pgdata = tmp_path / "var" / "pg"
+    (pgdata / "base").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="holds a database that was never finished"):
+        start_embedded(tmp_path / "var")
+
+
+def test_a_child_killed_after_the_grace_is_said(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A consumer still running a job when the grace ended was killed without a word."""
+    monkeypatch.setattr(up, "STOP_GRACE_SECONDS", 1)
+    stubborn = Command(
+        "stubborn",
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+         "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+    )  # fmt: skip
+    supervisor = up.Supervisor([stubborn], None, None)
+    supervisor.start(supervisor.children[0])
+    time.sleep(0.5)
+    supervisor.stop_all()
+    assert "stubborn did not stop within 1 s: killed" in capsys.readouterr().err
