@@ -312,9 +312,7 @@ def test_a_level_removed_while_the_lane_counts_are_folded_keeps_no_count(produce
     assert [(c.level, c.new_ms, c.relocated) for c in removed] == [(5, None, 3)]
     with engine.connect() as conn:
         counts = dict(
-            conn.execute(
-                text("SELECT lane, sum(delta) FROM lane_count GROUP BY lane")
-            ).all()
+            conn.execute(text("SELECT lane, sum(delta) FROM lane_count GROUP BY lane")).all()
         )
     assert counts.get(5, 0) == 0
     assert pending(engine)[TIMER_LANE] == 3
