@@ -17,6 +17,7 @@ from delaysvc.producer.sending import Producer
 from delaysvc.web import create_app
 from tests.conftest import TEST_LEVELS
 from tests.support.commands import run_delaysvc
+from tests.support.unmovable import make_unmovable
 
 
 def _producer(settings: Settings, engine: Engine, configured: str) -> Producer:
@@ -111,20 +112,7 @@ def test_a_deliver_early_cap_whose_oldest_cannot_be_moved_still_stores_the_send(
     moves (its lane marks it stuck), and the rest of the early delivery is left as it was."""
     producer = _producer(settings, engine, "level:4=2:deliver-early")
     bad = producer.send("t.flow", "bad", delay_level=4)
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                f"IF NEW.message_id = {bad.id} THEN RAISE EXCEPTION 'refused'; END IF; "
-                "RETURN NEW; END $$"
-            )
-        )
-        conn.execute(
-            text(
-                "CREATE TRIGGER refuse BEFORE INSERT ON topic_queue "
-                "FOR EACH ROW EXECUTE FUNCTION refuse()"
-            )
-        )
+    make_unmovable(engine, bad.id)
     producer.send("t.flow", "ok", delay_level=4)
     if way == "send":
         more = [producer.send("t.flow", "over", delay_level=4)]

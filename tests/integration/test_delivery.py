@@ -11,6 +11,7 @@ from delaysvc import store
 from delaysvc.errors import NotStuck
 from delaysvc.maintenance import delivery
 from delaysvc.schema.tables import TIMER_LANE
+from tests.support.unmovable import make_unmovable
 
 
 def topic_queue(engine):
@@ -267,20 +268,7 @@ def test_rows_ahead_of_one_that_cannot_be_moved_are_moved_without_waiting(produc
     second."""
     sent = producer.send_batch([{"topic": "t", "body": n, "delay_level": 1} for n in range(300)])
     bad = sent[200]
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-                f"IF NEW.message_id = {bad.id} THEN RAISE EXCEPTION 'refused'; END IF; "
-                "RETURN NEW; END $$"
-            )
-        )
-        conn.execute(
-            text(
-                "CREATE TRIGGER refuse BEFORE INSERT ON topic_queue "
-                "FOR EACH ROW EXECUTE FUNCTION refuse()"
-            )
-        )
+    make_unmovable(engine, bad.id)
     time.sleep(max(0.0, (sent[-1].deliver_at - db_now(engine)).total_seconds()) + 0.05)
     runner = delivery.LaneRunner(engine, 1, 1000, idle_poll_seconds=0.05)
     assert runner.run(budget_seconds=3.0) == 200
