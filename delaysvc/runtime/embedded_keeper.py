@@ -20,8 +20,6 @@ from types import FrameType
 from delaysvc.db.engines import embedded_server, restart_if_stopped
 
 POLL_SECONDS = 1.0
-
-
 UP = os.getppid()  # the `delaysvc up` this keeper serves
 UP_GONE_SECONDS = 5.0
 
