@@ -10,7 +10,6 @@ from delaysvc import store
 from delaysvc.cli.app import JSON_OPTION, Context, Seconds, Whole, cli, echo_json, pass_ctx
 from delaysvc.cli.topics import echo_topics
 from delaysvc.config.levels import format_ms
-from delaysvc.errors import SchemaNotReady
 
 DAY_S = 86_400.0
 
@@ -53,10 +52,7 @@ def levels(ctx: Context, no_db: bool, as_json: bool) -> None:
         with ctx.engine.connect() as conn:
             pending = {row.lane: row.pending for row in store.lane_stats(conn)}
             delays = dict(sorted(store.stored_levels(conn).items()))
-            try:
-                store.check_levels(conn, configured)
-            except SchemaNotReady as exc:
-                differs = str(exc)
+        differs = store.levels_differ(delays, configured)
     if as_json:
         echo_json(
             {

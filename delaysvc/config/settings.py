@@ -42,11 +42,11 @@ LOG_FORMATS: tuple[LogFormat, ...] = ("text", "json")
 DEBIAN_JDBC_JAR = Path("/usr/share/java/postgresql.jar")  # apt-get install libpostgresql-jdbc-java
 DAY_MS = 86_400_000
 MAX_SETTING_DAYS = 3650
+"""The longest delay and history retention a deployment may set (ten years): a due time or a
+cut-off must stay a date both Python and PostgreSQL can hold."""
 MAX_TASK_LEASE_SECONDS = 7 * 86_400
 """The longest lease a worker may take (DELAYSVC_TASK_LEASE_SECONDS; DELAYSVC_LEASE_SECONDS is
 at most a day): `delaysvc check` flags a lease ending further ahead."""
-"""The longest delay and history retention a deployment may set (ten years): a due time or a
-cut-off must stay a date both Python and PostgreSQL can hold."""
 MAX_STATEMENT_TIMEOUT_MS = 2_147_483_647  # PostgreSQL's statement_timeout is an int of ms
 
 

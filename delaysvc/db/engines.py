@@ -139,20 +139,22 @@ _WATCHED: set[Path] = set()  # the embedded servers this process forgets dead ha
 def _forget_dead_handles(server: Any) -> None:
     """Drop from the server's handle list the pids of processes that no longer run, so the
     last live process's exit stops the server (see the module's docstring)."""
-    import psutil
-
-    def gone(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
-
     with server._lock:  # the wheel's inter-process lock around its handle list
         handles = server.global_process_id_list
         for pid in handles.get():
-            if gone(pid):
+            if process_gone(pid):
                 handles.get_and_remove(pid)
     _follow_restart(server)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether `pid` no longer runs: it exited, or it is a zombie its parent has not reaped."""
+    import psutil  # the `embedded` extra's, as the wheel is
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _follow_restart(server: Any) -> None:

@@ -44,8 +44,6 @@ from delaysvc.store import check as store_check
 
 DEFAULT_LIMIT = 100
 DEFAULT_LEASE_TOLERANCE_S = 60.0
-LONGEST_LEASE_S = MAX_TASK_LEASE_SECONDS
-"""The longest lease any worker takes (DELAYSVC_TASK_LEASE_SECONDS at its most)."""
 DEFAULT_SCHEDULE_TOLERANCE_S = 60.0  # periodic_schedules.GRACE: later than that, a tick is missed
 DEFAULT_TIMEOUT_S = 300.0
 LOCK_TIMEOUT_S = 5.0
@@ -215,7 +213,7 @@ CHECKS: list[tuple[str, Check]] = [
     (
         "leases_beyond_the_longest",
         lambda c, o: store_check.leases_beyond_the_longest(
-            c, LONGEST_LEASE_S, o.lease_tolerance_s, o.limit
+            c, MAX_TASK_LEASE_SECONDS, o.lease_tolerance_s, o.limit
         ),
     ),
     ("runs_after_their_cancel", lambda c, o: store_check.runs_after_their_cancel(c, o.limit)),

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from delaysvc.db.engines import embedded_server, restart_if_stopped
+from delaysvc.db.engines import embedded_server, process_gone, restart_if_stopped
 
 POLL_SECONDS = 1.0
 UP = os.getppid()  # the `delaysvc up` this keeper serves
@@ -33,15 +33,8 @@ def _leave(signum: int, frame: FrameType | None) -> None:
 
 
 def _wait_until_gone(pid: int, seconds: float) -> None:
-    import psutil
-
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return
-        except psutil.NoSuchProcess:
-            return
+    while not process_gone(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 

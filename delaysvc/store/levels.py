@@ -113,6 +113,7 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
 def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels) -> LevelChange:
     new_ms = levels.delay_ms(level) if level <= levels.max_level else None
     relocated = 0
+    cap = None
     if new_ms is None or new_ms < old_ms:
         relocated = relocate_to_timer(conn, level)
     if new_ms is None:
@@ -131,22 +132,21 @@ def _change_level(conn: Connection, level: int, old_ms: int, levels: DelayLevels
         )
         conn.execute(sql("DELETE FROM delaysvc.lane_count WHERE lane = :lane"), {"lane": level})
         # a cap chosen for this level's delay would bind a level added later under its number
-        cap = conn.execute(
+        removed = conn.execute(
             sql(
                 "DELETE FROM delaysvc.backlog_cap WHERE scope = 'level' AND target = :target "
                 "RETURNING max_waiting, policy"
             ),
             {"target": str(level)},
         ).first()
-        if cap is not None:
-            described = f"at most {cap.max_waiting} waiting, {cap.policy}"
-            return LevelChange(level, old_ms, new_ms, relocated, described)
+        if removed is not None:
+            cap = f"at most {removed.max_waiting} waiting, {removed.policy}"
     else:
         conn.execute(
             sql("UPDATE delaysvc.schedule_offset SET delay_ms = :ms WHERE lane = :lane"),
             {"lane": level, "ms": new_ms},
         )
-    return LevelChange(level, old_ms, new_ms, relocated)
+    return LevelChange(level, old_ms, new_ms, relocated, cap)
 
 
 # Rows taken out of level :lane (`{taken}`: message_id, topic, deliver_ts; `{where}` picks those
@@ -207,21 +207,29 @@ def check_levels(conn: Connection, levels: DelayLevels) -> None:
         stored = stored_levels(conn)
     except ProgrammingError as exc:  # the table itself is missing: never migrated
         raise SchemaNotReady("the database is not migrated; run `delaysvc migrate`") from exc
+    differs = levels_differ(stored, levels)
+    if differs is not None:
+        raise SchemaNotReady(differs)
+
+
+def levels_differ(stored: dict[int, int], levels: DelayLevels) -> str | None:
+    """How the configured `levels` differ from the database's (`stored_levels`), or None."""
     wanted = {level: levels.delay_ms(level) for level in range(1, levels.max_level + 1)}
-    if stored != wanted:
-        differences = [
-            f"level {lane}: {_ms_or_none(wanted.get(lane))} configured, "
-            f"{_ms_or_none(stored.get(lane))} in the database"
-            for lane in sorted(set(stored) | set(wanted))
-            if stored.get(lane) != wanted.get(lane)
-        ]
-        raise SchemaNotReady(
-            f"DELAYSVC_DELAY_LEVELS ({levels}) differs from the database's levels ("
-            + "; ".join(differences[:5])
-            + (f"; {len(differences) - 5} more" if len(differences) > 5 else "")
-            + "); run `delaysvc migrate` with these levels to apply them (waiting messages "
-            "keep their due times), or start with the database's levels"
-        )
+    if stored == wanted:
+        return None
+    differences = [
+        f"level {lane}: {_ms_or_none(wanted.get(lane))} configured, "
+        f"{_ms_or_none(stored.get(lane))} in the database"
+        for lane in sorted(set(stored) | set(wanted))
+        if stored.get(lane) != wanted.get(lane)
+    ]
+    return (
+        f"DELAYSVC_DELAY_LEVELS ({levels}) differs from the database's levels ("
+        + "; ".join(differences[:5])
+        + (f"; {len(differences) - 5} more" if len(differences) > 5 else "")
+        + "); run `delaysvc migrate` with these levels to apply them (waiting messages "
+        "keep their due times), or start with the database's levels"
+    )
 
 
 def _ms_or_none(ms: int | None) -> str:

@@ -24,18 +24,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psycopg
+from commit_log_row_costs import LEVEL, LEVEL_COLUMNS, MESSAGE_COLUMNS, ROWS  # the same rows
 from scratch import batch_lots, copy_data, scratch_database, server_and_rounds
 from timing import alternate, print_spread
 
 from delaysvc.db.engines import libpq_url
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.tables import level_partition
-from delaysvc.store.batches import LEVEL_ROW, MESSAGE_ROW
 
-ROWS = 10_000
-LEVEL = 17  # "1h" of the default levels: the send suite's
-MESSAGE_COLUMNS = ", ".join(name for name, _ in MESSAGE_ROW)
-LEVEL_COLUMNS = ", ".join(name for name, _ in LEVEL_ROW)
 QUEUE_AS_INDEX = [
     "CREATE TABLE public.cl_indexed (LIKE delaysvc.commit_log INCLUDING ALL)",
     "CREATE INDEX ON public.cl_indexed (lane, queue_offset) "
