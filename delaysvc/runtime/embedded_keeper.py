@@ -25,7 +25,11 @@ UP_GONE_SECONDS = 5.0
 
 
 def _leave(signum: int, frame: FrameType | None) -> None:
-    if os.getppid() != UP:
+    # once: the kernel sends the parent-death signal again as up's threads die, and one
+    # more cut the exit handlers short (the server ran on, the wheel's list half written)
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, signal.SIG_IGN)
+    if os.getppid() != UP or process_gone(UP):
         # up died (the kernel's SIGTERM, sent while up is still exiting): the wheel counts a
         # process as a user until it is gone, and would leave the server running for it
         _wait_until_gone(UP, UP_GONE_SECONDS)

