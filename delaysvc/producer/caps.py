@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from delaysvc import store
 from delaysvc.config.levels import MAX_LEVELS
@@ -261,14 +261,20 @@ def set_cap(
         if policy is not None:
             raise ValidationError("max_waiting", "is required with a policy")
         with engine.begin() as conn:
+            _refuse_a_missing_level(conn, scope, target)
             store.lift_backlog_cap(conn, scope, target)
         return None
     limit = check_max_waiting(max_waiting)
     chosen = check_policy("reject" if policy is None else policy)
     with engine.begin() as conn:
-        if scope == "level" and int(target) not in store.stored_levels(conn):
-            raise ValidationError("level", f"level {target} does not exist in the database")
+        _refuse_a_missing_level(conn, scope, target)
         return _cap(store.set_backlog_cap(conn, scope, target, limit, chosen))
+
+
+def _refuse_a_missing_level(conn: Connection, scope: str, target: str) -> None:
+    """A level the database does not have has no cap to set or to lift."""
+    if scope == "level" and int(target) not in store.stored_levels(conn):
+        raise ValidationError("level", f"level {target} does not exist in the database")
 
 
 def all_caps(engine: Engine) -> list[BacklogCap]:
