@@ -174,12 +174,29 @@ def check(
             timeout_s=timeout,
         )
     except DBAPIError as exc:
-        reason = store.not_migrated(exc) or " ".join(str(exc.orig).split())
+        reason = store.not_migrated(exc) or _why_unfinished(exc, timeout)
         click.echo(f"error: delaysvc check could not finish: {reason}", err=True)
         sys.exit(2)
     for line in result.lines():
         click.echo(line)
     sys.exit(result.exit_code)
+
+
+def _why_unfinished(exc: Exception, timeout_s: float) -> str:
+    """Why a check stopped, in our words for its two timeouts, else PostgreSQL's."""
+    from delaysvc.maintenance.check import LOCK_TIMEOUT_S
+
+    orig = getattr(exc, "orig", exc)
+    code = getattr(orig, "sqlstate", None)
+    if code == "55P03":  # lock_not_available: its lock timeout
+        return (
+            f"another transaction held a table it reads for more than {LOCK_TIMEOUT_S:g} s (a "
+            "level change by delaysvc migrate, a history day dropped?); run it again once that "
+            "is done"
+        )
+    if code == "57014" and "statement timeout" in str(orig):  # not a cancel by someone
+        return f"a statement ran longer than --timeout ({timeout_s:g} s); give it more"
+    return " ".join(str(orig).split())
 
 
 @cli.command("skip-head")

@@ -639,3 +639,36 @@ def test_a_connection_in_a_transaction_is_refused(engine: Engine) -> None:
         conn.execute(text("SELECT 1"))
         with pytest.raises(ValueError, match="no transaction open"):
             run_check(conn)
+
+
+def test_a_check_that_cannot_finish_in_time_says_why_in_its_own_words(
+    database_url: str, engine: Engine
+) -> None:
+    """A table it reads held longer than its lock timeout (a level change, a history day
+    dropped), or a statement longer than --timeout: exit 2 naming which, and what to do (it
+    printed PostgreSQL's "canceling statement due to lock timeout")."""
+    with engine.connect() as holder:
+        holder.execute(
+            text(qualify("LOCK TABLE delaysvc.schedule_offset IN ACCESS EXCLUSIVE MODE"))
+        )
+        done = delaysvc_check(database_url)
+        holder.rollback()
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        "error: delaysvc check could not finish: another transaction held a table it reads for "
+        "more than 5 s (a level change by delaysvc migrate, a history day dropped?); run it "
+        "again once that is done"
+    )
+    with engine.connect() as holder:  # held again: a statement's timeout comes first now
+        holder.execute(
+            text(qualify("LOCK TABLE delaysvc.schedule_offset IN ACCESS EXCLUSIVE MODE"))
+        )
+        done = delaysvc_check(database_url, "--timeout", "1")
+        holder.rollback()
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line == (
+        "error: delaysvc check could not finish: a statement ran longer than --timeout (1 s); "
+        "give it more"
+    )
