@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine
 from delaysvc.config.validation import validate_topic
 from delaysvc.db.names import LOCK_KEY, lock_name, qualify, sql
 from delaysvc.errors import DelaysvcError, ValidationError
-from delaysvc.store.shared import _ENQUEUE_FROM, _NEXT_OFFSET, _PLACED_LANE
+from delaysvc.store.shared import _DUE, _ENQUEUE_FROM, _NEXT_OFFSET, _PLACED_LANE
 
 _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
 # A 60-bit hash of the id: the first 15 hex digits of md5(id as decimal text). Spark computes
@@ -269,7 +269,7 @@ WITH msg AS (
         {_NEXT_OFFSET.format(lane="placed.lane")},
         CASE WHEN placed.lane < 0 THEN 'ready' ELSE 'scheduled' END,
         statement_timestamp(),
-        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
+        {_DUE.format(deliver_at="deliver_at", delay_ms="delay_ms")},
         CASE WHEN placed.lane < 0 THEN statement_timestamp() END
     FROM pipeline_bulk_stage b
     CROSS JOIN LATERAL (SELECT CAST({

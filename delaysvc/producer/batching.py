@@ -481,8 +481,8 @@ def _copied(
             except ValidationError as exc:
                 refused = type(exc)(f"messages[{index}].{exc.field}", exc.detail)
                 break
-            if deliver_at is not None:
-                due = deliver_at.astimezone(stored_at.tzinfo)
+            if deliver_at is not None:  # a time already past: the store time (`store._DUE`)
+                due = max(deliver_at.astimezone(stored_at.tzinfo), stored_at)
                 wire_due = batches.wire_time(due)
             else:
                 if delay is None:

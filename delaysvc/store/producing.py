@@ -17,8 +17,10 @@ from delaysvc.db.names import sql
 from delaysvc.errors import DuplicateKey
 from delaysvc.store import history as store_history
 from delaysvc.store.shared import (
+    _DUE,
     _ENQUEUE_FROM,
     _NEXT_OFFSET,
+    _NOT_PAST,
     _PLACED_LANE,
     MESSAGE_STATE,
     NewMessage,
@@ -34,10 +36,11 @@ from delaysvc.store.shared import (
 # decided: id, stored_at, deliver_ts and the lane. PostgreSQL keeps the plans of the function's
 # statements for the server connection's life, so a send through a transaction-pooling
 # PgBouncer, where nothing is prepared, runs planned statements as a direct one does.
-SEND_ONE = """
+SEND_ONE = f"""
 SELECT * FROM delaysvc.send_one(:topic, :key, CAST(:tags AS text[]), :body, :body_is_json,
     CAST(:properties AS jsonb), CAST(:delay_level AS smallint), CAST(:priority AS smallint),
-    CAST(:lane AS integer), CAST(:delay_ms AS bigint), CAST(:deliver_at AS timestamptz),
+    CAST(:lane AS integer), CAST(:delay_ms AS bigint),
+    {_NOT_PAST.format(deliver_at="CAST(:deliver_at AS timestamptz)")},
     CAST(:caps_held AS boolean))
 """
 
@@ -101,7 +104,7 @@ def insert_message(
 # message is placed, capped and keyed exactly as if sent alone, and later calls see what earlier
 # ones stored (a key repeated in the group is held by its first message). One round trip and one
 # commit for all of them. Tags travel as JSON text (an array of text arrays must be rectangular).
-SEND_GROUP = """
+SEND_GROUP = f"""
 SELECT s.sent_id, s.sent_at, s.due_at, s.sent_lane
 FROM unnest(CAST(:topic AS text[]), CAST(:key AS text[]), CAST(:tags AS jsonb[]),
     CAST(:body AS bytea[]), CAST(:body_is_json AS boolean[]), CAST(:properties AS jsonb[]),
@@ -112,7 +115,7 @@ FROM unnest(CAST(:topic AS text[]), CAST(:key AS text[]), CAST(:tags AS jsonb[])
 LEFT JOIN LATERAL delaysvc.send_one(m.topic, m.key,
     CASE WHEN m.tags IS NOT NULL THEN ARRAY(SELECT jsonb_array_elements_text(m.tags)) END,
     m.body, m.body_is_json, m.properties, m.delay_level, m.priority, m.lane, m.delay_ms,
-    m.deliver_at, false) s ON true
+    {_NOT_PAST.format(deliver_at="m.deliver_at")}, false) s ON true
 ORDER BY m.ord
 """
 
@@ -259,7 +262,7 @@ WITH staged AS (
         {_NEXT_OFFSET.format(lane="lane")},
         CASE WHEN lane < 0 THEN 'ready' ELSE 'scheduled' END,
         statement_timestamp(),
-        COALESCE(deliver_at, statement_timestamp() + delay_ms * interval '1 millisecond'),
+        {_DUE.format(deliver_at="deliver_at", delay_ms="delay_ms")},
         CASE WHEN lane < 0 THEN statement_timestamp() END
     FROM numbered ORDER BY ord
     ON CONFLICT (topic, key) WHERE key IS NOT NULL AND finished_at IS NULL DO NOTHING

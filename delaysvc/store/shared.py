@@ -31,6 +31,18 @@ class Statements(Protocol):
 _PLACED_LANE = """CASE WHEN {lane} > 0 AND NOT EXISTS (SELECT 1 FROM delaysvc.schedule_offset so
         WHERE so.lane = {lane} AND so.delay_ms = {delay_ms}) THEN 0 ELSE {lane} END"""
 
+# A message's due time: `{deliver_at}` (a time asked for, or NULL) else its store time plus
+# `{delay_ms}`. A time already past is the store time: a year ago went to the timer lane as it
+# was and its move was counted a year late in the lateness histogram and /metrics' totals; it is
+# due at once either way, and never earlier than asked.
+_DUE = """GREATEST(
+            COALESCE({deliver_at}, statement_timestamp() + {delay_ms} * interval '1 millisecond'),
+            statement_timestamp())"""
+
+# `{deliver_at}` as `send_one` takes it: a time already past the store time (see `_DUE`).
+_NOT_PAST = """CASE WHEN {deliver_at} < statement_timestamp() THEN statement_timestamp()
+        ELSE {deliver_at} END"""
+
 _NEXT_OFFSET = """CASE WHEN {lane} > 0
         THEN nextval(format('delaysvc.consume_queue_%s_seq', {lane})::regclass)
         WHEN {lane} = 0 THEN nextval('delaysvc.timer_queue_seq') END"""

@@ -94,7 +94,12 @@ class MessageFieldsJson(TypedDict):
     ]
     delay: NotRequired[Duration | None]
     delay_ms: NotRequired[Annotated[int, Field(ge=0)] | None]
-    deliver_at: NotRequired[Time | None]
+    deliver_at: NotRequired[
+        Annotated[
+            Time | None,
+            Field(description="a time already past is due at once: stored as due when stored"),
+        ]
+    ]
     key: NotRequired[Key | None]
     tags: NotRequired[Annotated[list[Tag], Field(max_length=MAX_TAGS)] | None]
     properties: NotRequired[

@@ -404,3 +404,45 @@ def test_a_queued_message_that_is_no_longer_waiting_is_never_claimed(producer, e
         assert store.claim_ready(conn, "t", 10, 60) == []
     assert producer.get(message.id).status == "dead"
     assert topic_queue(engine) == []  # the stray queue row is dropped
+
+
+def test_a_deliver_at_already_past_is_due_at_its_send_not_counted_a_year_late(producer, engine):
+    """A time already past is due at once: it went to the timer lane with that time, and its
+    move was counted a year late in the lateness histogram and /metrics' totals."""
+    a_year_ago = db_now(engine) - timedelta(days=365)
+    before = db_now(engine)
+    single = producer.send("t", 1, deliver_at=a_year_ago)
+    (batched,) = producer.send_batch([{"topic": "t", "body": 2, "deliver_at": a_year_ago}])
+    after = db_now(engine)
+    for message in (single, batched):
+        assert before - timedelta(seconds=1) <= message.deliver_at <= after, message
+        assert producer.get(message.id).deliver_at == message.deliver_at
+    moved = tick(engine, TIMER_LANE, None)
+    assert moved.moved == 2
+    assert moved.max_lateness_ms is not None and moved.max_lateness_ms < 5_000
+
+
+def test_every_way_of_sending_stores_a_deliver_at_already_past_as_due_at_its_store(
+    producer, engine
+):
+    """The single send, a group of them, the COPY batch and the staged insert (other drivers'
+    batches, the bulk pipeline's) each decide it in the database, on its clock."""
+    from delaysvc.producer.batching import encoded, prepare
+
+    past = db_now(engine) - timedelta(days=2)
+    ahead = db_now(engine) + timedelta(hours=1)
+    new = [producer.prepare("t", n, deliver_at=at) for n, at in enumerate((past, ahead))]
+    with engine.begin() as conn:
+        cursor = conn.connection.driver_connection.cursor()
+        group = store.insert_group(cursor, new)
+        items = [{"topic": "t", "body": n, "deliver_at": at} for n, at in enumerate((past, ahead))]
+        checked = prepare(items, producer.settings, db_now(engine))
+        staged = store.insert_messages(conn, encoded(checked, producer.settings.max_body_bytes))
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, stored_at, deliver_ts FROM commit_log ORDER BY id")
+        ).all()
+    assert len(rows) == 4, (group, staged)
+    for row in rows:
+        assert row.deliver_ts in (row.stored_at, ahead), row
+    assert sorted(row.deliver_ts == ahead for row in rows) == [False, False, True, True]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +140,13 @@ def test_bulk_schedule_json_lines_with_keys_from_rows_and_parquet_with_parquet_r
     assert json.loads(bytes(body)) == {"deep": [1, 2]}
 
     table = tmp_path / "jobs.parquet"
+    # a time ahead (2026-12-01 was, when this was written: a time past is the store time now)
+    ahead = datetime.now(UTC).replace(microsecond=0) + timedelta(days=30)
     spark.createDataFrame(
         [
             ("bulk.p", '{"n": 1}', "1h", None, None),
             ("bulk.p", '{"n": 2}', None, 9, None),
-            ("bulk.p", '{"n": 3}', None, None, datetime(2026, 12, 1, tzinfo=UTC)),
+            ("bulk.p", '{"n": 3}', None, None, ahead),
             ("bad topic", '{"n": 4}', None, None, None),
         ],
         "topic string, body string, delay string, delay_level int, deliver_at timestamp",
@@ -161,7 +163,7 @@ def test_bulk_schedule_json_lines_with_keys_from_rows_and_parquet_with_parquet_r
             )
         ).all()
     assert stored[1][0] == 5  # level 9 is clamped to the top level (5)
-    assert stored[2][1] == datetime(2026, 12, 1, tzinfo=UTC)
+    assert stored[2][1] == ahead
 
 
 @pytest.mark.parametrize("fmt", ["csv", "parquet"])
@@ -695,16 +697,18 @@ def test_spark_and_producer_lines_store_the_same_rows(
     absolute = {r["key"] for r in records if r.get("deliver_at") and r.get("key")}
     query = text(
         "SELECT topic, key, tags, body, body_is_json, properties, delay_level, lane, status, "
-        "deliver_ts, round(extract(epoch FROM deliver_ts - stored_at) * 1000) AS wait_ms "
+        "deliver_ts, round(extract(epoch FROM deliver_ts - stored_at) * 1000) AS wait_ms, "
+        "deliver_ts = stored_at AS due_at_store "
         "FROM commit_log"
     )
 
     def stored() -> list[tuple[str, ...]]:
-        """Each row's values; its due time as an instant when it was given one, else as
-        the wait from storing (the two inserts run at different times)."""
+        """Each row's values; its due time as an instant when it was given one in the
+        future, else as the wait from storing (the two inserts run at different times; a time
+        already past is the store time)."""
         with engine.begin() as conn:
             rows = [
-                (*r[:9], r.deliver_ts if r.key in absolute else r.wait_ms)
+                (*r[:9], r.deliver_ts if r.key in absolute and not r.due_at_store else r.wait_ms)
                 for r in conn.execute(query)
             ]
             conn.execute(
