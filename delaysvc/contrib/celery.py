@@ -14,7 +14,9 @@ and retry count, and the same routing: a kombu `Queue` or `Exchange` among the p
 is stored whole (its exchange, the exchange's type, routing key, arguments and bindings; a
 `Broadcast` stays one) and rebuilt, so Celery publishes to the exchange, with the routing key,
 and declares the queue it would have. `revoke(id)` (or `AsyncResult(id).revoke()`) cancels it
-in delaysvc as well, before it is due. Celery's publish signals (`before_task_publish`,
+in delaysvc as well, before it is due, and is remembered there: a retry the task stores while
+it still runs, after its revoke, is dropped when due, not published (Celery's workers remember
+a revoke for 3 h and forget it when restarted). Celery's publish signals (`before_task_publish`,
 `after_task_publish`) and its task-sent event come with that publish, in delaysvc's worker,
 not from `apply_async`: the publish runs in the span that continues the caller's trace.
 
@@ -71,8 +73,12 @@ THRESHOLD_SECONDS = 1.0
 NATIVE_DELAY_EXCHANGE = "celery_delayed_27"
 """The exchange Celery publishes to when RabbitMQ delays a message itself (quorum queues)."""
 RETRIES_FOUND = 100
-"""How many retries of a task `revoke` looks for in delaysvc (Celery's default max_retries is
-3); Celery's own revoke, which follows, still reaches the workers."""
+"""How many retries of a task `revoke` looks for in delaysvc to cancel (Celery's default
+max_retries is 3); one it does not find, or one the task stores after its revoke, is dropped
+when due (`celery_revoked`)."""
+REVOKES_KEPT_MS = 86_400_000
+"""How long a revoke is remembered beyond the longest delay (DELAYSVC_MAX_DELAY): a retry
+stored by a task still running a day after its revoke could come due after it is forgotten."""
 _NOT_PORTABLE = {"declare", "producer", "connection"}
 """Publish options that are live objects of the sending process; Celery derives them again."""
 _DECLARED = ("queue", "exchange")
@@ -167,11 +173,12 @@ class _DurableAMQP(AMQP):
 
 class _DurableControl(Control):
     def revoke(self, task_id: str | Iterable[str], *args: Any, **kwargs: Any) -> Any:
-        """Cancel the task's stored message (and its stored retries) in delaysvc, then revoke
+        """Cancel the task's stored message (and its stored retries) in delaysvc and remember
+        the revoke there (a message of the task stored later is dropped when due), then revoke
         it as Celery does (a message already published is revoked by the workers)."""
         ids = [task_id] if isinstance(task_id, str) else list(task_id)
         try:
-            cancel_stored(_durability(self.app).producer, ids)
+            revoke_stored(_durability(self.app).producer, ids)
         finally:  # the database may be away: the workers are told all the same
             revoked = super().revoke(task_id, *args, **kwargs)
         return revoked
@@ -328,6 +335,10 @@ def publish_when_due(message: Job) -> None:
             f"no Celery app named {body.get('app')!r} was made durable in this worker "
             f"(it has {sorted(_apps) or 'none'}): name its module in DELAYSVC_HANDLERS"
         )
+    with _durability(app).producer.engine.connect() as conn:
+        if store.revoked(conn, body["id"]):
+            log.info("celery.revoked_not_published", extra={"task_id": body["id"]})
+            return
     envelope = kombu_json.loads(body["message"])
     payload = envelope["body"]
     if envelope["base64"]:
@@ -354,6 +365,15 @@ def publish_when_due(message: Job) -> None:
             task_message(headers, envelope["properties"], task_body, sent_event),
             **options,
         )
+
+
+def revoke_stored(producer: Producer, task_ids: list[str]) -> int:
+    """Remember these tasks as revoked (a message of theirs that comes due is dropped), then
+    cancel their waiting messages (`cancel_stored`); -> how many were cancelled."""
+    with producer.engine.begin() as conn:
+        keep_ms = producer.settings.max_delay_ms + REVOKES_KEPT_MS
+        store.remember_revoked(conn, task_ids, keep_ms)
+    return cancel_stored(producer, task_ids)
 
 
 def cancel_stored(producer: Producer, task_ids: list[str]) -> int:

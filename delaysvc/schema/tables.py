@@ -458,6 +458,18 @@ periodic_schedule = Table(
     Index("ix_periodic_schedule_next_tick", "next_tick", postgresql_where=text("NOT paused")),
 )
 
+# Celery tasks revoked through `delaysvc.contrib.celery` (`app.control.revoke`): a message of
+# the task that comes due is dropped, not published, whenever it was stored (a retry the
+# running task stores after its revoke; one no lookup of the revoke found). Kept for the
+# longest delay and a day after the revoke, pruned by later revokes (`revoked_at`).
+celery_revoked = Table(
+    "celery_revoked",
+    metadata,
+    Column("task_id", Text, primary_key=True),
+    Column("revoked_at", Timestamp, nullable=False, server_default=text("now()")),
+    Index("ix_celery_revoked_revoked_at", "revoked_at"),
+)
+
 SEQUENCES = (timer_queue_seq, topic_queue_seq, claim_seq)
 
 

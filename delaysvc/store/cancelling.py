@@ -63,3 +63,30 @@ def due_before(conn: Statements, message: NewMessage, due: datetime) -> bool:
             {"at": message.deliver_at, "now": None, "ms": message.delay_ms or 0, "due": due},
         ).scalar_one()
     )
+
+
+def remember_revoked(conn: Statements, task_ids: list[str], keep_ms: int) -> None:
+    """Store these Celery task ids as revoked (`delaysvc.contrib.celery`), and forget those
+    revoked more than `keep_ms` ago."""
+    conn.execute(
+        sql(
+            "INSERT INTO delaysvc.celery_revoked (task_id) "
+            "SELECT DISTINCT unnest(CAST(:ids AS text[])) ON CONFLICT (task_id) DO NOTHING"
+        ),
+        {"ids": task_ids},
+    )
+    conn.execute(
+        sql(
+            "DELETE FROM delaysvc.celery_revoked "
+            "WHERE revoked_at < now() - CAST(:keep_ms AS bigint) * interval '1 millisecond'"
+        ),
+        {"keep_ms": keep_ms},
+    )
+
+
+def revoked(conn: Statements, task_id: str) -> bool:
+    """Whether this Celery task id was revoked (`remember_revoked`)."""
+    row = conn.execute(
+        sql("SELECT 1 FROM delaysvc.celery_revoked WHERE task_id = :id"), {"id": task_id}
+    ).first()
+    return row is not None

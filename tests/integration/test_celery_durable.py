@@ -242,6 +242,28 @@ def test_revoke_cancels_the_stored_task_and_its_stored_retries(celery_app, produ
     assert stored(producer, kept.id).status == "cancelled"
 
 
+def test_a_revoked_tasks_messages_are_not_published_whenever_they_were_stored(
+    celery_app, producer, engine
+):
+    """Revoked while it ran, a task stored its retry after the revoke: the retry was published
+    when due, and ran again wherever no worker remembered the revoke (after a restart; Celery
+    remembers one 3 h). A stored retry past the 100th was not even cancelled. Either is now
+    dropped when due, the revoke stored in delaysvc."""
+    default = celery_app.conf.task_default_queue
+    running = str(uuid.uuid4())
+    celery_app.control.revoke(running)  # nothing stored yet: the task runs
+    celery_app.send_task("shop.cancel_order", (1,), countdown=60, task_id=running, retries=1)
+    polled = str(uuid.uuid4())
+    celery_app.send_task("shop.cancel_order", (2,), countdown=60, task_id=polled, retries=150)
+    celery_app.AsyncResult(polled).revoke()
+    kept = celery_app.send_task("shop.cancel_order", (3,), countdown=60)
+    for message in (stored(producer, running, retries=1), stored(producer, polled, retries=150)):
+        run_due(producer, engine, message)
+    assert broker_messages(celery_app, default) == []
+    run_due(producer, engine, stored(producer, kept.id))  # not revoked: published
+    assert [m.headers["id"] for m in broker_messages(celery_app, default)] == [kept.id]
+
+
 def test_a_retry_is_stored_beside_the_message_that_ran_it(celery_app, producer, engine):
     """A task's retry reuses its id while the message that published it may still be
     recorded as running: the retry's key is its own, so it is stored, not deduplicated."""
