@@ -182,7 +182,7 @@ def test_a_queue_and_an_exchange_are_stored_as_declared(celery_app, producer):
             "shop.cancel_order", (1,), countdown=30, queue=queue, exchange=topic
         )
         for task_id in (result.id, result_exchange.id):
-            envelope = kombu_json.loads(stored(producer, task_id).body["message"])
+            envelope = durable_celery.envelope_of(stored(producer, task_id).body)
             options = durable_celery._publish_options(envelope["options"])
             assert type(options["queue"]) is type(queue)
             assert declared(options["queue"]) == declared(queue)
@@ -195,7 +195,7 @@ def test_a_task_stored_with_its_queue_by_name_is_published_to_it(celery_app, pro
     task_id = str(uuid.uuid4())
     celery_app.send_task("shop.invoice", (42,), countdown=30, task_id=task_id)
     message = stored(producer, task_id, "shop.invoice")
-    envelope = kombu_json.loads(message.body["message"])
+    envelope = durable_celery.envelope_of(message.body)
     queue = f"{celery_app.main}-invoices"
     assert envelope["options"]["queue"]["name"] == queue  # stored now: the whole declaration
     envelope["options"]["queue"] = queue
@@ -262,6 +262,32 @@ def test_a_revoked_tasks_messages_are_not_published_whenever_they_were_stored(
     assert broker_messages(celery_app, default) == []
     run_due(producer, engine, stored(producer, kept.id))  # not revoked: published
     assert [m.headers["id"] for m in broker_messages(celery_app, default)] == [kept.id]
+
+
+def test_a_task_of_a_few_mb_is_stored_with_its_message_escaped_once(celery_app, producer, engine):
+    """The Celery message was stored as a JSON string inside the body, its quotes escaped
+    twice: args of 2.8 MB of JSON took 5.2 MB, over the 4 MiB limit, and `apply_async` with a
+    countdown raised TooLarge where the broker takes them. A task stored as a string before is
+    still published."""
+    default = celery_app.conf.task_default_queue
+    args = ([["ab", "cd"]] * 200_000,)  # 2.8 MB of JSON, quotes everywhere
+    big = celery_app.tasks["shop.cancel_order"].apply_async(args, countdown=30)
+    message = stored(producer, big.id)
+    run_due(producer, engine, message)
+    (published,) = broker_messages(celery_app, default)
+    assert published.headers["id"] == big.id
+    assert published.decode()[0] == [[["ab", "cd"]] * 200_000]  # the args, whole
+
+    small = celery_app.send_task("shop.cancel_order", (7,), countdown=30)
+    message = stored(producer, small.id)
+    as_before = {**message.body, "message": kombu_json.dumps(message.body["message"])}
+    message = producer.send(
+        message.topic, as_before, deliver_at=message.deliver_at, key=message.key,
+        on_duplicate="replace",
+    )  # fmt: skip
+    run_due(producer, engine, message)
+    (published,) = broker_messages(celery_app, default)
+    assert (published.headers["id"], published.decode()[0]) == (small.id, [7])
 
 
 def test_a_retry_is_stored_beside_the_message_that_ran_it(celery_app, producer, engine):
