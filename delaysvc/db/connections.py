@@ -158,6 +158,10 @@ def _autocommitting(dbapi_connection: Any) -> bool:
         return False
     info = getattr(dbapi_connection, "info", None)
     if isinstance(info, psycopg.ConnectionInfo):
+        if info.transaction_status == TransactionStatus.ACTIVE and _in_pipeline(dbapi_connection):
+            # busy with what the caller queued in pipeline mode: sent, the status is its own
+            # (taken for the caller's transaction, a batch's statements each committed alone)
+            _sync_pipeline(dbapi_connection)
         return info.transaction_status == TransactionStatus.IDLE
     status = getattr(dbapi_connection, "get_transaction_status", None)  # psycopg2
     return status is None or status() == 0  # TRANSACTION_STATUS_IDLE
@@ -289,8 +293,25 @@ def _synced(cursor: Any) -> AbstractContextManager[Any]:
     return nullcontext()
 
 
-def _in_pipeline(conn: psycopg.Connection[Any]) -> bool:
+def _in_pipeline(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool:
     return conn.pgconn.pipeline_status != PipelineStatus.OFF
+
+
+def _sync_pipeline(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Send what is queued in the pipeline and wait for its results: a pipeline block of its
+    own ends so (`_synced`); an AsyncConnection's from the greenlet `run_async` runs in."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        from sqlalchemy.util import await_only
+
+        await_only(_sync_async_pipeline(conn))
+        return
+    with conn.pipeline():
+        pass
+
+
+async def _sync_async_pipeline(conn: psycopg.AsyncConnection[Any]) -> None:
+    async with conn.pipeline():
+        pass
 
 
 class Rows:
@@ -489,20 +510,19 @@ class _AsyncPsycopg:
 
     @contextmanager
     def own_transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT by psycopg's transaction block, as on a sync connection: autocommit
+        turned off instead began no transaction in pipeline mode, each statement committed
+        alone (a batch's staged rows went with their commit)."""
         from sqlalchemy.util import await_only
 
-        await_only(self.conn.set_autocommit(False))
+        block = self.conn.transaction()
+        await_only(block.__aenter__())
         try:
             yield
-        except BaseException:
-            if not self.conn.closed:
-                await_only(self.conn.rollback())
+        except BaseException as exc:
+            await_only(block.__aexit__(type(exc), exc, exc.__traceback__))
             raise
-        else:
-            await_only(self.conn.commit())
-        finally:
-            if not self.conn.closed:
-                await_only(self.conn.set_autocommit(True))
+        await_only(block.__aexit__(None, None, None))
 
 
 class _AwaitedCursor:
@@ -514,7 +534,16 @@ class _AwaitedCursor:
     def execute(self, sql: str, params: Mapping[str, Any]) -> None:
         from sqlalchemy.util import await_only
 
-        await_only(self._cursor.execute(sql, params))
+        await_only(self._execute(sql, params))
+
+    async def _execute(self, sql: str, params: Mapping[str, Any]) -> None:
+        """In pipeline mode synced, as a sync cursor's statement is (`_synced`): unsynced, its
+        rows were not there to read (a send read as one that stored nothing)."""
+        if not _in_pipeline(self._cursor.connection):
+            await self._cursor.execute(sql, params)
+            return
+        async with self._cursor.connection.pipeline():
+            await self._cursor.execute(sql, params)
 
     def fetchall(self) -> list[Any]:
         from sqlalchemy.util import await_only

@@ -202,3 +202,23 @@ async def test_an_async_connection_given_to_the_sync_send_is_refused_by_name(
             producer.send("t", 1, connection=sa_conn)
     with pytest.raises(ValidationError, match=r"cannot join a builtins\.object from asyncio"):
         await producer.asend("t", 1, connection=object())
+
+
+async def test_an_autocommitting_async_connection_in_pipeline_mode_with_a_statement_queued(
+    producer: Producer, engine: Engine, database_url: str
+) -> None:
+    """Busy with the caller's queued statement, it read as a transaction open: the batch's
+    statements each committed alone, its staged rows went with their commit, it stored
+    nothing and raised a DuplicateKey for key None."""
+    conn = await psycopg.AsyncConnection.connect(libpq_url(database_url), autocommit=True)
+    async with conn, conn.pipeline():
+        await conn.execute("SELECT 1")
+        sent = await producer.asend_batch(
+            [{"topic": "shop.piped", "body": n} for n in range(3)], connection=conn
+        )
+        assert conn.autocommit is True
+    assert stored(engine, "shop.piped") == {
+        **NOTHING,
+        "commit_log": [m.id for m in sent],
+        "ready": [m.id for m in sent],
+    }

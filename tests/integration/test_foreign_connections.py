@@ -231,7 +231,14 @@ def test_a_refused_send_leaves_the_callers_transaction_usable(
 
 @pytest.mark.parametrize(
     "autocommit",
-    ["psycopg3", "psycopg3-pipeline", "psycopg2", "sqlalchemy-psycopg3", "sqlalchemy-psycopg2"],
+    [
+        "psycopg3",
+        "psycopg3-pipeline",
+        "psycopg3-pipeline-queued",
+        "psycopg2",
+        "sqlalchemy-psycopg3",
+        "sqlalchemy-psycopg2",
+    ],
 )
 def test_on_an_autocommitting_connection_each_call_commits_by_itself(
     producer: Producer,
@@ -242,13 +249,17 @@ def test_on_an_autocommitting_connection_each_call_commits_by_itself(
 ) -> None:
     """No transaction open: a send is one statement and commits by itself; a batch and a
     cancel each get a transaction of their own (a batch's staging table is emptied at commit:
-    without one it would store nothing). Each is stored before the connection closes."""
+    without one it would store nothing). Each is stored before the connection closes. In
+    pipeline mode with a statement of the caller's queued (`-queued`), the connection reads as
+    busy, not idle: the batch took it for the caller's transaction, autocommitted its staging
+    rows away, stored nothing and raised a DuplicateKey for key None; a cancel was two
+    transactions."""
     dsn = libpq_url(database_url)
     pipeline: AbstractContextManager[Any] = nullcontext()
     if autocommit.startswith("psycopg3"):
         conn: Any = psycopg.connect(dsn, autocommit=True)
         driver = conn
-        if autocommit == "psycopg3-pipeline":
+        if autocommit.startswith("psycopg3-pipeline"):
             pipeline = conn.pipeline()
     elif autocommit == "psycopg2":
         conn = driver = psycopg2.connect(dsn)
@@ -257,14 +268,22 @@ def test_on_an_autocommitting_connection_each_call_commits_by_itself(
         on = engine if autocommit == "sqlalchemy-psycopg3" else psycopg2_engine
         conn = on.connect().execution_options(isolation_level="AUTOCOMMIT")
         driver = conn.connection.dbapi_connection
+
+    def queue() -> None:  # a statement of the caller's, waiting in the pipeline
+        if autocommit == "psycopg3-pipeline-queued":
+            driver.execute("SELECT 1")
+
     try:
         with pipeline:
+            queue()
             one = producer.send("shop.auto", 1, delay_level=2, key="k", connection=conn)
             assert producer.send("shop.auto", 9, key="k", connection=conn).id == one.id
+            queue()
             batch = producer.send_batch(
                 [{"topic": "shop.auto", "body": n, "delay_level": 1} for n in range(3)],
                 connection=conn,
             )
+            queue()
             producer.cancel(batch[0].id, connection=conn)
             assert driver.autocommit is True  # as the caller left it
         assert stored(engine, "shop.auto") == {
