@@ -5,7 +5,8 @@ store runs its statements on.
 statements (the same SQL for every driver) run through it in the caller's transaction, which
 the caller commits or rolls back, and the driver's errors come out as SQLAlchemy's
 `DBAPIError`s, as `Connection.execute` raises them, so the producer turns them into domain
-errors in one place whatever the driver. A caller may hold:
+errors in one place whatever the driver; one that stands for none is raised to the caller as
+its own driver raised it (`raised_to_caller`). A caller may hold:
 
 - a SQLAlchemy `Connection` or `Session`, on any PostgreSQL driver (a plain `postgresql://`
   URL selects psycopg2);
@@ -92,7 +93,11 @@ def joined(held: object) -> Iterator[Joined]:
     elif isinstance(held, Connection):
         yield SqlAlchemyJoined(held)
     else:
-        adapter = DriverJoined(_driver(held))
+        driver = _driver(held)
+        if driver.closed_by_caller():
+            # not "the database is unavailable": the outage an application retries
+            raise ValidationError("connection", "is closed; pass an open one")
+        adapter = DriverJoined(driver)
         try:
             yield adapter
         finally:
@@ -208,6 +213,10 @@ class _Driver(Protocol):
 
     def autocommits(self) -> bool: ...
 
+    def closed_by_caller(self) -> bool:
+        """The caller closed the connection (not lost: that is the database unavailable)."""
+        ...
+
     def own_transaction(self) -> AbstractContextManager[Any]:
         """BEGIN ... COMMIT (ROLLBACK on an error) on an autocommitting connection."""
         ...
@@ -278,9 +287,19 @@ class DriverJoined:
             error = self.driver.caught(exc)
             if not isinstance(error, self.driver.dbapi_error):
                 raise
-            raise DBAPIError.instance(
+            wrapped = DBAPIError.instance(
                 sql, None, error, self.driver.dbapi_error, connection_invalidated=self.driver.lost()
-            ) from exc
+            )
+            wrapped.raised_to_caller = exc  # type: ignore[attr-defined]  # (`raised_to_caller`)
+            raise wrapped from exc
+
+
+def raised_to_caller(exc: DBAPIError) -> BaseException | None:
+    """What the caller's own driver (or Django) raised behind `exc`, when delaysvc ran its
+    statement on a connection the caller holds that is not SQLAlchemy's: the error a database
+    error delaysvc does not name is raised as, so the caller's `except psycopg.Error` (or
+    psycopg2's, or Django's `DatabaseError`) catches it, as it would its own statement's."""
+    return getattr(exc, "raised_to_caller", None)
 
 
 def _synced(cursor: Any) -> AbstractContextManager[Any]:
@@ -452,6 +471,9 @@ class _Psycopg:
     def autocommits(self) -> bool:
         return _autocommitting(self.conn)
 
+    def closed_by_caller(self) -> bool:
+        return self.conn.closed and not self.conn.broken
+
     def own_transaction(self) -> AbstractContextManager[Any]:
         return self.conn.transaction()  # BEGIN: the connection has no transaction open
 
@@ -481,6 +503,9 @@ class _Psycopg2:
     def autocommits(self) -> bool:
         return _autocommitting(self.conn)
 
+    def closed_by_caller(self) -> bool:
+        return self.conn.closed == 1  # 2: lost
+
     def own_transaction(self) -> AbstractContextManager[Any]:
         return _autocommit_off(self.conn)
 
@@ -507,6 +532,9 @@ class _AsyncPsycopg:
 
     def autocommits(self) -> bool:
         return _autocommitting(self.conn)
+
+    def closed_by_caller(self) -> bool:
+        return self.conn.closed and not self.conn.broken
 
     @contextmanager
     def own_transaction(self) -> Iterator[None]:
@@ -614,6 +642,9 @@ class _Django:
 
     def autocommits(self) -> bool:
         return bool(self.wrapper.get_autocommit()) and not self.wrapper.in_atomic_block
+
+    def closed_by_caller(self) -> bool:
+        return False  # Django connects again by itself
 
     def own_transaction(self) -> AbstractContextManager[Any]:
         from django.db import transaction

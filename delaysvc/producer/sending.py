@@ -607,6 +607,9 @@ class Producer:
                     # in the caller's transaction nothing is stored until they commit; on an
                     # autocommitting connection, a statement sent may have stored itself
                     _raise_domain_error(exc, doing, connected=True, maybe_stored=autocommits)
+                    own = joining.raised_to_caller(exc)
+                    if own is not None:  # the caller's driver's (or Django's) own error
+                        raise own from own.__cause__
                     raise
             return
         started = maybe_stored = False

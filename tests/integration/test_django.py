@@ -221,6 +221,19 @@ def test_a_refused_send_leaves_the_atomic_block_usable(database_url: str, engine
     assert stored(engine, "order.capped")["commit_log"] == [kept.id]
 
 
+def test_a_database_error_delaysvc_does_not_name_is_djangos_own() -> None:
+    """A send in an atomic block an earlier statement aborted: it raised SQLAlchemy's
+    InternalError, which `except django.db.DatabaseError` does not catch."""
+    from django.db import DatabaseError
+
+    with transaction.atomic():
+        with pytest.raises(DatabaseError), connection.cursor() as cursor:
+            cursor.execute("SELECT 1/0")
+        with pytest.raises(DatabaseError, match="current transaction is aborted"):
+            delaysvc_django.send("order.aborted", 1)
+        transaction.set_rollback(True)
+
+
 def test_the_core_send_joins_django_db_connection_too(producer: Producer, engine: Engine) -> None:
     with transaction.atomic():
         sent = producer.send("order.core", 1, delay_level=1, connection=connection)
@@ -337,4 +350,4 @@ def test_the_same_on_djangos_psycopg2_backend() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "10 passed, 1 skipped" in done.stdout
+    assert "11 passed, 1 skipped" in done.stdout

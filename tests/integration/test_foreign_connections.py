@@ -13,10 +13,12 @@ from typing import Any
 
 import psycopg
 import psycopg2
+import psycopg2.errors
 import psycopg2.extras
 import pytest
+import sqlalchemy.exc
 from psycopg.rows import dict_row
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from delaysvc.config.settings import Settings
@@ -349,3 +351,48 @@ def test_a_thing_that_cannot_be_joined_is_refused_by_name(
     ):
         producer.send("t", 1, connection={})
     assert stored(engine, "t") == NOTHING
+
+
+def test_a_database_error_delaysvc_does_not_name_is_the_callers_drivers_own(
+    producer: Producer, held: Held
+) -> None:
+    """A send in a transaction an earlier statement aborted: PostgreSQL refuses it. A psycopg
+    or psycopg2 caller got SQLAlchemy's InternalError, which its `except psycopg.Error` (or
+    `psycopg2.Error`) does not catch; it now gets its driver's own error, and a SQLAlchemy
+    caller SQLAlchemy's, as each would from its own statement."""
+    with held.transaction() as conn:
+        if isinstance(conn, Connection | Session):
+            expected: type[Exception] = sqlalchemy.exc.DBAPIError
+            with pytest.raises(sqlalchemy.exc.DBAPIError):
+                conn.execute(text("SELECT 1/0"))
+        elif isinstance(conn, psycopg.Connection):
+            # in pipeline mode, psycopg's PipelineAborted until the caller syncs
+            expected = psycopg.Error if held.name.endswith("pipeline") else (
+                psycopg.errors.InFailedSqlTransaction
+            )  # fmt: skip
+            with pytest.raises(psycopg.errors.DivisionByZero):
+                conn.execute("SELECT 1/0").fetchall()
+        else:
+            expected = psycopg2.errors.InFailedSqlTransaction
+            with pytest.raises(psycopg2.errors.DivisionByZero):
+                conn.cursor().execute("SELECT 1/0")
+        with pytest.raises(expected) as raised:
+            producer.send("shop.aborted", 1, connection=conn)
+        assert "sqlalche.me" not in str(raised.value) or expected is sqlalchemy.exc.DBAPIError
+
+
+@pytest.mark.parametrize("driver", ["psycopg3", "psycopg2"])
+def test_a_connection_the_caller_closed_is_named_not_the_database_unavailable(
+    producer: Producer, database_url: str, driver: str
+) -> None:
+    """It said "the database is unavailable": the outage an application retries or answers
+    with a 503, where the database is fine and the caller's connection was closed."""
+    dsn = libpq_url(database_url)
+    conn: Any = psycopg.connect(dsn) if driver == "psycopg3" else psycopg2.connect(dsn)
+    conn.close()
+    for call in (
+        lambda: producer.send("shop.closed", 1, connection=conn),
+        lambda: producer.send_batch([{"topic": "shop.closed", "body": 1}], connection=conn),
+    ):
+        with pytest.raises(ValidationError, match="connection: is closed; pass an open one"):
+            call()
