@@ -16,7 +16,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
@@ -178,6 +186,26 @@ class Settings(BaseModel):
         if value is not None:
             _check_database_url(f"DELAYSVC_{str(info.field_name).upper()}", value)
         return value
+
+    @model_validator(mode="after")
+    def _direct_url_is_not_the_pooled_one(self) -> Settings:
+        """Behind a transaction pooler the direct URL is what keeps a session: the pooled URL
+        given as it was taken for a direct one, and statements were prepared through the
+        pooler."""
+        direct, pooled = self.direct_database_url, self.database_url
+        if (
+            self.database_pooling in TRANSACTION_POOLINGS
+            and direct is not None
+            and pooled is not None
+            and make_url(direct).set(drivername="postgresql")
+            == make_url(pooled).set(drivername="postgresql")
+        ):
+            raise ConfigError(
+                "DELAYSVC_DIRECT_DATABASE_URL: is DELAYSVC_DATABASE_URL, the transaction-pooling "
+                f"PgBouncer's (DELAYSVC_DATABASE_POOLING={self.database_pooling}); set it to a "
+                "direct or session-pooled URL of the same database"
+            )
+        return self
 
     @field_validator("metrics_token")
     @classmethod

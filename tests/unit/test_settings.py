@@ -105,3 +105,27 @@ def test_an_entry_given_twice_is_refused_not_overridden_by_the_last(
         Settings.from_env({variable: value})
     assert str(refused.value).startswith(variable)
     assert "twice" in str(refused.value)
+
+
+@pytest.mark.parametrize("pooling", ["transaction", "transaction-prepared"])
+def test_a_direct_url_that_is_the_pooled_url_is_refused(pooling: str) -> None:
+    """Copied across to make the worker start, it was taken for the direct one: psycopg then
+    prepared statements through the transaction pooler (19 of 20 sends failed with "_pg3_0
+    already exists") and the lanes' session locks went through it too."""
+    pooled = "postgresql://u@pgbouncer:6432/d"
+    for direct in (pooled, "postgresql+psycopg://u@pgbouncer:6432/d"):
+        env = {
+            "DELAYSVC_DATABASE_URL": pooled,
+            "DELAYSVC_DATABASE_POOLING": pooling,
+            "DELAYSVC_DIRECT_DATABASE_URL": direct,
+        }
+        with pytest.raises(ConfigError) as refused:
+            Settings.from_env(env)
+        assert str(refused.value) == (
+            "DELAYSVC_DIRECT_DATABASE_URL: is DELAYSVC_DATABASE_URL, the transaction-pooling "
+            f"PgBouncer's (DELAYSVC_DATABASE_POOLING={pooling}); set it to a direct or "
+            "session-pooled URL of the same database"
+        )
+    # behind a session pooler (or none) the two may be the same
+    same = {"DELAYSVC_DATABASE_URL": pooled, "DELAYSVC_DIRECT_DATABASE_URL": pooled}
+    assert Settings.from_env(same).direct_database_url == pooled
