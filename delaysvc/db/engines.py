@@ -232,7 +232,45 @@ def make_engine(settings: Settings, url: str | None = None, **options: object) -
         **options,
     )
     event.listen(engine, "checkout", _closed_by_server)
+    if settings.database_pooling == "transaction-prepared" and behind_transaction_pooler(
+        settings, url
+    ):
+        event.listen(engine, "connect", _require_kept_prepared_statements)
     return engine
+
+
+_PREPARED_HERE = "SELECT name FROM pg_prepared_statements"
+
+
+def _require_kept_prepared_statements(dbapi_connection: Any, _record: Any) -> None:
+    """Refuse, before any statement of delaysvc's, a pooler that keeps no prepared statement
+    of its clients under `transaction-prepared`: PgBouncer 1.22 or later (with
+    `max_prepared_statements` above 0) prepares a client's statement on the server connection
+    under a name of its own, an older one (or one set to 0) hands the server the client's own
+    name, which another client's statement may hold already: it then ran without an error (a
+    read ran another client's cancel). Asked by preparing the question itself, on each new
+    connection."""
+    names = [name for (name,) in dbapi_connection.execute(_PREPARED_HERE, prepare=True)]
+    dbapi_connection.rollback()
+    _refuse_client_names(names)
+
+
+async def require_kept_prepared_statements_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """`_require_kept_prepared_statements` for an AsyncConnectionPool's new connection
+    (`configure`; autocommitted)."""
+    cursor = await conn.execute(_PREPARED_HERE, prepare=True)
+    _refuse_client_names([name for (name,) in await cursor.fetchall()])
+
+
+def _refuse_client_names(names: list[str]) -> None:
+    if any(name.startswith("_pg3_") for name in names):
+        raise ConfigError(
+            "DELAYSVC_DATABASE_POOLING=transaction-prepared, but the pooler at "
+            "DELAYSVC_DATABASE_URL keeps no prepared statement of its clients (PgBouncer "
+            "before 1.22, or max_prepared_statements = 0): a client could run another's "
+            "statement; use DELAYSVC_DATABASE_POOLING=transaction, or PgBouncer 1.22 or later "
+            "with max_prepared_statements above 0"
+        )
 
 
 def behind_transaction_pooler(settings: Settings, url: str) -> bool:

@@ -31,9 +31,11 @@ from psycopg_pool import AsyncConnectionPool
 from delaysvc import store
 from delaysvc.config import tracing
 from delaysvc.db.engines import (
+    behind_transaction_pooler,
     database_url,
     libpq_url,
     psycopg_prepare_options,
+    require_kept_prepared_statements_async,
     server_closed,
 )
 from delaysvc.producer.grouping import MOST
@@ -68,6 +70,7 @@ class AsyncSends:
         url = database_url(settings)
         options: dict[str, Any] = {"autocommit": True, "application_name": "delaysvc"}
         options.update(psycopg_prepare_options(settings, url))  # as the producer's engine
+        kept = settings.database_pooling == "transaction-prepared"
         self.pool = AsyncConnectionPool(
             libpq_url(url),
             min_size=1,
@@ -76,6 +79,10 @@ class AsyncSends:
             open=False,
             timeout=CONNECT_SECONDS,
             check=_not_closed_by_server,
+            # as the producer's engine asks (`engines.make_engine`)
+            configure=require_kept_prepared_statements_async
+            if kept and behind_transaction_pooler(settings, url)
+            else None,
         )
         self._takes = producer.sends_autocommitted() and not settings.caps
         self._waiting: list[_Waiting] = []

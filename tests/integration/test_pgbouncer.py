@@ -122,6 +122,32 @@ def test_a_pgbouncer_keeping_prepared_statements_has_the_sends_prepared_on_the_s
     assert any("send_one(" in statement for (statement,) in statements), statements
 
 
+def test_transaction_prepared_on_a_pgbouncer_that_keeps_no_prepared_statement_is_refused(
+    settings: Settings, bouncer: Bouncer, engine: Engine
+) -> None:
+    """Debian's 1.18 (or any PgBouncer with `max_prepared_statements = 0`) hands the clients'
+    own statement names to the shared server connection: besides sends failing with "already
+    exists", a client ran another's statement of the same name without an error (a read of a
+    message ran the cancel's UPDATE: the message cancelled, left in its topic's queue). Each
+    engine now asks at its first connection, before any statement of delaysvc's."""
+    wrong = bouncer.pooled(settings, settings.database_url or "", "transaction-prepared")
+    pooled = make_engine(wrong)
+    try:
+        for _ in range(2):  # asked again at every connection until it is right
+            with pytest.raises(ConfigError) as refused:
+                Producer(wrong, pooled).send("pgb.wrong", 1)
+            assert str(refused.value) == (
+                "DELAYSVC_DATABASE_POOLING=transaction-prepared, but the pooler at "
+                "DELAYSVC_DATABASE_URL keeps no prepared statement of its clients (PgBouncer "
+                "before 1.22, or max_prepared_statements = 0): a client could run another's "
+                "statement; use DELAYSVC_DATABASE_POOLING=transaction, or PgBouncer 1.22 or "
+                "later with max_prepared_statements above 0"
+            )
+    finally:
+        pooled.dispose()
+    assert stored(engine, "pgb.wrong") == NOTHING
+
+
 def test_transaction_prepared_refuses_a_psycopg_that_drops_statements_by_sql(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
