@@ -538,19 +538,20 @@ class _AsyncPsycopg:
 
     @contextmanager
     def own_transaction(self) -> Iterator[None]:
-        """BEGIN ... COMMIT by psycopg's transaction block, as on a sync connection: autocommit
-        turned off instead began no transaction in pipeline mode, each statement committed
-        alone (a batch's staged rows went with their commit)."""
         from sqlalchemy.util import await_only
 
-        block = self.conn.transaction()
-        await_only(block.__aenter__())
+        await_only(self.conn.set_autocommit(False))
         try:
             yield
-        except BaseException as exc:
-            await_only(block.__aexit__(type(exc), exc, exc.__traceback__))
+        except BaseException:
+            if not self.conn.closed:
+                await_only(self.conn.rollback())
             raise
-        await_only(block.__aexit__(None, None, None))
+        else:
+            await_only(self.conn.commit())
+        finally:
+            if not self.conn.closed:
+                await_only(self.conn.set_autocommit(True))
 
 
 class _AwaitedCursor:
