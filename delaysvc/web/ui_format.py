@@ -203,10 +203,12 @@ def timeline(message: Message) -> list[dict[str, str]]:
         add(message.started_at, 3, f"attempt {message.attempts} started")
     if message.finished_at is not None:
         # after every attempt, even an error entry stamped a moment later in the same statement
+        # (two clock readings in it): sorted and shown at that later time, so the times shown
+        # stay in order
         last = max([message.finished_at, *(at for at, order, _ in events if order == 3)])
         ran = message.duration_ms is not None and message.status != "cancelled"
         detail = f"handler ran {message.duration_ms} ms" if ran else ""
-        events.append((last, 9, _event(message.finished_at, message.status, detail)))
+        events.append((last, 9, _event(last, message.status, detail)))
     events.sort(key=lambda event: (event[0], event[1]))
     return [event for _, _, event in events]
 

@@ -33,10 +33,17 @@ def _attach(var: Path) -> subprocess.Popen[str]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        # Ctrl-C's default: a shell's background job (CI's passes) ignores SIGINT, and so
+        # does a Python started from it (it then installs no KeyboardInterrupt)
+        preexec_fn=_sigint_by_default,
     )
     assert process.stdout is not None
     assert process.stdout.readline().strip() == "attached"
     return process
+
+
+def _sigint_by_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _running(pid: int) -> bool:
@@ -242,9 +249,11 @@ def test_a_stop_signal_that_comes_again_while_the_last_user_exits_still_stops_th
     server = postmaster_pid(var / "pg")
     assert server is not None
     try:
-        while user.poll() is None:  # again and again until it is gone
+        deadline = time.monotonic() + 60
+        while user.poll() is None and time.monotonic() < deadline:  # again until it is gone
             user.send_signal(signum)
             time.sleep(0.001)
+        assert user.poll() is not None, "the process did not stop on its signal"
         _gone(var, server)
         assert _users(var) == []
     finally:
