@@ -165,14 +165,20 @@ def _forget_dead_handles(server: Any) -> None:
     SIGTERM and SIGINT are ignored: one more (a second Ctrl-C, a parent-death signal sent
     again) cut the wheel's exit handler short, leaving the server running and its list of
     users half written."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals()
     with server._lock:  # the wheel's inter-process lock around its handle list
         handles = server.global_process_id_list
         for pid in handles.get():
             if process_gone(pid):
                 handles.get_and_remove(pid)
     _follow_restart(server)
+
+
+def ignore_stop_signals() -> None:
+    """SIGTERM and SIGINT ignored from here on: a process leaving an embedded server lets its
+    exit handlers end (one more signal cut them short)."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def process_gone(pid: int) -> bool:

@@ -17,7 +17,12 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from delaysvc.db.engines import embedded_server, process_gone, restart_if_stopped
+from delaysvc.db.engines import (
+    embedded_server,
+    ignore_stop_signals,
+    process_gone,
+    restart_if_stopped,
+)
 
 POLL_SECONDS = 1.0
 UP = os.getppid()  # the `delaysvc up` this keeper serves
@@ -27,8 +32,7 @@ UP_GONE_SECONDS = 5.0
 def _leave(signum: int, frame: FrameType | None) -> None:
     # once: the kernel sends the parent-death signal again as up's threads die, and one
     # more cut the exit handlers short (the server ran on, the wheel's list half written)
-    for stop in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop, signal.SIG_IGN)
+    ignore_stop_signals()
     if os.getppid() != UP or process_gone(UP):
         # up died (the kernel's SIGTERM, sent while up is still exiting): the wheel counts a
         # process as a user until it is gone, and would leave the server running for it
