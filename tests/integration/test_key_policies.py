@@ -126,6 +126,11 @@ def test_raced_against_the_move_and_the_claim_each_key_runs_once_with_one_body(
     worker = threading.Thread(target=deliver_and_consume)
     worker.start()
     try:
+        # the re-sends start once a first message has run, so that some meet a key already run
+        # and others one still waiting (started at once, a fast producer replaced all 60 first)
+        deadline = time.monotonic() + 60
+        while not ran and not errors and time.monotonic() < deadline:
+            time.sleep(0.005)
         for key in keys:
             producer.send("kp.race", {"v": 2}, key=key, on_duplicate=policy)
     finally:
