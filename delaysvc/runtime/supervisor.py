@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ import click
 
 from delaysvc.config.settings import Settings
 from delaysvc.errors import ConfigError
+from delaysvc.runtime import reaper
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -218,6 +219,39 @@ def die_with_parent(parent: int | None = None) -> Callable[[], None] | None:
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
+class Reaper:
+    """The supervisor's reaper (`delaysvc.runtime.reaper`): told each child as it starts, it
+    kills those still running STOP_GRACE_SECONDS after the supervisor died without stopping
+    them. None of its failures is the supervisor's: a reaper that cannot be told is left."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        if hasattr(os, "pidfd_open"):  # Linux
+            command = [sys.executable, "-m", "delaysvc.runtime.reaper", str(STOP_GRACE_SECONDS)]
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+
+    def watch(self, process: subprocess.Popen[bytes], name: str) -> None:
+        self._tell(f"{process.pid} {name}\n".encode())
+
+    def stopped(self) -> None:
+        """Every child stopped by the supervisor: the reaper exits."""
+        self._tell(reaper.STOPPED + b"\n")
+        if self.process is not None:
+            with suppress(OSError):
+                self.process.stdin.close()  # type: ignore[union-attr]
+            with suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=5)
+
+    def _tell(self, line: bytes) -> None:
+        if self.process is None or self.process.stdin is None or self.process.stdin.closed:
+            return
+        try:
+            self.process.stdin.write(line)
+            self.process.stdin.flush()
+        except OSError:  # it died: the children still die with the supervisor, unkilled
+            pass
+
+
 class Child:
     """One supervised process: its command, the running process, and its restart record."""
 
@@ -249,6 +283,7 @@ class Supervisor:
         self.relays: list[threading.Thread] = []
         self.retiring: list[subprocess.Popen[bytes]] = []  # replaced by a reload, finishing
         self.preexec = die_with_parent()
+        self.reaper = Reaper()
 
     def say(self, line: str, err: bool = False) -> None:
         if self.console is None:
@@ -265,6 +300,7 @@ class Supervisor:
         child.started, child.restart_at = time.monotonic(), None
         if self.console is None:
             child.process = subprocess.Popen(list(child.command), env=self.env, **common)
+            self.reaper.watch(child.process, child.command.name)
             return
         child.process = subprocess.Popen(
             list(child.command),
@@ -273,6 +309,7 @@ class Supervisor:
             stderr=subprocess.STDOUT,
             **common,
         )
+        self.reaper.watch(child.process, child.command.name)
         assert child.process.stdout is not None
         self.relays.append(self.console.relay(child.command.name, child.process.stdout))
 
@@ -342,6 +379,7 @@ class Supervisor:
                 )
                 process.kill()
                 process.wait()
+        self.reaper.stopped()
         for relay in self.relays:
             relay.join(timeout=2)  # the children's last lines
 

@@ -517,6 +517,7 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
         # master; each Celery child is replaced by a new one, the old one finishing first
         before = _children_of(up.pid)
         (web,) = [pid for pid, cmd in before.items() if "gunicorn" in cmd]
+        (reaper,) = [pid for pid, cmd in before.items() if "runtime.reaper" in cmd]
         web_workers = set(_children_of(web))
         os.kill(up.pid, signal.SIGHUP)
         output.wait_for("reloading web (it starts new workers itself)", 30)
@@ -524,8 +525,8 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
             output.wait_for(f"reloading {name}: a new one starts, the old one finishes", 30)
         wait_for(
             lambda: (
-                len(_children_of(up.pid)) == 5
-                and not set(before) - {web} & set(_children_of(up.pid))
+                len(_children_of(up.pid)) == 6
+                and not set(before) - {web, reaper} & set(_children_of(up.pid))
             ),
             60,
             "the replaced children to exit, their successors running",
@@ -537,8 +538,9 @@ def test_up_restarts_a_child_that_dies_and_takes_every_child_with_it_when_killed
 
         assert_check_clean(url)
         children = list(_children_of(up.pid))
-        # web, delivery, consume, beat, and the embedded database's keeper
-        assert len(children) == 5, _children_of(up.pid)
+        # web, delivery, consume, beat, the embedded database's keeper, and the reaper of
+        # children that outlive a killed up (delaysvc.runtime.reaper)
+        assert len(children) == 6, _children_of(up.pid)
         os.kill(up.pid, signal.SIGKILL)
         up.wait(timeout=10)
         # each child gets SIGTERM from the kernel (PR_SET_PDEATHSIG) and stops as it would on

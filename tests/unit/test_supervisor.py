@@ -121,6 +121,52 @@ def test_no_child_outlives_a_supervisor_killed_with_sigkill(tmp_path: Path) -> N
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
 
 
+def test_a_child_that_ignores_its_parents_death_is_killed_after_the_grace(tmp_path: Path) -> None:
+    """A supervisor killed with SIGKILL: the kernel's SIGTERM reached each child, but a child
+    that did not stop on it (a Celery worker's warm shutdown hung, seen once after `up` was
+    killed: the worker ran on for good, holding var/up.pid) ran on unsupervised, and so did
+    its own children. The grace later (STOP_GRACE_SECONDS, as a stop gives), the supervisor's
+    reaper kills it and everything of its session."""
+    pids = tmp_path / "pids"
+    stubborn = (
+        "import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "grandchild = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)']); "
+        f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{grandchild.pid}}'); time.sleep(120)"
+    )
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from delaysvc.runtime import supervisor as up; "
+            "up.STOP_GRACE_SECONDS = 2; "
+            f"sys.exit(up.run_processes([up.Command('stubborn', [sys.executable, '-c', "
+            f"{stubborn!r}])]))",
+        ],
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, 30, "the child")
+        child_pid, grandchild_pid = map(int, pids.read_text().split())
+        time.sleep(0.5)  # both ignore SIGTERM by now
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        time.sleep(1)
+        assert process_alive(child_pid) and process_alive(grandchild_pid)  # the grace is theirs
+        wait_for(lambda: not process_alive(child_pid), 15, "the stubborn child to be killed")
+        wait_for(lambda: not process_alive(grandchild_pid), 15, "its own child to be killed")
+        assert supervisor.stderr is not None
+        said = supervisor.stderr.read().decode()
+        assert f"stubborn (pid {child_pid}) still ran 2 s after its supervisor died: killed" in said
+    finally:
+        supervisor.kill()
+        if pids.exists():
+            for pid in map(int, pids.read_text().split()):
+                if process_alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+
+
 def test_a_flood_of_sighups_neither_stops_nor_hangs_the_supervisor(tmp_path: Path) -> None:
     """SIGHUP's handler runs in the loop's thread, between any two of its steps: one that took
     a lock the loop might hold (an Event's, while the loop clears it) waited on its own thread
