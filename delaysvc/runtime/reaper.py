@@ -7,7 +7,7 @@ nobody watches. The reaper is the supervisor's own child in a session of its own
 kernel tells nothing: the supervisor writes each child's pid and name on its stdin as it
 starts it, and when that pipe ends without the line `stopped` (the supervisor died), the
 reaper gives the children what a stop gives them (`grace` seconds, `Supervisor.stop_all`),
-then kills each one still running and everything of its session. A supervisor that stops its
+then kills each one still running. A supervisor that stops its
 children itself writes `stopped`, and the reaper exits at once.
 
 Run as `python -m delaysvc.runtime.reaper GRACE` (`supervisor.Reaper`). Linux only (pidfds:
@@ -65,11 +65,12 @@ def _running(child: Watched, wait: float) -> bool:
 
 
 def _kill(child: Watched) -> None:
-    """The child (still the process of that pid: its pidfd is open) and its session's group
-    (each child starts a session of its own: its workers and their children)."""
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, signal.SIGKILL)  # its group while it leads it: it runs
-        signal.pidfd_send_signal(child.handle, signal.SIGKILL)  # if it left its group
+    """The child (still the process of that pid: its pidfd is open), as `stop_all` kills one
+    past its grace; its own children die with it as they die with it there (Celery's pool and
+    gunicorn's workers have the kernel's parent-death signal). Not its process group: the
+    embedded database's keeper may have started the server in its own."""
+    with suppress(ProcessLookupError):
+        signal.pidfd_send_signal(child.handle, signal.SIGKILL)
 
 
 if __name__ == "__main__":
