@@ -114,16 +114,19 @@ def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Placeme
         raise ValidationError(
             "deliver_at", "must be timezone-aware (a naive datetime is ambiguous); add tzinfo"
         )
+    too_far = ValidationError(
+        "deliver_at",
+        f"{deliver_at.isoformat()} is more than {format_ms(max_delay_ms)} ahead, the maximum "
+        "delay (DELAYSVC_MAX_DELAY)",
+    )
     try:
         deliver_at.astimezone(UTC)
-    except OverflowError:  # Python has no earlier time: stored, it could not be read back
+    except OverflowError:  # Python has no such time: stored, it could not be read back
+        if deliver_at.year > 1:  # after 9999-12-31 in UTC
+            raise too_far from None
         raise ValidationError(
             "deliver_at", f"{deliver_at.isoformat()} is before 0001-01-01T00:00:00Z"
         ) from None
     if deliver_at - now > timedelta(milliseconds=max_delay_ms):
-        raise ValidationError(
-            "deliver_at",
-            f"{deliver_at.isoformat()} is more than {format_ms(max_delay_ms)} ahead, the maximum "
-            "delay (DELAYSVC_MAX_DELAY)",
-        )
+        raise too_far
     return Placement(TIMER_LANE, None, None, deliver_at)

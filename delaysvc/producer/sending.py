@@ -230,6 +230,9 @@ class Producer:
 
         def write(conn: joining.Joined) -> tuple[Any, bool, int | None, store.NewMessage]:
             with conn.transaction():
+                # replaces of one key wait for each other: each read, cancelled and stored
+                # while others cancelled what it had read, and ran out of tries
+                store.lock_key(conn, new.topic, new.key)
                 for _ in range(5):
                     ((row, created, _),) = self._store(conn, [new])
                     if created:

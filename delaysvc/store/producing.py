@@ -12,8 +12,8 @@ from psycopg import AsyncConnection, Cursor
 from psycopg.rows import namedtuple_row
 
 from delaysvc.config.validation import json_text
+from delaysvc.db.names import LOCK_KEY, lock_name, sql
 from delaysvc.db.names import driver_sql as _driver_sql
-from delaysvc.db.names import sql
 from delaysvc.errors import DuplicateKey
 from delaysvc.store import history as store_history
 from delaysvc.store.shared import (
@@ -309,7 +309,7 @@ def stage_row(ord_: int, message: NewMessage) -> tuple[Any, ...]:
     )
 
 
-def _stage_document(messages: Sequence[NewMessage]) -> str:
+def _stage_document(staged: Iterable[tuple[int, NewMessage]]) -> str:
     return json_text(
         [
             {
@@ -326,7 +326,7 @@ def _stage_document(messages: Sequence[NewMessage]) -> str:
                 "deliver_at": m.deliver_at.isoformat() if m.deliver_at is not None else None,
                 "priority": m.priority,
             }
-            for ord_, m in enumerate(messages)
+            for ord_, m in staged
         ]
     )
 
@@ -340,17 +340,22 @@ def insert_messages(
     holds `id, stored_at, deliver_ts` and `origin` is the item's index; a key taken earlier in
     the batch gives that item's row and index with created=False; a key held by an unfinished
     message already gives that message's whole row, created=False and origin None."""
-    if cursor is not None:
-        stage_rows(cursor, (stage_row(ord_, message) for ord_, message in enumerate(messages)))
-    else:
-        conn.execute(sql(_CREATE_STAGE))
-        conn.execute(sql(_STAGE_FROM_JSON), {"rows": _stage_document(messages)})
     created: list[Any] = [None] * len(messages)
-    for row in conn.execute(sql(INSERT_STAGED)):
-        created[row.ord] = row
+    holders: dict[tuple[str, str], Any] = {}
+    pending: Iterable[int] = range(len(messages))
+    for _ in range(5):
+        _stage(conn, cursor, ((ord_, messages[ord_]) for ord_ in pending))
+        for row in conn.execute(sql(INSERT_STAGED)):
+            created[row.ord] = row
+        missing = [ord_ for ord_ in pending if created[ord_] is None]  # each with a key
+        pairs = [(messages[ord_].topic, messages[ord_].key) for ord_ in missing]
+        holders.update(find_unfinished_by_keys(conn, pairs))  # this batch's own rows too
+        # a key skipped by the insert whose holder finished before this lookup (cancelled by
+        # another transaction): nobody holds it now, so it is stored again
+        pending = [ord_ for ord_, pair in zip(missing, pairs, strict=True) if pair not in holders]
+        if not pending:
+            break
     results: list[tuple[Any, bool, int | None]] = []
-    missing = [m for m, row in zip(messages, created, strict=True) if row is None]
-    holders = find_unfinished_by_keys(conn, [(m.topic, m.key) for m in missing if m.key])
     first_in_batch: dict[tuple[str, str], int] = {}
     for index, (message, row) in enumerate(zip(messages, created, strict=True)):
         pair = (message.topic, message.key) if message.key is not None else None
@@ -368,6 +373,27 @@ def insert_messages(
                 f"key {message.key!r} of topic {message.topic!r} is changing hands; retry"
             )
     return results
+
+
+def _stage(
+    conn: Statements, cursor: Cursor[Any] | None, staged: Iterable[tuple[int, NewMessage]]
+) -> None:
+    """Put `staged` ((ord, message) each) in the session's staging table, for INSERT_STAGED:
+    by COPY on `cursor`, else by one statement from a JSON document."""
+    if cursor is not None:
+        stage_rows(cursor, (stage_row(ord_, message) for ord_, message in staged))
+    else:
+        conn.execute(sql(_CREATE_STAGE))
+        conn.execute(sql(_STAGE_FROM_JSON), {"rows": _stage_document(staged)})
+
+
+def lock_key(conn: Statements, topic: str, key: str | None) -> None:
+    """Serialise the replacing sends of one key of a topic (of this schema) until the
+    transaction ends (`Producer.send`'s `on_duplicate`)."""
+    conn.execute(
+        sql(f"SELECT pg_advisory_xact_lock({LOCK_KEY})"),
+        {"lock": lock_name(f"key {len(topic)} {topic} {key}")},
+    )
 
 
 def find_unfinished_by_keys(

@@ -152,6 +152,8 @@ def message_options(item: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(at, str):
             raise ValidationError("deliver_at", "must be an ISO 8601 string with a timezone")
         try:
+            if "\x00" in at:  # Python 3.11's parser stops at a NUL and takes what came before
+                raise ValueError(at)
             # RFC 3339 allows a lower-case t and z, which Python 3.11's parser does not
             options["deliver_at"] = datetime.fromisoformat(at.upper())
         except ValueError:
@@ -179,7 +181,15 @@ def send_one(producer: Producer, sender: ApiToken, data: dict[str, Any]) -> tupl
 @api.post("/messages/batch")
 @requires("send")
 def send_messages():
-    items = json_body().get("messages")
+    request_body = json_body()
+    for name in request_body:
+        if name != "messages":  # a misspelt `messages`, an `on_duplicate` beside them
+            raise ValidationError(
+                name,
+                "unknown field; a batch's request holds only messages (each item's options "
+                "go in the item; on_duplicate is for single sends)",
+            )
+    items = request_body.get("messages")
     if not isinstance(items, list) or not items:
         raise ValidationError("messages", "must be a non-empty list of messages")
     if len(items) > MAX_BATCH:  # send_batch itself takes more: an HTTP batch is one request

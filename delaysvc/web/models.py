@@ -133,6 +133,7 @@ class NewMessageJson(MessageFieldsJson):
     ]
 
 
+@with_config(FORBID_OTHERS)
 class NewBatchJson(TypedDict):
     """Messages to send, all or none."""
 

@@ -162,3 +162,53 @@ def test_raced_against_the_move_and_the_claim_each_key_runs_once_with_one_body(
     replaced = [row for row in rows if row.status == "cancelled"]
     assert replaced  # some replaces met a message waiting or in the topic queue
     assert {v for _, _, v in ran} == {1, 2}
+
+
+@pytest.mark.parametrize("policy", ["replace", "debounce"])
+def test_many_senders_replacing_one_key_at_once_each_take_its_place_in_turn(
+    producer: Producer, engine: Engine, policy: str
+) -> None:
+    """16 threads replace one waiting key at once, four times each. Each replace read the
+    holder, cancelled it and stored its own, and tried again when another had cancelled it
+    first: under that contention the tries ran out, and a send failed with NotCancellable
+    ("keeps changing state", 409 over HTTP) though nothing ran (found by a reviewer: 25-65% of
+    40 HTTP clients). Replaces of one key now wait for each other: every one succeeds, each
+    replacing the message the one before it stored, and one message is left holding the key."""
+    first = producer.send("kp.many", {"v": -1}, delay="1h", key="k")
+    barrier = threading.Barrier(16)
+    sent: list[Any] = []
+    errors: list[BaseException] = []
+
+    def replace(n: int) -> None:
+        try:
+            for round_ in range(4):
+                barrier.wait(timeout=60)
+                sent.append(
+                    producer.send(
+                        "kp.many",
+                        {"v": n * 10 + round_},
+                        delay="1h",
+                        key="k",
+                        on_duplicate=policy,  # type: ignore[arg-type]
+                    )
+                )
+        except BaseException as exc:  # asserted below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=replace, args=(n,)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert len(sent) == 64 and all(message.created for message in sent)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, status FROM commit_log WHERE topic = 'kp.many' ORDER BY id")
+        ).all()
+    assert len(rows) == 65
+    assert [row.id for row in rows if row.status == "scheduled"] == [rows[-1].id]
+    # a chain: each replaced a different one, every message but the last (`first` included)
+    replaced = [message.replaced_id for message in sent]
+    assert sorted(replaced) == [row.id for row in rows[:-1]] and rows[0].id == first.id

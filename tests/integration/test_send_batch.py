@@ -269,6 +269,51 @@ def test_a_batch_dedups_keys_inside_itself_and_against_stored_rows(
     assert len(lanes) == 1 + len(created)  # `held` waits too; `finished` nowhere
 
 
+def test_a_key_whose_holder_finishes_between_the_insert_and_the_lookup_is_stored_again(
+    producer: Producer, engine: Engine, database_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged insert (psycopg2, Django, asyncio, and after a COPY's key race) skips an item
+    whose key an unfinished message holds, then looks that holder up. Cancelled in between by
+    another transaction (run here at that very point), the holder was gone, and the whole batch
+    failed with 409 `duplicate_key` "is changing hands; retry" (found by a reviewer: 1-2 a run of
+    30 HTTP clients sending, replacing and cancelling on 6 keys). The item is now stored again,
+    as a key nobody holds."""
+    import psycopg2
+
+    from delaysvc.store import producing
+
+    held = producer.send("t", "old", delay="1h", key="k")
+    lookups = []
+    real = producing.find_unfinished_by_keys
+
+    def cancelled_meanwhile(*args: object, **kwargs: object) -> object:
+        if not lookups:
+            producer.cancel(held.id)  # another transaction, committed
+        lookups.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(producing, "find_unfinished_by_keys", cancelled_meanwhile)
+    conn = psycopg2.connect(libpq_url(database_url))
+    try:
+        with conn:  # the caller's transaction: the staged insert's way
+            sent = producer.send_batch(
+                [
+                    {"topic": "t", "body": "new", "delay": "1h", "key": "k"},
+                    {"topic": "t", "body": "again", "key": "k"},
+                    {"topic": "t", "body": "free"},
+                ],
+                connection=conn,
+            )
+    finally:
+        conn.close()
+    assert [m.created for m in sent] == [True, False, True]
+    assert sent[1].id == sent[0].id != held.id
+    assert producer.get(held.id).status == "cancelled"
+    assert producer.get(sent[0].id).body == "new"
+    _same_as_stored(producer, sent[0])
+    assert _count(engine) == 3
+
+
 def test_a_batch_stores_awkward_values_exactly(producer: Producer) -> None:
     bodies = [b"\\N", b"a\tb\nc\\d\r", "tab\there \\ \u00e9\u4e2d\U0001f600", {"q": 'x"y'}, b""]
     results = producer.send_batch(

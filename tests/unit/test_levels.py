@@ -121,6 +121,14 @@ def test_deliver_at_before_the_year_1_in_utc_is_refused():
     assert resolve(deliver_at=first) == Placement(TIMER_LANE, None, None, first)
 
 
+def test_deliver_at_after_the_year_9999_in_utc_is_more_than_the_maximum_ahead():
+    """9999-12-31T23:59:59-14:00 was refused as "before 0001-01-01" (found by a reviewer): it
+    is after Python's last time in UTC, and far more than the maximum delay ahead."""
+    west = timezone(timedelta(hours=-14))
+    with pytest.raises(ValidationError, match=r"is more than 400d ahead, the maximum delay"):
+        resolve(deliver_at=datetime(9999, 12, 31, 23, 59, 59, tzinfo=west))
+
+
 def test_default_delay_applies_only_when_nothing_is_named():
     assert resolve(default_delay_ms=1_800_000).lane == 16
     assert resolve(default_delay_ms=1_800_000, delay_level=1).lane == 1
