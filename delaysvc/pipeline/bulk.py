@@ -49,6 +49,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
@@ -60,11 +61,12 @@ from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError
 from delaysvc.pipeline import store
 from delaysvc.pipeline.requirements import unwritable
 from delaysvc.producer.sending import Producer
-from delaysvc.store import NewMessage, check_levels, not_migrated
+from delaysvc.store import NewMessage, check_levels, not_migrated, rolled_back
 
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
 BATCH = 20_000
+ROLLED_BACK_TRIES = 5  # a batch PostgreSQL rolled back (a deadlock) is stored again so often
 REJECT, COUNTS, SLOW = "reject", "counts", "slow"
 # what a Spark task reports: (tag, a, b, reason): (REJECT, row id, -, reason), (COUNTS,
 # created, duplicates, -), (SLOW, row id, -, -) for a row left to the producer's path
@@ -420,23 +422,34 @@ def _store_batch(
         topic, key, _, _, _, lane, _ = line.split("\t", 6)
         held = None if key == NULL else key.replace("\\\\", "\\")
         placed.append(NewMessage(topic, b"", True, int(lane), None, None, None, key=held))
-    try:
-        with engine.begin() as conn:
-            earlier = store.claim_bulk_batch(conn, run, ids[0], ids[-1], len(ids))
-            if earlier is not None:
-                log.info("bulk.batch_stored_before", extra={"run": run, "first_rid": ids[0]})
-                return earlier, len(lines) - earlier, []
-            capped = caps.covering(conn, settings.caps, placed)
-            caps.before_insert(conn, capped, placed)
-            created = store.insert_copy_text(
-                conn, "".join(lines), keys_may_be_held=keys_may_be_held
-            )
-            store.record_bulk_created(conn, run, ids[0], created)
-            if capped and created:  # which rows a held key skipped is not told
-                caps.after_insert(conn, capped, placed)
-    except BacklogFull as exc:
-        return 0, 0, [(REJECT, rid, None, f"backlog_full: {exc}") for rid in ids]
-    return created, len(lines) - created, []
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            with engine.begin() as conn:
+                earlier = store.claim_bulk_batch(conn, run, ids[0], ids[-1], len(ids))
+                if earlier is not None:
+                    log.info("bulk.batch_stored_before", extra={"run": run, "first_rid": ids[0]})
+                    return earlier, len(lines) - earlier, []
+                capped = caps.covering(conn, settings.caps, placed)
+                caps.before_insert(conn, capped, placed)
+                created = store.insert_copy_text(
+                    conn, "".join(lines), keys_may_be_held=keys_may_be_held
+                )
+                store.record_bulk_created(conn, run, ids[0], created)
+                if capped and created:  # which rows a held key skipped is not told
+                    caps.after_insert(conn, capped, placed)
+            return created, len(lines) - created, []
+        except BacklogFull as exc:
+            return 0, 0, [(REJECT, rid, None, f"backlog_full: {exc}") for rid in ids]
+        except (psycopg.Error, DBAPIError) as exc:
+            # a deadlock with another writer of the same keys (a `send_batch` inserting them in
+            # its own order), or a serialization failure: PostgreSQL rolled the batch back,
+            # nothing of it stored; it is stored again
+            if attempt == ROLLED_BACK_TRIES or not rolled_back(getattr(exc, "orig", exc)):
+                raise
+            log.warning("bulk.batch_rolled_back", extra={"run": run, "first_rid": ids[0]})
+            time.sleep(0.05 * attempt)
 
 
 def _raw(row: Any, fmt: str) -> str:

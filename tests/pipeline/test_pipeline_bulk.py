@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -218,6 +220,55 @@ def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_t
         paused = conn.execute(text("SELECT count(*) FROM topic_state")).scalar_one()
     assert sorted(k or "" for k in keys) == ["", "a", "b", "c", "d"]
     assert (lane_rows, paused) == (5, 1)
+
+
+def test_a_batch_deadlocked_with_another_writer_of_its_keys_is_stored_again(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """A batch inserts its keys in (topic, key) order; another transaction held its key `b`
+    and then asked for its `a`: PostgreSQL broke the deadlock by rolling the batch back, and
+    the whole bulk-schedule failed with a traceback (found by a reviewer: a `send_batch` of the
+    same keys in its own order, 3 of 3 runs). The batch is now stored again: here it finds
+    both keys held."""
+    lines = [
+        bulk.message_line(producer.prepare(topic="bulk.dl", body={"k": k}, delay="1h", key=k))
+        for k in ("a", "b")
+    ]
+    rows = [(rid, True, line, None, None, None) for rid, line in enumerate(lines)]
+    done: dict[str, Any] = {}
+
+    def store() -> None:
+        try:
+            done["report"] = list(bulk.store_partition(iter(rows), settings, "csv", False, "dl"))
+        except BaseException as exc:  # asserted below
+            done["error"] = exc
+
+    with engine.connect() as other:
+        other.begin()
+        # PostgreSQL rolls back the transaction whose wait it checks first: the batch's
+        other.execute(text("SET LOCAL deadlock_timeout = '30s'"))
+        producer.send("bulk.dl", "other", delay="1h", key="b", connection=other)
+        batch = threading.Thread(target=store)
+        batch.start()
+        deadline = time.monotonic() + 30
+        with engine.connect() as watch:
+            while not watch.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock'"
+                )
+            ).scalar_one():
+                watch.rollback()
+                assert time.monotonic() < deadline, "the batch never waited on key b"
+                time.sleep(0.01)
+        producer.send("bulk.dl", "other", delay="1h", key="a", connection=other)
+        other.commit()
+    batch.join(timeout=60)
+    assert "error" not in done, done["error"]
+    assert done["report"][-1] == (bulk.COUNTS, 0, 2, None)
+    with engine.connect() as conn:
+        bodies = conn.execute(text("SELECT body FROM commit_log WHERE topic = 'bulk.dl'")).all()
+    assert len(bodies) == 2
 
 
 @pytest.mark.parametrize(
