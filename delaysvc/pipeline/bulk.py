@@ -483,7 +483,7 @@ def write_rejects(
     if fmt == "jsonl":
         with path.open("w") as f:
             for reason, raw in rejected:
-                f.write(json.dumps(_jsonl_reject(raw, reason)) + "\n")
+                f.write(_jsonl_reject(raw, reason) + "\n")
         return
     records = [{**json.loads(raw), "reason": reason} for reason, raw in rejected]
     names = [*columns, "reason"]
@@ -580,14 +580,21 @@ def check_database(settings: Settings) -> None:
         engine.dispose()
 
 
-def _jsonl_reject(raw: str, reason: str) -> dict[str, Any]:
+def _jsonl_reject(raw: str, reason: str) -> str:
+    """A rejected line as the rejects file has it: a JSON object's text as it came, with
+    `reason` added after its last member (values are not parsed and written again: 1e400
+    would come out as Infinity, no JSON, and 1e3 as 1000.0); any other line, not JSON or not
+    an object, as a string under `line`."""
     try:
-        value = json.loads(raw)
+        value = json.loads(raw, parse_constant=_not_json)
     except ValueError:
         value = None
-    if isinstance(value, dict):
-        return {**value, "reason": reason}
-    return {"line": raw, "reason": reason}
+    text = raw.strip()
+    if not isinstance(value, dict):
+        return json.dumps({"line": raw, "reason": reason})
+    inside = text[1:-1].strip()  # the members, between the braces
+    added = f'"reason": {json.dumps(reason)}'
+    return "{" + (f"{inside}, {added}" if inside else added) + "}"
 
 
 # ---------------------------------------------------------------- the run

@@ -222,6 +222,36 @@ def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_t
     assert (lane_rows, paused) == (5, 1)
 
 
+def test_json_lines_rejects_are_json_with_each_value_as_the_line_spelled_it(
+    tmp_path: Path,
+) -> None:
+    """A rejected line was parsed and dumped again: `1e400` came out as `Infinity` (no JSON:
+    strict readers such as jq refuse the file) and `1e3` as `1000.0` (found by a reviewer).
+    A line that is a JSON object keeps its text, its reason added; any other line (not JSON,
+    or Python's NaN) is kept whole as a string under `line`."""
+    lines = [
+        '{"topic": "j.ok", "body": 1e400, "key": "j5"}',
+        '{"topic":"j.ok","body":{},"delay_ms":1e3,"reason":"mine"}',
+        '{"topic": "j.ok", "body": NaN}',
+        "[1, 2]",
+        "{}",
+    ]
+    path = tmp_path / "in.rejects.jsonl"
+    bulk.write_rejects([("why", line) for line in lines], [], "jsonl", path)
+    written = path.read_text().splitlines()
+    strict = [json.loads(line, parse_constant=_refused) for line in written]
+    assert [value["reason"] for value in strict] == ["why"] * 5
+    assert written[0] == '{"topic": "j.ok", "body": 1e400, "key": "j5", "reason": "why"}'
+    assert '"delay_ms":1e3' in written[1] and strict[1]["reason"] == "why"
+    assert strict[2] == {"line": lines[2], "reason": "why"}
+    assert strict[3] == {"line": "[1, 2]", "reason": "why"}
+    assert strict[4] == {"reason": "why"}
+
+
+def _refused(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def test_a_batch_deadlocked_with_another_writer_of_its_keys_is_stored_again(
     producer: Producer, engine: Engine, settings: Settings
 ) -> None:
