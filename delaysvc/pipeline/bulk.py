@@ -74,6 +74,12 @@ REPORT = "tag string, a long, b long, reason string"
 RID = "_rid"
 FAST_COLUMNS = (RID, "_fast", "_line", "_head", "_body")
 NULL = "\\N"  # COPY text's NULL
+REPLACED = "\ufffd"  # what Spark's text readers put where the input's bytes are not UTF-8
+NOT_UTF8 = (
+    "holds U+FFFD, put where the input's bytes are not UTF-8: CSV and JSON Lines are read as "
+    "UTF-8 (convert the file, e.g. `iconv -f WINDOWS-1252 -t UTF-8`); a U+FFFD in the input "
+    "itself is refused too"
+)
 WHOLE_NUMBER = re.compile(r" *(-?[0-9]+) *")  # a level or delay_ms cell: ASCII digits
 # a CSV row's whole text when its cells are not as many as the header's (Spark's corrupt
 # record column): the row takes the producer's path, which counts its cells
@@ -120,6 +126,8 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
 
         # RFC 4180 quoting (a quote inside a quoted cell is doubled), as Python's csv writes
         reader = spark.read.option("header", True).option("multiLine", True).option("escape", '"')
+        if _rows_end_in_crlf(path):  # else Spark turns a CR LF inside a quoted cell into LF
+            reader = reader.option("lineSep", "\r\n")
         header = reader.csv(str(path)).schema  # every column as text
         if not header.fields:  # an empty file: no rows (Spark refuses a corrupt column alone)
             return reader.csv(str(path))
@@ -133,6 +141,16 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
     return spark.read.parquet(str(path))
 
 
+def _rows_end_in_crlf(path: Path) -> bool:
+    """Whether a CSV file's first row (its header) ends in CR LF, as RFC 4180's rows do."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        start = f.read(1 << 16)
+    end = start.find(b"\n")
+    return end > 0 and start[end - 1 : end] == b"\r"
+
+
 # ---------------------------------------------------------------- transform
 
 
@@ -144,6 +162,10 @@ def to_options(record: dict[str, Any], key_from_row: bool, fmt: str = "csv") -> 
     unknown = sorted(k for k in record if k not in FIELDS and record[k] not in (None, ""))
     if unknown:
         raise ValidationError(unknown[0], f"unknown column; allowed: {', '.join(FIELDS)}")
+    if fmt == "csv":  # Spark reads a byte that is not UTF-8 as U+FFFD, and says nothing
+        for name, cell in record.items():
+            if isinstance(cell, str) and REPLACED in cell:
+                raise ValidationError(name, NOT_UTF8)
     options = {k: _plain(v) for k, v in record.items() if k in FIELDS and v not in (None, "")}
     for name in ("topic", "body"):
         if name not in options:
@@ -236,6 +258,8 @@ def _record(row: Any, fmt: str) -> dict[str, Any]:
                     "cell? quote the cell)",
                 )
         return record
+    if REPLACED in row["value"]:
+        raise ValidationError("line", NOT_UTF8)
     try:
         value = json.loads(row["value"])
     except ValueError as exc:

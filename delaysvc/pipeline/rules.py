@@ -60,6 +60,7 @@ from delaysvc.config.validation import (
     MAX_TAGS,
 )
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
+from delaysvc.pipeline.bulk import REPLACED
 from delaysvc.schema.tables import NO_LANE, TIMER_LANE
 
 _WS = r"[ \t\n\r]*"  # JSON's whitespace, as Python's json reads it
@@ -200,7 +201,8 @@ def _cell(frame: DataFrame, name: str) -> tuple[Column, Column]:
     column = F.col(f"`{name}`")
     data_type = frame.schema[name].dataType
     if isinstance(data_type, StringType):
-        return F.nullif(column, F.lit("")), F.lit(True)
+        # U+FFFD: where Spark read bytes that are not UTF-8, the producer path's to refuse
+        return F.nullif(column, F.lit("")), ~F.coalesce(column.contains(REPLACED), F.lit(False))
     if isinstance(data_type, _INTEGRAL):
         return column.cast("string"), F.lit(True)
     if name == "deliver_at" and isinstance(data_type, TimestampType):

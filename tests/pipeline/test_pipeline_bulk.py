@@ -450,6 +450,40 @@ def test_bulk_schedule_csv_bodies_that_are_not_json_are_text(
     }
 
 
+def test_bulk_schedule_refuses_bytes_that_are_not_utf8_rather_than_store_them_changed(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Spark reads a byte that is not UTF-8 (a Windows-1252 export's é) as U+FFFD and says
+    nothing: `caf\xe9` was stored as `"caf�"`, and keys were changed alike, so two keys
+    could become one (found by a reviewer). Such a row is refused, naming its cell."""
+    csv_path = tmp_path / "latin1.csv"
+    csv_path.write_bytes(
+        b"topic,body,key\r\nb.ok,plain,c0\r\nb.ok,caf\xe9,c1\r\nb.ok,x,k\xe9y\r\n"
+        b'b.ok,"line1\r\nline2",c3\r\n'
+    )
+    result = bulk.run(spark, settings, csv_path)
+    assert (result.written, result.rejected) == (2, 2)
+    with (tmp_path / "latin1.rejects.csv").open(newline="") as f:
+        reasons = {row["body"]: row["reason"] for row in csv.DictReader(f)}
+    assert reasons["caf\ufffd"].startswith(
+        "body: holds U+FFFD, put where the input's bytes are not UTF-8"
+    )
+    assert reasons["x"].startswith("key: holds U+FFFD")
+    jsonl_path = tmp_path / "latin1.jsonl"
+    jsonl_path.write_bytes(
+        b'{"topic": "b.j", "body": "caf\xe9", "key": "j1"}\n{"topic": "b.j", "body": 1}\n'
+    )
+    result = bulk.run(spark, settings, jsonl_path)
+    assert (result.written, result.rejected) == (1, 1)
+    rejected = json.loads((tmp_path / "latin1.rejects.jsonl").read_text())
+    assert rejected["reason"].startswith("line: holds U+FFFD")
+    with engine.connect() as conn:
+        bodies = conn.execute(text("SELECT body FROM commit_log")).scalars().all()
+    # and a CR LF inside a quoted cell of a file whose rows end in CR LF (RFC 4180) is kept:
+    # Spark made it LF
+    assert sorted(bytes(b) for b in bodies) == sorted([b"1", b'"line1\\r\\nline2"', b'"plain"'])
+
+
 def test_bulk_schedule_refuses_a_csv_row_of_more_cells_than_the_header(
     spark: Any, settings: Settings, engine: Engine, tmp_path: Path
 ) -> None:
