@@ -433,19 +433,73 @@ def _store_batch(
     ids: list[int],
     keys_may_be_held: bool,
 ) -> tuple[int, int, list[tuple[str, int, None, str]]]:
-    """Store the rows `ids` as COPY text `lines` in one transaction, recorded as a batch of
-    `run` in it (`store.claim_bulk_batch`): a task run again skips what an earlier attempt
-    stored. The backlog caps apply as they do to the producer's sends. -> (how many were
-    created, how many were duplicates of a held key, a REJECT report per row refused by a
-    cap). A task whose batches have met no held key yet tries the plain insert first
-    (`store.insert_copy_text`)."""
-    from delaysvc.producer import caps
-
+    """Store the rows `ids` as COPY text `lines`. The backlog caps apply as they do to the
+    producer's sends: rows a `reject` cap covers are stored apart from the rest, each set of
+    rows under the same reject caps in a transaction of its own (`_by_rejecting_caps`), so a
+    full cap refuses only the rows it covers. -> (how many were created, how many were
+    duplicates of a held key, a REJECT report per row refused by a cap)."""
     placed = []  # what the caps count: each message's topic, key and lane
     for line in lines:
         topic, key, _, _, _, lane, _ = line.split("\t", 6)
         held = None if key == NULL else key.replace("\\\\", "\\")
         placed.append(NewMessage(topic, b"", True, int(lane), None, None, None, key=held))
+    with engine.connect() as conn:
+        groups = _by_rejecting_caps(conn, settings, placed)
+    created = duplicates = 0
+    refused: list[tuple[str, int, None, str]] = []
+    for group in groups:
+        rows = ids if len(groups) == 1 else [ids[i] for i in group]
+        try:
+            new, repeated = _store_rows(
+                engine,
+                settings,
+                run,
+                lines if len(groups) == 1 else [lines[i] for i in group],
+                rows,
+                placed if len(groups) == 1 else [placed[i] for i in group],
+                keys_may_be_held,
+            )
+        except BacklogFull as exc:
+            refused += [(REJECT, rid, None, f"backlog_full: {exc}") for rid in rows]
+            continue
+        created += new
+        duplicates += repeated
+    return created, duplicates, refused
+
+
+def _by_rejecting_caps(conn: Any, settings: Settings, placed: list[NewMessage]) -> list[list[int]]:
+    """The batch's rows (their indexes, in order) in sets that the same `reject` caps cover:
+    one set, the whole batch, when no reject cap covers any of it."""
+    from delaysvc.producer import caps
+
+    rejecting = [
+        cap for cap in caps.covering(conn, settings.caps, placed) if cap.policy == "reject"
+    ]
+    if not rejecting:
+        return [list(range(len(placed)))]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, message in enumerate(placed):
+        covering = tuple(n for n, cap in enumerate(rejecting) if caps.covers(cap, message))
+        groups.setdefault(covering, []).append(index)
+    return list(groups.values())
+
+
+def _store_rows(
+    engine: Any,
+    settings: Settings,
+    run: str,
+    lines: list[str],
+    ids: list[int],
+    placed: list[NewMessage],
+    keys_may_be_held: bool,
+) -> tuple[int, int]:
+    """Store the rows `ids` in one transaction, recorded as a batch of `run` in it
+    (`store.claim_bulk_batch`): a task run again skips what an earlier attempt stored. A task
+    whose batches have met no held key yet tries the plain insert first
+    (`store.insert_copy_text`). -> (created, duplicates of a held key); raises BacklogFull,
+    nothing stored."""
+    from delaysvc.producer import caps
+
     attempt = 0
     while True:
         attempt += 1
@@ -454,7 +508,7 @@ def _store_batch(
                 earlier = store.claim_bulk_batch(conn, run, ids[0], ids[-1], len(ids))
                 if earlier is not None:
                     log.info("bulk.batch_stored_before", extra={"run": run, "first_rid": ids[0]})
-                    return earlier, len(lines) - earlier, []
+                    return earlier, len(lines) - earlier
                 capped = caps.covering(conn, settings.caps, placed)
                 caps.before_insert(conn, capped, placed)
                 created = store.insert_copy_text(
@@ -463,9 +517,7 @@ def _store_batch(
                 store.record_bulk_created(conn, run, ids[0], created)
                 if capped and created:  # which rows a held key skipped is not told
                     caps.after_insert(conn, capped, placed)
-            return created, len(lines) - created, []
-        except BacklogFull as exc:
-            return 0, 0, [(REJECT, rid, None, f"backlog_full: {exc}") for rid in ids]
+            return created, len(lines) - created
         except (psycopg.Error, DBAPIError) as exc:
             # a deadlock with another writer of the same keys (a `send_batch` inserting them in
             # its own order), or a serialization failure: PostgreSQL rolled the batch back,

@@ -68,6 +68,11 @@ def _counts(cap: BacklogCap, topic: str, lane: int) -> bool:
     return topic == cap.target and lane >= 0
 
 
+def covers(cap: BacklogCap, message: Adding) -> bool:
+    """The message, once stored, is one of the cap's backlog."""
+    return _counts(cap, message.topic, message.lane)
+
+
 def _net(cap: BacklogCap, adding: Sequence[Adding], leaving: Sequence[Any]) -> int:
     """What a write adds to the cap's backlog: the messages it stores, less the waiting ones it
     takes out (a replaced message)."""

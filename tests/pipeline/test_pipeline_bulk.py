@@ -222,6 +222,37 @@ def test_a_batch_tried_as_all_new_falls_back_to_skipping_held_keys_in_the_same_t
     assert (lane_rows, paused) == (5, 1)
 
 
+def test_a_reject_cap_refuses_the_rows_it_covers_not_the_rest_of_their_batch(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """A batch holding 20 rows of a topic capped at 10 (reject) and 5 of a topic no cap covers
+    was refused whole, the free topic's rows with the capped one's reason (found by a
+    reviewer). Only the capped topic's rows are refused now, the rest stored; a task run again
+    (the same run's batches) stores nothing twice and refuses the same rows."""
+    from delaysvc.producer import caps
+
+    caps.set_cap(engine, "topic", "bulk.capped", 10)
+    topics = ["bulk.capped"] * 20 + ["bulk.free"] * 5
+    topics[3], topics[21] = topics[21], topics[3]  # the free rows among the capped ones
+    rows = [
+        (rid, True, bulk.message_line(producer.prepare(topic, {"n": rid}, delay="1h")))
+        for rid, topic in enumerate(topics)
+    ]
+    rows = [(rid, fast, line, None, None, None) for rid, fast, line in rows]
+    for _ in range(2):  # the second: the task run again
+        report = list(bulk.store_partition(iter(rows), settings, "csv", False, "caps"))
+        refused = {rid: reason for tag, rid, _, reason in report if tag == bulk.REJECT}
+        assert sorted(refused) == [rid for rid, topic in enumerate(topics) if topic != "bulk.free"]
+        assert all(
+            reason.startswith("backlog_full: topic bulk.capped holds 0 waiting messages")
+            for reason in refused.values()
+        )
+        assert report[-1] == (bulk.COUNTS, 5, 0, None)
+        with engine.connect() as conn:
+            stored = conn.execute(text("SELECT topic, count(*) FROM commit_log GROUP BY topic"))
+            assert dict(stored.all()) == {"bulk.free": 5}
+
+
 def test_json_lines_rejects_are_json_with_each_value_as_the_line_spelled_it(
     tmp_path: Path,
 ) -> None:
