@@ -115,8 +115,10 @@ class Settings(BaseModel):
     max_retries: int = Field(default=16, ge=0, le=1000)
     """Retries before the dead letters; a handler's `max_retries=` overrides it."""
     lease_seconds: int = Field(default=30, gt=0, le=86_400)
-    """A running job's lease: its process renews it every third of this while it lives, so a
-    job is taken again this long (at most) after its process died, and never while it runs."""
+    """A running job's lease: a thread of its process renews it every third of this while it
+    lives, so a job is taken again this long (at most) after its process died, and never while
+    it runs, unless its handler holds Python's GIL longer than a lease (one long C call that
+    does not let go of it): make it longer than such a call."""
     task_lease_seconds: int = Field(default=300, gt=0, le=MAX_TASK_LEASE_SECONDS)
     """The fixed lease of a job handed to a Celery task (`topic_tasks`): the task runs where
     delaysvc cannot renew it, so its job is taken again after this long without an outcome."""

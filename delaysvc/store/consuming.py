@@ -221,10 +221,23 @@ class Failure:
         return {
             "id": self.message_id,
             "claim_id": self.claim_id,
-            "error": self.error[:4000],
-            "traceback": self.traceback[-4000:],
+            "error": storable(self.error[:4000]),
+            "traceback": storable(self.traceback[-4000:]),
             "duration_ms": self.duration_ms,
         }
+
+
+def storable(text: str) -> str:
+    """Text as PostgreSQL can store it: a NUL and a lone surrogate (a file name that is not
+    UTF-8, read through `surrogateescape`) escaped as Python writes them (`\\x00`, `\\udce9`).
+    A handler's error holding one failed the write of its whole batch's outcomes."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 def schedule_retry(
@@ -254,7 +267,7 @@ def bury(conn: Connection, failure: Failure, reason: str) -> bool:
     """Move a running job to the dead letters, keeping its last error."""
     result = conn.execute(
         sql(_BURY),
-        failure.params() | {"reason": reason[:4000]},
+        failure.params() | {"reason": storable(reason[:4000])},
     )
     return result.rowcount == 1
 
@@ -303,20 +316,24 @@ def lock_running_job(conn: Connection, message_id: int, claim_id: int) -> bool:
     )
 
 
-def release_unstarted(conn: Connection, message_ids: Sequence[int], claim_id: int) -> int:
+def release_unstarted(
+    conn: Connection, message_ids: Sequence[int], claim_id: int, never_started: bool = False
+) -> int:
     """Give claimed jobs that never ran back to their topic queue, uncharged (an attempt the
-    claim counted for one of them is taken back)."""
+    claim counted for one of them is taken back). `never_started`: only those whose attempt
+    was not counted (one that was may be running)."""
     if not message_ids:
         return 0
+    only = "AND c.started_at IS NULL" if never_started else ""
     return conn.execute(
         sql(
-            """
+            f"""
 WITH back AS (
     UPDATE delaysvc.commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
         attempts = c.attempts - CASE WHEN c.started_at IS NULL THEN 0 ELSE 1 END,
         started_at = NULL
     WHERE c.id = ANY(CAST(:ids AS bigint[])) AND c.claim_id = :claim_id
-      AND c.status = 'running'
+      AND c.status = 'running' {only}
     RETURNING c.id, c.topic, c.deliver_ts, c.priority
 )
 INSERT INTO delaysvc.topic_queue (message_id, topic, deliver_ts, priority)

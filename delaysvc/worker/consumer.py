@@ -200,6 +200,9 @@ class ConsumeResult:
     free_slots: int = 0  # under max_running, slots left after this claim for other consumers
 
 
+ENDS_THE_PROCESS = (SystemExit, KeyboardInterrupt)
+"""What a handler may raise that fails its job and then ends the worker's process."""
+
 FLUSH_SECONDS = 0.25
 """Outcomes of a batch are written at least this often, so a crash late in a batch of slow
 jobs reruns only the jobs of the last quarter second, not the whole batch."""
@@ -217,12 +220,18 @@ class Leases:
         self.engine = engine
         self.lease_seconds = lease_seconds
         self._held: dict[int, list[int]] = {}  # claim id -> its jobs' ids
+        self._start_by: dict[int, float] = {}  # claim id -> when its jobs not started go back
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def hold(self, claim_id: int, message_ids: list[int]) -> None:
+    def hold(self, claim_id: int, message_ids: list[int], start_by: float | None = None) -> None:
+        """Renew these jobs' leases while this process lives; from `start_by` (a monotonic
+        time) on, those never started go back to their queue, though a handler of the claim
+        still runs (`give_back_late`)."""
         with self._lock:
             self._held[claim_id] = message_ids
+            if start_by is not None:
+                self._start_by[claim_id] = start_by
             if self._thread is None or not self._thread.is_alive():  # none yet, or forked
                 self._thread = threading.Thread(
                     target=self._renew_while_alive, name="delaysvc-leases", daemon=True
@@ -232,6 +241,24 @@ class Leases:
     def drop(self, claim_id: int) -> None:
         with self._lock:
             self._held.pop(claim_id, None)
+            self._start_by.pop(claim_id, None)
+
+    def give_back_late(self) -> int:
+        """The jobs never started of each claim past its `start_by` back to their queue,
+        uncharged: a long handler of the claim would hold them (its batch starts its jobs one
+        after another), renewed, though idle consumers could run them. A job its batch is
+        starting meanwhile is either started first (and kept) or given back first (and skipped
+        by the batch: `store.start_jobs` starts only its claim's). -> how many."""
+        now = time.monotonic()
+        with self._lock:
+            late = {c: list(self._held[c]) for c, at in self._start_by.items() if now >= at}
+            for claim_id in late:
+                del self._start_by[claim_id]
+        given = 0
+        for claim_id, ids in late.items():
+            with self.engine.begin() as conn:
+                given += store.release_unstarted(conn, ids, claim_id, never_started=True)
+        return given
 
     def renew(self) -> int:
         """Move every held job's lease a lease ahead now; -> jobs renewed."""
@@ -247,8 +274,12 @@ class Leases:
             time.sleep(self.lease_seconds / 3)
             try:
                 self.renew()
+                given = self.give_back_late()
             except Exception:  # the next third tries again
                 log.warning("consume.lease_renewal_failed", exc_info=True)
+                continue
+            if given:
+                log.info("consume.released_behind_a_long_job", extra={"count": given})
 
 
 class _Outcomes:
@@ -415,11 +446,11 @@ class Consumer:
             assert task_name is not None
             started = {row.id: row.attempts for row in rows if row.started}
             return self._dispatch_all(task_name, jobs, claim_id, started, result)
-        self.leases.hold(claim_id, [job.id for job in jobs])
+        start_by = time.monotonic() + self.settings.lease_seconds / 2
+        self.leases.hold(claim_id, [job.id for job in jobs], start_by)
         try:
-            self._run_batch(
-                jobs, claim_id, {row.id: row.attempts for row in rows if row.started}, result
-            )
+            started = {row.id: row.attempts for row in rows if row.started}
+            self._run_batch(jobs, claim_id, started, start_by, result)
         finally:
             self.leases.drop(claim_id)
         log.info(
@@ -436,12 +467,17 @@ class Consumer:
         return result
 
     def _run_batch(
-        self, jobs: list[Job], claim_id: int, started: dict[int, int], result: ConsumeResult
+        self,
+        jobs: list[Job],
+        claim_id: int,
+        started: dict[int, int],
+        start_by: float,
+        result: ConsumeResult,
     ) -> None:
         """Run the claimed jobs in queue order, each started (its attempt counted) just before
-        it runs; none starts after half a lease (`_release`)."""
+        it runs; none starts after `start_by`, half a lease from the claim (`_release`; those
+        never started go back meanwhile too, while a long job runs: `Leases.give_back_late`)."""
         topic = result.topic
-        start_by = time.monotonic() + self.settings.lease_seconds / 2
         pending = _Outcomes()
         starts = _Starts(started, chunks=self.max_retries(topic) > 0)
         for index, job in enumerate(jobs):
@@ -464,6 +500,13 @@ class Consumer:
             starts.ran(duration_ms)
             self._quick_jobs[topic] = starts.size
             pending.add(job, claim_id, error, duration_ms)
+            if isinstance(error, ENDS_THE_PROCESS):
+                # `sys.exit()` in a handler, or a Ctrl-C: a failure of its job like any other,
+                # recorded with the batch's outcomes, the jobs not started given back; then the
+                # process ends as asked
+                self._record(pending, result)
+                self._release(jobs[index + 1 :], claim_id, result)
+                raise error
             if pending.age() >= FLUSH_SECONDS:
                 self._record(pending, result)
         self._record(pending, result)
@@ -516,8 +559,8 @@ class Consumer:
                     result.succeeded += 1
                 else:
                     found.func(job)
-            except Exception as exc:  # a handler's failure is data, not a crash of the worker
-                error = exc
+            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+                error = exc  # a handler's failure is data (`_run_batch` passes on an exit)
             duration_ms = _ms_since(started)
             if span is not None:
                 tracing.finished(span, self._outcome(job, error), error)
@@ -587,7 +630,7 @@ class Consumer:
         failure = store.Failure(
             message_id=job.id,
             claim_id=claim_id,
-            error=f"{type(error).__name__}: {error}",
+            error=f"{type(error).__name__}: {_told(error)}",
             traceback="".join(traceback.format_exception(error)[-8:]),
             duration_ms=duration_ms,
         )
@@ -670,6 +713,14 @@ class Consumer:
         if rescued:
             log.warning("consume.leases_rescued", extra={"count": len(rescued)})
         return rescued
+
+
+def _told(error: BaseException) -> str:
+    """An error's text; one whose `str()` raises says so."""
+    try:
+        return str(error)
+    except Exception as exc:
+        return f"<str() failed: {type(exc).__name__}: {_told(exc)}>"
 
 
 def _claim_lost(job: Job) -> store.OutcomeCounts:

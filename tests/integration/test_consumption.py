@@ -376,7 +376,7 @@ def test_a_topic_without_retries_charges_no_attempt_for_a_claim_whose_process_di
     handler("fragile", max_retries=0)(lambda message: ran.append(message.id))
     message = producer.send("fragile", 1)
 
-    def dies_after_the_claim(claim_id, message_ids):
+    def dies_after_the_claim(claim_id, message_ids, start_by=None):
         raise ProcessDied  # the claim has committed; no handler has started
 
     monkeypatch.setattr(consumer.leases, "hold", dies_after_the_claim)
@@ -547,3 +547,113 @@ def test_a_transactional_handler_whose_job_was_taken_runs_nothing_and_writes_not
         )
     assert calls == [] and effects() == {}
     assert producer.get(message.id).status == "ready"
+
+
+class _Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no text")
+
+
+@pytest.mark.parametrize(
+    ("raised", "kept"),
+    [
+        (ValueError("nul \x00 inside"), "ValueError: nul \\x00 inside"),
+        (ValueError("file \udce9.txt"), "ValueError: file \\udce9.txt"),
+        (_Unprintable(), "_Unprintable: <str() failed: RuntimeError: no text>"),
+        (DeadLetter("bad \x00 reason"), "DeadLetter: bad \\x00 reason"),
+    ],
+    ids=["nul", "surrogate", "str-raises", "dead-letter-nul"],
+)
+def test_an_error_text_the_database_cannot_store_is_kept_escaped_with_its_batchs_outcomes(
+    producer, consumer, raised, kept
+):
+    """An error holding a NUL or a lone surrogate (a file name that is not UTF-8), or whose
+    str() raises: writing the batch's outcomes failed, so nothing of the batch was written:
+    the jobs that had succeeded ran again after the lease, the error was never kept, and an
+    error on every attempt ran the whole batch once a lease until all of it was dead (found by
+    a reviewer: 4 good jobs run 17 times). The text is kept escaped now, with the others'
+    outcomes."""
+    ran = []
+
+    @handler("odd.errors")
+    def odd(message):
+        ran.append(message.body)
+        if message.body == 1:
+            raise raised
+
+    sent = [producer.send("odd.errors", n) for n in range(3)]
+    result = consumer.run_once("odd.errors")
+    assert ran == [0, 1, 2]
+    assert (result.succeeded, result.retried + result.dead) == (2, 1)
+    statuses = [producer.get(m.id).status for m in sent]
+    failing = "dead" if isinstance(raised, DeadLetter) else "retrying"
+    assert statuses == ["succeeded", failing, "succeeded"]
+    failed = producer.get(sent[1].id)
+    assert failed.last_error == kept
+    assert failed.errors[0]["error"] == kept
+
+
+@pytest.mark.parametrize("raised", [SystemExit("bad option"), KeyboardInterrupt()])
+def test_a_handler_raising_systemexit_or_keyboardinterrupt_fails_its_job_and_keeps_the_rest(
+    producer, consumer, engine, raised
+):
+    """`sys.exit()` (argparse code reused in a handler) ended the worker's process with
+    nothing recorded: the jobs of its batch that had returned ran again, and the job was
+    retried a lease later with no error kept (found by a reviewer). It is a failure like any
+    other now, recorded with the batch's outcomes and the unstarted jobs given back; then it
+    goes on up, so the process still ends as asked (a Ctrl-C still stops a worker)."""
+    ran = []
+
+    @handler("exits")
+    def exits(message):
+        ran.append(message.body)
+        if message.body == 1:
+            raise raised
+
+    sent = [producer.send("exits", n) for n in range(3)]
+    with pytest.raises(type(raised)):
+        consumer.run_once("exits")
+    assert ran == [0, 1]
+    first, exited, unstarted = (producer.get(m.id) for m in sent)
+    assert first.status == "succeeded"
+    assert (exited.status, exited.attempts) == ("retrying", 1)
+    assert exited.last_error.startswith(type(raised).__name__)
+    assert (unstarted.status, unstarted.attempts) == ("ready", 0)
+    result = consumer.run_once("exits")
+    assert (result.claimed, result.succeeded) == (1, 1)
+    assert ran == [0, 1, 2]
+
+
+def test_jobs_claimed_behind_a_long_handler_go_back_while_it_runs(producer, settings, engine):
+    """A claim's jobs not started within half a lease go back to the queue: that was checked
+    only between two jobs, and the lease's renewal kept them all, so four quick jobs claimed
+    behind one of 40 s stayed `running` the whole 40 s, not run by idle consumers nor
+    cancellable (found by a reviewer). They go back while it runs now, uncharged, and another
+    consumer runs them."""
+    slow = Consumer(settings.model_copy(update={"lease_seconds": 2}), engine)
+    other = Consumer(settings, engine)
+    ran: list[tuple[int, str]] = []
+    released_while_running: list[list[str]] = []
+
+    @handler("behind")
+    def run(message):
+        if message.body == "long":
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                statuses = [producer.get(m.id).status for m in quick]
+                if all(status != "running" for status in statuses):
+                    released_while_running.append(statuses)
+                    other.run_once("behind")  # an idle consumer takes them meanwhile
+                    break
+                time.sleep(0.1)
+        ran.append((message.id, message.body))
+
+    long = producer.send("behind", "long")
+    quick = [producer.send("behind", f"q{n}") for n in range(4)]
+    result = slow.run_once("behind")
+    assert released_while_running == [["ready"] * 4]
+    assert sorted(body for _, body in ran) == ["long", "q0", "q1", "q2", "q3"]  # each once
+    assert (result.claimed, result.succeeded) == (5, 1)
+    for message in (long, *quick):
+        done = producer.get(message.id)
+        assert (done.status, done.attempts) == ("succeeded", 1)
