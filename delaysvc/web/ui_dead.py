@@ -7,6 +7,7 @@ from typing import Any
 from flask import redirect, render_template, request, url_for
 from sqlalchemy import Engine
 
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import DelaysvcError
 from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.store import dashboard as dash
@@ -27,6 +28,8 @@ def _ids(values: list[str]) -> list[int]:
 @ui.get("/dead")
 def dead() -> Any:
     topic = request.args.get("topic") or None
+    if topic is not None:
+        validate_topic(topic)
     error = request.args.get("error")  # "" is a real (empty) error text; absent = any
     before = params.int_arg(request.args, "before", None, 0, blank=True)
     with dash.bounded(services()["engine"], timeout_ms()) as conn:

@@ -8,6 +8,7 @@ from typing import Any
 from flask import jsonify, redirect, render_template, request, url_for
 from werkzeug.datastructures import MultiDict
 
+from delaysvc.config.validation import validate_topic
 from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.schema.tables import STATUSES
 from delaysvc.store import dashboard as dash
@@ -42,9 +43,10 @@ def parse_search(args: MultiDict[str, str]) -> dash.MessageSearch:
     if status is not None and status not in STATUSES:
         raise ValidationError("status", f"{status!r} is not one of {', '.join(STATUSES)}")
     limit = _int(args, "limit") or 50
+    topic = args.get("topic", "").strip() or None
     return dash.MessageSearch(
         id=_int(args, "id"),
-        topic=args.get("topic", "").strip() or None,
+        topic=None if topic is None else validate_topic(topic),
         key=args.get("key", "").strip() or None,
         status=status,
         stored_from=_time(args, "from"),

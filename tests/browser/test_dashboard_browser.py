@@ -12,6 +12,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -354,6 +355,19 @@ def test_find_a_message_and_cancel_it(page: Page, server: str, producer: Produce
     ] * 2
 
 
+def test_a_key_of_256_characters_wraps_inside_the_message_page(
+    page: Page, server: str, producer: Producer
+) -> None:
+    """A key of the most characters allowed, with no place to break, widened the message page
+    to 2,054 px in a 1,400 px window (found by a reviewer)."""
+    sent = producer.send("shop.order.cancel", {}, delay="30m", key="K" * 256)
+    page.set_viewport_size({"width": 1400, "height": 900})
+    log_in(page, server)
+    page.goto(server + f"/messages/{sent.id}")
+    expect(page.locator('[data-field="key"]')).to_have_text("K" * 256)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1400
+
+
 def test_redrive_a_dead_letter(
     page: Page, server: str, producer: Producer, engine: Engine, settings: Settings
 ) -> None:
@@ -389,6 +403,40 @@ def test_redrive_a_dead_letter(
     expect(page.locator("#dead-letters tbody tr")).to_have_count(1)
     expect(page.locator("#dead-groups tr.selected td.num")).to_have_text("1")
     assert [producer.get(i).status for i in ids] == ["dead", "ready", "dead"]
+
+
+def test_a_ticked_dead_letter_pushed_off_the_page_stays_ticked_and_is_redriven(
+    page: Page, server: str, producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """The page shows the newest 50 letters, refreshed in place keeping the boxes ticked: a
+    ticked letter pushed off the page by newer ones lost its tick at the next refresh, and
+    "Redrive selected" then said "nothing selected" (found by a reviewer, letters arriving at
+    20 a second). It stays on the page, ticked, until it is acted on."""
+    first = producer.send("shop.invoice", {"host": "eu-1"}).id
+    Consumer(settings, engine).run_once("shop.invoice")
+    log_in(page, server)
+    page.goto(server + "/dead")
+    page.evaluate("window.sameDocument = true")
+    box = f'#dead-letters input[type=checkbox][value="{first}"]'
+    page.check(box)
+    newer = [producer.send("shop.invoice", {"host": "eu-1"}).id for _ in range(55)]
+    Consumer(settings, engine).run_once("shop.invoice")
+    expect(page.locator(f'#dead-letters tr[data-key="{newer[-1]}"]')).to_have_count(1)
+    refreshed = _refreshes(page)
+    deadline = time.monotonic() + 10
+    while _refreshes(page) < refreshed + 2:  # refreshed since the letter left the first page
+        assert time.monotonic() < deadline, "the page stopped refreshing"
+        time.sleep(0.1)
+    expect(page.locator(box)).to_be_checked()
+    assert page.evaluate("window.sameDocument") is True
+    page.click("#redrive-selected")
+    expect(page.locator("#flash")).to_have_text(f"1 redriven ({first})")
+    assert producer.get(first).status == "ready"
+    assert {producer.get(i).status for i in newer} == {"dead"}
+
+
+def _refreshes(page: Page) -> int:
+    return int(page.evaluate("document.body.dataset.refreshes || '0'"))
 
 
 def _report_row(engine: Engine, hours_ago: int, topic: str, level: int, messages: int) -> None:

@@ -265,7 +265,17 @@
         ticked.add(box.name + "=" + box.value);
       });
       next.querySelectorAll("input[type=checkbox]").forEach(function (box) {
-        if (ticked.has(box.name + "=" + box.value)) box.checked = true;
+        if (ticked.delete(box.name + "=" + box.value)) box.checked = true;
+      });
+      // a ticked row the fresh page no longer holds (newer rows pushed it off) stays, ticked,
+      // at the end of its table, so an action on the selection still reaches it
+      const body = next.querySelector("tbody");
+      region.querySelectorAll("tbody tr").forEach(function (row) {
+        const box = row.querySelector("input[type=checkbox]:checked");
+        if (body && box && ticked.has(box.name + "=" + box.value)) {
+          row.classList.add("kept");
+          body.appendChild(row);
+        }
       });
       region.replaceWith(document.adoptNode(next));
     });

@@ -99,5 +99,16 @@ def test_input_the_database_refuses_gets_the_dashboards_400_page(
     """Input no check anticipated, refused by PostgreSQL (here a NUL, with the check before the
     database taken away): the dashboard's page saying what was refused, not the API's JSON."""
     monkeypatch.setattr(ui, "refuse_nul", lambda: None)
-    message = _error_page(admin.get("/messages?topic=a%00b"))
+    message = _error_page(admin.get("/messages?key=a%00b"))
     assert message == "a value was refused: PostgreSQL text fields cannot contain NUL (0x00) bytes"
+
+
+@pytest.mark.parametrize("page", ["/messages", "/dead", "/history"])
+def test_a_topic_filter_that_is_no_topic_name_is_refused_naming_it(
+    admin: FlaskClient, page: str
+) -> None:
+    """/history refused one; /messages and /dead answered an empty page (found by a
+    reviewer), where the documentation promises the 400 page naming the field."""
+    response = admin.get(page + "?topic=%3Cscript%3E")
+    assert response.status_code == 400
+    assert "topic: " in response.text and "&lt;script&gt;" in response.text
