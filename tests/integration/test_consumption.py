@@ -549,6 +549,20 @@ def test_a_transactional_handler_whose_job_was_taken_runs_nothing_and_writes_not
     assert producer.get(message.id).status == "ready"
 
 
+def _three_the_second_raising(producer, topic, raised):
+    """Three messages of `topic`, whose handler raises `raised` for the second. -> (the
+    bodies run, in order, the messages sent)."""
+    ran = []
+
+    @handler(topic)
+    def second_raises(message):
+        ran.append(message.body)
+        if message.body == 1:
+            raise raised
+
+    return ran, [producer.send(topic, n) for n in range(3)]
+
+
 class _Unprintable(Exception):
     def __str__(self):
         raise RuntimeError("no text")
@@ -573,15 +587,7 @@ def test_an_error_text_the_database_cannot_store_is_kept_escaped_with_its_batchs
     error on every attempt ran the whole batch once a lease until all of it was dead (found by
     a reviewer: 4 good jobs run 17 times). The text is kept escaped now, with the others'
     outcomes."""
-    ran = []
-
-    @handler("odd.errors")
-    def odd(message):
-        ran.append(message.body)
-        if message.body == 1:
-            raise raised
-
-    sent = [producer.send("odd.errors", n) for n in range(3)]
+    ran, sent = _three_the_second_raising(producer, "odd.errors", raised)
     result = consumer.run_once("odd.errors")
     assert ran == [0, 1, 2]
     assert (result.succeeded, result.retried + result.dead) == (2, 1)
@@ -602,15 +608,7 @@ def test_a_handler_raising_systemexit_or_keyboardinterrupt_fails_its_job_and_kee
     retried a lease later with no error kept (found by a reviewer). It is a failure like any
     other now, recorded with the batch's outcomes and the unstarted jobs given back; then it
     goes on up, so the process still ends as asked (a Ctrl-C still stops a worker)."""
-    ran = []
-
-    @handler("exits")
-    def exits(message):
-        ran.append(message.body)
-        if message.body == 1:
-            raise raised
-
-    sent = [producer.send("exits", n) for n in range(3)]
+    ran, sent = _three_the_second_raising(producer, "exits", raised)
     with pytest.raises(type(raised)):
         consumer.run_once("exits")
     assert ran == [0, 1]
