@@ -60,7 +60,6 @@ from delaysvc.config.validation import (
     MAX_TAGS,
 )
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
-from delaysvc.pipeline.bulk import REPLACED
 from delaysvc.schema.tables import NO_LANE, TIMER_LANE
 
 _WS = r"[ \t\n\r]*"  # JSON's whitespace, as Python's json reads it
@@ -92,6 +91,7 @@ _INSTANT = (
 _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 NULL = r"\N"  # COPY text's NULL
 RID = "_rid"  # the row id bulk.run gives every input row
+REPLACED = "\ufffd"  # put by Spark's text readers where the input's bytes are not UTF-8
 
 
 def prepare(frame: DataFrame, settings: Settings, key_from_row: bool) -> DataFrame:
