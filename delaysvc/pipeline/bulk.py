@@ -448,15 +448,15 @@ def _store_batch(
     created = duplicates = 0
     refused: list[tuple[str, int, None, str]] = []
     for group in groups:
-        rows = ids if len(groups) == 1 else [ids[i] for i in group]
+        rows = [ids[i] for i in group]
         try:
             new, repeated = _store_rows(
                 engine,
                 settings,
                 run,
-                lines if len(groups) == 1 else [lines[i] for i in group],
+                [lines[i] for i in group],
                 rows,
-                placed if len(groups) == 1 else [placed[i] for i in group],
+                [placed[i] for i in group],
                 keys_may_be_held,
             )
         except BacklogFull as exc:
@@ -665,10 +665,9 @@ def _jsonl_reject(raw: str, reason: str) -> str:
         value = json.loads(raw, parse_constant=_not_json)
     except ValueError:
         value = None
-    text = raw.strip()
     if not isinstance(value, dict):
         return json.dumps({"line": raw, "reason": reason})
-    inside = text[1:-1].strip()  # the members, between the braces
+    inside = raw.strip()[1:-1].strip()  # the members, between the braces
     added = f'"reason": {json.dumps(reason)}'
     return "{" + (f"{inside}, {added}" if inside else added) + "}"
 

@@ -245,11 +245,9 @@ class Reaper:
     def _tell(self, line: bytes) -> None:
         if self.process is None or self.process.stdin is None or self.process.stdin.closed:
             return
-        try:
+        with suppress(OSError):  # it died: the children still die with the supervisor, unkilled
             self.process.stdin.write(line)
             self.process.stdin.flush()
-        except OSError:  # it died: the children still die with the supervisor, unkilled
-            pass
 
 
 class Child:

@@ -559,7 +559,7 @@ class Consumer:
                     result.succeeded += 1
                 else:
                     found.func(job)
-            except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            except (Exception, *ENDS_THE_PROCESS) as exc:
                 error = exc  # a handler's failure is data (`_run_batch` passes on an exit)
             duration_ms = _ms_since(started)
             if span is not None:
