@@ -22,9 +22,11 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 
 from delaysvc import store
-from delaysvc.db.names import sql
+from delaysvc.db.names import LOCK_KEY, lock_name, sql
 from delaysvc.schema.tables import LATENESS_BUCKETS_MS, STATUSES
 
+SAMPLE_EVERY = timedelta(seconds=10)
+"""How often beat samples the stats (`delaysvc.sample_stats`): the dashboard's charts, moved/s."""
 SAMPLE_RETENTION = timedelta(days=2)
 PRUNE_BATCH = 10_000
 CHART_WINDOW = timedelta(hours=1)
@@ -66,10 +68,17 @@ def sample_stats(
 ) -> SampleResult:
     """Record one stats_sample row per lane (pending, moved/early totals, head lateness), and
     prune one bounded batch of samples older than SAMPLE_RETENTION. `at` overrides the sample
-    time (tests); by default it is the database clock."""
+    time (tests); by default it is the database clock. Nothing is recorded (`lanes` 0) within
+    half of SAMPLE_EVERY after a sample, nor while another sampler is at it: with two beats,
+    each firing this at its own phase, a sample a moment after another would make the
+    dashboard's moved/s, taken between the two newest, a moment's moves over a moment."""
     with bounded(engine, timeout_ms) as conn:
+        if not _sampler_lock(conn):
+            return SampleResult(at or store.clock_now(conn), 0, 0)
         lanes = store.lane_stats(conn)
         sampled_at = at or (lanes[0].now if lanes else store.clock_now(conn))
+        if _sampled_since(conn, sampled_at - SAMPLE_EVERY / 2, sampled_at):
+            return SampleResult(sampled_at, 0, 0)
         rows = [
             {
                 "at": sampled_at,
@@ -92,6 +101,21 @@ def sample_stats(
             )
         pruned = prune_samples(conn, sampled_at - SAMPLE_RETENTION)
     return SampleResult(sampled_at, len(rows), pruned)
+
+
+def _sampler_lock(conn: Connection) -> bool:
+    """This transaction holds the sampler's advisory lock (False: another sampler does)."""
+    statement = sql(f"SELECT pg_try_advisory_xact_lock({LOCK_KEY})")
+    return bool(conn.execute(statement, {"lock": lock_name("stats sample")}).scalar_one())
+
+
+def _sampled_since(conn: Connection, after: datetime, until: datetime) -> bool:
+    """Is there a sample taken after `after`, up to `until`?"""
+    statement = sql(
+        "SELECT EXISTS (SELECT FROM delaysvc.stats_sample "
+        "WHERE sampled_at > :after AND sampled_at <= :until)"
+    )
+    return bool(conn.execute(statement, {"after": after, "until": until}).scalar_one())
 
 
 def head_lateness_ms(next_due: datetime | None, now: datetime) -> float | None:

@@ -28,6 +28,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, require_one_database, require_session
 from delaysvc.errors import ConfigError, SchemaNotReady
 from delaysvc.maintenance import history, periodic
+from delaysvc.store.dashboard import SAMPLE_EVERY
 from delaysvc.tasks import broker
 from delaysvc.worker.consumer import Consumer, Job, load_handler_modules
 
@@ -36,7 +37,7 @@ CONSUME_QUEUE = "delaysvc.consume"
 DELIVERY_NEEDS = "a delivery worker (each lane's runner)"
 SWEEP_SECONDS = 1.0
 RESCUE_SECONDS = 10.0
-STATS_SECONDS = 10.0  # the dashboard's charts and moved/s
+STATS_SECONDS = SAMPLE_EVERY.total_seconds()  # the dashboard's charts and moved/s
 FOLD_SECONDS = 1.0  # lane_count deltas folded
 
 

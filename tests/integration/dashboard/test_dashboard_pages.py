@@ -35,7 +35,7 @@ def test_overview_lanes_show_pending_offsets_next_due_and_moved_per_second(
     with engine.connect() as conn:  # deliver level 2 as if 10 s had passed
         moved = delivery.run_once(conn, 2, 100, now=datetime.now(UTC) + timedelta(seconds=10))
     assert moved.moved == 3
-    dash.sample_stats(engine, at=t0 + timedelta(seconds=2))
+    dash.sample_stats(engine, at=t0 + timedelta(seconds=STATS_SECONDS))
     lanes = {row["key"]: row for row in admin.get("/ui/overview.json").get_json()["lanes"]}
     assert list(lanes) == ["level-1", "level-2", "level-3", "level-4", "level-5", "timer"]
     level2, level4 = lanes["level-2"]["cells"], lanes["level-4"]["cells"]
@@ -43,7 +43,7 @@ def test_overview_lanes_show_pending_offsets_next_due_and_moved_per_second(
         "2s",
         "0",
         "3 / 3",
-        "1.5/s",
+        "0.3/s",
     )
     assert (level2["next_due"], level2["lateness"], level2["state"]) == ("-", "-", "ok")
     assert (level4["delay"], level4["pending"], level4["offset"], level4["rate"]) == (
@@ -533,3 +533,26 @@ def test_topics_page_sets_shows_and_lifts_backlog_caps(
     assert caps.all_caps(engine) == []
     assert producer.send("dash.capped", 4, delay="1h").status == "scheduled"
     assert 'id="caps-form"' not in viewer.get("/topics").text
+
+
+def test_two_beats_sampling_a_moment_apart_record_one_sample_a_stats_interval(
+    admin: FlaskClient, producer: Producer, engine: Engine
+) -> None:
+    """Two beats (each fires `delaysvc.sample_stats` every 10 s, at its own phase) would each
+    record a sample: the dashboard's moved/s, taken between the two newest, then divided a
+    moment's moves by a moment (0/s or thousands/s by turns)."""
+    producer.send("dash.t", {"n": 1}, delay_level=2)
+    t0 = datetime(2030, 1, 1, tzinfo=UTC)
+    first = dash.sample_stats(engine, at=t0)
+    with engine.connect() as conn:
+        assert delivery.run_once(conn, 2, 100, now=datetime.now(UTC) + timedelta(seconds=10)).moved
+    half = timedelta(seconds=STATS_SECONDS / 2)
+    other_beat = dash.sample_stats(engine, at=t0 + half - timedelta(milliseconds=50))
+    assert (first.lanes, other_beat.lanes) == (6, 0)  # the other beat's, a moment later: none
+    later = dash.sample_stats(engine, at=t0 + timedelta(seconds=STATS_SECONDS))
+    assert later.lanes == 6
+    with engine.connect() as conn:
+        times = conn.execute(text("SELECT DISTINCT sampled_at FROM stats_sample ORDER BY 1"))
+        assert list(times.scalars()) == [t0, t0 + timedelta(seconds=STATS_SECONDS)]
+    lanes = {row["key"]: row for row in admin.get("/ui/overview.json").get_json()["lanes"]}
+    assert lanes["level-2"]["cells"]["rate"] == "0.1/s"
