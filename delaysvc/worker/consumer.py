@@ -407,8 +407,15 @@ class Consumer:
         """A topic with no handler and no bound task is left waiting, visibly, in its queue."""
         return registered(topic) is not None or topic in self.settings.task_topics
 
+    def task_of(self, topic: str) -> str | None:
+        """The Celery task a topic's jobs are sent to (`DELAYSVC_TOPIC_TASKS`), unless the topic
+        has a `@handler` of its own: a topic's own handler runs it, else its bound task, else
+        the handler of the longest pattern it matches."""
+        task_name = self.settings.task_topics.get(topic)
+        return task_name if task_name is not None and topic not in _registry else None
+
     def max_retries(self, topic: str) -> int:
-        found = registered(topic)
+        found = None if self.task_of(topic) else registered(topic)
         if found is not None and found.max_retries is not None:
             return found.max_retries
         return self.settings.max_retries
@@ -422,10 +429,9 @@ class Consumer:
         result = ConsumeResult(topic)
         if not self.can_run(topic):
             return result
-        task_name = self.settings.task_topics.get(topic)
-        dispatched = task_name is not None and registered(topic) is None
+        task_name = self.task_of(topic)
         # a Celery task runs where delaysvc cannot renew its lease: it gets a fixed one
-        lease = self.settings.task_lease_seconds if dispatched else self.settings.lease_seconds
+        lease = self.settings.task_lease_seconds if task_name else self.settings.lease_seconds
         # a topic with no retries has its one attempt counted just before its handler starts,
         # never by the claim: a process dying after the claim must not spend it (`_Starts`)
         start_first = self._quick_jobs.get(topic, 1) if self.max_retries(topic) > 0 else 0
@@ -442,8 +448,7 @@ class Consumer:
             return result
         claim_id = rows[0].claim_id
         jobs = [Job.from_row(row) for row in rows]
-        if dispatched:
-            assert task_name is not None
+        if task_name is not None:
             started = {row.id: row.attempts for row in rows if row.started}
             return self._dispatch_all(task_name, jobs, claim_id, started, result)
         start_by = time.monotonic() + self.settings.lease_seconds / 2
@@ -485,7 +490,7 @@ class Consumer:
                 self._release(jobs[index:], claim_id, result)
                 break
             if not starts.covers(job.id):
-                if job.attempts > self.max_retries(job.topic):
+                if self._out_of_retries(job):
                     # every attempt was charged by a process that died running it
                     dead = DeadLetter(f"out of retries after {job.attempts} attempts")
                     pending.add(job, claim_id, dead, 0)
@@ -510,6 +515,10 @@ class Consumer:
             if pending.age() >= FLUSH_SECONDS:
                 self._record(pending, result)
         self._record(pending, result)
+
+    def _out_of_retries(self, job: Job) -> bool:
+        """Every attempt the job may have was charged before this claim (by runs lost)."""
+        return job.attempts > self.max_retries(job.topic)
 
     def _start(self, starts: _Starts, upcoming: list[Job], claim_id: int) -> None:
         """Count the attempts of the next jobs to start (`_Starts.next_chunk`), one commit."""
@@ -587,10 +596,21 @@ class Consumer:
         started: dict[int, int],
         result: ConsumeResult,
     ) -> ConsumeResult:
-        """Send every job to its Celery task: all start now (the claim counted some)."""
+        """Send every job to its Celery task: all start now (the claim counted some), but one
+        whose every attempt was charged by a run that never reported back (its lease expired:
+        a name no Celery worker has, a worker killed on it), buried once they pass its
+        retries, as `_run_batch` buries a handler's."""
         assert self.dispatch is not None, "Celery-task topics need a dispatcher (tasks.consume)"
         attempts = dict(started)
-        rest = [job.id for job in jobs if job.id not in started]
+        rest = []
+        for job in jobs:
+            if job.id in started:
+                continue
+            if self._out_of_retries(job):
+                dead = DeadLetter(f"out of retries after {job.attempts} attempts")
+                result.dead += self.record_failure_of(job, claim_id, dead, 0)
+            else:
+                rest.append(job.id)
         if rest:
             with db.autocommit_cursor(self.engine) as cursor:
                 attempts.update(store.start_jobs(cursor, rest, claim_id))

@@ -180,6 +180,51 @@ def test_a_started_attempt_whose_worker_was_lost_counts(producer, consumer, engi
     assert (done.status, done.attempts) == ("succeeded", 2)
 
 
+def test_a_celery_task_topics_job_whose_runs_never_report_back_goes_dead_after_its_retries(
+    producer, settings, engine
+):
+    """A topic bound to a Celery task (DELAYSVC_TOPIC_TASKS) whose task never reports back (a
+    name no Celery worker has, a worker killed on that job each time): every lease expired
+    charged an attempt, and the job was dispatched again for good, never a dead letter, its
+    last error blaming a lost worker. Once its attempts pass `max_retries`, it is buried, as
+    a handler's job is."""
+    bound = settings.model_copy(
+        update={"task_topics": {"t.task": "proj.missing"}, "max_retries": 2}
+    )
+    dispatched = []
+    consumer = Consumer(bound, engine, lambda _task, job, claim: dispatched.append(job.attempts))
+    message = producer.send("t.task", 1)
+    for _ in range(5):
+        consumer.run_once("t.task")
+        expire_leases(engine)
+        consumer.rescue_once()
+    assert dispatched == [1, 2, 3]  # its first run and its two retries
+    dead = producer.get(message.id)
+    assert (dead.status, dead.attempts) == ("dead", 3)
+    assert dead.last_error == "DeadLetter: out of retries after 3 attempts"
+
+
+def test_a_topic_bound_to_a_celery_task_is_dispatched_though_a_pattern_handler_matches_it(
+    producer, settings, engine
+):
+    """`DELAYSVC_TOPIC_TASKS="fam.x=..."` beside a `@handler("fam.*")` (or `durable(app)`'s
+    `celery.*`): the pattern's handler ran the bound topic's jobs and the binding was silently
+    never used. A topic's own binding comes before patterns; its own `@handler` before both."""
+    ran = []
+    handler("fam.*", max_retries=0)(lambda m: ran.append(m.topic))
+    handler("fam.own")(lambda m: ran.append(m.topic))
+    bound = settings.model_copy(
+        update={"task_topics": {"fam.x": "proj.x", "fam.own": "proj.own"}, "max_retries": 2}
+    )
+    dispatched = []
+    consumer = Consumer(bound, engine, lambda task, job, claim: dispatched.append(task))
+    for topic in ("fam.x", "fam.own", "fam.other"):
+        producer.send(topic, 1)
+        consumer.run_once(topic)
+    assert (dispatched, ran) == (["proj.x"], ["fam.own", "fam.other"])
+    assert consumer.max_retries("fam.x") == 2  # the pattern's 0 is its handler's, not the task's
+
+
 def test_a_claimed_job_that_never_started_is_not_charged_an_attempt(producer, consumer, engine):
     handler("t")(lambda m: None)
     message = producer.send("t", 1)
