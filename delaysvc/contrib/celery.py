@@ -50,7 +50,7 @@ from typing import Any
 from celery import Celery
 from celery.app.amqp import AMQP, task_message
 from celery.app.control import Control
-from celery.utils.time import maybe_make_aware
+from celery.utils.time import make_aware, maybe_make_aware
 from kombu import Exchange, Queue, binding
 from kombu import serialization as kombu_serialization
 from kombu.common import Broadcast
@@ -158,12 +158,17 @@ class _DurableSender:
         ):
             return self.publish(producer, name, message, **options)
         headers = message.headers
-        durability.producer.send(
+        sent = durability.producer.send(
             topic_for(name),
             _stored_body(self.app, name, message, options),
             deliver_at=due,
             key=key_for(headers["id"], int(headers.get("retries") or 0)),
         )
+        if not sent.created:  # the key is the task id: a task stored twice runs once
+            log.warning(
+                "celery.task_id_held",
+                extra={"task_id": headers["id"], "task": name, "message_id": sent.id},
+            )
         return None
 
 
@@ -220,7 +225,11 @@ def _due(app: Celery, message: Any) -> datetime | None:
             )
         return None
     due = eta if isinstance(eta, datetime) else datetime.fromisoformat(eta)
-    return maybe_make_aware(due, app.timezone)
+    if due.tzinfo is not None:
+        return due
+    # naive (an `eta=` given so): read as Celery's worker reads it, the system's local time
+    # with `enable_utc` (Celery's default), else a time of the app's time zone
+    return due.astimezone() if app.conf.enable_utc else make_aware(due, app.timezone)
 
 
 def _natively_delayed(options: dict[str, Any]) -> bool:

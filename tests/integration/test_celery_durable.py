@@ -6,10 +6,13 @@ real workers."""
 
 from __future__ import annotations
 
+import logging
 import pickle
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -99,6 +102,46 @@ def test_a_countdown_beyond_the_threshold_is_stored_not_published(celery_app, pr
     assert message.body["id"] == result.id
     assert message.body["args"] == "(42,)"
     assert broker_messages(celery_app, default) == []
+
+
+@pytest.fixture
+def tokyo_clock(monkeypatch) -> Iterator[None]:
+    """This process's local time zone Asia/Tokyo (UTC+9) for the test."""
+    monkeypatch.setenv("TZ", "Asia/Tokyo")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+@pytest.mark.parametrize("enable_utc", [True, False])
+def test_a_naive_eta_is_read_as_celerys_worker_reads_it(
+    celery_app, producer, tokyo_clock, enable_utc
+):
+    """A naive `eta` was taken as UTC: in Tokyo, `eta=datetime.now() + 60 s` was stored 9 hours
+    late (west of UTC it looked past due and went to the broker, not durable). Celery's worker
+    reads it as the system's local time with `enable_utc` (its default), else in the app's
+    time zone; so does the durable store."""
+    celery_app.conf.update(enable_utc=enable_utc, timezone="Asia/Tokyo")
+    before = datetime.now(UTC)
+    naive = datetime.now(ZoneInfo("Asia/Tokyo")).replace(tzinfo=None) + timedelta(seconds=60)
+    result = celery_app.tasks["shop.cancel_order"].apply_async((42,), eta=naive)
+    message = stored(producer, result.id)
+    assert before + timedelta(seconds=59) < message.deliver_at < before + timedelta(seconds=61)
+
+
+def test_a_task_id_already_held_by_a_stored_task_is_not_stored_twice_and_says_so(
+    celery_app, producer, caplog
+):
+    """The key is the task id: a second `apply_async(task_id=X)` while X's stored task waits
+    is not stored (Celery would run both); it is logged, not silent."""
+    task = celery_app.tasks["shop.cancel_order"]
+    first = task.apply_async((1,), countdown=60, task_id="order-1")
+    with caplog.at_level(logging.WARNING, logger="delaysvc.contrib.celery"):
+        task.apply_async((2,), countdown=60, task_id="order-1")
+    assert stored(producer, first.id).body["args"] == "(1,)"
+    (record,) = [r for r in caplog.records if r.getMessage() == "celery.task_id_held"]
+    assert (record.task_id, record.message_id) == ("order-1", stored(producer, first.id).id)
 
 
 def test_a_short_countdown_and_no_countdown_go_to_the_broker(celery_app, producer):
