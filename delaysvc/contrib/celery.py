@@ -54,6 +54,7 @@ from celery.utils.time import make_aware, maybe_make_aware
 from kombu import Exchange, Queue, binding
 from kombu import serialization as kombu_serialization
 from kombu.common import Broadcast
+from kombu.exceptions import ContentDisallowed
 from kombu.utils import json as kombu_json
 from kombu.utils.imports import symbol_by_name
 
@@ -363,12 +364,18 @@ def publish_when_due(message: Job) -> None:
     payload = envelope["body"]
     if envelope["base64"]:
         payload = base64.b64decode(payload)
-    task_body = kombu_serialization.loads(
-        payload,
-        envelope["content_type"],
-        envelope["content_encoding"],
-        accept=kombu_serialization.prepare_accept_content(app.conf.accept_content),
-    )
+    try:
+        task_body = kombu_serialization.loads(
+            payload,
+            envelope["content_type"],
+            envelope["content_encoding"],
+            accept=kombu_serialization.prepare_accept_content(app.conf.accept_content),
+        )
+    except ContentDisallowed as exc:  # as a Celery worker refuses it: at once, not retried
+        raise DeadLetter(
+            f"sent in {envelope['serializer']}, which the app's accept_content "
+            f"({list(app.conf.accept_content)}) refuses: {exc}"
+        ) from exc
     if isinstance(task_body, list):
         task_body = tuple(task_body)  # as Celery builds it (JSON has no tuples)
     headers = {**envelope["headers"], "eta": None}

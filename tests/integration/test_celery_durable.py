@@ -269,6 +269,25 @@ def test_a_binary_serializer_round_trips(celery_app, producer, engine):
     assert args == ({"at": moment, "raw": b"\x00\xff"},)
 
 
+def test_a_task_in_a_serializer_the_app_does_not_accept_is_a_dead_letter_at_once(
+    celery_app, producer, engine
+):
+    """Sent in pickle by an app that accepts JSON only: a Celery worker refuses it at once;
+    stored, it was retried (ContentDisallowed) for hours, up to its retries."""
+    celery_app.conf.accept_content = ["json"]
+    result = celery_app.tasks["shop.cancel_order"].apply_async(
+        (1,), countdown=30, serializer="pickle"
+    )
+    message = stored(producer, result.id)
+    with engine.begin() as conn:
+        assert store.deliver_now(conn, [message.id]) == 1
+    assert Consumer(producer.settings, engine).run_once(message.topic).dead == 1
+    dead = producer.get(message.id)
+    assert dead.status == "dead"
+    assert "pickle" in dead.last_error and "accept_content" in dead.last_error
+    assert broker_messages(celery_app, celery_app.conf.task_default_queue) == []
+
+
 def test_revoke_cancels_the_stored_task_and_its_stored_retries(celery_app, producer):
     first = str(uuid.uuid4())
     celery_app.send_task("shop.cancel_order", (1,), countdown=60, task_id=first)
