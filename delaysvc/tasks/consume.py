@@ -18,6 +18,8 @@ from delaysvc.worker.consumer import Job, registered_topics
 
 log = logging.getLogger(__name__)
 LIMITED_BUDGET_SECONDS = 2.0  # a limited topic's task claims again this long before requeueing
+REPORT_SECONDS = 5.0  # a consume process running tasks reports the consumers in this often
+_reported_at: float | None = None  # when this process last did (time.monotonic())
 
 
 _stopped = threading.Event()
@@ -59,6 +61,7 @@ def consume(topic: str) -> int:
     with limits goes on while its claims take jobs (each process that ran one tries for the
     next slot), and when out of tokens, once the next token is due."""
     rt = runtime()
+    _report_in(rt.engine)
     result = rt.consumer.run_once(topic)
     claimed = result.claimed
     if result.claimed and result.free_slots:
@@ -72,6 +75,17 @@ def consume(topic: str) -> int:
     elif result.wait_s is not None:
         consume.apply_async((topic,), countdown=result.wait_s, expires=60)
     return claimed
+
+
+def _report_in(engine: Any) -> None:
+    """The consumers' heartbeat, from a process running consume tasks, every REPORT_SECONDS:
+    the sweep's alone expired unrun behind a backlog of consume tasks (after a PostgreSQL
+    restart, thousands), and /healthz called the busy consumers down."""
+    global _reported_at
+    now = time.monotonic()
+    if _reported_at is None or now - _reported_at >= REPORT_SECONDS:
+        _reported_at = now
+        record_heartbeat(engine, "consumer")
 
 
 @shared_task(name="delaysvc.consume_sweep", ignore_result=True)
