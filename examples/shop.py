@@ -52,12 +52,14 @@ def pay_order(session: Session, order_id: int) -> None:
 @handler("order.cancel")
 def cancel_unpaid(message) -> None:  # type: ignore[no-untyped-def]
     """Runs when the timer fires: cancel the order unless it was paid meanwhile."""
+    order_id = message.body["order_id"]
     with Session(_engine()) as session, session.begin():
-        session.execute(
+        cancelled = session.execute(
             update(orders)
-            .where(orders.c.id == message.body["order_id"], orders.c.status == "unpaid")
+            .where(orders.c.id == order_id, orders.c.status == "unpaid")
             .values(status="cancelled")
-        )
+        ).rowcount
+    print(f"shop: order {order_id} " + ("cancelled, unpaid" if cancelled else "not unpaid: kept"))
 
 
 def order_status(engine: Engine, order_id: int) -> str:

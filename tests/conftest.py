@@ -30,7 +30,11 @@ from delaysvc.db.engines import make_engine, start_embedded
 from delaysvc.producer.sending import Producer
 from delaysvc.schema.migrate import upgrade
 from tests.support.interrupt import pytest_configure  # noqa: F401  (SIGTERM: as Ctrl-C)
-from tests.support.machine import RABBITMQ, holding
+from tests.support.machine import (
+    RABBITMQ,
+    holding,
+    pytest_runtest_makereport,  # noqa: F401  (MissingPart: skip)
+)
 
 TEST_LEVELS = "1s 2s 3s 5s 8s"
 TEST_SCHEMA = os.environ.get("DELAYSVC_TEST_SCHEMA") or "delaysvc"

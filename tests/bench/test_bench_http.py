@@ -8,10 +8,16 @@ import time
 import pytest
 from sqlalchemy import Engine
 
-from delaysvc.bench import BenchContext
+from delaysvc.bench import BenchContext, require_parts
 from delaysvc.bench.http import http_suite
 from delaysvc.config.settings import Settings
 from delaysvc.db.names import sql
+
+
+@pytest.fixture(autouse=True)
+def wrk() -> None:
+    """The suite needs wrk: MissingPart without it (skipped, or failed where required)."""
+    require_parts(["http"])
 
 
 def test_http_suite_sends_through_gunicorn_with_no_error_and_loses_nothing(

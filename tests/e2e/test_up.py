@@ -179,7 +179,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 @SECOND_PASS_ONLY
 def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Path) -> None:
     env = _clean_env(DELAYSVC_HANDLERS="examples.shop,tests.e2e.handlers", SHOP_CANCEL_AFTER="3s")
-    with running_up(tmp_path, env) as (port, delaysvc, _):
+    with running_up(tmp_path, env) as (port, delaysvc, lines):
         # `ready` means ready: a level-1 message sent now runs on time (lanes started with
         # the delivery worker, not at beat's first interval; consumers warm)
         late_ms = _level_1_handler_started_late_ms(start_embedded(tmp_path / "var"))
@@ -226,6 +226,9 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
         orders = "SELECT item, status FROM shop_order"
         wait_for(lambda: statuses(orders).get("book") == "cancelled", 60, "the unpaid order")
         assert statuses(orders) == {"book": "cancelled", "lamp": "paid"}
+        wait_for(
+            lambda: any("cancelled, unpaid" in line for line in lines), 10, "its handler's line"
+        )
         timers = statuses("SELECT key, status FROM message WHERE key LIKE 'order-%'")
         # beat samples every lane for the dashboard's charts and moved/s
         sampled = "SELECT CAST(lane AS text), count(*) FROM stats_sample GROUP BY lane"

@@ -16,8 +16,11 @@ def spark() -> Iterator[Any]:
             "local Spark runs in CI's first pass (embedded PostgreSQL); the second runs the "
             "pipeline on a Spark cluster and on local[2] through the CLI (test_spark_cluster.py)"
         )
+    from delaysvc.config.settings import DEBIAN_JDBC_JAR
+    from delaysvc.pipeline.requirements import require
     from delaysvc.pipeline.spark import session
 
+    require(jdbc_jar=DEBIAN_JDBC_JAR)  # Java and the JDBC driver: MissingPart (skipped, or failed)
     spark = session("local[2]")
     yield spark
     spark.stop()
