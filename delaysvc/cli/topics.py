@@ -25,8 +25,9 @@ def topics() -> None:
 @JSON_OPTION
 @pass_ctx
 def topics_list(ctx: Context, as_json: bool) -> None:
-    """Every topic with messages: ready, running, dead, paused, and whether a live worker has
-    its handler (`--json`: the shape of GET /api/v1/topics)."""
+    """Every topic with messages ready, running, retrying, dead or run before, a pause or
+    limits, and whether a live worker has its handler (`--json`: the shape of GET
+    /api/v1/topics); a topic whose messages all wait in their lanes shows once one is due."""
     with ctx.engine.connect() as conn:
         rows = store.topic_stats(conn)
         durations = store.recent_durations(conn) if as_json else {}
