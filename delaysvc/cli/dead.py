@@ -32,6 +32,8 @@ def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> Non
 
         echo_json({"dead": [dead_letter_json(row) for row in rows]})
         return
+    if not rows:  # said on stderr: the list itself stays empty for scripts
+        click.echo("no dead letters" + (f" of {topic}" if topic else ""), err=True)
     for row in rows:
         click.echo(
             f"{row.message_id:>10} {row.topic:<30} {row.died_at:%Y-%m-%d %H:%M:%S} "

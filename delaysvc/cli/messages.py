@@ -88,8 +88,12 @@ def send(
     verb = "sent" if message.created else "exists (same topic and key)"
     if message.replaced_id is not None:
         verb = f"sent, replacing {message.replaced_id}"
+    if message.status != "scheduled":
+        lane = "none"  # due at once: in its topic's queue
+    else:
+        lane = "timer" if message.delay_level is None else f"level-{message.delay_level}"
     click.echo(
-        f"{verb}: id={message.id} status={message.status} level={message.delay_level} "
+        f"{verb}: id={message.id} status={message.status} lane={lane} "
         f"deliver_at={message.deliver_at.isoformat()}"
     )
 

@@ -96,7 +96,12 @@ def test_send_show_and_cancel(delaysvc: Run) -> None:
     sent = delaysvc("send", "order.cancel", '{"order_id": 42}', "--delay", "30m", "--key", "o-42")
     assert sent.returncode == 0, sent.stderr
     assert sent.stdout.startswith("sent: id=")
+    assert " lane=timer " in sent.stdout  # 30m is no level (it said `level=None`)
     message_id = sent.stdout.split("id=")[1].split()[0]
+    leveled = delaysvc("send", "order.cancel", "{}", "--level", "2").stdout
+    assert " lane=level-2 " in leveled
+    now = delaysvc("send", "order.cancel", "{}").stdout  # no delay
+    assert " status=ready lane=none " in now  # due at once: straight to its topic's queue
 
     again = delaysvc("send", "order.cancel", '{"order_id": 42}', "--delay", "30m", "--key", "o-42")
     assert again.stdout.startswith(f"exists (same topic and key): id={message_id} ")
@@ -297,6 +302,7 @@ def test_dead_letters_list_redrive_and_purge(
     assert producer.get(ids[1]).status == "dead"  # purge drops the letter, keeps the history
     after = delaysvc("dead", "list", "--topic", "cli.always.fails")
     assert str(ids[1]) not in after.stdout
+    assert (after.stdout, after.stderr) == ("", "no dead letters of cli.always.fails\n")
 
 
 def test_load_sends_a_steady_stream_into_the_service_database(
