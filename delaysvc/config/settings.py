@@ -119,6 +119,10 @@ class Settings(BaseModel):
     lives, so a job is taken again this long (at most) after its process died, and never while
     it runs, unless its handler holds Python's GIL longer than a lease (one long C call that
     does not let go of it): make it longer than such a call."""
+    start_wait_seconds: int = Field(default=60, ge=0, le=3600)
+    """How long `delaysvc up` (on a configured database), `worker`, `beat` and `web` wait for a
+    database that does not answer as they start (a host and its database booting together),
+    with a line saying so, before they stop with its error (0: not at all)."""
     task_lease_seconds: int = Field(default=300, gt=0, le=MAX_TASK_LEASE_SECONDS)
     """The fixed lease of a job handed to a Celery task (`topic_tasks`): the task runs where
     delaysvc cannot renew it, so its job is taken again after this long without an outcome."""

@@ -23,8 +23,9 @@ import logging
 import select
 import signal
 import subprocess
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,54 @@ def autocommit_cursor(engine: Engine) -> Iterator[Any]:
         elif pooled.is_valid:  # broken, or stopped mid-statement: never pooled again
             pooled.invalidate()
         pooled.close()
+
+
+def wait_for_database(engine: Engine, seconds: float, say: Callable[[str], None]) -> None:
+    """Return once `engine`'s database answers; while it does not (its connection refused or
+    cut), try again every second for `seconds`, saying so once through `say`, then raise its
+    error. Any other error (a wrong password, a missing database) is raised at once."""
+    deadline = time.monotonic() + seconds
+    said = False
+    while True:
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+            return
+        except exc.OperationalError as error:
+            if time.monotonic() >= deadline or not _unreachable(error):
+                raise
+            if not said:
+                reason = " ".join(str(error.orig).split())
+                say(f"waiting up to {seconds:g} s for the database: {reason}")
+                said = True
+            time.sleep(1)
+
+
+def _unreachable(error: exc.OperationalError) -> bool:
+    """The server is not there (yet): no connection, or one it ended as it starts or stops.
+    A connection's failure carries no SQLSTATE, only the server's or the OS's words."""
+    code = getattr(error.orig, "sqlstate", None)
+    if code is not None:
+        return code in _STARTING_UP
+    text = str(error.orig)
+    return any(words in text for words in _NOT_THERE)
+
+
+_STARTING_UP = frozenset({"57P03", "57P01", "08000", "08001", "08003", "08006"})
+"""cannot connect now (starting up), admin shutdown, and the connection exceptions."""
+_NOT_THERE = (
+    "Connection refused",
+    "No such file or directory",  # its Unix socket is not there yet
+    "the database system is starting up",
+    "the database system is shutting down",
+    "the database system is in recovery mode",
+    "the database system is not yet accepting connections",
+    "server closed the connection unexpectedly",
+    "timeout expired",
+    "Network is unreachable",
+    "No route to host",
+    "could not translate host name",  # a name the network does not resolve yet
+)
 
 
 def sqlalchemy_error(

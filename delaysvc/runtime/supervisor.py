@@ -704,7 +704,7 @@ def keeper_command(var_dir: Path) -> Command:
 
 
 def run_all(settings: Settings, host: str, port: int) -> int:
-    from delaysvc.db.engines import database_url, make_engine
+    from delaysvc.db.engines import database_url, make_engine, wait_for_database
     from delaysvc.schema.migrate import upgrade
 
     stopping = _StopWhileStarting()
@@ -717,11 +717,17 @@ def run_all(settings: Settings, host: str, port: int) -> int:
         beat_command(settings),
     ]
     console = Console(command.name for command in commands)
-    lock = deployment_lock(settings.var_dir, lambda line: console.echo(SUPERVISOR, line))
+
+    def say(line: str) -> None:
+        console.echo(SUPERVISOR, line)
+
+    lock = deployment_lock(settings.var_dir, say)
     require_free_port(host, port)  # after the lock: a second `up` here is named as such
     with stopping.held_back():
         url = database_url(settings, embedded=True)
     engine = make_engine(settings, url)
+    if not settings.embedded_database:  # a database of its own: booting with this host, maybe
+        wait_for_database(engine, settings.start_wait_seconds, say)
     for change in upgrade(engine, settings.levels):
         console.echo(SUPERVISOR, change.describe())
     first_login = _first_admin(engine) if settings.embedded_database else None
