@@ -742,6 +742,9 @@ def run_all(settings: Settings, host: str, port: int) -> int:
             f"handlers: the demo's, for {', '.join(demo.TOPICS)} (no DELAYSVC_HANDLERS; "
             "DELAYSVC_HANDLERS=your.module runs yours instead)",
         )
+    else:
+        modules = ", ".join(settings.handler_modules)
+        console.echo(SUPERVISOR, f"handlers: from {modules} (DELAYSVC_HANDLERS)")
     base = f"http://{host}:{port}"
     if settings.embedded_database:
         where = settings.var_dir.resolve() / "pg"

@@ -229,6 +229,12 @@ def test_up_runs_everything_from_an_empty_folder_and_stops_cleanly(tmp_path: Pat
         wait_for(
             lambda: any("cancelled, unpaid" in line for line in lines), 10, "its handler's line"
         )
+        assert any(
+            line.rstrip().endswith(
+                "handlers: from examples.shop, tests.e2e.handlers (DELAYSVC_HANDLERS)"
+            )
+            for line in lines
+        ), lines
         timers = statuses("SELECT key, status FROM message WHERE key LIKE 'order-%'")
         # beat samples every lane for the dashboard's charts and moved/s
         sampled = "SELECT CAST(lane AS text), count(*) FROM stats_sample GROUP BY lane"
