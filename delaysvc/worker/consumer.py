@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, event
 
 from delaysvc import store
 from delaysvc.config import tracing
@@ -52,6 +53,38 @@ def in_service_transaction(engine: Engine) -> Iterator[tuple[Connection, tuple[C
     """A transaction on the service's database; the handler gets its `Connection`."""
     with engine.begin() as conn:
         yield conn, (conn,)
+
+
+@contextmanager
+def _left_open(conn: Any) -> Iterator[None]:
+    """Raise DeadLetter, naming why, once a transactional handler has committed or rolled back
+    the `Connection` (SQLAlchemy's) it was given: the job's success is written in that
+    transaction after it. Committed, its work is kept and the job is not run again (it was
+    done again at each retry, the error SQLAlchemy's "closed transaction"); rolled back, a
+    retry would do the same. (Refusing the commit in its event instead leaves the pooled
+    connection inside the transaction.) Django's connection refuses a commit in `atomic()`."""
+    if not isinstance(conn, Connection):
+        yield
+        return
+    ended: list[str] = []
+    noted = {action: partial(_note, ended, action) for action in ("commit", "rollback")}
+    for action, note in noted.items():
+        event.listen(conn, action, note)
+    try:
+        yield
+    finally:
+        for action, note in noted.items():
+            event.remove(conn, action, note)
+    if ended:
+        kept = "kept" if ended[0] == "commit" else "undone"
+        raise DeadLetter(
+            f"a transactional handler must not {ended[0]} the connection it is given: delaysvc "
+            f"commits it with the job's success (raise to roll it back); its work was {kept}"
+        )
+
+
+def _note(ended: list[str], action: str, _conn: Connection) -> None:
+    ended.append(action)
 
 
 @dataclass(frozen=True)
@@ -535,7 +568,7 @@ class Consumer:
         the handlers' durations and the outcomes written (a job whose claim was lost is its
         new holder's to count) into the topic's histogram and totals, last: the topic's rows
         stay locked for the commit only."""
-        if not outcomes.succeeded and not outcomes.failed:
+        if not outcomes.durations:  # nothing ran since the last write
             return
         with self.engine.begin() as conn:
             succeeded = store.finish_succeeded(conn, outcomes.succeeded)
@@ -583,7 +616,8 @@ class Consumer:
         with found.transaction(self.engine) as (conn, arguments):
             if not store.lock_running_job(conn, job.id, claim_id):
                 raise LeaseLost(job.id)
-            found.func(job, *arguments)
+            with _left_open(conn):
+                found.func(job, *arguments)
             if store.finish_one_succeeded(conn, job.id, claim_id, _ms_since(started)) is None:
                 raise LeaseLost(job.id)  # never, with the row locked: the guard of the rule
             store.add_outcomes(conn, job.topic, store.OutcomeCounts(succeeded=1))

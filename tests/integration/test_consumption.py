@@ -476,6 +476,45 @@ def test_a_transactional_handler_commits_its_rows_with_the_jobs_success(
     assert total.succeeded == 1
 
 
+@pytest.mark.parametrize("ends", ["commit", "rollback"])
+def test_a_transactional_handler_that_ends_its_transaction_itself_is_a_dead_letter_at_once(
+    producer, consumer, effects, ends
+):
+    """A handler committing the connection it is given (a helper that commits) had its rows
+    committed on every attempt while its job was retried, the error SQLAlchemy's ("Can't
+    operate on closed transaction"). The job is a dead letter naming why, its work done once
+    (committed) or not at all (rolled back), not again at each retry."""
+
+    @handler("tx.ends", transaction=True)
+    def ends_it(message, conn):
+        _write_effect(conn, message)
+        getattr(conn, ends)()
+
+    message = producer.send("tx.ends", {})
+    result = consumer.run_once("tx.ends")
+    assert (result.succeeded, result.retried, result.dead) == (0, 0, 1)
+    kept = ends == "commit"
+    assert effects() == ({message.id: "done"} if kept else {})  # done once, at most
+    dead = producer.get(message.id)
+    assert dead.status == "dead"
+    assert dead.last_error == (
+        f"DeadLetter: a transactional handler must not {ends} the connection it is given: "
+        "delaysvc commits it with the job's success (raise to roll it back); its work was "
+        + ("kept" if kept else "undone")
+    )
+
+
+def test_a_transactional_handlers_run_time_is_counted_as_any_handlers(producer, consumer):
+    """Its success is written in its own transaction; its run time was never written, so the
+    duration histogram (dashboard, /metrics) left such handlers out."""
+    handler("tx.timed", transaction=True)(lambda message, conn: None)
+    producer.send("tx.timed", {})
+    assert consumer.run_once("tx.timed").succeeded == 1
+    with consumer.engine.connect() as conn:
+        counts = store.recent_durations(conn)
+    assert sum(counts["tx.timed"][0]) == 1, counts
+
+
 def test_a_transactional_handler_that_raises_leaves_no_row_and_is_retried(
     producer, consumer, engine, effects
 ):
