@@ -105,6 +105,12 @@ class Whole(click.IntRange):
     def __init__(self, low: int | None = None, high: int | None = None) -> None:
         super().__init__(min=low, max=high)
 
+    def _describe_range(self) -> str:
+        """No range where there is none (click's would be `x<=None`)."""
+        if self.min is None and self.max is None:
+            return "any whole number"
+        return super()._describe_range()
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not ascii_digits(value.strip().removeprefix("-")):
             self.fail(f"{value!r} is not a whole number (digits 0-9)", param, ctx)

@@ -501,8 +501,9 @@ class Producer:
             raise ValidationError("item", "must be an object with topic and body")
         allowed = {*MESSAGE_FIELDS, "priority"}
         unknown = sorted(set(item) - allowed)
-        if unknown:
-            raise ValidationError(unknown[0], f"unknown field; allowed: {sorted(allowed)}")
+        if unknown:  # on_duplicate was taken out already (`prepare_item`)
+            named = sorted({*allowed, "on_duplicate"})
+            raise ValidationError(unknown[0], f"unknown field; allowed: {named}")
         if "topic" not in item or "body" not in item:
             raise ValidationError("topic" if "topic" not in item else "body", "is required")
         options = {k: v for k, v in item.items() if k not in ("topic", "body")}

@@ -193,6 +193,18 @@ def test_bad_fields_are_400_naming_the_field(
         assert conn.execute(text("SELECT count(*) FROM commit_log")).scalar_one() == 0
 
 
+def test_an_unknown_field_of_a_single_send_names_every_field_it_takes(
+    client: FlaskClient, send_token: dict[str, str]
+) -> None:
+    """`on_duplicate` was taken but left out of the list the error gave."""
+    payload = {"topic": "t", "body": "x", "bogus": 1}
+    message = _error(
+        client.post("/api/v1/messages", json=payload, headers=send_token), 400, "invalid"
+    )
+    assert message.startswith("bogus: unknown field; allowed: ['body', 'delay', "), message
+    assert "'on_duplicate'" in message
+
+
 def test_not_json_is_415_and_too_large_is_413(
     client: FlaskClient, send_token: dict[str, str]
 ) -> None:
