@@ -103,6 +103,10 @@ def handler(
 
     @contextmanager
     def atomic(_engine: Engine) -> Iterator[tuple[Joined, tuple[()]]]:
+        # a connection Django would not keep (past CONN_MAX_AGE, or one that failed: cut by a
+        # server restart) is closed first, as Celery's Django fixup does before each task: the
+        # job runs on a new one instead of failing once on it
+        connections[using].close_if_unusable_or_obsolete()
         with transaction.atomic(using=using), joined(connections[using]) as statements:
             yield statements, ()
 

@@ -58,7 +58,7 @@ from django.core.management import call_command  # noqa: E402
 from django.db import connection, connections, transaction  # noqa: E402
 from django.test import override_settings  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
-from sqlalchemy import Engine  # noqa: E402
+from sqlalchemy import Engine, text  # noqa: E402
 
 import delaysvc  # noqa: E402
 import delaysvc.producer.default  # noqa: E402
@@ -287,6 +287,32 @@ def test_a_django_handler_commits_its_orm_rows_with_the_jobs_success(
     assert consumer.run_once("order.create").succeeded == 1
     assert list(Order.objects.values_list("total", flat=True)) == [7]
     assert producer.get(sent.id).status == "succeeded"
+
+
+def test_a_django_handler_after_its_connection_was_cut_runs_on_a_new_one(
+    settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """Django's connection cut by the server between jobs (a restart, an idle timeout): the
+    next job failed once (AdminShutdown, an attempt charged) before Django reconnected. Its
+    connection is refreshed before each job, as Celery's Django fixup does before each task."""
+    from delaysvc.worker.consumer import Consumer
+
+    @delaysvc_django.handler("order.after_cut")
+    def create(message):  # type: ignore[no-untyped-def]
+        Order.objects.create(total=message.body["total"])
+
+    consumer = Consumer(settings, engine)
+    producer.send("order.after_cut", {"total": 1})
+    assert consumer.run_once("order.after_cut").succeeded == 1
+    connection.ensure_connection()
+    with engine.begin() as conn:
+        conn.execute(
+            text("SELECT pg_terminate_backend(:pid)"),
+            {"pid": connection.connection.info.backend_pid},
+        )
+    sent = producer.send("order.after_cut", {"total": 2})
+    assert consumer.run_once("order.after_cut").succeeded == 1
+    assert producer.get(sent.id).attempts == 1
 
 
 @pytest.fixture
