@@ -376,4 +376,4 @@ def test_the_same_on_djangos_psycopg2_backend() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "11 passed, 1 skipped" in done.stdout
+    assert "12 passed, 1 skipped" in done.stdout
