@@ -361,7 +361,10 @@ def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
     keeping = keeping_pgbouncer() if keeps else ""
     if keeps:
         monkeypatch.setenv("PATH", f"{Path(keeping).parent}{os.pathsep}{os.environ['PATH']}")
-    out = run(settings, ["pgbouncer"], tmp_path / "run", seconds=0.2)
+    # half a second a way: in 0.2 s, one stall of a busy CI machine (both passes at once) left
+    # Debian's PgBouncer 6 sends stored
+    seconds = 0.5
+    out = run(settings, ["pgbouncer"], tmp_path / "run", seconds=seconds)
     results = json.loads((out / "results.json").read_text())["results"]
     ways = ("direct", "direct_unprepared", "pgbouncer") + (("pgbouncer_prepared",) * keeps)
     for name in ("pgbouncer_send_c1", "pgbouncer_send_c4", "pgbouncer_send_c16"):
@@ -370,11 +373,11 @@ def test_the_bench_measures_sends_straight_and_through_pgbouncer_in_one_run(
             f"{way}_stored" for way in ways
         ), figures
         for way in ways:
-            # each rate is what the way stored in its 0.2 s (the elapsed time runs a little
+            # each rate is what the way stored in its time (the elapsed time runs a little
             # over: a send that began before the end still counts)
             stored, rate = figures[f"{way}_stored"], figures[f"{way}_msgs_per_s"]
             assert stored >= 10, (way, figures)
-            assert 0.5 * stored / 0.2 <= rate <= 1.05 * stored / 0.2, (way, figures)
+            assert 0.5 * stored / seconds <= rate <= 1.05 * stored / seconds, (way, figures)
         for ratio, way in (("ratio", "pgbouncer"), ("ratio_prepared", "pgbouncer_prepared")):
             if way in ways:
                 assert figures[ratio] == pytest.approx(
