@@ -23,7 +23,7 @@ from delaysvc.config.settings import BacklogCap, CapPolicy
 from delaysvc.maintenance.histogram import percentile_bound
 from delaysvc.maintenance.periodic import OnMissed
 from delaysvc.producer.sending import Message
-from delaysvc.schema.tables import DURATION_BUCKETS_MS, STATUSES
+from delaysvc.schema.tables import DURATION_BUCKETS_MS, STATUSES, lane_name
 from delaysvc.worker.limits import TopicLimits
 
 Time = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
@@ -156,7 +156,7 @@ def lane_json(row: Any) -> LaneJson:
         lateness = round((row.now - row.next_due).total_seconds() * 1000, 1)
     return {
         "level": row.lane if row.lane else None,
-        "lane": "timer" if row.lane == 0 else f"level-{row.lane}",
+        "lane": lane_name(row.lane),
         "delay": format_ms(row.delay_ms) if row.lane else None,
         "delay_ms": row.delay_ms if row.lane else None,
         "pending": row.pending,

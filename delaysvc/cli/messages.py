@@ -11,6 +11,7 @@ import click
 from delaysvc.cli.app import MESSAGE_ID, Context, Whole, cli, pass_ctx
 from delaysvc.errors import ValidationError
 from delaysvc.producer.sending import OnDuplicate
+from delaysvc.schema.tables import TIMER_LANE, lane_name
 
 
 def _parse_body(text: str) -> Any:
@@ -88,10 +89,9 @@ def send(
     verb = "sent" if message.created else "exists (same topic and key)"
     if message.replaced_id is not None:
         verb = f"sent, replacing {message.replaced_id}"
-    if message.status != "scheduled":
-        lane = "none"  # due at once: in its topic's queue
-    else:
-        lane = "timer" if message.delay_level is None else f"level-{message.delay_level}"
+    # due at once ("none"): in its topic's queue; else waiting in a level or the timer lane
+    waiting = message.status == "scheduled"
+    lane = lane_name(message.delay_level or TIMER_LANE) if waiting else "none"
     click.echo(
         f"{verb}: id={message.id} status={message.status} lane={lane} "
         f"deliver_at={message.deliver_at.isoformat()}"

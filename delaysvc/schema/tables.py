@@ -473,6 +473,11 @@ celery_revoked = Table(
 SEQUENCES = (timer_queue_seq, topic_queue_seq, claim_seq)
 
 
+def lane_name(lane: int) -> str:
+    """A lane as users read it: `timer` (0) or `level-N`."""
+    return "timer" if lane == TIMER_LANE else f"level-{lane}"
+
+
 def level_partition(level: int) -> str:
     return f"consume_queue_{int(level)}"
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from delaysvc.config.levels import format_ms
 from delaysvc.producer.sending import Message
-from delaysvc.schema.tables import LATENESS_BUCKETS_MS, WAITING
+from delaysvc.schema.tables import LATENESS_BUCKETS_MS, WAITING, lane_name
 from delaysvc.serialize import TopicJson
 from delaysvc.store.dashboard import LatenessDistribution
 
@@ -62,10 +62,6 @@ def rate_text(per_second: float | None) -> str:
     return f"{per_second:.0f}/s" if per_second >= 10 else f"{per_second:.1f}/s"
 
 
-def lane_key(lane: int) -> str:
-    return "timer" if lane == 0 else f"level-{lane}"
-
-
 def lane_row(row: Any, rate: float | None) -> dict[str, Any]:
     """One lane of `store.lane_stats` with its moved/s."""
     late = None
@@ -76,7 +72,7 @@ def lane_row(row: Any, rate: float | None) -> dict[str, Any]:
         f"{row.schedule_offset} / {row.max_offset}" if row.lane > 0 else f"{row.moved_total} moved"
     )
     return {
-        "key": lane_key(row.lane),
+        "key": lane_name(row.lane),
         "ref": str(row.lane),
         "cells": {
             "lane": f"level {row.lane}" if row.lane else "timer",
@@ -132,7 +128,7 @@ def backlog_chart(samples: list[Any], now: datetime, window: timedelta) -> dict[
         "ticks": [[-60 * m, f"-{m} min"] for m in (60, 45, 30, 15)] + [[0, "now"]],
         "empty": "no samples yet (beat task delaysvc.sample_stats)",
         "series": [
-            {"key": lane_key(lane), "points": points, "last": points[-1][1]}
+            {"key": lane_name(lane), "points": points, "last": points[-1][1]}
             for lane, points in sorted(series.items(), key=lambda item: (item[0] == 0, item[0]))
         ],
     }

@@ -523,10 +523,9 @@ class Consumer:
                 self._release(jobs[index:], claim_id, result)
                 break
             if not starts.covers(job.id):
-                if self._out_of_retries(job):
-                    # every attempt was charged by a process that died running it
-                    dead = DeadLetter(f"out of retries after {job.attempts} attempts")
-                    pending.add(job, claim_id, dead, 0)
+                spent = self._spent(job)
+                if spent is not None:
+                    pending.add(job, claim_id, spent, 0)
                     continue
                 self._start(starts, jobs[index:], claim_id)
             attempt = starts.attempt(job.id)
@@ -549,9 +548,13 @@ class Consumer:
                 self._record(pending, result)
         self._record(pending, result)
 
-    def _out_of_retries(self, job: Job) -> bool:
-        """Every attempt the job may have was charged before this claim (by runs lost)."""
-        return job.attempts > self.max_retries(job.topic)
+    def _spent(self, job: Job) -> DeadLetter | None:
+        """Why the job goes dead without running, when every attempt it may have was charged
+        before this claim, by runs lost (a process that died running it, a Celery task that
+        never reported back); else None."""
+        if job.attempts > self.max_retries(job.topic):
+            return DeadLetter(f"out of retries after {job.attempts} attempts")
+        return None
 
     def _start(self, starts: _Starts, upcoming: list[Job], claim_id: int) -> None:
         """Count the attempts of the next jobs to start (`_Starts.next_chunk`), one commit."""
@@ -640,9 +643,9 @@ class Consumer:
         for job in jobs:
             if job.id in started:
                 continue
-            if self._out_of_retries(job):
-                dead = DeadLetter(f"out of retries after {job.attempts} attempts")
-                result.dead += self.record_failure_of(job, claim_id, dead, 0)
+            spent = self._spent(job)
+            if spent is not None:
+                result.dead += self.record_failure_of(job, claim_id, spent, 0)
             else:
                 rest.append(job.id)
         if rest:

@@ -8,11 +8,12 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from sqlalchemy.exc import OperationalError
 
+from delaysvc.bench.pgbouncer import Server
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, wait_for_database
 from delaysvc.runtime.supervisor import free_port
@@ -29,11 +30,10 @@ def on_port(url: str, port: int) -> str:
 def server_address(url: str) -> str | tuple[str, int]:
     """Where `url`'s server listens: (host, port), or the path of its Unix socket (the embedded
     server's `?host=/folder&port=N`)."""
-    parts = urlsplit(url)
-    query = parse_qs(parts.query)
-    if "host" in query:
-        return f"{query['host'][0]}/.s.PGSQL.{query.get('port', ['5432'])[0]}"
-    return (parts.hostname or "127.0.0.1", parts.port or 5432)
+    where = Server.of(url)
+    if where.host.startswith("/"):
+        return f"{where.host}/.s.PGSQL.{where.port}"
+    return (where.host, where.port)
 
 
 @contextmanager
