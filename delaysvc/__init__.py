@@ -46,7 +46,7 @@ if TYPE_CHECKING:
         send,
         send_batch,
     )
-    from delaysvc.producer.sending import Message
+    from delaysvc.producer.sending import Message, SentBatch
     from delaysvc.worker.consumer import Job, handler
 
 _HOMES = (
@@ -69,6 +69,7 @@ __all__ = [
     "NotCancellable",
     "NotFound",
     "RetryLater",
+    "SentBatch",
     "ValidationError",
     "acancel",
     "aget",

@@ -45,7 +45,7 @@ from sqlalchemy.engine import URL
 from delaysvc.config.settings import Settings
 from delaysvc.db.connections import Joined, joined
 from delaysvc.db.engines import make_engine
-from delaysvc.producer.sending import Message, Producer
+from delaysvc.producer.sending import Message, Producer, SentBatch
 from delaysvc.worker.consumer import HandlerFunc, register_handler
 
 __all__ = ["cancel", "configure", "get", "handler", "producer", "send", "send_batch"]
@@ -77,7 +77,7 @@ def send(topic: str, body: Any, *, using: str = DEFAULT_DB_ALIAS, **options: Any
 
 def send_batch(
     messages: Sequence[Mapping[str, Any]], *, using: str = DEFAULT_DB_ALIAS
-) -> list[Message]:
+) -> SentBatch:
     return producer(using).send_batch(messages, connection=connections[using])
 
 

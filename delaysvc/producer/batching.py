@@ -27,7 +27,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from operator import itemgetter
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from psycopg import Cursor
 from psycopg.errors import UniqueViolation
@@ -46,12 +46,10 @@ from delaysvc.config.validation import (
 )
 from delaysvc.errors import ValidationError
 from delaysvc.producer import caps
-from delaysvc.producer.message import Message
+from delaysvc.producer.message import Message, SentBatch
 from delaysvc.producer.placement import Placement, elapsed_after, resolve_schedule
 from delaysvc.schema.tables import NO_LANE, level_partition
 from delaysvc.store import batches
-
-_T = TypeVar("_T")
 
 Result = tuple[Any, bool, int | None]
 """What the staged insert gives per item (`store.insert_messages`): (row, created, origin)."""
@@ -287,15 +285,17 @@ def _body(index: int, item: Item, max_body_bytes: int) -> tuple[bytes, bool]:
 # ---------------------------------------------------------------- storing
 
 
-def messages(items: Sequence[Item], results: Sequence[Result]) -> list[Message]:
+def messages(items: Sequence[Item], results: Sequence[Result]) -> SentBatch:
     """The Messages of a batch stored through the staged insert (its (row, created, origin)
     per item)."""
-    return [
-        Message.sent(items[origin], row.id, row.stored_at, row.deliver_ts, created)
-        if origin is not None
-        else Message.from_row(row, created=False)
-        for row, created, origin in results
-    ]
+    return SentBatch.of(
+        [
+            Message.sent(items[origin], row.id, row.stored_at, row.deliver_ts, created)
+            if origin is not None
+            else Message.from_row(row, created=False)
+            for row, created, origin in results
+        ]
+    )
 
 
 class _Plan(NamedTuple):
@@ -316,15 +316,15 @@ def store_copied(
     first: Item,
     checked: Callable[[], Sequence[Item]],
     settings: Settings,
-) -> list[Message]:
+) -> SentBatch:
     """Store a batch of `count` items by COPY on `cursor` (a psycopg 3 cursor of `conn`'s
     connection), in the caller's transaction, which the caller holds open around this
     (`Joined.transaction`); `first` is its first item checked alone, `checked` gives them all
     checked (`prepare`), called while the database draws their ids and the offsets of the
     first item's lane (`batches.drawing`; docs/benchmarks/2026-12-02-batch-ids-while-checked,
-    2026-12-04-batch-offsets-while-checked). -> a Message per item, in order: created, or
-    (created=False) the message holding its key, or the one the first item with its key
-    created."""
+    2026-12-04-batch-offsets-while-checked). -> a Message per item, in order (made as read:
+    `SentBatch`): created, or (created=False) the message holding its key, or the one the
+    first item with its key created."""
     with batches.drawing(cursor, count, first.lane, first.delay_ms or 0) as drawn:
         items = checked()
         spread = _spread(items, settings.levels)
@@ -447,17 +447,14 @@ def _copied(
     drawn: list[int],
     reserved: batches.Reserved | None,
     max_body_bytes: int,
-) -> list[Message]:
+) -> SentBatch:
     """COPY the plan's messages into the commit log, then into their lanes, and count them;
     their ids are the first of `drawn` (one an item, ascending), in order, their store time and
-    offsets `reserved`'s, else drawn now (`batches.reserve`).
-    The created messages' Messages are made once the last lane's rows are written, before its
-    COPY ends: PostgreSQL, behind on those rows, stores them meanwhile, where it had the
-    connection to itself (docs/benchmarks/2026-12-02-batch-messages-at-the-end: 0.87-0.89x
-    a batch's time, against making each as its commit-log row is written). A body that cannot
-    be encoded ends the COPY there: the rows sent are deleted, and the error raised."""
+    offsets `reserved`'s, else drawn now (`batches.reserve`). A body that cannot be encoded
+    ends the COPY there: the rows sent are deleted, and the error raised. -> the batch's
+    Messages, each made when it is read (`_sent`)."""
     if not plan.creating:
-        return _made(items, plan, [])
+        return _sent(items, plan, [], [], None)
     ids = drawn[: len(plan.creating)]
     if reserved is None:
         reserved = batches.reserve(cursor, list(plan.lanes.items()))
@@ -518,22 +515,14 @@ def _copied(
         if dues:
             batches.unsend(cursor, ids[: len(dues)])
         raise refused
-    created_items = [items[index] for index in plan.creating]
-
-    def messages_made() -> list[Message]:
-        sent = Message.sent
-        return [
-            sent(item, message_id, stored_at, due, True)
-            for item, message_id, due in zip(created_items, ids, dues, strict=True)
-        ]
-
+    created = items if len(plan.creating) == len(items) else [items[i] for i in plan.creating]
     lanes = set(plan.lanes)
     if sum(plan.lanes.values()) < len(plan.creating):
         lanes.add(NO_LANE)  # some are due now: straight into their topics' queues
-    created = _copy_lanes(cursor, created_items, ids, wire_dues, taken, lanes, messages_made)
+    _copy_lanes(cursor, created, ids, wire_dues, taken, lanes)
     if plan.lanes:
         batches.count_into_lanes(cursor, plan.lanes)
-    return _made(items, plan, created)
+    return _sent(items, plan, ids, dues, stored_at)
 
 
 def _copy_lanes(
@@ -543,12 +532,10 @@ def _copy_lanes(
     dues: Sequence[int],
     taken: Sequence[int | None],
     lanes: Collection[int],
-    meanwhile: Callable[[], _T],
-) -> _T:
+) -> None:
     """COPY the lanes' rows of the messages just COPYed into the commit log (`dues`: their due
     times as `batches.wire_time`s; `lanes`: the lanes they go to): a level's queue, the timer
-    lane or (due now) the topic's queue, a COPY each. -> what `meanwhile` gives, called once
-    the last COPY's rows are written, while PostgreSQL stores them."""
+    lane or (due now) the topic's queue, a COPY each."""
 
     def rows() -> Iterator[tuple[int, int | None, int, str, int, int]]:
         """(lane, offset, id, topic, due, priority) of each message, in order."""
@@ -578,29 +565,36 @@ def _copy_lanes(
             if lane < 0
         )
         copies.append(("topic_queue", batches.READY_ROW, ready_rows))
-    *first, (table, row, last) = copies
-    for earlier in first:
-        batches.copy_rows(cursor, *earlier)
-    with batches.copying(cursor, table, row) as copy:
-        for values in last:
-            copy.write_row(values)
-        return meanwhile()
+    for table, row, values in copies:
+        batches.copy_rows(cursor, table, row, values)
 
 
-def _made(items: Sequence[Item], plan: _Plan, created: list[Message]) -> list[Message]:
-    """A Message per item, in order, from those of the messages created (`created`, in the
-    order of `plan.creating`)."""
-    if len(created) == len(items):  # no key held or repeated: each item created one
-        return created
-    made: list[Message | None] = [None] * len(items)
-    for index, message in zip(plan.creating, created, strict=True):
-        made[index] = message
-    for index, origin in plan.repeats.items():
-        first = made[origin]
-        assert first is not None
-        made[index] = Message.sent(
-            items[origin], first.id, first.stored_at, first.deliver_at, False
-        )
-    for index, row in plan.holders.items():
-        made[index] = Message.from_row(row, created=False)
-    return [message for message in made if message is not None]
+def _sent(
+    items: Sequence[Item],
+    plan: _Plan,
+    ids: list[int],
+    dues: Sequence[datetime],
+    stored_at: datetime | None,
+) -> SentBatch:
+    """A Message per item, in order, each made when read: for an item that created a message,
+    from the item, its id and due time (`ids`, `dues`: in the order of `plan.creating`) and the
+    store time; for a key's repeat, its first item's, `created` False; for a key held, its
+    holder's row."""
+    sent = Message.sent
+    if stored_at is not None and len(plan.creating) == len(items):  # each item created one
+        at = stored_at
+        return SentBatch(ids, lambda i: sent(items[i], ids[i], at, dues[i], True))
+    position = {index: p for p, index in enumerate(plan.creating)}  # item -> its created one
+    position.update((index, position[origin]) for index, origin in plan.repeats.items())
+
+    def make(index: int) -> Message:
+        if index in plan.holders:
+            return Message.from_row(plan.holders[index], created=False)
+        p = position[index]
+        origin = plan.creating[p]
+        assert stored_at is not None  # a message was created
+        return sent(items[origin], ids[p], stored_at, dues[p], origin == index)
+
+    held = plan.holders
+    item_ids = [held[i].id if i in held else ids[position[i]] for i in range(len(items))]
+    return SentBatch(item_ids, make)

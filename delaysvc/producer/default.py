@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from delaysvc.producer.sending import Message
+from delaysvc.producer.sending import Message, SentBatch
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -71,7 +71,7 @@ def send(
     )
 
 
-def send_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
+def send_batch(messages: list[dict[str, Any]], **options: Any) -> SentBatch:
     return default_producer().send_batch(messages, **options)
 
 
@@ -90,7 +90,7 @@ async def asend(topic: str, body: Any, **options: Any) -> Message:
     return await default_producer().asend(topic, body, **options)
 
 
-async def asend_batch(messages: list[dict[str, Any]], **options: Any) -> list[Message]:
+async def asend_batch(messages: list[dict[str, Any]], **options: Any) -> SentBatch:
     return await default_producer().asend_batch(messages, **options)
 
 

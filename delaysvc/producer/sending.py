@@ -42,6 +42,7 @@ from delaysvc.errors import (
 )
 from delaysvc.producer import batching, caps, grouping
 from delaysvc.producer.message import Message as Message
+from delaysvc.producer.message import SentBatch as SentBatch
 from delaysvc.producer.placement import Placement as Placement
 from delaysvc.producer.placement import resolve_schedule
 from delaysvc.schema.tables import TIMER_LANE, WAITING
@@ -304,13 +305,14 @@ class Producer:
 
     def send_batch(
         self, messages: Sequence[Mapping[str, Any]], *, connection: Joinable | None = None
-    ) -> list[Message]:
+    ) -> SentBatch:
         """Store all of them or none: each item is `send`'s keyword arguments as a mapping
         (`{"topic": ..., "body": ..., "delay": "5m"}`), at most `MAX_SEND_BATCH`. Item errors
         name the item's index. On psycopg 3 the batch is COPYed into the tables, each body
-        encoded as its row is sent (`delaysvc.producer.batching`)."""
+        encoded as its row is sent (`delaysvc.producer.batching`). -> a Message per item, in
+        order, each made when read (`SentBatch`; its `ids` without)."""
         if not messages:
-            return []
+            return SentBatch.of([])
         if len(messages) > MAX_SEND_BATCH:
             raise ValidationError("messages", f"{len(messages)} items, at most {MAX_SEND_BATCH}")
         now = datetime.now().astimezone()
@@ -335,7 +337,7 @@ class Producer:
         count: int,
         first: Callable[[], batching.Item],
         checked: Callable[[], list[batching.Item]],
-    ) -> list[Message]:
+    ) -> SentBatch:
         """A batch of `count` items by COPY on a psycopg 3 connection, its items checked
         (`checked`) while the database draws their ids and the offsets of the lane its first
         item goes to (`first`), else checked, then stored through the staged insert
@@ -361,7 +363,7 @@ class Producer:
 
     async def asend_batch(
         self, messages: Sequence[Mapping[str, Any]], *, connection: Joinable | None = None
-    ) -> list[Message]:
+    ) -> SentBatch:
         return await joining.run_async(
             connection, lambda held: self.send_batch(messages, connection=held)
         )

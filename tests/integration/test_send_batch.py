@@ -8,6 +8,7 @@ import time
 import tracemalloc
 from datetime import UTC, datetime, timedelta
 from itertools import pairwise
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import psycopg
@@ -254,7 +255,9 @@ def test_a_batch_dedups_keys_inside_itself_and_against_stored_rows(
         {"topic": "t", "body": 7, "key": "held"},
     ]
     results = producer.send_batch(items)
+    ids = list(results.ids)  # read before any Message is made
     assert [m.created for m in results] == [False, True, False, True, True, True, True, False]
+    assert ids == [m.id for m in results]
     assert results[0].id == results[7].id == held.id and results[0].body == "old"
     assert results[2].id == results[1].id and results[2].delay_level == 1
     assert results[4].id != finished.id
@@ -681,6 +684,24 @@ def test_no_garbage_collection_runs_while_a_batch_is_checked_and_written(
     finally:
         gc.enable()
         gc.callbacks.remove(seen)
+
+
+def test_a_batchs_messages_are_made_as_they_are_read(
+    producer: Producer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    sent = Message.sent
+
+    def counted(item: Any, id: int, *args: Any) -> Message:
+        made.append(id)
+        return sent(item, id, *args)
+
+    monkeypatch.setattr(Message, "sent", counted)
+    batch = producer.send_batch([{"topic": "t", "body": n, "delay": "1h"} for n in range(1000)])
+    assert made == [] and len(batch) == 1000 and batch.ids == sorted(batch.ids)
+    _same_as_stored(producer, batch[500])
+    assert made == [batch.ids[500]]
+    assert [m.id for m in batch] == batch.ids and len(made) == 1000
 
 
 @first_pass_only("~15 s, a batch's memory, the same on either server")
