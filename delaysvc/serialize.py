@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Annotated, Any, Literal, NotRequired
 
@@ -84,18 +85,31 @@ def iso(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def sent_message_json(message: Message) -> SentMessageJson:
+def sent_message_json(message: Message, deliver_at: str | None = None) -> SentMessageJson:
+    """`message` as a send answers it; `deliver_at`: its due time written already."""
     data: SentMessageJson = {
         "id": message.id,
         "topic": message.topic,
         "key": message.key,
         "status": message.status,
         "delay_level": message.delay_level,
-        "deliver_at": iso(message.deliver_at),
+        "deliver_at": deliver_at or iso(message.deliver_at),
     }
     if message.replaced_id is not None:
         data["replaced_id"] = message.replaced_id
     return data
+
+
+def sent_batch_json(messages: Iterable[Message]) -> list[SentInBatchJson]:
+    """A batch's messages as its send answers them, each due time written once: a batch's
+    messages share a few (those sent with one delay share one)."""
+    times: dict[datetime, str] = {}
+    sent: list[SentInBatchJson] = []
+    for message in messages:
+        due = message.deliver_at
+        deliver_at = times.get(due) or times.setdefault(due, due.isoformat())
+        sent.append({**sent_message_json(message, deliver_at), "created": message.created})
+    return sent
 
 
 def message_json(message: Message, *, body: bool = False) -> MessageJson:

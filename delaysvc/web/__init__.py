@@ -44,6 +44,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     logs.configure(settings)  # DELAYSVC_LOG_FORMAT; a host that set up logging keeps its own
     app = Flask(__name__)
+    from delaysvc.web.answers import Answers
     from delaysvc.web.ui import session_secret
 
     app.config.update(
@@ -57,7 +58,8 @@ def create_app(settings: Settings | None = None) -> Flask:
         PERMANENT_SESSION_LIFETIME=timedelta(hours=SESSION_HOURS),
     )
     app.session_interface = _DashboardSessions()
-    app.json.sort_keys = False  # type: ignore[attr-defined]  # answers keep the order built
+    app.json = Answers(app)
+    app.json.sort_keys = False  # answers keep the order built
     app.url_map.converters["int"] = AsciiIntegerConverter
     engine = make_engine(settings)
     # requests served at once by a worker's threads: their single sends are written together

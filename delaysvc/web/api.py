@@ -19,7 +19,6 @@ from delaysvc.producer.caps import all_caps, check_target, set_cap
 from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.producer.sending import MAX_BATCH, Producer
 from delaysvc.serialize import (
-    SentInBatchJson,
     cap_json,
     dead_letter_json,
     lane_json,
@@ -27,6 +26,7 @@ from delaysvc.serialize import (
     limits_json,
     message_json,
     schedule_json,
+    sent_batch_json,
     sent_message_json,
     topic_json,
 )
@@ -194,20 +194,18 @@ def send_messages():
         raise ValidationError("messages", "must be a non-empty list of messages")
     if len(items) > MAX_BATCH:  # send_batch itself takes more: an HTTP batch is one request
         raise ValidationError("messages", f"{len(items)} items, at most {MAX_BATCH} in one request")
-    options = []
+    options, sender = [], token()
     for index, item in enumerate(items):
         if not isinstance(item, dict):
             raise ValidationError(f"messages[{index}]", "must be an object")
         try:
             options.append(message_options(item))
-            require_topic(item)
+            require_topic(item, sender)
         except ValidationError as exc:
             raise ValidationError(f"messages[{index}].{exc.field}", exc.detail) from None
         except Forbidden as exc:  # one message outside the token's topics: none is sent
             raise Forbidden(f"messages[{index}]: {exc.description}") from None
-    messages = services()["producer"].send_batch(options)
-    sent: list[SentInBatchJson] = [{**sent_message_json(m), "created": m.created} for m in messages]
-    return jsonify({"messages": sent}), 201
+    return jsonify({"messages": sent_batch_json(services()["producer"].send_batch(options))}), 201
 
 
 @api.get("/messages")
