@@ -203,6 +203,9 @@ class SentBatch(Sequence[Message]):
     def __repr__(self) -> str:
         return f"SentBatch({list(self)!r})"
 
+    def __reduce__(self) -> tuple[Any, ...]:  # pickled and copied with its Messages made
+        return SentBatch.of, (list(self),)
+
 
 def _bytes(data: bytes | memoryview) -> bytes:
     """A bytea as bytes (psycopg2 gives a memoryview, also under SQLAlchemy's text())."""

@@ -1,7 +1,9 @@
 """What `send_batch` returns (`SentBatch`): a Message per item made the first time it is read,
 read as a list is read."""
 
+import copy
 import gc
+import pickle
 import weakref
 from datetime import UTC, datetime
 
@@ -72,3 +74,9 @@ def test_a_batch_made_from_messages_already_made() -> None:
     batch = SentBatch.of(messages)
     assert batch.ids == [5, 6] and batch[1] is messages[1] and batch == messages
     assert SentBatch.of([]) == [] and len(SentBatch.of([])) == 0
+
+
+def test_it_pickles_and_copies_as_its_messages() -> None:
+    batch, _, _ = _batch(3)
+    for again in (pickle.loads(pickle.dumps(batch)), copy.copy(batch), copy.deepcopy(batch)):
+        assert isinstance(again, SentBatch) and again == batch and again.ids == batch.ids
