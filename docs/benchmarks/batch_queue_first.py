@@ -23,13 +23,13 @@ Run from the repository root:
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from batch_ceiling import BATCHES, SIZE, messages_unmade, per_message
 from scratch import batch_lots, scratch_database, server_and_rounds
 from timing import alternate, print_spread
 
@@ -41,8 +41,6 @@ from delaysvc.schema.tables import level_partition
 from delaysvc.store import batches
 
 SERVER, ROUNDS = server_and_rounds(7)
-SIZE = 10_000
-BATCHES = 10
 
 
 def copied_queue_first(make_messages: bool) -> Callable[..., Any]:
@@ -96,28 +94,11 @@ def copied_queue_first(make_messages: bool) -> Callable[..., Any]:
     return copied
 
 
-def per_message(send: Callable[[list[dict[str, Any]]], object], lots: list[Any]) -> float:
-    started = time.perf_counter()
-    for items in lots:
-        send(items)
-    return (time.perf_counter() - started) / (len(lots) * SIZE) * 1e6
-
-
 def main() -> None:
     with scratch_database(SERVER, "delaysvc_batch_queue_first") as (engine, settings):
         producer = Producer(settings, engine)
         lots = batch_lots(BATCHES, SIZE)
-        original, made = batching._copied, message.Message.sent
-
-        def unmade(cls: Any, item: Any, id: int, *_: Any, **__: Any) -> int:
-            return id
-
-        def without_messages(items: list[dict[str, Any]]) -> object:
-            message.Message.sent = classmethod(unmade)  # type: ignore[method-assign,assignment]
-            try:
-                return producer.send_batch(items)
-            finally:
-                message.Message.sent = made  # type: ignore[method-assign]
+        original = batching._copied
 
         def queue_first(make_messages: bool) -> Callable[[list[dict[str, Any]]], object]:
             def send(items: list[dict[str, Any]]) -> object:
@@ -131,7 +112,7 @@ def main() -> None:
 
         ways = {
             "as it is": producer.send_batch,
-            "as it is, Messages not made": without_messages,
+            "as it is, Messages not made": messages_unmade(producer),
             "queue first, Messages in catch-up": queue_first(True),
             "queue first, Messages not made": queue_first(False),
         }
