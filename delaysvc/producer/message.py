@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from threading import Lock
 from typing import Any, Protocol, overload
 
 from delaysvc.config.validation import decode_body
@@ -141,13 +142,14 @@ class SentBatch(Sequence[Message]):
     `ids`: each item's message id, in order (for an item that created none, that of the
     message holding its key), without a Message made."""
 
-    __slots__ = ("_made", "_make", "_unmade", "ids")
+    __slots__ = ("_lock", "_made", "_make", "_unmade", "ids")
 
     def __init__(self, ids: list[int], make: Callable[[int], Message]):
         self.ids = ids
         self._made: list[Message | None] = [None] * len(ids)
         self._make: Callable[[int], Message] | None = make  # index -> its Message
         self._unmade = len(ids)  # once 0, `_make` (and what it holds: the items) is let go
+        self._lock = Lock()  # threads reading one not yet made: it is made once
 
     @classmethod
     def of(cls, messages: Sequence[Message]) -> SentBatch:
@@ -171,12 +173,15 @@ class SentBatch(Sequence[Message]):
             return [self[i] for i in range(*index.indices(len(self._made)))]
         message = self._made[index]  # an IndexError past either end, as a list's
         if message is None:
-            assert self._make is not None  # let go only once every Message is made
-            position = index % len(self._made)
-            message = self._made[position] = self._make(position)
-            self._unmade -= 1
-            if not self._unmade:
-                self._make = None
+            with self._lock:
+                message = self._made[index]  # made by another thread meanwhile?
+                if message is None:
+                    assert self._make is not None  # let go once every Message is made
+                    position = index % len(self._made)
+                    message = self._made[position] = self._make(position)
+                    self._unmade -= 1
+                    if not self._unmade:
+                        self._make = None
         return message
 
     def __iter__(self) -> Iterator[Message]:

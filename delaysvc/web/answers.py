@@ -19,12 +19,15 @@ _OPTIONS = (
 
 class Answers(DefaultJSONProvider):
     """Flask's JSON provider (`app.json`, behind `jsonify`), its compact answers written by
-    orjson: the same JSON, keys in the order built, but for characters beyond ASCII, written
-    as UTF-8 rather than as `\\u` escapes, several times faster (a batch's answer of 1,000
-    messages: docs/benchmarks/2026-12-07-lazy-batch-result). What orjson would write otherwise
-    (times, dataclasses: Flask's `default` writes them) or refuses (an integer beyond 64 bits,
-    a lone surrogate, a key that is not a string) and the debug mode's indented answers are
-    Flask's own. Reading stays Flask's: `api.json_body` names its errors."""
+    orjson, several times faster (a batch's answer of 1,000 messages:
+    docs/benchmarks/2026-12-07-lazy-batch-result): the same values, keys in the order built,
+    but characters beyond ASCII written as UTF-8 rather than as `\\u` escapes, a float
+    spelled as orjson spells it (`1.5e-7` for `1.5e-07`, `0.00003` for `3e-05`: the same
+    number), and NaN or an infinity as null (Flask wrote `NaN`, which is no JSON; no answer
+    holds one). What orjson would write otherwise (times, dataclasses: Flask's `default`
+    writes them) or refuses (an integer beyond 64 bits, a lone surrogate, a key that is not a
+    string) and the debug mode's indented answers are Flask's own. Reading stays Flask's:
+    `api.json_body` names its errors."""
 
     def dumps(self, obj: Any, **kwargs: Any) -> str:
         if orjson is None or kwargs != _COMPACT:

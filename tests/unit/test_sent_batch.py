@@ -4,6 +4,8 @@ read as a list is read."""
 import copy
 import gc
 import pickle
+import sys
+import threading
 import weakref
 from datetime import UTC, datetime
 
@@ -80,3 +82,30 @@ def test_it_pickles_and_copies_as_its_messages() -> None:
     batch, _, _ = _batch(3)
     for again in (pickle.loads(pickle.dumps(batch)), copy.copy(batch), copy.deepcopy(batch)):
         assert isinstance(again, SentBatch) and again == batch and again.ids == batch.ids
+
+
+def _read_at_once(batch: SentBatch, start: threading.Barrier, read: list[list[Message]]) -> None:
+    start.wait()
+    read.append(list(batch))
+
+
+def test_threads_reading_it_at_once_each_read_every_message_the_same() -> None:
+    """Reads race on a Message not yet made: each is made once and every thread gets it."""
+    switching = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two steps of a read
+    try:
+        for _ in range(5):
+            batch, made, _ = _batch(2000)
+            start = threading.Barrier(4)
+            read: list[list[Message]] = []
+            threads = [
+                threading.Thread(target=_read_at_once, args=(batch, start, read)) for _ in range(4)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert len(read) == 4 and sorted(made) == list(range(2000))
+            assert all(all(a is b for a, b in zip(read[0], other, strict=True)) for other in read)
+    finally:
+        sys.setswitchinterval(switching)
