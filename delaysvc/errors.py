@@ -77,6 +77,13 @@ class NotStuck(DelaysvcError):
     code = "not_stuck"
 
 
+class Busy(DelaysvcError):
+    """What the call needs is held by another transaction for longer than it waits (the
+    history, while an archive drops a day): nothing was done; try again."""
+
+    code = "busy"
+
+
 class SchemaNotReady(DelaysvcError):
     """The database has not been migrated for the configured delay levels."""
 

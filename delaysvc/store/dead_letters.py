@@ -34,8 +34,9 @@ def list_dead(
 def redrive_dead(conn: Connection, message_id: int) -> Any:
     """A dead message runs again now, with a fresh retry budget. -> its row, or None. One
     already moved into the history comes back into commit_log first (under the history lock:
-    no sweep moves it while it does, no archive drops its day)."""
-    store_history.lock_history(conn, wait=True)
+    no sweep moves it while it does, no archive drops its day; Busy when another holds that
+    lock for over `store_history.HISTORY_WAIT_S`)."""
+    store_history.lock_history_within(conn, f"message {message_id}")
     store_history.take_back_dead(conn, message_id)
     return conn.execute(
         sql(

@@ -13,12 +13,19 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 
+from psycopg.errors import LockNotAvailable
 from sqlalchemy import Connection
+from sqlalchemy.exc import OperationalError
 
 from delaysvc.db.names import sql, table
+from delaysvc.errors import Busy
 from delaysvc.schema.tables import history_partition, is_history_partition, message_history
 
 COLUMNS = ", ".join(column.name for column in message_history.columns)
+HISTORY_WAIT_S = 10.0
+"""How long a redrive waits for the history lock (`lock_history`) before it says the history is
+busy: the sweep holds it for a batch's moment, an archive for as long as it checks and drops a
+day."""
 DDL_LOCK_TIMEOUT = "2s"
 """How long making or dropping a partition waits for readers of the history: a query on the
 parent table holds a lock that the DDL needs, and a DDL waiting for it would hold up every
@@ -54,6 +61,26 @@ def lock_history(conn: Connection, wait: bool) -> bool:
         sql(f"SELECT {function}(hashtext(:name))::text"), {"name": table("message_history")}
     ).scalar_one()
     return wait or locked == "true"
+
+
+def lock_history_within(conn: Connection, what: str) -> None:
+    """Take the history lock until the transaction ends, waiting for it at most
+    `HISTORY_WAIT_S`; then Busy, naming `what` (the transaction is left aborted: the caller's
+    block ends it)."""
+    previous = conn.execute(
+        sql("SELECT set_config('lock_timeout', :wait, true)"),
+        {"wait": f"{round(HISTORY_WAIT_S * 1000)}ms"},
+    ).scalar_one()
+    try:
+        lock_history(conn, wait=True)
+    except OperationalError as exc:
+        if not isinstance(exc.orig, LockNotAvailable):
+            raise
+        raise Busy(
+            f"{what}: the history is held by an archive or a sweep for over "
+            f"{HISTORY_WAIT_S:g} s; try again when it is done"
+        ) from None
+    conn.execute(sql("SELECT set_config('lock_timeout', :was, true)"), {"was": previous})
 
 
 def pick_finished(conn: Connection, limit: int) -> list[tuple[int, date]]:

@@ -23,6 +23,7 @@ STATUS = {
     "declared_in_code": 409,
     "backlog_full": 429,
     "schema_not_ready": 503,
+    "busy": 503,
     "unavailable": 503,
     "config_error": 500,
 }

@@ -17,7 +17,14 @@ from sqlalchemy import Connection, Engine, text
 from delaysvc import store
 from delaysvc.config.settings import Settings
 from delaysvc.db.names import qualify
-from delaysvc.errors import ConfigError, DeadLetter, DelaysvcError, NotCancellable, NotFound
+from delaysvc.errors import (
+    Busy,
+    ConfigError,
+    DeadLetter,
+    DelaysvcError,
+    NotCancellable,
+    NotFound,
+)
 from delaysvc.maintenance import history
 from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.producer.sending import Producer
@@ -185,6 +192,37 @@ def test_a_dead_letter_in_the_history_is_redriven_and_runs_again(
     assert producer.get(message.id).status == "succeeded"
     assert history.sweep(engine, retention_ms=None).moved == 1
     assert _count(engine, "message", f"id = {message.id}") == 1
+
+
+def test_a_redrive_behind_a_long_holder_of_the_history_gives_up_saying_so(
+    engine: Engine, producer: Producer, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An archive's check-and-drop of a big day holds the history lock for long: a redrive
+    waits for it a while, then says the history is busy (the CLI waited for good, a web
+    worker and a connection with it)."""
+    handler("doomed")(lambda message: (_ for _ in ()).throw(DeadLetter("no")))
+    message = producer.send("doomed", {}, delay_ms=0)
+    _deliver_now(engine, [message.id])
+    Consumer(settings, engine).run_once("doomed")
+    monkeypatch.setattr(store_history, "HISTORY_WAIT_S", 0.5)
+    outcome: list[object] = []
+
+    def redrive() -> None:
+        try:
+            outcome.append(DeadLetters(engine).redrive(message.id))
+        except DelaysvcError as exc:
+            outcome.append(exc)
+
+    with engine.begin() as holder:
+        store_history.lock_history(holder, wait=True)
+        waiting = threading.Thread(target=redrive, daemon=True)
+        waiting.start()
+        waiting.join(timeout=15)
+        assert not waiting.is_alive(), "the redrive still waits behind the history's holder"
+    (busy,) = outcome
+    assert isinstance(busy, Busy) and busy.code == "busy"
+    assert "history" in str(busy) and "again" in str(busy)
+    assert DeadLetters(engine).redrive(message.id).status == "ready"  # once it is free
 
 
 def test_sweeps_racing_consumers_move_every_message_exactly_once(
