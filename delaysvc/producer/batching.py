@@ -583,7 +583,8 @@ def _sent(
     sent = Message.sent
     if stored_at is not None and len(plan.creating) == len(items):  # each item created one
         at = stored_at
-        return SentBatch(ids, lambda i: sent(items[i], ids[i], at, dues[i], True))
+        # `ids` given a list of its own: the caller may change it, the Messages are made from these
+        return SentBatch(list(ids), lambda i: sent(items[i], ids[i], at, dues[i], True))
     position = {index: p for p, index in enumerate(plan.creating)}  # item -> its created one
     position.update((index, position[origin]) for index, origin in plan.repeats.items())
 

@@ -702,6 +702,10 @@ def test_a_batchs_messages_are_made_as_they_are_read(
     _same_as_stored(producer, batch[500])
     assert made == [batch.ids[500]]
     assert [m.id for m in batch] == batch.ids and len(made) == 1000
+    again = producer.send_batch([{"topic": "t", "body": n} for n in range(3)])
+    first = again.ids[0]
+    again.ids.reverse()  # the caller's to change: the Messages do not follow it
+    assert again[0].id == first and [m.id for m in again] == sorted(again.ids)
 
 
 @first_pass_only("~15 s, a batch's memory, the same on either server")
