@@ -66,11 +66,13 @@ def lock_history(conn: Connection, wait: bool) -> bool:
 def lock_history_within(conn: Connection, what: str) -> None:
     """Take the history lock until the transaction ends, waiting for it at most
     `HISTORY_WAIT_S`; then Busy, naming `what` (the transaction is left aborted: the caller's
-    block ends it)."""
-    previous = conn.execute(
+    block ends it). The transaction's own lock_timeout is back as it was once the lock is
+    held."""
+    previous = conn.execute(sql("SELECT current_setting('lock_timeout')")).scalar_one()
+    conn.execute(
         sql("SELECT set_config('lock_timeout', :wait, true)"),
         {"wait": f"{round(HISTORY_WAIT_S * 1000)}ms"},
-    ).scalar_one()
+    )
     try:
         lock_history(conn, wait=True)
     except OperationalError as exc:

@@ -225,6 +225,15 @@ def test_a_redrive_behind_a_long_holder_of_the_history_gives_up_saying_so(
     assert DeadLetters(engine).redrive(message.id).status == "ready"  # once it is free
 
 
+def test_the_redrives_wait_for_the_history_leaves_the_transactions_lock_timeout_as_it_was(
+    engine: Engine,
+) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("SET LOCAL lock_timeout = '3s'"))
+        store_history.lock_history_within(conn, "a redrive")
+        assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "3s"
+
+
 def test_sweeps_racing_consumers_move_every_message_exactly_once(
     engine: Engine, producer: Producer, settings: Settings
 ) -> None:
