@@ -20,6 +20,7 @@ from sqlalchemy.exc import OperationalError
 from delaysvc.db.names import sql, table
 from delaysvc.errors import Busy
 from delaysvc.schema.tables import history_partition, is_history_partition, message_history
+from delaysvc.store.shared import lock_timeout
 
 COLUMNS = ", ".join(column.name for column in message_history.columns)
 HISTORY_WAIT_S = 10.0
@@ -68,13 +69,9 @@ def lock_history_within(conn: Connection, what: str) -> None:
     `HISTORY_WAIT_S`; then Busy, naming `what` (the transaction is left aborted: the caller's
     block ends it). The transaction's own lock_timeout is back as it was once the lock is
     held."""
-    previous = conn.execute(sql("SELECT current_setting('lock_timeout')")).scalar_one()
-    conn.execute(
-        sql("SELECT set_config('lock_timeout', :wait, true)"),
-        {"wait": f"{round(HISTORY_WAIT_S * 1000)}ms"},
-    )
     try:
-        lock_history(conn, wait=True)
+        with lock_timeout(conn, f"{round(HISTORY_WAIT_S * 1000)}ms"):
+            lock_history(conn, wait=True)
     except OperationalError as exc:
         if not isinstance(exc.orig, LockNotAvailable):
             raise
@@ -82,7 +79,6 @@ def lock_history_within(conn: Connection, what: str) -> None:
             f"{what}: the history is held by an archive or a sweep for over "
             f"{HISTORY_WAIT_S:g} s; try again when it is done"
         ) from None
-    conn.execute(sql("SELECT set_config('lock_timeout', :was, true)"), {"was": previous})
 
 
 def pick_finished(conn: Connection, limit: int) -> list[tuple[int, date]]:
@@ -153,18 +149,19 @@ def partitions(conn: Connection) -> list[Partition]:
 def make_partitions(conn: Connection, days: Iterable[date]) -> list[str]:
     """Make the partitions of these days that do not exist yet. -> the names made."""
     missing = sorted(set(days) - {p.day for p in partitions(conn)})
-    if missing:
-        conn.execute(sql(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'"))
+    if not missing:
+        return []
     made = []
-    for partition in map(Partition, missing):
-        conn.execute(
-            sql(
-                f"CREATE TABLE IF NOT EXISTS delaysvc.{partition.name} PARTITION OF "
-                f"delaysvc.message_history FOR VALUES FROM ('{partition.starts.isoformat()}') "
-                f"TO ('{partition.ends.isoformat()}')"
+    with lock_timeout(conn, DDL_LOCK_TIMEOUT):
+        for partition in map(Partition, missing):
+            conn.execute(
+                sql(
+                    f"CREATE TABLE IF NOT EXISTS delaysvc.{partition.name} PARTITION OF "
+                    f"delaysvc.message_history FOR VALUES FROM ('{partition.starts.isoformat()}') "
+                    f"TO ('{partition.ends.isoformat()}')"
+                )
             )
-        )
-        made.append(partition.name)
+            made.append(partition.name)
     return made
 
 
@@ -177,8 +174,8 @@ def drop_partition(conn: Connection, partition: str) -> int:
             "WHERE d.message_id = h.id"
         )
     ).rowcount
-    conn.execute(sql(f"SET LOCAL lock_timeout = '{DDL_LOCK_TIMEOUT}'"))
-    conn.execute(sql(f"DROP TABLE delaysvc.{partition}"))
+    with lock_timeout(conn, DDL_LOCK_TIMEOUT):
+        conn.execute(sql(f"DROP TABLE delaysvc.{partition}"))
     return forgotten
 
 

@@ -12,6 +12,7 @@ from delaysvc.config.levels import DelayLevels, format_ms
 from delaysvc.db.names import sql
 from delaysvc.errors import SchemaNotReady
 from delaysvc.schema.tables import TIMER_LANE, level_partition, level_sequence
+from delaysvc.store.shared import lock_timeout
 
 LEVEL_CHANGE_LOCK_TIMEOUT = "10s"
 
@@ -67,21 +68,20 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
         if lane > levels.max_level or levels.delay_ms(lane) != ms
     }
     if changed:
-        conn.execute(sql(f"SET LOCAL lock_timeout = '{LEVEL_CHANGE_LOCK_TIMEOUT}'"))
         try:
-            conn.execute(
-                sql(
-                    "LOCK TABLE delaysvc.schedule_offset, delaysvc.consume_queue "
-                    "IN ACCESS EXCLUSIVE MODE"
+            with lock_timeout(conn, LEVEL_CHANGE_LOCK_TIMEOUT):
+                conn.execute(
+                    sql(
+                        "LOCK TABLE delaysvc.schedule_offset, delaysvc.consume_queue "
+                        "IN ACCESS EXCLUSIVE MODE"
+                    )
                 )
-            )
         except OperationalError as exc:
             raise SchemaNotReady(
                 "the delay levels could not be changed: another transaction kept "
                 f"the levels' tables for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
                 "transaction, or a second migrate); try again"
             ) from exc
-        conn.execute(sql("SET LOCAL lock_timeout = 0"))
     conn.execute(
         sql(
             "INSERT INTO delaysvc.schedule_offset (lane, delay_ms) VALUES (:lane, 0) "

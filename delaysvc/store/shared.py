@@ -4,12 +4,15 @@ columns and its state as readers see it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from sqlalchemy import TextClause
+from sqlalchemy import Connection, TextClause
+
+from delaysvc.db.names import sql
 
 NOW = "COALESCE(CAST(:now AS timestamptz), statement_timestamp())"
 
@@ -23,6 +26,18 @@ class Statements(Protocol):
     def execute(
         self, statement: TextClause, parameters: Mapping[str, Any] | None = None, /
     ) -> Any: ...
+
+
+@contextmanager
+def lock_timeout(conn: Connection, timeout: str) -> Iterator[None]:
+    """The block's statements wait for a lock at most `timeout` (PostgreSQL's spelling: `'5s'`,
+    `'10000ms'`); after it the transaction's own `lock_timeout` is as it was. (`SET LOCAL`
+    alone leaves the wait for the rest of the transaction: a redrive ran its rest with 10 s.)
+    On an error the transaction is aborted, and ending it puts the setting back."""
+    was = conn.execute(sql("SELECT current_setting('lock_timeout')")).scalar_one()
+    conn.execute(sql("SELECT set_config('lock_timeout', :wait, true)"), {"wait": timeout})
+    yield
+    conn.execute(sql("SELECT set_config('lock_timeout', :was, true)"), {"was": was})
 
 
 # A level's FIFO queue only takes messages whose delay is the level's delay in the database

@@ -234,6 +234,22 @@ def test_the_redrives_wait_for_the_history_leaves_the_transactions_lock_timeout_
         assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "3s"
 
 
+def test_a_days_ddl_leaves_the_transactions_lock_timeout_as_it_was(
+    engine: Engine, producer: Producer
+) -> None:
+    """Making and dropping a day wait at most DDL_LOCK_TIMEOUT for the table, and only there:
+    the rest of the transaction (an archive's, a sweep's) waits as it would have."""
+    day = date(2020, 1, 2)
+    for work in (
+        lambda conn: store_history.make_partitions(conn, [day]),
+        lambda conn: store_history.drop_partition(conn, store_history.Partition(day).name),
+    ):
+        with engine.begin() as conn:
+            conn.execute(text("SET LOCAL lock_timeout = '3s'"))
+            work(conn)
+            assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "3s"
+
+
 def test_sweeps_racing_consumers_move_every_message_exactly_once(
     engine: Engine, producer: Producer, settings: Settings
 ) -> None:

@@ -185,6 +185,16 @@ def test_a_level_change_waits_for_a_producer_transaction_and_then_relocates_its_
     assert (row.lane, row.deliver_ts) == (TIMER_LANE, message.deliver_at)
 
 
+def test_a_level_change_leaves_the_transactions_lock_timeout_as_it_was(engine: Engine) -> None:
+    """The change waits at most LEVEL_CHANGE_LOCK_TIMEOUT for the levels' tables, and only
+    there (it set 0 after it, whatever the transaction had)."""
+    with engine.begin() as conn:
+        conn.execute(text("SET LOCAL lock_timeout = '3s'"))
+        changes = store.ensure_levels(conn, DelayLevels.parse("1s 2s 3s 5s 6s"))
+        assert [change.level for change in changes] == [5]
+        assert conn.execute(text("SHOW lock_timeout")).scalar_one() == "3s"
+
+
 def test_cli_migrate_names_each_change(tmp_path, database_url, engine, producer):
     from click.testing import CliRunner
 
