@@ -404,6 +404,8 @@ def _parse_cap(item: str) -> BacklogCap:
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: policy {policy!r} in {item!r}; {usage}")
     if scope == "level" and not ascii_digits(target):
         raise ConfigError(f"DELAYSVC_BACKLOG_CAPS: level {target!r} is not a number; {usage}")
+    if scope == "level":
+        target = str(int(target))  # level:05 is level 5's cap: one cap a level (`caps`)
     if not 1 <= int(limit) <= MAX_WAITING:
         raise ConfigError(
             f"DELAYSVC_BACKLOG_CAPS: limit in {item!r} must be from 1 to {MAX_WAITING:,}"

@@ -104,7 +104,7 @@ class AsyncSends:
         if not self._takes or tracing.tracer() is not None:
             return None
         new, policy = self.producer.prepare_item(item)
-        if policy != "keep" and new.key is not None:
+        if policy != "keep":  # a key's policy: the producer's own transaction
             return None
         done: asyncio.Future[store.Stored | None] = asyncio.get_running_loop().create_future()
         self._waiting.append((new, done))

@@ -21,7 +21,8 @@ transaction ends; then
 A cap counts only what a send adds to its backlog: a send whose key an unfinished message
 holds stores nothing (it returns that message), a key repeated in a batch is stored once, and
 a replace or debounce takes its holder out as it puts the new message in. Such a send is never
-refused and delivers nothing early.
+refused and delivers nothing early while its holder waits in the same backlog (`_net`); a
+holder already due, or in another level, leaves no room, and the send counts as a new one.
 
 Counts are exact: a level cap reads the level's `lane_count` deltas (a few thousand rows at
 most between two folds), a topic cap scans at most the cap's worth of the capped topics' index

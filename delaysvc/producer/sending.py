@@ -68,6 +68,19 @@ def validate_on_duplicate(value: object) -> OnDuplicate:
     return value
 
 
+def _keyed(policy: OnDuplicate, key: str | None) -> OnDuplicate:
+    """`policy`, which only "keep" may be without a key: "replace" and "debounce" act on the
+    message holding the same key, and one without any would be a plain new message (a
+    debounced burst run once for each send)."""
+    if policy != "keep" and key is None:
+        raise ValidationError(
+            "on_duplicate",
+            f"{policy!r} needs a key: it replaces the unfinished message holding the send's "
+            "key; give a key, or leave on_duplicate 'keep' (the default)",
+        )
+    return policy
+
+
 def _not_earlier(conn: Any, new: store.NewMessage, due: datetime) -> store.NewMessage:
     """`new`, due at `due` instead if it would be due before it (a debounce never makes a
     message due earlier)."""
@@ -190,7 +203,7 @@ class Producer:
             properties=properties,
             priority=priority,
         )
-        return self._send_traced(new, policy, connection)
+        return self._send_traced(new, _keyed(policy, new.key), connection)
 
     def send_item(self, item: Mapping[str, Any], *, connection: Joinable | None = None) -> Message:
         """`send` with its arguments as one mapping, as an HTTP body holds them
@@ -204,7 +217,8 @@ class Producer:
         policy: OnDuplicate = "keep"
         if isinstance(options, dict):
             policy = validate_on_duplicate(options.pop("on_duplicate", "keep"))
-        return self._prepare_item(options, None), policy
+        new = self._prepare_item(options, None)
+        return new, _keyed(policy, new.key)
 
     def _send_traced(
         self, new: store.NewMessage, policy: OnDuplicate, connection: Joinable | None
@@ -215,7 +229,7 @@ class Producer:
             if span is not None:
                 context = tracing.context_properties()
                 new = dataclasses.replace(new, properties=tracing.carried(new.properties, context))
-            if policy != "keep" and new.key is not None:
+            if policy != "keep":  # with a key (`_keyed`)
                 message = self._send_replacing(new, policy, connection)
             else:
                 message = self._send_one(new, connection)

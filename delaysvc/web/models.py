@@ -127,7 +127,8 @@ class NewMessageJson(MessageFieldsJson):
             Field(
                 description="when an unfinished message of the topic holds the key: return it "
                 "(keep, the default), put this body and due time in its place (replace), or do "
-                "so but never due earlier than it was (debounce); single sends only"
+                "so but never due earlier than it was (debounce); single sends only; replace "
+                "and debounce need a key (400 without one)"
             ),
         ]
     ]

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
+from delaysvc import auth
 from delaysvc.config.settings import Settings
 from delaysvc.errors import ValidationError
 from delaysvc.maintenance import delivery
@@ -29,6 +30,29 @@ def test_keep_is_the_default_and_returns_the_holder(producer: Producer) -> None:
     assert producer.get(first.id).body == {"v": 1}
     with pytest.raises(ValidationError, match=r"'keep' .*'replace' or 'debounce'"):
         producer.send("kp.t", {"v": 3}, key="k", on_duplicate="overwrite")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("policy", ["replace", "debounce"])
+def test_a_policy_that_replaces_needs_a_key(
+    producer: Producer, engine: Engine, client: Any, policy: str
+) -> None:
+    """Without a key it was a plain new send: each send of a debounced burst ran."""
+    with pytest.raises(ValidationError) as refused:
+        producer.send("kp.nokey", {"v": 1}, delay="1h", on_duplicate=policy)  # type: ignore[arg-type]
+    assert refused.value.field == "on_duplicate"
+    assert f"{policy!r} needs a key" in str(refused.value)
+    with pytest.raises(ValidationError, match="needs a key"):
+        producer.send_item({"topic": "kp.nokey", "body": 1, "key": None, "on_duplicate": policy})
+
+    token = {"Authorization": f"Bearer {auth.create_token(engine, 'kp', 'send')}"}
+    item = {"topic": "kp.nokey", "body": 1, "delay": "1h", "on_duplicate": policy}
+    response = client.post("/api/v1/messages", json=item, headers=token)
+    assert response.status_code == 400, response.get_json()
+    error = response.get_json()["error"]
+    assert error["code"] == "invalid" and "on_duplicate" in error["message"]
+    with engine.connect() as conn:
+        stored = "SELECT count(*) FROM commit_log WHERE topic = 'kp.nokey'"
+        assert conn.execute(text(stored)).scalar_one() == 0
 
 
 def test_replace_puts_the_new_body_and_due_time_in_the_holders_place(producer: Producer) -> None:

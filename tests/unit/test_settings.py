@@ -95,6 +95,8 @@ def test_the_bounds_themselves_are_taken() -> None:
         ("DELAYSVC_TOPIC_RATES", "t=1/s, t=5/s"),
         ("DELAYSVC_TOPIC_TASKS", "t=a.b,t=c.d"),
         ("DELAYSVC_BACKLOG_CAPS", "level:2=10:reject,level:2=20:deliver-early"),
+        # the same level spelled twice: migrate stored the last, a producer kept to the first
+        ("DELAYSVC_BACKLOG_CAPS", "level:5=5:reject,level:05=7:deliver-early"),
         ("DELAYSVC_BACKLOG_CAPS", "topic:t=10:reject,topic:t=20:reject"),
     ],
 )
