@@ -119,10 +119,21 @@ class Schedule:
         raise AssertionError("a cron expression has ticks without end")
 
     def latest_tick(self, at: datetime) -> datetime:
-        """The last tick at or before `at` (UTC)."""
+        """The last tick at or before `at` (UTC): of the ticks `next_tick` walks through, which
+        are the ones the beat fires."""
         if self.every_ms is not None:
             step = timedelta(milliseconds=self.every_ms)
             return _EPOCH + ((at - _EPOCH) // step) * step
+        # walked forward from a tick found walking back from three hours before: around a
+        # change of the clocks the two walks differ (from Lord Howe's second 01:30, whose clocks
+        # go back half an hour, the walk back found it; the walk forward never fires it)
+        tick = self._walked_back(at - _CLOCKS_SETTLED)
+        while (following := self.next_tick(tick)) <= at:
+            tick = following
+        return tick
+
+    def _walked_back(self, at: datetime) -> datetime:
+        """A tick at or before `at`, the latest the cron's walk back finds (UTC)."""
         assert self.cron is not None
         # walked back from an hour later on the wall clock: in the second pass of an hour the
         # clocks repeat, the latest tick can be at a later wall time (its first pass)
@@ -151,6 +162,7 @@ class Schedule:
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_CLOCKS_SETTLED = timedelta(hours=3)  # longer than any change of the clocks lasts
 
 
 def schedule(

@@ -137,6 +137,28 @@ def test_cron_shorthands_are_the_five_fields_they_stand_for(shorthand: str, fiel
     assert item.next_tick(after) == schedule("s", fields, topic="t").next_tick(after)
 
 
+@pytest.mark.parametrize(
+    ("zone", "night"),
+    [("Europe/Berlin", datetime(2026, 10, 24, 22, tzinfo=UTC)),
+     ("America/New_York", datetime(2026, 3, 8, 4, tzinfo=UTC)),
+     ("Australia/Lord_Howe", datetime(2026, 4, 4, 12, tzinfo=UTC)),  # back half an hour
+     ("Australia/Lord_Howe", datetime(2026, 10, 3, 13, tzinfo=UTC))],
+)  # fmt: skip
+@pytest.mark.parametrize("spec", ["30 * * * *", "*/20 * * * *", "30 1 * * *", "0 2 * * *"])
+def test_the_latest_tick_is_always_one_the_next_ticks_walk_fires(
+    zone: str, night: datetime, spec: str
+) -> None:
+    """`on_missed="latest"` fires `latest_tick`: in Lord Howe it was the second 01:30, a tick
+    the beat's walk (`next_tick`) never fires (found by a reviewer)."""
+    item = schedule("s", spec, topic="t", timezone=zone)
+    fired = [item.next_tick(night - timedelta(days=2))]
+    while fired[-1] < night + timedelta(hours=8):
+        fired.append(item.next_tick(fired[-1]))
+    for minute in range(0, 6 * 60, 7):
+        at = night + timedelta(minutes=minute, seconds=13)
+        assert item.latest_tick(at) == max(tick for tick in fired if tick <= at), at
+
+
 def test_in_the_hours_second_pass_the_next_tick_is_tomorrows_and_the_latest_todays() -> None:
     """From the second pass of the repeated hour (02:10 CET, after 02:10 CEST), cronsim's
     next 02:30 was the first pass's, already past: the next tick was before `after`."""
