@@ -39,7 +39,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -173,6 +173,39 @@ def format_checksum(value: tuple[int, int]) -> str:
 def load(frame: Any, folder: Path) -> None:
     """Into the run's folder, which holds only its marker: Spark adds, never deletes."""
     frame.write.mode("append").partitionBy("topic", "date").parquet(str(folder))
+
+
+def read_folder(spark: Any, folder: Path | str) -> Any:
+    """A run's folder as `load` wrote it (`read_folders`)."""
+    return read_folders(spark, [str(folder)])
+
+
+def read_folders(spark: Any, folders: Sequence[str]) -> Any:
+    """Runs' folders as `load` wrote them, in one frame, each folder's `topic` as the text it
+    is and `date` a date. Spark reads the folders' names (`topic=007`) as values, and took one
+    that looks like a number for a number (`007` read back as 7) unless told not to guess.
+    Folders are read from the folder holding them (`basePath`), one read each such folder:
+    named `run=...`, runs' folders read as roots of their own looked like two tables to Spark
+    (CONFLICTING_DIRECTORY_STRUCTURES), and the report failed once a second run was made."""
+    from pyspark.sql import functions as F
+
+    by_parent: dict[str, list[str]] = {}
+    for folder in folders:
+        by_parent.setdefault(str(Path(folder).parent), []).append(str(folder))
+    guessing = "spark.sql.sources.partitionColumnTypeInference.enabled"
+    was = spark.conf.get(guessing)
+    spark.conf.set(guessing, "false")
+    try:  # the folders' partitions are found here, as each frame is made
+        frames = [
+            spark.read.option("basePath", parent).parquet(*group)
+            for parent, group in by_parent.items()
+        ]
+    finally:
+        spark.conf.set(guessing, was)
+    frame = frames[0]
+    for other in frames[1:]:
+        frame = frame.unionByName(other, allowMissingColumns=True)
+    return frame.drop("run").withColumn("date", F.to_date("date"))
 
 
 # ---------------------------------------------------------------- the command's checks
@@ -350,7 +383,7 @@ def _folder_checksum(spark: Any, folder: Path) -> str | None:
     if not folder.is_dir():
         return None
     try:
-        return format_checksum(checksum(spark.read.parquet(str(folder))))
+        return format_checksum(checksum(read_folder(spark, folder)))
     except AnalysisException:  # no Parquet left in it
         return None
 
@@ -359,7 +392,7 @@ def _write_and_verify(job: ArchiveRun, span: Span, folder: Path) -> None:
     _claim(job.engine, span)
     load(transform(extract(job.spark, job.target, span)), folder)
     job.crash("written")
-    written = checksum(job.spark.read.parquet(str(folder)))
+    written = checksum(read_folder(job.spark, folder))
     with job.engine.connect() as conn:
         source = store.range_checksum(conn, span.low, span.high, span.since, span.cutoff)
     if written != source:
@@ -422,7 +455,7 @@ def _remove_own(span: Span) -> None:
 
 def _delete(job: ArchiveRun, span: Span, folder: Path) -> None:
     """Delete the folder's ids from PostgreSQL, DELETE_BATCH per transaction."""
-    ids = (row["id"] for row in job.spark.read.parquet(str(folder)).select("id").toLocalIterator())
+    ids = (row["id"] for row in read_folder(job.spark, folder).select("id").toLocalIterator())
     deleted = 0
     while batch := list(islice(ids, DELETE_BATCH)):
         with job.engine.begin() as conn:

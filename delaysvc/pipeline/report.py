@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import database_url
 from delaysvc.errors import ValidationError
-from delaysvc.pipeline import store
+from delaysvc.pipeline import archive, store
 from delaysvc.pipeline.spark import JdbcTarget, jdbc_target
 
 log = logging.getLogger(__name__)
@@ -62,8 +62,8 @@ def extract(spark: Any, engine: Engine, target: JdbcTarget) -> Any:
     frames = []
     if low is not None and high is not None:
         frames.append(_live(spark, target, low, high))
-    if folders:
-        frames.append(spark.read.parquet(*folders).select(*COLUMNS))
+    if folders:  # the runs' folders, their topics as text (`archive.read_folders`)
+        frames.append(archive.read_folders(spark, folders).select(*COLUMNS))
     if not frames:
         return spark.createDataFrame([], _empty_schema())
     frame = frames[0]

@@ -24,7 +24,8 @@ _FINISHED_SQL = "c.status IN ('succeeded', 'dead', 'cancelled')"
 ID_HASH_SQL = "('x' || left(md5(c.id::text), 15))::bit(60)::bigint"
 _ARCHIVE_COLUMNS = (
     "c.id, c.topic, c.key, c.tags, c.body, c.body_is_json, c.properties::text AS properties, "
-    "c.delay_level, c.lane, c.status, c.stored_at, c.deliver_ts, c.delivered_at, "
+    "c.delay_level, c.priority, c.lane, c.queue_offset, c.status, c.stored_at, c.deliver_ts, "
+    "c.delivered_at, "
     "c.started_at, c.finished_at, c.attempts, c.duration_ms, c.last_error, "
     "c.errors::text AS errors, d.reason AS dead_reason, d.died_at"
 )

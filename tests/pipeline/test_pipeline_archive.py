@@ -177,7 +177,7 @@ def _within_one_day(engine: Engine) -> int:
 def _archived_ids(spark: Any, engine: Engine) -> list[int]:
     with engine.connect() as conn:
         folders = pipeline_store.verified_archive_folders(conn)
-    return sorted(r["id"] for r in spark.read.parquet(*folders).select("id").collect())
+    return sorted(r["id"] for r in archive.read_folders(spark, folders).select("id").collect())
 
 
 def _dead_letters(engine: Engine) -> int:
@@ -419,6 +419,44 @@ def test_report_counts_archived_and_live_messages_per_topic_level_and_hour(
         assert conn.execute(text("SELECT count(*) FROM report_hourly")).scalar_one() == 4
         run_ids = conn.execute(text("SELECT DISTINCT run_id FROM report_hourly")).scalars().all()
     assert run_ids == [again.run_id]
+
+
+def test_the_report_reads_every_runs_folder_and_the_archive_keeps_topics_and_priorities(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Found by a reviewer: from an archive's second run on, the report failed for good (two
+    runs' folders, `run=...`, read in one call: CONFLICTING_DIRECTORY_STRUCTURES); a topic
+    that looks like a number came back as one (`007` as 7), in the archive and the report; the
+    archive kept no `priority` (nor `queue_offset`)."""
+    producer = Producer(settings, engine)
+    consumer = Consumer(settings, engine)
+    out = tmp_path / "archive"
+    for topic in ("007", "10"):  # one run each, every topic of a run a number to Spark
+        handler(topic)(lambda message: None)
+        producer.send_batch([{"topic": topic, "body": n, "priority": 7} for n in range(3)])
+        assert consumer.run_once(topic, limit=3).succeeded == 3
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE commit_log SET finished_at = now() - interval '40 days'"))
+        assert len(archive.run(spark, settings, engine, 30 * DAY_MS, out).runs) == 1
+
+    with engine.connect() as conn:
+        folders = pipeline_store.verified_archive_folders(conn)
+    assert len(folders) == 2
+    archived = archive.read_folders(spark, folders)
+    assert dict(archived.dtypes)["topic"] == "string"
+    assert sorted((r["topic"], r["priority"]) for r in archived.collect()) == [
+        ("007", 7),
+        ("007", 7),
+        ("007", 7),
+        ("10", 7),
+        ("10", 7),
+        ("10", 7),
+    ]
+    result = report.run(spark, settings, engine, tmp_path / "report")
+    assert (result.read, result.written) == (6, 2)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT topic, messages FROM report_hourly ORDER BY topic"))
+        assert [tuple(r) for r in rows] == [("007", 3), ("10", 3)]
 
 
 def _cancelled_messages(settings: Settings, engine: Engine, topic: str, count: int) -> list[int]:
