@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,26 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
         return reader.option("mode", "PERMISSIVE").csv(str(path))
     if fmt == "jsonl":
         return spark.read.text(str(path))
-    return spark.read.parquet(str(path))
+    return _parquet(spark, path)
+
+
+def _parquet(spark: Any, path: Path) -> Any:
+    """A Parquet file or folder, its schema read now: a file that is not Parquet, or a folder
+    holding none, is refused in one line (it was a page of Java)."""
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    try:
+        frame = spark.read.parquet(str(path))  # reads a footer: one that is not fails here
+    except (PySparkException, Py4JJavaError) as exc:
+        what = "holds no Parquet files" if path.is_dir() else "is not a Parquet file"
+        java = getattr(exc, "java_exception", None)  # Py4JJavaError's: the JVM's own words
+        words = str(java.getMessage()) if java is not None else str(exc)
+        cause = words.strip().split("\n", 1)[0][:200]
+        raise ValidationError(
+            "path", f"{path} {what} ({cause}); give --format csv or jsonl for other files"
+        ) from None
+    return frame
 
 
 def _rows_end_in_crlf(path: Path) -> bool:
@@ -223,9 +242,15 @@ def row_key(record: dict[str, Any]) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """Spark structs and maps as dicts, binary as bytes."""
+    """Spark structs and maps as dicts, binary as bytes, at any depth: a struct inside a list
+    or a map was a Row, a tuple, which JSON wrote as an array (`[{"a": 1}]` stored as
+    `[[1]]`)."""
     if hasattr(value, "asDict"):
-        return value.asDict(recursive=True)
+        return {name: _plain(item) for name, item in value.asDict().items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, dict):
+        return {name: _plain(item) for name, item in value.items()}
     if isinstance(value, bytearray):
         return bytes(value)
     return value
@@ -408,7 +433,9 @@ def message_line(m: NewMessage) -> str:
         _number(m.delay_level),
         str(m.lane),
         _number(m.delay_ms),
-        m.deliver_at.isoformat() if m.deliver_at is not None else NULL,
+        # in UTC: PostgreSQL's text input takes offsets up to 15:59, Python's (and a send's)
+        # any below a day (`+16:00` failed the whole COPY)
+        m.deliver_at.astimezone(UTC).isoformat() if m.deliver_at is not None else NULL,
         "t" if m.body_is_json else "f",
         "\\\\x" + m.body.hex(),
     ]

@@ -589,6 +589,66 @@ def test_bulk_schedule_refuses_a_parquet_deliver_at_without_a_time_zone(
     assert times == [at.replace(tzinfo=UTC)] * 2
 
 
+def test_bulk_schedule_takes_any_offset_a_send_takes_and_structs_at_any_depth(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Found by a reviewer: a `deliver_at` offset beyond PostgreSQL's text input (+16:00, as a
+    send takes it) failed the whole COPY, the rows after it unstored; a Parquet body holding
+    structs in a list came back with each struct an array (`[{"a": 1}]` as `[[1]]`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jobs = tmp_path / "offsets.csv"
+    with jobs.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["topic", "body", "key", "deliver_at"])
+        writer.writerow(["bulk.tz", "{}", "plain", "2027-01-01T09:00:00+00:00"])
+        writer.writerow(["bulk.tz", "{}", "far-east", "2027-01-01T09:00:00+1600"])
+        writer.writerow(["bulk.tz", "{}", "far-west", "2027-01-01T09:00:00-16:30"])
+    result = bulk.run(spark, settings, jobs)
+    assert (result.written, result.rejected) == (3, 0)
+    with engine.connect() as conn:
+        due = dict(conn.execute(text("SELECT key, deliver_ts FROM commit_log")).all())
+    nine = datetime(2027, 1, 1, 9, tzinfo=UTC)
+    assert due == {
+        "plain": nine,
+        "far-east": nine - timedelta(hours=16),
+        "far-west": nine + timedelta(hours=16, minutes=30),
+    }
+
+    nested = tmp_path / "nested.parquet"
+    pair = pa.struct([("a", pa.int64()), ("b", pa.string())])
+    bodies = [[{"a": 1, "b": "x"}], [{"a": 2, "b": "y"}, {"a": 3, "b": None}]]
+    table = pa.table(
+        {
+            "topic": ["bulk.nested"] * 2,
+            "body": pa.array(bodies, pa.list_(pair)),
+            "key": ["n1", "n2"],
+        }
+    )
+    pq.write_table(table, nested)
+    assert bulk.run(spark, settings, nested).written == 2
+    producer = Producer(settings, engine)
+    stored = [producer.find("bulk.nested", key).body for key in ("n1", "n2")]
+    assert stored == bodies
+
+
+def test_bulk_schedule_refuses_a_file_that_is_not_parquet_or_a_folder_of_none_in_one_line(
+    spark: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """They gave a page of Java (a CSV named .parquet; an empty folder, taken as Parquet)."""
+    fake = tmp_path / "jobs.parquet"
+    fake.write_text("topic,body\nt,{}\n")
+    empty = tmp_path / "nothing"
+    empty.mkdir()
+    for path, what in ((fake, "is not a Parquet file"), (empty, "holds no Parquet files")):
+        with pytest.raises(ValidationError) as refused:
+            bulk.run(spark, settings, path)
+        assert str(refused.value).startswith(f"path: {path} {what} ("), str(refused.value)
+        assert "--format csv or jsonl" in str(refused.value)
+        assert "\n" not in str(refused.value)
+
+
 def test_bulk_schedule_on_a_database_not_migrated_or_missing_is_one_error(
     spark: Any, settings: Settings, pg_server: Any, tmp_path: Path
 ) -> None:
