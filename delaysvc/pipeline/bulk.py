@@ -72,7 +72,7 @@ REJECT, COUNTS, SLOW = "reject", "counts", "slow"
 # created, duplicates, -), (SLOW, row id, -, -) for a row left to the producer's path
 REPORT = "tag string, a long, b long, reason string"
 RID = "_rid"
-FAST_COLUMNS = (RID, "_fast", "_line", "_head", "_body")
+FAST_COLUMNS = (RID, "_fast", "_line", "_head", "_body", "_topic_key")
 NULL = "\\N"  # COPY text's NULL
 REPLACED = "\ufffd"  # what Spark's text readers put where the input's bytes are not UTF-8
 NOT_UTF8 = (
@@ -309,6 +309,10 @@ def store_fast(batches: Iterable[Any], settings: Settings, run: str) -> Iterator
     report: list[tuple[str, int, int | None, str | None]] = []
     lines: list[str] = []
     ids: list[int] = []
+    # the keys of rows left to the producer's path: a later row with one is left there too,
+    # so that the first row of a key is stored first, whichever path it takes (the fast path
+    # stored a later row before an earlier one that the producer's path stores after it)
+    left: set[str] = set()
 
     def flush() -> None:
         nonlocal created, duplicates
@@ -323,14 +327,16 @@ def store_fast(batches: Iterable[Any], settings: Settings, run: str) -> Iterator
         for batch in batches:
             rids = batch.column(RID).to_pylist()
             encoded = batch.column("_line")
-            if encoded.null_count == 0:  # the JVM encoded every row: the common case
+            if encoded.null_count == 0 and not left:  # the JVM encoded every row: the common case
                 lines.extend(encoded.to_pylist())
                 ids.extend(rids)
             else:
-                columns = ("_fast", "_line", "_head", "_body")
+                columns = ("_fast", "_line", "_head", "_body", "_topic_key")
                 rows = zip(rids, *(batch.column(c).to_pylist() for c in columns), strict=True)
-                for rid, fast, line, head, body in rows:
-                    if not fast:
+                for rid, fast, line, head, body, topic_key in rows:
+                    if not fast or topic_key in left:
+                        if topic_key is not None:
+                            left.add(topic_key)
                         report.append((SLOW, rid, None, None))
                         continue
                     try:
@@ -399,7 +405,8 @@ def validate(
     _fast, _line, _head, _body, _orig): a line the JVM built is taken as it is, a body the JVM
     left is encoded here; every other row goes through the producer's own `prepare`."""
     now = datetime.now().astimezone()
-    for rid, fast, line, head, body, original in rows:
+    for row in rows:
+        rid, fast, line, head, body, original = row[:6]  # (`_topic_key` after them)
         try:
             if line is not None:
                 yield rid, line, None
@@ -728,17 +735,13 @@ def run(
     frame = extract(spark, path, fmt).withColumn(RID, F.monotonically_increasing_id())
     columns = [c for c in frame.columns if c not in (RID, CELLS)]
     # a CSV read with multiLine (quoted newlines) is one partition: spread the rows before
-    # validating, so every core validates and stores. By range of (topic, key): partitions
-    # writing at once then insert into different parts of the key index (round-robin rows
-    # interleave there, and sessions inserting into the same index pages wait on each other)
+    # validating, so every core validates and stores (`_spread`); rows with keys always, so
+    # that a key's rows are in one partition, in row id order, and its first row is stored
+    # (a Parquet folder's files read as partitions of their own stored either)
     source = frame
     wanted = partitions or max(spark.sparkContext.defaultParallelism, 1)
-    if partitions or source.rdd.getNumPartitions() < wanted:
-        by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
-        source = source.repartitionByRange(wanted, *by) if by else source.repartition(wanted)
-        # a task run again (its executor lost) reads its rows from the shuffle in another
-        # order: in row id order, it makes the same batches (`_store_batch`)
-        source = source.sortWithinPartitions(RID)
+    if partitions or "key" in frame.columns or source.rdd.getNumPartitions() < wanted:
+        source = _spread(source, wanted)
     report: list[tuple[Any, ...]] = []
     if fmt == "jsonl":  # every row takes the producer's path (rules.py says why)
         slow = source
@@ -750,11 +753,7 @@ def run(
         slow_ids = [rid for tag, rid, _, _ in report if tag == SLOW]
         # the second pass takes the rows the first left by id, not by deciding again: a rule
         # that reads the clock (deliver_at within the longest delay) could decide otherwise
-        slow = (
-            _rows_with_ids(spark, frame, slow_ids).repartition(wanted).sortWithinPartitions(RID)
-            if slow_ids
-            else None
-        )
+        slow = _spread(_rows_with_ids(spark, frame, slow_ids), wanted) if slow_ids else None
     if slow is not None:
         rows = rules.prepare(slow, settings, key_from_row).rdd
         report += rows.mapPartitions(
@@ -769,6 +768,20 @@ def run(
     read = written + duplicates + len(refused)
     log.info("bulk.done", extra={"read": read, "written": written, "rejected": len(refused)})
     return BulkResult(read, written, duplicates, len(refused), time.monotonic() - started, rejects)
+
+
+def _spread(frame: Any, partitions: int) -> Any:
+    """The rows in `partitions` partitions by range of (topic, key): partitions writing at once
+    insert into different parts of the key index (round-robin rows interleave there, and
+    sessions inserting into the same index pages wait on each other), and a key's rows are in
+    one partition. Each partition in row id order: a task run again (its executor lost), which
+    reads its rows from the shuffle in another order, makes the same batches
+    (`_store_batch`), and a key's first row is stored first."""
+    from pyspark.sql import functions as F
+
+    by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
+    spread = frame.repartitionByRange(partitions, *by) if by else frame.repartition(partitions)
+    return spread.sortWithinPartitions(RID)
 
 
 def _forget_batches(settings: Settings, ledger: str) -> None:

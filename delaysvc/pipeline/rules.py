@@ -160,6 +160,8 @@ def prepare(frame: DataFrame, settings: Settings, key_from_row: bool) -> DataFra
         F.when(fast & encoded.isNull(), head).alias("_head"),
         F.when(fast & encoded.isNull(), body).alias("_body"),
         F.when(~fast, F.col("__orig")).alias("_orig"),
+        # the row's topic and key as one value, if it has a key (`bulk.store_fast`)
+        F.when(key.isNotNull(), F.concat_ws("\t", topic, key)).alias("_topic_key"),
     )
 
 
@@ -217,7 +219,12 @@ def _original(frame: DataFrame, name: str) -> Column:
     it to Python as a naive datetime, as it does an instant (TIMESTAMP) in the local time of
     the process, and `bulk._instant` reads a naive datetime as such an instant."""
     column = F.col(f"`{name}`")
-    if name == "deliver_at" and isinstance(frame.schema[name].dataType, TimestampNTZType):
+    data_type = frame.schema[name].dataType
+    if name == "deliver_at" and isinstance(data_type, TimestampNTZType):
+        return column.cast("string").alias(name)
+    if name in ("topic", "key") and isinstance(data_type, _INTEGRAL):
+        # as `_cell` gives it the JVM: a column of whole numbers (order ids) is their text on
+        # both paths (the producer's refused it, "must be a string", where the JVM stored it)
         return column.cast("string").alias(name)
     return column
 

@@ -261,7 +261,10 @@ _STAGE_COLUMNS = (
 # the same lanes (a level only if the database agrees on its delay), offsets, key rule,
 # database-clock deliver_ts and lane counts, and the same enqueue
 # fragment, but no parameter arrays and no rows sent back. Rows are taken in (topic, key)
-# order so parallel partitions holding the same keys lock them in the same order.
+# order so parallel partitions holding the same keys lock them in the same order, and a key's
+# rows in the order they were COPYed (`ctid`: the staging table is emptied before each COPY,
+# which fills it page after page), so that the first row of a key repeated in a batch is the one
+# stored, as in a `send_batch` (the sort alone kept either: 2,269 of 5,000 keys kept the later).
 _INSERT_STAGED = f"""
 WITH msg AS (
     INSERT INTO delaysvc.commit_log (topic, key, tags, body, body_is_json, properties, delay_level,
@@ -276,7 +279,7 @@ WITH msg AS (
     CROSS JOIN LATERAL (SELECT CAST({
     _PLACED_LANE.format(lane="b.lane", delay_ms="b.delay_ms")
 } AS smallint) AS lane) placed
-    ORDER BY topic, key
+    ORDER BY topic, key, b.ctid
     {{on_conflict}}
     RETURNING id, topic, lane, queue_offset, deliver_ts, priority
 ){_ENQUEUE_FROM.format(src="msg")}

@@ -633,6 +633,58 @@ def test_bulk_schedule_takes_any_offset_a_send_takes_and_structs_at_any_depth(
     assert stored == bodies
 
 
+def test_a_key_repeated_in_a_file_stores_its_first_valid_row_as_send_batch_does(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Found by a reviewer: 2,269 of 5,000 keys, each on two rows, kept the later row's body
+    and delay; an earlier row left to the producer's path (a JSON escape in its tags) always
+    lost to a later one the JVM took; a row refused does not hold its key."""
+    jobs = tmp_path / "repeats.csv"
+    with jobs.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["topic", "body", "key", "delay", "tags"])
+        for n in range(2000):
+            writer.writerow(["bulk.rep", '"first"', f"k{n}", "1h", ""])
+            writer.writerow(["bulk.rep", '"second"', f"k{n}", "5s", ""])
+        for n in range(50):  # the first row the producer's path's, the second the JVM's
+            writer.writerow(["bulk.rep", '"first"', f"slow{n}", "1h", '["\\u0061"]'])
+            writer.writerow(["bulk.rep", '"second"', f"slow{n}", "5s", ""])
+        writer.writerow(["bulk.rep", '"refused"', "bad", "soon", ""])  # holds nothing
+        writer.writerow(["bulk.rep", '"second"', "bad", "5s", ""])
+    result = bulk.run(spark, settings, jobs, partitions=3)
+    assert (result.written, result.duplicates, result.rejected) == (2051, 2050, 1)
+    with engine.connect() as conn:
+        stored = dict(
+            conn.execute(text("SELECT key, convert_from(body, 'UTF8') FROM commit_log")).all()
+        )
+    assert stored.pop("bad") == '"second"'
+    assert set(stored.values()) == {'"first"'}, sum(v != '"first"' for v in stored.values())
+
+
+def test_a_parquet_column_of_whole_numbers_is_a_key_on_either_path(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """Found by a reviewer: an int64 key column was stored as text by the JVM, refused ("must
+    be a string") on the producer's path (a row with a JSON escape in its tags)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table(
+        {
+            "topic": ["bulk.ids"] * 2,
+            "body": ["{}", "{}"],
+            "key": pa.array([101, 102], pa.int64()),
+            "tags": [None, '["\\u0061"]'],
+        }
+    )
+    pq.write_table(table, tmp_path / "ids.parquet")
+    result = bulk.run(spark, settings, tmp_path / "ids.parquet")
+    assert (result.written, result.rejected) == (2, 0)
+    with engine.connect() as conn:
+        keys = conn.execute(text("SELECT key FROM commit_log ORDER BY key")).scalars().all()
+    assert keys == ["101", "102"]
+
+
 def test_bulk_schedule_refuses_a_file_that_is_not_parquet_or_a_folder_of_none_in_one_line(
     spark: Any, settings: Settings, tmp_path: Path
 ) -> None:
