@@ -737,11 +737,13 @@ def run(
     # a CSV read with multiLine (quoted newlines) is one partition: spread the rows before
     # validating, so every core validates and stores (`_spread`); rows with keys always, so
     # that a key's rows are in one partition, in row id order, and its first row is stored
-    # (a Parquet folder's files read as partitions of their own stored either)
+    # (a Parquet folder's files, a JSON Lines file's parts, read as partitions of their own
+    # stored either)
     source = frame
     wanted = partitions or max(spark.sparkContext.defaultParallelism, 1)
-    if partitions or "key" in frame.columns or source.rdd.getNumPartitions() < wanted:
-        source = _spread(source, wanted)
+    keyed = "key" in frame.columns or fmt == "jsonl"
+    if partitions or keyed or source.rdd.getNumPartitions() < wanted:
+        source = _spread(source, wanted, fmt)
     report: list[tuple[Any, ...]] = []
     if fmt == "jsonl":  # every row takes the producer's path (rules.py says why)
         slow = source
@@ -753,7 +755,7 @@ def run(
         slow_ids = [rid for tag, rid, _, _ in report if tag == SLOW]
         # the second pass takes the rows the first left by id, not by deciding again: a rule
         # that reads the clock (deliver_at within the longest delay) could decide otherwise
-        slow = _spread(_rows_with_ids(spark, frame, slow_ids), wanted) if slow_ids else None
+        slow = _spread(_rows_with_ids(spark, frame, slow_ids), wanted, fmt) if slow_ids else None
     if slow is not None:
         rows = rules.prepare(slow, settings, key_from_row).rdd
         report += rows.mapPartitions(
@@ -770,7 +772,7 @@ def run(
     return BulkResult(read, written, duplicates, len(refused), time.monotonic() - started, rejects)
 
 
-def _spread(frame: Any, partitions: int) -> Any:
+def _spread(frame: Any, partitions: int, fmt: str) -> Any:
     """The rows in `partitions` partitions by range of (topic, key): partitions writing at once
     insert into different parts of the key index (round-robin rows interleave there, and
     sessions inserting into the same index pages wait on each other), and a key's rows are in
@@ -779,7 +781,10 @@ def _spread(frame: Any, partitions: int) -> Any:
     (`_store_batch`), and a key's first row is stored first."""
     from pyspark.sql import functions as F
 
-    by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
+    if fmt == "jsonl":  # a line's topic and key as Spark spells them: the same for the same
+        by = [F.get_json_object("value", f"$.{name}") for name in ("topic", "key")]
+    else:
+        by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
     spread = frame.repartitionByRange(partitions, *by) if by else frame.repartition(partitions)
     return spread.sortWithinPartitions(RID)
 

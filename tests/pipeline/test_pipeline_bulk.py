@@ -660,6 +660,18 @@ def test_a_key_repeated_in_a_file_stores_its_first_valid_row_as_send_batch_does(
     assert stored.pop("bad") == '"second"'
     assert set(stored.values()) == {'"first"'}, sum(v != '"first"' for v in stored.values())
 
+    lines = tmp_path / "repeats.jsonl"  # every line the producer's path's
+    with lines.open("w") as f:
+        for n in range(2000):
+            for body in ("first", "second"):
+                f.write(json.dumps({"topic": "bulk.rep.j", "body": body, "key": f"j{n}"}) + "\n")
+    result = bulk.run(spark, settings, lines, partitions=3)
+    assert (result.written, result.duplicates) == (2000, 2000)
+    with engine.connect() as conn:
+        distinct = "SELECT DISTINCT convert_from(body, 'UTF8') FROM commit_log WHERE topic = %r"
+        bodies = conn.execute(text(distinct % "bulk.rep.j")).scalars().all()
+    assert bodies == ['"first"']
+
 
 def test_a_parquet_column_of_whole_numbers_is_a_key_on_either_path(
     spark: Any, settings: Settings, engine: Engine, tmp_path: Path
