@@ -151,16 +151,21 @@ def revoke_token(engine: Engine, name: str) -> bool:
     return revoked
 
 
-def create_user(engine: Engine, name: str, password: str, role: str = "viewer") -> None:
-    """Add a dashboard user, or set an existing one's password and role: that ends every
-    dashboard session the user has (see `end_sessions`)."""
-    if role not in ROLES:
-        raise ValidationError("role", f"{role!r} is not a role; use one of {ROLES}")
+def create_user(
+    engine: Engine, name: str, password: str, role: str | None = None, *, new_role: str = "viewer"
+) -> str:
+    """Add a dashboard user (its role `role`, else `new_role`), or set an existing one's
+    password, and its role only when `role` is given: a password reset keeps the role (it
+    made a viewer an admin). Either ends every dashboard session the user has (see
+    `end_sessions`). -> the user's role."""
+    for given in (role, new_role):
+        if given is not None and given not in ROLES:
+            raise ValidationError("role", f"{given!r} is not a role; use one of {ROLES}")
     check_name("a user's name", name)
     if len(password) < 8:
         raise ValidationError("password", "must be at least 8 characters")
     with engine.begin() as conn:
-        store.upsert_user(conn, name, generate_password_hash(password), role)
+        return store.upsert_user(conn, name, generate_password_hash(password), role, new_role)
 
 
 def end_sessions(engine: Engine, user: Any) -> bool:

@@ -57,19 +57,19 @@ def revoke_token(ctx: Context, name: str) -> None:
 @click.option(
     "--role",
     type=click.Choice(["admin", "viewer"]),
-    default="admin",
-    show_default=True,
-    help="admin: sees and acts; viewer: only sees.",
+    default=None,
+    help="admin: sees and acts; viewer: only sees. A new user: admin when not given; an "
+    "existing one keeps its role when not given.",
 )
 @click.password_option(
     envvar="DELAYSVC_NEW_USER_PASSWORD",
     help="Asked for (twice) when not given, or read from DELAYSVC_NEW_USER_PASSWORD.",
 )
 @pass_ctx
-def create_user(ctx: Context, name: str, role: str, password: str) -> None:
+def create_user(ctx: Context, name: str, role: str | None, password: str) -> None:
     """Create (or reset) a dashboard user."""
     extras.require("delaysvc create-user", SERVER)
     from delaysvc.auth import create_user as make
 
-    make(ctx.engine, name, password, role)
-    click.echo(f"user {name!r} ready with role {role}")
+    kept = make(ctx.engine, name, password, role, new_role="admin")
+    click.echo(f"user {name!r} ready with role {kept}")

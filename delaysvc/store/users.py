@@ -9,18 +9,25 @@ from sqlalchemy import Connection
 from delaysvc.db.names import sql
 
 
-def upsert_user(conn: Connection, name: str, password_hash: str, role: str) -> None:
-    """Add the user, or set an existing one's password and role: that ends its dashboard
-    sessions (their generation moves on) and lifts its lockout."""
-    conn.execute(
-        sql(
-            "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, "
-            ":hash, :role) "
-            "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
-            "role = EXCLUDED.role, failed_logins = 0, locked_until = NULL, "
-            "session_generation = delaysvc.dashboard_user.session_generation + 1"
-        ),
-        {"name": name, "hash": password_hash, "role": role},
+def upsert_user(
+    conn: Connection, name: str, password_hash: str, role: str | None, new_role: str
+) -> str:
+    """Add the user (with `role`, else `new_role`), or set an existing one's password, and its
+    role when `role` is given (else it keeps its own): that ends its dashboard sessions (their
+    generation moves on) and lifts its lockout. -> the user's role."""
+    return str(
+        conn.execute(
+            sql(
+                "INSERT INTO delaysvc.dashboard_user (name, password_hash, role) VALUES (:name, "
+                ":hash, COALESCE(:role, :new_role)) "
+                "ON CONFLICT (name) DO UPDATE SET password_hash = EXCLUDED.password_hash, "
+                "role = COALESCE(:role, delaysvc.dashboard_user.role), failed_logins = 0, "
+                "locked_until = NULL, "
+                "session_generation = delaysvc.dashboard_user.session_generation + 1 "
+                "RETURNING role"
+            ),
+            {"name": name, "hash": password_hash, "role": role, "new_role": new_role},
+        ).scalar_one()
     )
 
 

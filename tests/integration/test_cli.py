@@ -432,6 +432,26 @@ def test_create_user_reads_its_password_from_the_environment_without_a_warning(
     assert auth.check_login(engine, "ops", "a long enough password") is not None
 
 
+def test_create_user_on_an_existing_user_keeps_its_role_unless_given(
+    delaysvc: Run, engine: Engine
+) -> None:
+    """The documented password reset (`create-user NAME`) made a viewer an admin: --role
+    defaulted to admin, and every save wrote it (found by a reviewer)."""
+
+    def create(*args: str) -> str:
+        made = delaysvc("create-user", *args, DELAYSVC_NEW_USER_PASSWORD="a long password 1")
+        assert made.returncode == 0, made.stderr
+        return made.stdout.strip()
+
+    assert create("vic", "--role", "viewer") == "user 'vic' ready with role viewer"
+    assert create("vic") == "user 'vic' ready with role viewer"  # a password reset
+    assert auth.check_login(engine, "vic", "a long password 1").role == "viewer"
+    assert create("vic", "--role", "admin") == "user 'vic' ready with role admin"
+    assert create("new") == "user 'new' ready with role admin"  # a new user: admin
+    assert auth.create_user(engine, "vic", "another password") == "admin"  # kept
+    assert auth.create_user(engine, "fresh", "another password") == "viewer"
+
+
 @pytest.mark.parametrize(
     ("command", "variables", "named"),
     [
