@@ -125,6 +125,7 @@ def web(ctx: Context, host: str, port: int, workers: int, threads: int | None, s
     extras.require("delaysvc web", "server")
     require_levels(ctx)
     require_free_port(host, port)
+    _one_session_key_for_every_worker(ctx)
     command = web_command(
         host,
         port,
@@ -134,3 +135,24 @@ def web(ctx: Context, host: str, port: int, workers: int, threads: int | None, s
         server=server,
     )
     sys.exit(run_processes([command]))
+
+
+def _one_session_key_for_every_worker(ctx: Context) -> None:
+    """The web workers sign the dashboard's sessions with one key: DELAYSVC_SECRET_KEY, else
+    `var/secret_key` (made by the first of them). Where that cannot be written, each worker
+    made a key of its own, and a session signed by one was no session to the next: pages
+    bounced to the login at random. A key made here for this server's workers instead (they
+    inherit it), said on stderr: sessions end when it stops."""
+    import os
+    import secrets
+
+    from delaysvc.web.ui import session_secret
+
+    if session_secret(ctx.settings) is None:
+        os.environ["DELAYSVC_SECRET_KEY"] = secrets.token_hex(32)
+        click.echo(
+            f"delaysvc web: {ctx.settings.var_dir / 'secret_key'} cannot be written: the "
+            "dashboard's sessions are signed with a key made for this run, and end when it "
+            "stops; set DELAYSVC_SECRET_KEY (or a writable DELAYSVC_VAR_DIR) to keep them",
+            err=True,
+        )

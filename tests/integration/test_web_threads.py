@@ -5,13 +5,20 @@ starts it."""
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
+import urllib.request
+from http.cookiejar import CookieJar
+from pathlib import Path
+from typing import Any
 
 import psutil
 
+from delaysvc import auth
 from delaysvc.runtime.supervisor import (
     CONNECTIONS_PER_THREAD,
     die_with_parent,
@@ -19,7 +26,7 @@ from delaysvc.runtime.supervisor import (
     wait_until_answering,
     web_command,
 )
-from tests.conftest import outside_env
+from tests.conftest import TEST_LEVELS, outside_env
 
 
 def _held(web: subprocess.Popen[bytes], port: int) -> list[int]:
@@ -80,3 +87,40 @@ def test_the_default_server_is_the_asgi_one_and_takes_no_threads() -> None:
     )
     assert refused.returncode == 2  # click's usage error, before anything starts
     assert "--threads is for --server sync" in refused.stderr
+
+
+def test_the_workers_share_one_session_key_where_var_cannot_be_written(
+    database_url: str, engine: Any, tmp_path: Path
+) -> None:
+    """Found by a reviewer: with no DELAYSVC_SECRET_KEY and a `var/` that cannot be written,
+    each web worker signed sessions with a key of its own: 7 of 20 dashboard pages bounced to
+    the login, logins and actions failed at random ("form expired")."""
+    auth.create_user(engine, "ada", "admin-password-1", role="admin")
+    port = free_port()
+    unwritable = tmp_path / "a-file"
+    unwritable.write_text("")
+    env = outside_env() | {
+        "DELAYSVC_DATABASE_URL": database_url,
+        "DELAYSVC_VAR_DIR": str(unwritable / "var"),  # under a file: never made
+        "DELAYSVC_DELAY_LEVELS": TEST_LEVELS,
+    }
+    command = [sys.executable, "-m", "delaysvc", "web", "--port", str(port), "--workers", "2"]
+    web = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=die_with_parent(),
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until_answering(f"{base}/healthz", process=web), web.stderr
+        browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar()))
+        page = browser.open(f"{base}/login").read().decode()
+        token = re.search(r'name="csrf_token" value="([^"]+)"', page)
+        assert token is not None
+        form = {"name": "ada", "password": "admin-password-1", "csrf_token": token.group(1)}
+        browser.open(f"{base}/login", urllib.parse.urlencode(form).encode())
+        for _ in range(20):  # each served by either worker
+            assert browser.open(f"{base}/").geturl() == f"{base}/"  # not sent to /login
+    finally:
+        web.terminate()
+        _, stderr = web.communicate(timeout=30)
+    assert "cannot be written" in stderr.decode() and "DELAYSVC_SECRET_KEY" in stderr.decode()
