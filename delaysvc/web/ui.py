@@ -13,6 +13,7 @@ import hmac
 import logging
 import os
 import secrets
+import time
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -22,6 +23,7 @@ from flask import (
     Blueprint,
     Response,
     abort,
+    current_app,
     flash,
     g,
     jsonify,
@@ -47,6 +49,7 @@ PUBLIC_ENDPOINTS = {"login", "static"}
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "X-CSRF-Token"
 SESSION_GENERATION = "generation"
+LOGGED_IN_AT = "since"  # the session's login (Unix time): it lasts PERMANENT_SESSION_LIFETIME
 """The session's key for the user's session generation at login (see `current_user`)."""
 
 
@@ -114,6 +117,11 @@ def current_user() -> Any:
             with services()["engine"].connect() as conn:
                 user = store.find_user(conn, name)
             if user is not None and session.get(SESSION_GENERATION) != user.session_generation:
+                user = None
+            # from its login, however often it is used: the cookie's own expiry moves on with
+            # each answer (the overview's polls kept a session, or a copy of it, alive for good)
+            lasts = current_app.permanent_session_lifetime.total_seconds()
+            if time.time() - float(session.get(LOGGED_IN_AT, 0)) > lasts:
                 user = None
         g.user = user
     return g.user
@@ -198,8 +206,10 @@ def template_globals() -> dict[str, Any]:
 
 
 def safe_next(target: str | None) -> str:
-    """Only a path on this site (no scheme, no host, no `//`): no open redirect."""
-    if not target:
+    """Only a path on this site (no scheme, no host, no `//`): no open redirect. Nor a control
+    character (urlsplit skips a line break, which then failed the redirect's header: a 500
+    after the login) or a backslash (browsers read `/\\host` as `//host`)."""
+    if not target or any(c < " " or c in "\x7f\\" for c in target):
         return url_for("dashboard.ui.overview")
     parts = urlsplit(target)
     if parts.scheme or parts.netloc or not target.startswith("/") or target.startswith("//"):
@@ -219,6 +229,7 @@ def login() -> Any:
             session.permanent = True  # expires after PERMANENT_SESSION_LIFETIME
             session["user"] = user.name
             session[SESSION_GENERATION] = user.session_generation
+            session[LOGGED_IN_AT] = time.time()
             session["csrf"] = secrets.token_urlsafe(32)
             log.info("dashboard.login", extra={"user": user.name})
             return redirect(safe_next(request.form.get("next")))

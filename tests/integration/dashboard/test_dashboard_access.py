@@ -83,9 +83,31 @@ def test_every_web_worker_of_a_folder_signs_sessions_with_one_key(
 
 
 def test_login_never_redirects_off_site(app: Flask) -> None:
-    for target in ("https://evil.example/", "//evil.example/x", "javascript:alert(1)"):
+    # a line break: urlsplit skipped it, the redirect's header refused it, a JSON 500 after the
+    # login (found by a reviewer); a backslash: `/\\host` is `//host` to browsers
+    targets = ("https://evil.example/", "//evil.example/x", "javascript:alert(1)")
+    targets += ("/ok\r\nSet-Cookie: x=1", "/messages\n", "/\\evil.example", "/\tx")
+    for target in targets:
         response = login(app.test_client(), ADMIN, target)
         assert (response.status_code, response.location) == (302, "/"), target
+    assert login(app.test_client(), ADMIN, "/dead?topic=a").location == "/dead?topic=a"
+
+
+def test_a_session_ends_twelve_hours_after_its_login_however_often_it_is_used(
+    admin: FlaskClient,
+) -> None:
+    """Every answer (the overview's polls every 3 s) moved the cookie's expiry on: an open tab,
+    or a copied cookie, kept the session for good (found by a reviewer)."""
+    from delaysvc.web.ui import LOGGED_IN_AT
+
+    assert admin.get("/").status_code == 200
+    with admin.session_transaction() as session:
+        session[LOGGED_IN_AT] -= 11.9 * 3600
+    assert admin.get("/").status_code == 200
+    with admin.session_transaction() as session:
+        session[LOGGED_IN_AT] -= 0.2 * 3600
+    response = admin.get("/")
+    assert response.status_code == 302 and response.location.startswith("/login")
 
 
 def test_wrong_password_is_refused_and_repeated_failures_lock_the_account(app: Flask) -> None:
