@@ -12,6 +12,7 @@ lane per minute with counts per `LATENESS_BUCKETS_MS` bucket.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -383,6 +384,27 @@ ORDER BY count(*) DESC, topic, max(message_id) DESC LIMIT :limit
 
 
 _CR_LF = "chr(13) || chr(10) || '?'"  # a regular expression: CR, then an LF if one follows
+
+
+def error_named(conn: Connection, topic: str | None, digest: str) -> str | None:
+    """The error text of a dead-letter group named by its digest (`error_digest`), if any
+    letter of that topic (or any) has it."""
+    topic_filter = "AND d.topic = :topic" if topic is not None else ""
+    return conn.execute(
+        sql(
+            f"SELECT d.error FROM delaysvc.dead_letter d "
+            f"WHERE md5(regexp_replace(d.error, {_CR_LF}, chr(10), 'g')) = :digest "
+            f"{topic_filter} LIMIT 1"
+        ),
+        {"digest": digest, "topic": topic},
+    ).scalar()
+
+
+def error_digest(error: str) -> str:
+    """A group's short name in the dashboard's links: the md5 of its error text with its line
+    breaks as LF (as `_group_filter` compares it), as PostgreSQL's md5 gives it. An error may
+    be kilobytes long, a link in full too long for a server (414) or a proxy."""
+    return hashlib.md5(re.sub("\r\n?", "\n", error).encode()).hexdigest()
 
 
 def _group_filter(topic: str | None, error: str | None) -> tuple[str, dict[str, Any]]:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from flask import redirect, render_template, request, url_for
 from sqlalchemy import Engine
 
 from delaysvc.config.validation import validate_topic
-from delaysvc.errors import DelaysvcError
+from delaysvc.errors import DelaysvcError, ValidationError
 from delaysvc.producer.dead_letters import DeadLetters
 from delaysvc.store import dashboard as dash
 from delaysvc.web import params
@@ -31,12 +32,16 @@ def dead() -> Any:
     if topic is not None:
         validate_topic(topic)
     error = request.args.get("error")  # "" is a real (empty) error text; absent = any
+    group = request.args.get("group")  # a group's error by its digest: the links' way
+    if group is not None and not _DIGEST.fullmatch(group):
+        raise ValidationError("group", "must be a group's 32 hex digits, as its Show link has")
     before = params.int_arg(request.args, "before", None, 0, blank=True)
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
+        if group is not None and error is None:  # None: the group is gone (redriven, ...)
+            error = dash.error_named(conn, topic, group)
         groups = dash.dead_groups(conn, topic)
         letters, older = dash.dead_letters_page(conn, topic, error, before)
-    here: dict[str, Any] = {"topic": topic, "error": error}
-    here = {k: v for k, v in here.items() if v is not None}
+    here = _here(topic, error)
     return render_template(
         "dead.html",
         groups=groups,
@@ -48,6 +53,7 @@ def dead() -> Any:
         back=url_for("dashboard.ui.dead", **here),
         window=dash.DEAD_GROUP_WINDOW,
         when=when,
+        error_digest=dash.error_digest,
     )
 
 
@@ -100,10 +106,19 @@ def purge_group(engine: Engine, topic: str | None, error: str | None, cap: int) 
 def _back() -> Any:
     if request.form.get("next"):
         return redirect(safe_next(request.form["next"]))
-    target: dict[str, Any] = {k: request.form[k] for k in ("topic", "error") if k in request.form}
-    if "topic" in target and not target["topic"]:
-        del target["topic"]
-    return redirect(url_for("dashboard.ui.dead", **target))
+    topic = request.form.get("topic") or None
+    return redirect(url_for("dashboard.ui.dead", **_here(topic, request.form.get("error"))))
+
+
+_DIGEST = re.compile("[0-9a-f]{32}")
+
+
+def _here(topic: str | None, error: str | None) -> dict[str, Any]:
+    """A link's arguments for the letters of `topic` (None: any) with `error` (None: any): the
+    error by its digest (`dash.error_digest`), not in full (a link of a KBs long error was
+    refused, 414, and the note of a group's redrive with it)."""
+    here = {} if topic is None else {"topic": topic}
+    return here | ({} if error is None else {"group": dash.error_digest(error)})
 
 
 def _group() -> tuple[str | None, str | None]:

@@ -287,6 +287,36 @@ def test_dead_letters_are_grouped_by_topic_and_error(
     assert "Letters of this group" in page
 
 
+def test_a_group_of_a_long_error_is_linked_by_its_digest_and_its_actions_come_back_to_it(
+    admin: FlaskClient, settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """Found by a reviewer: the Show link, the pager and the redirect after a group's redrive
+    held the whole error, 6-36 KB: `--server sync` answered 414 (and a proxy would), and the
+    note of how many were redriven was lost."""
+    long_error = "upstream said: " + "ü" * 3000 + "\nand more"
+    make_dead(settings, engine, producer, [{"topic": "dash.fails", "error": long_error}] * 2)
+    page = admin.get("/dead").text
+    show = re.search(r'href="(/dead\?topic=dash\.fails&amp;group=[0-9a-f]{32})">Show', page)
+    assert show is not None
+    letters = admin.get(show.group(1).replace("&amp;", "&")).text
+    assert (
+        "Letters of this group" in letters and len(_ids_on(letters.split("dead-letters")[1])) == 2
+    )
+    token = csrf(admin)
+    form = {
+        "csrf_token": token,
+        "scope": "group",
+        "topic": "dash.fails",
+        "error": f"ValueError: {long_error}",
+    }
+    response = admin.post("/dead/redrive", data=form)
+    assert len(response.location) < 200, response.location
+    assert flashes(admin, response) == ["2 redriven"]
+    gone = admin.get(show.group(1).replace("&amp;", "&"))  # no letter left with that error
+    assert gone.status_code == 200 and "Letters of this group" not in gone.text
+    assert admin.get("/dead?group=nothex").status_code == 400
+
+
 def test_dead_letters_page_steps_back_by_id(
     admin: FlaskClient, dead_ids: list[int], engine: Engine
 ) -> None:
