@@ -16,7 +16,7 @@ from flask import Blueprint, Response, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from delaysvc.web import ui_dead, ui_messages, ui_views  # noqa: F401  (they attach their routes to `ui`)
-from delaysvc.web.api import services
+from delaysvc.web.api import bearer_token, services
 from delaysvc.web.errors import error_response
 from delaysvc.web.ui import ui
 
@@ -56,8 +56,5 @@ def metrics() -> Any:
 def _bearer_is(expected: str) -> bool:
     """Whether the request carries `Authorization: Bearer <expected>`, compared in constant
     time (as bytes: compare_digest refuses non-ASCII strings)."""
-    header = request.headers.get("Authorization", "")
-    if not header.startswith("Bearer "):
-        return False
-    sent = header[len("Bearer ") :].strip()
-    return hmac.compare_digest(sent.encode(), expected.encode())
+    sent = bearer_token(request.headers.get("Authorization", ""))  # `bearer` in any case too
+    return sent is not None and hmac.compare_digest(sent.encode(), expected.encode())

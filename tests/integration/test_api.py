@@ -584,6 +584,10 @@ def test_metrics_are_open_without_a_metrics_token_and_need_it_when_one_is_set(
         _error(scraper.get("/metrics", headers=admin_token), 401, "unauthorized")  # API token
         right = scraper.get("/metrics", headers={"Authorization": "Bearer scrape-secret-1"})
         assert right.status_code == 200
+        for spelled in ("bearer", "BEARER"):  # the scheme in any case, as the API's (RFC 7235)
+            header = {"Authorization": f"{spelled} scrape-secret-1"}
+            assert scraper.get("/metrics", headers=header).status_code == 200, spelled
+        _error(scraper.get("/metrics", headers={"Authorization": "Basic x"}), 401, "unauthorized")
         assert "delaysvc_messages_stored_total 0.0" in right.get_data(as_text=True).splitlines()
     finally:
         guarded.extensions["delaysvc"]["engine"].dispose()
