@@ -136,8 +136,10 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
         schema = StructType([*header.fields, StructField(CELLS, StringType())])
         reader = reader.schema(schema).option("columnNameOfCorruptRecord", CELLS)
         return reader.option("mode", "PERMISSIVE").csv(str(path))
-    if fmt == "jsonl":
-        return spark.read.text(str(path))
+    if fmt == "jsonl":  # a blank line is no record (it was a reject: "not JSON")
+        from pyspark.sql import functions as F
+
+        return spark.read.text(str(path)).where(F.trim("value") != "")
     return _parquet(spark, path)
 
 

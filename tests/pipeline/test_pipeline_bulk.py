@@ -662,11 +662,17 @@ def test_a_key_repeated_in_a_file_stores_its_first_valid_row_as_send_batch_does(
 
     lines = tmp_path / "repeats.jsonl"  # every line the producer's path's
     with lines.open("w") as f:
+        f.write("\n   \n")  # blank lines are no records (they were rejects: "not JSON")
         for n in range(2000):
             for body in ("first", "second"):
                 f.write(json.dumps({"topic": "bulk.rep.j", "body": body, "key": f"j{n}"}) + "\n")
     result = bulk.run(spark, settings, lines, partitions=3)
-    assert (result.written, result.duplicates) == (2000, 2000)
+    assert (result.read, result.written, result.duplicates, result.rejected) == (
+        4000,
+        2000,
+        2000,
+        0,
+    )
     with engine.connect() as conn:
         distinct = "SELECT DISTINCT convert_from(body, 'UTF8') FROM commit_log WHERE topic = %r"
         bodies = conn.execute(text(distinct % "bulk.rep.j")).scalars().all()
