@@ -496,11 +496,30 @@ def _store_batch(
                 keys_may_be_held,
             )
         except BacklogFull as exc:
-            refused += [(REJECT, rid, None, f"backlog_full: {exc}") for rid in rows]
+            # a row whose key an unfinished message holds is a duplicate, not a refusal: it
+            # would store nothing (a re-run's rows were listed as refused by a full cap)
+            holding = _held([placed[i] for i in group], engine)
+            duplicates += len(holding)
+            reason = f"backlog_full: {exc}"
+            refused += [
+                (REJECT, ids[i], None, reason) for n, i in enumerate(group) if n not in holding
+            ]
             continue
         created += new
         duplicates += repeated
     return created, duplicates, refused
+
+
+def _held(placed: list[NewMessage], engine: Any) -> set[int]:
+    """The indexes of `placed` whose key an unfinished message of their topic holds."""
+    from delaysvc import store as service
+
+    keys = [(m.topic, m.key) for m in placed if m.key is not None]
+    if not keys:
+        return set()
+    with engine.connect() as conn:
+        holders = service.find_unfinished_by_keys(conn, keys)
+    return {n for n, m in enumerate(placed) if m.key is not None and (m.topic, m.key) in holders}
 
 
 def _by_rejecting_caps(conn: Any, settings: Settings, placed: list[NewMessage]) -> list[list[int]]:

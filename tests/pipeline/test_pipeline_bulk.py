@@ -253,6 +253,34 @@ def test_a_reject_cap_refuses_the_rows_it_covers_not_the_rest_of_their_batch(
             assert dict(stored.all()) == {"bulk.free": 5}
 
 
+def test_under_a_full_reject_cap_a_row_whose_key_is_held_is_a_duplicate_not_a_refusal(
+    producer: Producer, engine: Engine, settings: Settings
+) -> None:
+    """Found by a reviewer: a file sent again under a full cap listed rows whose messages
+    were scheduled by the first run as refused (`backlog_full`), beside the new rows."""
+    from delaysvc.producer import caps
+
+    held = [producer.send("bulk.full", {"n": n}, delay="1h", key=f"k{n}") for n in range(3)]
+    caps.set_cap(engine, "topic", "bulk.full", 3)  # full
+    rows = [
+        bulk.message_line(producer.prepare("bulk.full", {"n": n}, delay="1h", key=f"k{n}"))
+        for n in range(5)  # k0-k2 held, k3 and k4 new
+    ]
+    report = list(
+        bulk.store_partition(
+            iter([(rid, True, line, None, None, None) for rid, line in enumerate(rows)]),
+            settings,
+            "csv",
+            False,
+            "full",
+        )
+    )
+    refused = sorted(rid for tag, rid, _, _ in report if tag == bulk.REJECT)
+    assert refused == [3, 4]
+    assert report[-1] == (bulk.COUNTS, 0, 3, None)
+    assert all(producer.get(m.id).status == "scheduled" for m in held)
+
+
 def test_json_lines_rejects_are_json_with_each_value_as_the_line_spelled_it(
     tmp_path: Path,
 ) -> None:
