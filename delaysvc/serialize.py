@@ -139,7 +139,9 @@ def message_json(message: Message, *, body: bool = False) -> MessageJson:
 
 @with_config(ANSWER)
 class StuckHeadJson(TypedDict):
-    """A lane's head that failed to move, and why: it waits for an operator."""
+    """A lane's head that failed to move, and why: it waits for an operator. A token limited
+    to topics reads a fixed `error` (a lane is every topic's; its error may name another
+    topic's message)."""
 
     offset: int
     error: str
@@ -164,7 +166,13 @@ class LaneJson(TypedDict):
     stuck: StuckHeadJson | None
 
 
-def lane_json(row: Any) -> LaneJson:
+HIDDEN_STUCK_ERROR = "the lane's head cannot be moved; a token of every topic shows why"
+"""A stuck lane's error as a token limited to topics reads it: a lane is every topic's, and
+its error may be about another topic's message."""
+
+
+def lane_json(row: Any, *, every_topic: bool = True) -> LaneJson:
+    """`every_topic`: for a reader of every topic (else a stuck head's error is not shown)."""
     lateness = None
     if row.next_due is not None and row.next_due < row.now:
         lateness = round((row.now - row.next_due).total_seconds() * 1000, 1)
@@ -182,7 +190,11 @@ def lane_json(row: Any) -> LaneJson:
         "lateness_ms": lateness,
         "stuck": None
         if row.stuck_error is None
-        else {"offset": row.stuck_offset, "error": row.stuck_error, "since": iso(row.stuck_since)},
+        else {
+            "offset": row.stuck_offset,
+            "error": row.stuck_error if every_topic else HIDDEN_STUCK_ERROR,
+            "since": iso(row.stuck_since),
+        },
     }
 
 

@@ -237,7 +237,8 @@ def cancel_message(message_id: int):
 def levels():
     with services()["engine"].connect() as conn:
         rows = store.lane_stats(conn)
-    return jsonify({"levels": [lane_json(row) for row in rows]})
+    every_topic = token().topics is None
+    return jsonify({"levels": [lane_json(row, every_topic=every_topic) for row in rows]})
 
 
 @api.get("/topics")

@@ -498,6 +498,33 @@ def test_levels_and_topics(
     assert {t["topic"]: t["ready"] for t in topics} == {"t.now": 1}
 
 
+def test_a_stuck_lanes_error_is_shown_to_a_token_of_every_topic_only(
+    client: FlaskClient, send_token: dict[str, str], orders_token: dict[str, str], engine: Engine
+) -> None:
+    """A lane is every topic's: its stuck head's error, about another topic's message, was
+    shown to a token limited to topics (found by a reviewer)."""
+    from delaysvc.serialize import HIDDEN_STUCK_ERROR
+
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE schedule_offset SET stuck_offset = 7, stuck_since = now(), "
+                "stuck_error = 'UniqueViolation: message 7 of secret.topic' WHERE lane = 2"
+            )
+        )
+
+    def stuck(token: dict[str, str]) -> Any:
+        levels = client.get("/api/v1/levels", headers=token).get_json()["levels"]
+        return levels[1]["stuck"]
+
+    assert stuck(send_token)["error"] == "UniqueViolation: message 7 of secret.topic"
+    assert stuck(orders_token) | {"since": None} == {
+        "offset": 7,
+        "error": HIDDEN_STUCK_ERROR,
+        "since": None,
+    }
+
+
 def test_dead_letters_list_and_redrive(
     client: FlaskClient,
     admin_token: dict[str, str],
