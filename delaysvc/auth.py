@@ -151,6 +151,25 @@ def revoke_token(engine: Engine, name: str) -> bool:
     return revoked
 
 
+def list_tokens(engine: Engine) -> list[Any]:
+    """Every API token (never its secret): name, scope, topics, created_at, revoked_at."""
+    with engine.connect() as conn:
+        return store_tokens.list_tokens(conn)
+
+
+def list_users(engine: Engine) -> list[Any]:
+    """Every dashboard user (never its password): name, role, created_at, locked_until."""
+    with engine.connect() as conn:
+        return store_users.list_users(conn)
+
+
+def delete_user(engine: Engine, name: str) -> bool:
+    """Remove a dashboard user; its sessions end at their next request. -> whether there was
+    one."""
+    with engine.begin() as conn:
+        return store_users.delete_user(conn, name)
+
+
 def create_user(
     engine: Engine, name: str, password: str, role: str | None = None, *, new_role: str = "viewer"
 ) -> str:

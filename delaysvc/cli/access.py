@@ -1,10 +1,11 @@
-"""Commands on access: API tokens (create-token, revoke-token) and dashboard users (create-user)."""
+"""Commands on access: API tokens (create-token, revoke-token, tokens) and dashboard users
+(create-user, delete-user, users)."""
 
 from __future__ import annotations
 
 import click
 
-from delaysvc.cli.app import Context, cli, pass_ctx
+from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
 from delaysvc.config import extras
 from delaysvc.errors import NotFound
 
@@ -73,3 +74,72 @@ def create_user(ctx: Context, name: str, role: str | None, password: str) -> Non
 
     kept = make(ctx.engine, name, password, role, new_role="admin")
     click.echo(f"user {name!r} ready with role {kept}")
+
+
+@cli.command("tokens")
+@JSON_OPTION
+@pass_ctx
+def tokens(ctx: Context, as_json: bool) -> None:
+    """List the API tokens (never their secrets): name, scope, topics, created, revoked."""
+    extras.require("delaysvc tokens", SERVER)
+    from delaysvc.auth import list_tokens
+    from delaysvc.serialize import iso
+
+    rows = [
+        {
+            "name": row.name,
+            "scope": row.scope,
+            "topics": row.topics,
+            "created_at": iso(row.created_at),
+            "revoked_at": iso(row.revoked_at),
+        }
+        for row in list_tokens(ctx.engine)
+    ]
+    if as_json:
+        echo_json({"tokens": rows})
+        return
+    click.echo(f"{'name':<24} {'scope':<6} {'topics':<30} created / revoked")
+    for row in rows:
+        topics = ",".join(row["topics"]) if row["topics"] else "(every topic)"
+        ended = f" / revoked {row['revoked_at']}" if row["revoked_at"] else ""
+        click.echo(f"{row['name']:<24} {row['scope']:<6} {topics:<30} {row['created_at']}{ended}")
+
+
+@cli.command("users")
+@JSON_OPTION
+@pass_ctx
+def users(ctx: Context, as_json: bool) -> None:
+    """List the dashboard users (never their passwords): name, role, created, locked until."""
+    extras.require("delaysvc users", SERVER)
+    from delaysvc.auth import list_users
+    from delaysvc.serialize import iso
+
+    rows = [
+        {
+            "name": row.name,
+            "role": row.role,
+            "created_at": iso(row.created_at),
+            "locked_until": iso(row.locked_until),
+        }
+        for row in list_users(ctx.engine)
+    ]
+    if as_json:
+        echo_json({"users": rows})
+        return
+    click.echo(f"{'name':<24} {'role':<6} created")
+    for row in rows:
+        locked = f" (locked until {row['locked_until']})" if row["locked_until"] else ""
+        click.echo(f"{row['name']:<24} {row['role']:<6} {row['created_at']}{locked}")
+
+
+@cli.command("delete-user")
+@click.argument("name")
+@pass_ctx
+def delete_user(ctx: Context, name: str) -> None:
+    """Remove a dashboard user; its sessions end at their next request."""
+    extras.require("delaysvc delete-user", SERVER)
+    from delaysvc.auth import delete_user as remove
+
+    if not remove(ctx.engine, name):
+        raise NotFound(f"no dashboard user named {name!r}")
+    click.echo(f"deleted: {name}")

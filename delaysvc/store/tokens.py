@@ -53,3 +53,15 @@ def revoke_token(conn: Connection, name: str) -> bool:
         {"name": name},
     )
     return result.rowcount >= 1
+
+
+def list_tokens(conn: Connection) -> list[Any]:
+    """Every token, live first, by name: (name, scope, topics, created_at, revoked_at)."""
+    return list(
+        conn.execute(
+            sql(
+                "SELECT name, scope, topics, created_at, revoked_at FROM delaysvc.api_token "
+                "ORDER BY revoked_at IS NOT NULL, name, created_at"
+            )
+        )
+    )

@@ -102,3 +102,26 @@ def end_sessions(conn: Connection, user_id: int, generation: int) -> bool:
         {"id": user_id, "generation": generation},
     )
     return ended.rowcount == 1
+
+
+def list_users(conn: Connection) -> list[Any]:
+    """Every dashboard user by name: (name, role, created_at, locked_until: None unless the
+    account is locked now)."""
+    return list(
+        conn.execute(
+            sql(
+                "SELECT name, role, created_at, "
+                "CASE WHEN locked_until > now() THEN locked_until END AS locked_until "
+                "FROM delaysvc.dashboard_user ORDER BY name"
+            )
+        )
+    )
+
+
+def delete_user(conn: Connection, name: str) -> bool:
+    """Remove the user: its sessions are none from its next request (`current_user` finds
+    no user). -> whether there was one."""
+    deleted = conn.execute(
+        sql("DELETE FROM delaysvc.dashboard_user WHERE name = :name"), {"name": name}
+    )
+    return deleted.rowcount == 1

@@ -452,6 +452,32 @@ def test_create_user_on_an_existing_user_keeps_its_role_unless_given(
     assert auth.create_user(engine, "fresh", "another password") == "viewer"
 
 
+def test_tokens_and_users_are_listed_without_their_secrets_and_a_user_deleted(
+    delaysvc: Run, engine: Engine
+) -> None:
+    """Found by a reviewer: tokens and users could not be listed, nor a user deleted, but by
+    SQL (the dashboard's docs told of a deleted user losing access at once)."""
+    secret = auth.create_token(engine, "shop", "send", topics=["order.cancel"])
+    auth.create_token(engine, "ops", "admin")
+    auth.revoke_token(engine, "ops")
+    auth.create_user(engine, "vic", "a long password 1", "viewer")
+    listed = json.loads(delaysvc("tokens", "--json").stdout)["tokens"]
+    assert [(t["name"], t["scope"], t["topics"], t["revoked_at"] is None) for t in listed] == [
+        ("shop", "send", ["order.cancel"], True),
+        ("ops", "admin", None, False),
+    ]
+    table = delaysvc("tokens").stdout
+    assert "order.cancel" in table and "revoked" in table and secret not in table
+    (user,) = json.loads(delaysvc("users", "--json").stdout)["users"]
+    assert (user["name"], user["role"], user["locked_until"]) == ("vic", "viewer", None)
+    assert "password" not in delaysvc("users").stdout
+    assert delaysvc("delete-user", "vic").stdout == "deleted: vic\n"
+    assert auth.check_login(engine, "vic", "a long password 1") is None
+    assert json.loads(delaysvc("users", "--json").stdout)["users"] == []
+    line = _assert_one_line_error(delaysvc("delete-user", "vic"), 1)
+    assert "no dashboard user named 'vic'" in line
+
+
 @pytest.mark.parametrize(
     ("command", "variables", "named"),
     [
