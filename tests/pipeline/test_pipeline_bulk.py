@@ -23,6 +23,7 @@ from sqlalchemy import Engine, text
 from delaysvc.config.settings import Settings
 from delaysvc.errors import DatabaseUnavailable, DelaysvcError, SchemaNotReady, ValidationError
 from delaysvc.pipeline import bulk
+from delaysvc.pipeline import rejects as pipeline_rejects
 from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer.sending import Producer
 from tests.support.pipeline import _count
@@ -296,7 +297,7 @@ def test_json_lines_rejects_are_json_with_each_value_as_the_line_spelled_it(
         "{}",
     ]
     path = tmp_path / "in.rejects.jsonl"
-    bulk.write_rejects([("why", line) for line in lines], [], "jsonl", path)
+    pipeline_rejects.write_rejects([("why", line) for line in lines], [], "jsonl", path)
     written = path.read_text().splitlines()
     strict = [json.loads(line, parse_constant=_refused) for line in written]
     assert [value["reason"] for value in strict] == ["why"] * 5
@@ -448,7 +449,7 @@ def test_bulk_schedule_never_deletes_a_rejects_folder_it_did_not_make(
     for _ in range(2):  # the second run writes over the first's rejects folder
         result = bulk.run(spark, settings, table, rejects=earlier)
         assert (result.written + result.duplicates, result.rejected) == (1, 1)
-        assert [p.name for p in earlier.iterdir()] == [bulk.PARQUET_PART]
+        assert [p.name for p in earlier.iterdir()] == [pipeline_rejects.PARQUET_PART]
         refused = pq.read_table(earlier).to_pylist()
         assert [(r["topic"], r["reason"].split(":")[0]) for r in refused] == [
             ("bad topic", "topic")
