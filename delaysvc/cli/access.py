@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
 import click
 
 from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
@@ -83,26 +87,14 @@ def tokens(ctx: Context, as_json: bool) -> None:
     """List the API tokens (never their secrets): name, scope, topics, created, revoked."""
     extras.require("delaysvc tokens", SERVER)
     from delaysvc.auth import list_tokens
-    from delaysvc.serialize import iso
 
-    rows = [
-        {
-            "name": row.name,
-            "scope": row.scope,
-            "topics": row.topics,
-            "created_at": iso(row.created_at),
-            "revoked_at": iso(row.revoked_at),
-        }
-        for row in list_tokens(ctx.engine)
-    ]
-    if as_json:
-        echo_json({"tokens": rows})
-        return
-    click.echo(f"{'name':<24} {'scope':<6} {'topics':<30} created / revoked")
-    for row in rows:
+    def line(row: dict[str, Any]) -> str:
         topics = ",".join(row["topics"]) if row["topics"] else "(every topic)"
         ended = f" / revoked {row['revoked_at']}" if row["revoked_at"] else ""
-        click.echo(f"{row['name']:<24} {row['scope']:<6} {topics:<30} {row['created_at']}{ended}")
+        return f"{row['name']:<24} {row['scope']:<6} {topics:<30} {row['created_at']}{ended}"
+
+    header = f"{'name':<24} {'scope':<6} {'topics':<30} created / revoked"
+    _listed("tokens", list_tokens(ctx.engine), as_json, header, line)
 
 
 @cli.command("users")
@@ -112,24 +104,33 @@ def users(ctx: Context, as_json: bool) -> None:
     """List the dashboard users (never their passwords): name, role, created, locked until."""
     extras.require("delaysvc users", SERVER)
     from delaysvc.auth import list_users
+
+    def line(row: dict[str, Any]) -> str:
+        locked = f" (locked until {row['locked_until']})" if row["locked_until"] else ""
+        return f"{row['name']:<24} {row['role']:<6} {row['created_at']}{locked}"
+
+    _listed("users", list_users(ctx.engine), as_json, f"{'name':<24} {'role':<6} created", line)
+
+
+def _listed(
+    what: str, found: list[Any], as_json: bool, header: str, line: Callable[[dict[str, Any]], str]
+) -> None:
+    """`found` rows as JSON (`{what: [...]}`, times in ISO 8601) or a table of `line`s."""
     from delaysvc.serialize import iso
 
     rows = [
         {
-            "name": row.name,
-            "role": row.role,
-            "created_at": iso(row.created_at),
-            "locked_until": iso(row.locked_until),
+            name: iso(value) if isinstance(value, datetime) else value
+            for name, value in row._asdict().items()
         }
-        for row in list_users(ctx.engine)
+        for row in found
     ]
     if as_json:
-        echo_json({"users": rows})
+        echo_json({what: rows})
         return
-    click.echo(f"{'name':<24} {'role':<6} created")
+    click.echo(header)
     for row in rows:
-        locked = f" (locked until {row['locked_until']})" if row["locked_until"] else ""
-        click.echo(f"{row['name']:<24} {row['role']:<6} {row['created_at']}{locked}")
+        click.echo(line(row))
 
 
 @cli.command("delete-user")
