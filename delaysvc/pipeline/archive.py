@@ -197,7 +197,8 @@ def read_folders(spark: Any, folders: Sequence[str]) -> Any:
     spark.conf.set(guessing, "false")
     try:  # the folders' partitions are found here, as each frame is made
         frames = [
-            spark.read.option("basePath", parent).parquet(*group)
+            # a run from before a column was added (priority, queue_offset) lacks it: merged
+            spark.read.option("basePath", parent).option("mergeSchema", "true").parquet(*group)
             for parent, group in by_parent.items()
         ]
     finally:

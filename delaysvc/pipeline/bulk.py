@@ -138,7 +138,7 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
     if fmt == "jsonl":  # a blank line is no record (it was a reject: "not JSON")
         from pyspark.sql import functions as F
 
-        return spark.read.text(str(path)).where(F.trim("value") != "")
+        return spark.read.text(str(path)).where(~F.col("value").rlike(r"^\s*$"))
     return _parquet(spark, path)
 
 
@@ -691,17 +691,23 @@ def _spread(frame: Any, partitions: int, fmt: str) -> Any:
     """The rows in `partitions` partitions by range of (topic, key): partitions writing at once
     insert into different parts of the key index (round-robin rows interleave there, and
     sessions inserting into the same index pages wait on each other), and a key's rows are in
-    one partition. Each partition in row id order: a task run again (its executor lost), which
-    reads its rows from the shuffle in another order, makes the same batches
-    (`_store_batch`), and a key's first row is stored first."""
+    one partition (equal values are in one range). A row without a key ranges by its row id,
+    so keyless rows spread over every partition (by (topic, key) alone they were one range:
+    one task stored a keyless file). Each partition in row id order: a task run again (its
+    executor lost), which reads its rows from the shuffle in another order, makes the same
+    batches (`_store_batch`), and a key's first row is stored first."""
     from pyspark.sql import functions as F
 
     if fmt == "jsonl":  # a line's topic and key as Spark spells them: the same for the same
-        by = [F.get_json_object("value", f"$.{name}") for name in ("topic", "key")]
+        topic, key = (F.get_json_object("value", f"$.{name}") for name in ("topic", "key"))
+    elif "topic" in frame.columns:
+        topic = F.col("topic").cast("string")
+        key = F.col("key").cast("string") if "key" in frame.columns else F.lit(None)
     else:
-        by = [F.col(c) for c in ("topic", "key") if c in frame.columns]
-    spread = frame.repartitionByRange(partitions, *by) if by else frame.repartition(partitions)
-    return spread.sortWithinPartitions(RID)
+        return frame.repartition(partitions).sortWithinPartitions(RID)
+    unkeyed = F.concat(F.lit("\u0000"), F.col(RID).cast("string"))  # below any key
+    by = F.coalesce(F.nullif(key, F.lit("")), unkeyed)
+    return frame.repartitionByRange(partitions, topic, by).sortWithinPartitions(RID)
 
 
 def _forget_batches(settings: Settings, ledger: str) -> None:

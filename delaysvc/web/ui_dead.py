@@ -36,11 +36,16 @@ def dead() -> Any:
     if group is not None and not _DIGEST.fullmatch(group):
         raise ValidationError("group", "must be a group's 32 hex digits, as its Show link has")
     before = params.int_arg(request.args, "before", None, 0, blank=True)
+    gone = False  # the group asked for has no letter left (all redriven or purged)
     with dash.bounded(services()["engine"], timeout_ms()) as conn:
-        if group is not None and error is None:  # None: the group is gone (redriven, ...)
+        if group is not None and error is None:
             error = dash.error_named(conn, topic, group)
+            gone = error is None
         groups = dash.dead_groups(conn, topic)
-        letters, older = dash.dead_letters_page(conn, topic, error, before)
+        letters: list[Any] = []
+        older = None
+        if not gone:  # else the topic's other letters were listed, Purge selected offered
+            letters, older = dash.dead_letters_page(conn, topic, error, before)
     here = _here(topic, error)
     return render_template(
         "dead.html",
@@ -48,7 +53,7 @@ def dead() -> Any:
         letters=letters,
         topic=topic,
         error=error,
-        selected=error is not None,
+        selected=error is not None or gone,
         older_url=url_for("dashboard.ui.dead", **here, before=older) if older else None,
         back=url_for("dashboard.ui.dead", **here),
         window=dash.DEAD_GROUP_WINDOW,

@@ -691,7 +691,7 @@ def test_a_key_repeated_in_a_file_stores_its_first_valid_row_as_send_batch_does(
 
     lines = tmp_path / "repeats.jsonl"  # every line the producer's path's
     with lines.open("w") as f:
-        f.write("\n   \n")  # blank lines are no records (they were rejects: "not JSON")
+        f.write("\n   \n\t\n")  # blank lines are no records (they were rejects: "not JSON")
         for n in range(2000):
             for body in ("first", "second"):
                 f.write(json.dumps({"topic": "bulk.rep.j", "body": body, "key": f"j{n}"}) + "\n")
@@ -706,6 +706,23 @@ def test_a_key_repeated_in_a_file_stores_its_first_valid_row_as_send_batch_does(
         distinct = "SELECT DISTINCT convert_from(body, 'UTF8') FROM commit_log WHERE topic = %r"
         bodies = conn.execute(text(distinct % "bulk.rep.j")).scalars().all()
     assert bodies == ['"first"']
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_keyless_rows_are_spread_over_every_partition(spark: Any, tmp_path: Path, fmt: str) -> None:
+    """Found by a reviewer: spread by range of (topic, key), rows of one topic and no key
+    were one range, and one task stored the whole file (28 s against 20 s on 2 cores)."""
+    from pyspark.sql import functions as F
+
+    path = tmp_path / f"keyless.{fmt}"
+    with path.open("w", newline="") as f:
+        if fmt == "csv":
+            f.write("topic,body,key\n" + "".join(f"t,{n},\n" for n in range(3000)))
+        else:
+            f.write("".join(json.dumps({"topic": "t", "body": n}) + "\n" for n in range(3000)))
+    frame = bulk.extract(spark, path, fmt).withColumn(bulk.RID, F.monotonically_increasing_id())
+    sizes = bulk._spread(frame, 3, fmt).rdd.glom().map(len).collect()
+    assert len(sizes) == 3 and sum(sizes) == 3000 and min(sizes) > 500, sizes
 
 
 def test_a_parquet_column_of_whole_numbers_is_a_key_on_either_path(
