@@ -117,6 +117,9 @@ def test_the_library_alone_installs_lean_and_sends(
         "create-token": "'delaysvc[server]'",
         "revoke-token": "'delaysvc[server]'",
         "create-user": "'delaysvc[server]'",
+        "tokens": "'delaysvc[server]'",
+        "users": "'delaysvc[server]'",
+        "delete-user": "'delaysvc[server]'",
         **{name: "'delaysvc[pipeline]'" for name in EVERY_COMMAND if name.startswith("pipeline ")},
     }
     works = ("send", "levels", "stats", "migrate", "check", "schedules list", "limits list")
@@ -150,6 +153,7 @@ EVERY_COMMAND: dict[str, list[str]] = {
     "create-token": ["lean"],
     "create-user": ["lean"],
     "dead list": [],
+    "delete-user": ["lean"],
     "dead purge": ["999999999"],
     "dead redrive": ["999999999"],
     "levels": [],
@@ -173,10 +177,12 @@ EVERY_COMMAND: dict[str, list[str]] = {
     "show": ["999999999"],
     "skip-head": ["1"],
     "stats": [],
+    "tokens": [],
     "topics list": [],
     "topics pause": ["lean.topic"],
     "topics resume": ["lean.topic"],
     "up": [],
+    "users": [],
     "web": [],
     "worker": [],
 }
