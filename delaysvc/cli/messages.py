@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from delaysvc.cli.app import MESSAGE_ID, Context, Whole, cli, pass_ctx
+from delaysvc.config.validation import not_json
 from delaysvc.errors import ValidationError
 from delaysvc.producer.sending import OnDuplicate
 from delaysvc.schema.tables import TIMER_LANE, lane_name
@@ -18,13 +19,9 @@ def _parse_body(text: str) -> Any:
     """BODY is JSON when it parses as JSON, else the text itself (`NaN` and `Infinity`, which
     Python's parser takes and JSON has not, are text)."""
     try:
-        return json.loads(text, parse_constant=_not_json)
+        return json.loads(text, parse_constant=not_json)
     except ValueError:
         return text
-
-
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
 
 
 @cli.command()

@@ -234,6 +234,12 @@ def _nested_deeper(body: Any, limit: int) -> bool:
     return False
 
 
+def not_json(constant: str) -> Any:
+    """`json.loads`'s `parse_constant` for a strict parse: NaN, Infinity and -Infinity, which
+    Python's parser takes, are not JSON."""
+    raise ValueError(f"{constant} is not JSON")
+
+
 def json_text(value: Any) -> str:
     """JSON text of a checked value of plain types (a property map, a tag list, a staged
     batch's rows) for a `jsonb` parameter, where PostgreSQL reads it and only its value counts:

@@ -55,13 +55,19 @@ from sqlalchemy.pool import NullPool
 
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
-from delaysvc.config.validation import encode_body
+from delaysvc.config.validation import encode_body, not_json
 from delaysvc.db.engines import make_engine
 from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError
 from delaysvc.pipeline import store
 from delaysvc.pipeline.rejects import check_rejects, write_rejects
 from delaysvc.producer.sending import Producer
-from delaysvc.store import NewMessage, check_levels, not_migrated, rolled_back
+from delaysvc.store import (
+    NewMessage,
+    check_levels,
+    find_unfinished_by_keys,
+    not_migrated,
+    rolled_back,
+)
 
 log = logging.getLogger(__name__)
 FORMATS = ("csv", "jsonl", "parquet")
@@ -217,15 +223,11 @@ def body_value(text: str) -> Any:
     `NaN`, `Infinity`, `-Infinity` and a number too large for a float (`1e400`), which Python's
     parser takes and JSON has not, are text (as `delaysvc send` reads its BODY)."""
     try:
-        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+        return json.loads(text, parse_constant=not_json, parse_float=_finite)
     except ValueError:
         return text
     except RecursionError:
         raise ValidationError("body", "is nested too deeply to read as JSON") from None
-
-
-def _not_json(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
 
 
 def _finite(number: str) -> float:
@@ -511,13 +513,11 @@ def _store_batch(
 
 def _held(placed: list[NewMessage], engine: Any) -> set[int]:
     """The indexes of `placed` whose key an unfinished message of their topic holds."""
-    from delaysvc import store as service
-
     keys = [(m.topic, m.key) for m in placed if m.key is not None]
     if not keys:
         return set()
     with engine.connect() as conn:
-        holders = service.find_unfinished_by_keys(conn, keys)
+        holders = find_unfinished_by_keys(conn, keys)
     return {n for n, m in enumerate(placed) if m.key is not None and (m.topic, m.key) in holders}
 
 

@@ -7,6 +7,7 @@ import csv
 import json
 from pathlib import Path
 
+from delaysvc.config.validation import not_json
 from delaysvc.errors import ValidationError
 from delaysvc.pipeline.requirements import unwritable
 
@@ -105,7 +106,7 @@ def _jsonl_reject(raw: str, reason: str) -> str:
     would come out as Infinity, no JSON, and 1e3 as 1000.0); any other line, not JSON or not
     an object, as a string under `line`."""
     try:
-        value = json.loads(raw, parse_constant=_not_json)
+        value = json.loads(raw, parse_constant=not_json)
     except ValueError:
         value = None
     if not isinstance(value, dict):
@@ -113,7 +114,3 @@ def _jsonl_reject(raw: str, reason: str) -> str:
     inside = raw.strip()[1:-1].strip()  # the members, between the braces
     added = f'"reason": {json.dumps(reason)}'
     return "{" + (f"{inside}, {added}" if inside else added) + "}"
-
-
-def _not_json(constant: str) -> object:
-    raise ValueError(f"{constant} is not JSON")

@@ -49,8 +49,10 @@ PUBLIC_ENDPOINTS = {"login", "static"}
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "X-CSRF-Token"
 SESSION_GENERATION = "generation"
-LOGGED_IN_AT = "since"  # the session's login (Unix time): it lasts PERMANENT_SESSION_LIFETIME
 """The session's key for the user's session generation at login (see `current_user`)."""
+LOGGED_IN_AT = "since"
+"""The session's key for its login time (Unix time): it lasts PERMANENT_SESSION_LIFETIME from
+there (see `current_user`)."""
 
 
 def session_secret(settings: Settings) -> str | None:
@@ -113,15 +115,14 @@ def current_user() -> Any:
     if "user" not in g:
         name = session.get("user")
         user = None
-        if name:
+        # a session lasts from its login, however often it is used: the cookie's own expiry
+        # moves on with each answer (the overview's polls kept a session, or a copy of it, alive
+        # for good); an ended one is no session, nothing read for it
+        lasts = current_app.permanent_session_lifetime.total_seconds()
+        if name and time.time() - float(session.get(LOGGED_IN_AT, 0)) <= lasts:
             with services()["engine"].connect() as conn:
                 user = store.find_user(conn, name)
             if user is not None and session.get(SESSION_GENERATION) != user.session_generation:
-                user = None
-            # from its login, however often it is used: the cookie's own expiry moves on with
-            # each answer (the overview's polls kept a session, or a copy of it, alive for good)
-            lasts = current_app.permanent_session_lifetime.total_seconds()
-            if time.time() - float(session.get(LOGGED_IN_AT, 0)) > lasts:
                 user = None
         g.user = user
     return g.user
