@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import secrets
 import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from cachetools import TTLCache
@@ -25,6 +27,8 @@ ROLES = ("admin", "viewer")
 TOKEN_PREFIX = "dsvc_"
 MAX_FAILED_LOGINS = 5
 LOCKOUT_SECONDS = 300
+MAX_CLIENT_FAILED_LOGINS = 30
+CLIENT_WINDOW_SECONDS = 600
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class ApiToken:
     name: str
     scope: str
     topics: tuple[str, ...] | None
+    expires_at: datetime | None = None
+
+    def expired(self) -> bool:
+        return self.expires_at is not None and self.expires_at <= datetime.now(UTC)
 
     def allows(self, topic: str) -> bool:
         return self.topics is None or topic in self.topics
@@ -66,18 +74,32 @@ def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+MAX_TOKEN_LIFE_MS = 10 * 366 * 86_400_000
+
+
 def create_token(
-    engine: Engine, name: str, scope: str = "send", topics: Iterable[str] | None = None
+    engine: Engine,
+    name: str,
+    scope: str = "send",
+    topics: Iterable[str] | None = None,
+    expires_in_ms: int | None = None,
 ) -> str:
     """-> the new token (shown once; only its hash is stored). `topics` limits it to those
-    topics (each must be a valid topic name); None: every topic."""
+    topics (each must be a valid topic name); None: every topic. It expires `expires_in_ms`
+    from now (up to ten years); None: never (until revoked)."""
     if scope not in SCOPES:
         raise ValidationError("scope", f"{scope!r} is not a scope; use one of {SCOPES}")
     check_name("a token's name", name)
+    if expires_in_ms is not None and not 0 < expires_in_ms <= MAX_TOKEN_LIFE_MS:
+        raise ValidationError(
+            "expires_in", "a token's life must be above 0 and at most ten years (3660d)"
+        )
     only = None if topics is None else _token_topics(topics)
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)
     with engine.begin() as conn:
-        if not store_tokens.insert_token(conn, name, _hash_token(token), scope, only):
+        if not store_tokens.insert_token(
+            conn, name, _hash_token(token), scope, only, expires_in_ms
+        ):
             raise ValidationError(
                 "name",
                 f"a token named {name!r} exists (a revoked token keeps its name); choose another",
@@ -109,19 +131,21 @@ def _token_topics(topics: Iterable[str]) -> list[str]:
 
 
 def authenticate_token(engine: Engine, token: str) -> ApiToken | None:
-    """-> the live token or None. Looked up by its SHA-256: an attacker cannot steer the
-    hash, so the lookup leaks nothing about stored tokens through timing. Live tokens (with
-    their topics) are remembered for TOKEN_CACHE_SECONDS."""
+    """-> the live token or None (unknown, revoked or expired). Looked up by its SHA-256: an
+    attacker cannot steer the hash, so the lookup leaks nothing about stored tokens through
+    timing. Live tokens (with their topics) are remembered for TOKEN_CACHE_SECONDS, but not
+    past their expiry."""
     key = _cache_key(engine, token)
     with _live_tokens_lock:
         found = _live_tokens.get(key)
-    if found is not None:
+    if found is not None and not found.expired():
         return found
     with engine.connect() as conn:
         row = store_tokens.find_token(conn, key[1])
     if row is None:
         return None
-    found = ApiToken(row.id, row.name, row.scope, None if row.topics is None else tuple(row.topics))
+    topics = None if row.topics is None else tuple(row.topics)
+    found = ApiToken(row.id, row.name, row.scope, topics, row.expires_at)
     with _live_tokens_lock:
         _live_tokens[key] = found
     return found
@@ -132,7 +156,8 @@ def remembered_token(engine: Engine, token: str) -> ApiToken | None:
     database (None: not remembered; it may still be live)."""
     key = _cache_key(engine, token)
     with _live_tokens_lock:
-        return _live_tokens.get(key)
+        found = _live_tokens.get(key)
+    return None if found is None or found.expired() else found
 
 
 def _cache_key(engine: Engine, token: str) -> tuple[str, str]:
@@ -152,7 +177,8 @@ def revoke_token(engine: Engine, name: str) -> bool:
 
 
 def list_tokens(engine: Engine) -> list[Any]:
-    """Every API token (never its secret): name, scope, topics, created_at, revoked_at."""
+    """Every API token (never its secret): name, scope, topics, created_at, revoked_at,
+    expires_at, expired."""
     with engine.connect() as conn:
         return store_tokens.list_tokens(conn)
 
@@ -211,19 +237,58 @@ def create_first_admin(engine: Engine) -> str | None:
     return password if added else None
 
 
-def check_login(engine: Engine, name: str, password: str) -> Any:
+class TooManyLogins(Exception):
+    """The client failed MAX_CLIENT_FAILED_LOGINS logins in its window: refused, unchecked."""
+
+    def __init__(self, seconds_left: int) -> None:
+        super().__init__(f"too many failed logins; try again in {seconds_left} s")
+        self.seconds_left = seconds_left
+
+
+def client_of(address: str | None) -> str | None:
+    """Whom a login's failures are counted against: an IPv4 address, or an IPv6 address's /64
+    (one host's share of a network: an attacker holds a whole /64 as easily as one address).
+    None when there is no address."""
+    if not address:
+        return None
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:100]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def check_login(engine: Engine, name: str, password: str, client: str | None = None) -> Any:
     """-> the user row if the password is right and the account is not locked, else None.
     MAX_FAILED_LOGINS failures lock the account for LOCKOUT_SECONDS. The attempt is counted
     as a failure (committed) before the password is checked, and cleared if it is right: of
     any number of simultaneous attempts at most MAX_FAILED_LOGINS are checked, as if they had
     come one by one (checked after the hash, every attempt in flight saw the account open).
     Every attempt costs exactly one password hash, whether the name is unknown, the account
-    locked or neither, so response times do not tell which names exist or are locked."""
+    locked or neither, so response times do not tell which names exist or are locked.
+
+    `client` (`client_of` the request's address): its failures, whatever names it tries,
+    are counted too, and past MAX_CLIENT_FAILED_LOGINS in CLIENT_WINDOW_SECONDS its attempts
+    raise TooManyLogins before any password is hashed or any account counted (a lockout per
+    account stops one name being guessed, not one client trying many, each a full scrypt). A
+    right password takes its own attempt off the client's count, not the others."""
     with engine.begin() as conn:
+        if client is not None:
+            failures, seconds_left = store_users.count_client_attempt(
+                conn, client, CLIENT_WINDOW_SECONDS
+            )
+            if failures > MAX_CLIENT_FAILED_LOGINS:
+                raise TooManyLogins(max(1, seconds_left))
         user = store.count_login_attempt(conn, name, MAX_FAILED_LOGINS, LOCKOUT_SECONDS)
     ok = check_password_hash(_NO_USER_HASH if user is None else user.password_hash, password)
     if user is None or not ok:
         return None
     with engine.begin() as conn:
         store.clear_failed_logins(conn, name)
+        if client is not None:
+            store_users.forgive_client_attempt(conn, client)
     return user

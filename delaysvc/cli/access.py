@@ -11,6 +11,7 @@ import click
 
 from delaysvc.cli.app import JSON_OPTION, Context, cli, echo_json, pass_ctx
 from delaysvc.config import extras
+from delaysvc.config.levels import format_ms, parse_duration_ms
 from delaysvc.errors import NotFound
 
 SERVER = "server"  # tokens and users are the API's and the dashboard's: hashed as the web checks
@@ -32,15 +33,25 @@ SERVER = "server"  # tokens and users are the API's and the dashboard's: hashed 
     metavar="TOPIC",
     help="Limit the token to this topic (repeat for more); without it, every topic.",
 )
+@click.option(
+    "--expires-in",
+    metavar="DURATION",
+    help="The token stops working this long from now (`90d`, `12h`; at most 3660d); "
+    "without it, only when revoked.",
+)
 @pass_ctx
-def create_token(ctx: Context, name: str, scope: str, topics: tuple[str, ...]) -> None:
+def create_token(
+    ctx: Context, name: str, scope: str, topics: tuple[str, ...], expires_in: str | None
+) -> None:
     """Create an API token; it is printed once, alone on the last line."""
     extras.require("delaysvc create-token", SERVER)
     from delaysvc.auth import create_token as make
 
-    token = make(ctx.engine, name, scope, topics or None)
+    life_ms = None if expires_in is None else parse_duration_ms(expires_in, field="expires_in")
+    token = make(ctx.engine, name, scope, topics or None, life_ms)
     only = f" for topics {', '.join(sorted(set(topics)))}" if topics else ""
-    click.echo(f"token {name!r} created with scope {scope}{only}; it is shown only now:")
+    until = f", expiring in {format_ms(life_ms)}" if life_ms is not None else ""
+    click.echo(f"token {name!r} created with scope {scope}{only}{until}; it is shown only now:")
     click.echo(token)
 
 
@@ -84,16 +95,22 @@ def create_user(ctx: Context, name: str, role: str | None, password: str) -> Non
 @JSON_OPTION
 @pass_ctx
 def tokens(ctx: Context, as_json: bool) -> None:
-    """List the API tokens (never their secrets): name, scope, topics, created, revoked."""
+    """List the API tokens (never their secrets): name, scope, topics, created, revoked or
+    expiry."""
     extras.require("delaysvc tokens", SERVER)
     from delaysvc.auth import list_tokens
 
     def line(row: dict[str, Any]) -> str:
         topics = ",".join(row["topics"]) if row["topics"] else "(every topic)"
-        ended = f" / revoked {row['revoked_at']}" if row["revoked_at"] else ""
+        if row["revoked_at"]:
+            ended = f" / revoked {row['revoked_at']}"
+        elif row["expires_at"]:
+            ended = f" / {'expired' if row['expired'] else 'expires'} {row['expires_at']}"
+        else:
+            ended = ""
         return f"{row['name']:<24} {row['scope']:<6} {topics:<30} {row['created_at']}{ended}"
 
-    header = f"{'name':<24} {'scope':<6} {'topics':<30} created / revoked"
+    header = f"{'name':<24} {'scope':<6} {'topics':<30} created / revoked or expiry"
     _listed("tokens", list_tokens(ctx.engine), as_json, header, line)
 
 

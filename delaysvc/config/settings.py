@@ -56,6 +56,8 @@ MAX_TASK_LEASE_SECONDS = 7 * 86_400
 """The longest lease a worker may take (DELAYSVC_TASK_LEASE_SECONDS; DELAYSVC_LEASE_SECONDS is
 at most a day): `delaysvc check` flags a lease ending further ahead."""
 MAX_STATEMENT_TIMEOUT_MS = 2_147_483_647  # PostgreSQL's statement_timeout is an int of ms
+MIN_SECRET_KEY = 32
+"""DELAYSVC_SECRET_KEY's shortest length (the keys made here are 64 hex characters)."""
 
 
 @dataclass(frozen=True)
@@ -142,10 +144,14 @@ class Settings(BaseModel):
     """The folder of the embedded database, the filesystem broker, the beat schedule and the
     session key."""
     secret_key: str | None = None
-    """Signs the dashboard's session cookies (shared by every web worker); unset, one is made once
-    in `var/secret_key`."""
+    """Signs the dashboard's session cookies (shared by every web worker), at least 32
+    characters; unset, one is made once in `var/secret_key`."""
     secure_cookies: bool = False
     """Mark the dashboard's session cookie Secure (set it when the site is served over https)."""
+    proxy_hops: int = Field(default=0, ge=0, le=10)
+    """How many reverse proxies stand in front of `delaysvc web`: the client's address is then
+    read from `X-Forwarded-For`, that many entries from its end. The dashboard counts failed
+    logins per client address; behind a proxy left at 0, every client is the proxy."""
     statement_timeout_ms: int = Field(default=5_000, gt=0, le=MAX_STATEMENT_TIMEOUT_MS)
     """The statement timeout of the dashboard's and `/metrics`' queries."""
     metrics_token: str | None = None
@@ -212,6 +218,17 @@ class Settings(BaseModel):
                 "direct or session-pooled URL of the same database"
             )
         return self
+
+    @field_validator("secret_key")
+    @classmethod
+    def _key_is_long_enough(cls, value: str | None) -> str | None:
+        if value is not None and len(value) < MIN_SECRET_KEY:
+            raise ConfigError(
+                f"DELAYSVC_SECRET_KEY: {len(value)} characters, at least {MIN_SECRET_KEY} "
+                "needed (a short key can be guessed offline from one session cookie); make one "
+                "with `python -c 'import secrets; print(secrets.token_hex(32))'`"
+            )
+        return value
 
     @field_validator("metrics_token")
     @classmethod

@@ -278,6 +278,7 @@ api_token = Table(
     Column("created_at", Timestamp, nullable=False, server_default=text("now()")),
     Column("revoked_at", Timestamp),
     Column("topics", ARRAY(Text)),
+    Column("expires_at", Timestamp),  # NULL: never
     CheckConstraint("scope IN ('send', 'admin')", name="ck_api_token_scope"),
 )
 
@@ -295,6 +296,17 @@ dashboard_user = Table(
     # made in and is no session once this moves on (logout and every password set bump it)
     Column("session_generation", Integer, nullable=False, server_default=text("0")),
     CheckConstraint("role IN ('admin', 'viewer')", name="ck_dashboard_user_role"),
+)
+
+# A client's failed dashboard logins in a fixed window (`delaysvc.auth.check_login`); a client
+# is an IPv4 address or an IPv6 /64. Rows whose window ended are pruned by later failures.
+login_client = Table(
+    "login_client",
+    metadata,
+    Column("client", Text, primary_key=True),
+    Column("failures", Integer, nullable=False),
+    Column("window_ends", Timestamp, nullable=False),
+    Index("ix_login_client_window_ends", "window_ends"),
 )
 
 # ---------------------------------------------------------------- history (small, not hot)

@@ -20,25 +20,36 @@ def insert_token(
     token_hash: str,
     scope: str,
     topics: Sequence[str] | None = None,
+    expires_in_ms: int | None = None,
 ) -> bool:
-    """-> False, and nothing stored, when a token (live or revoked) holds the name."""
+    """-> False, and nothing stored, when a token (live or revoked) holds the name. It expires
+    `expires_in_ms` after now (None: never)."""
     inserted = conn.execute(
         sql(
-            "INSERT INTO delaysvc.api_token (name, token_hash, scope, topics) "
-            "VALUES (:name, :hash, :scope, CAST(:topics AS text[])) "
+            "INSERT INTO delaysvc.api_token (name, token_hash, scope, topics, expires_at) "
+            "VALUES (:name, :hash, :scope, CAST(:topics AS text[]), "
+            "now() + CAST(:expires_in_ms AS bigint) * interval '1 millisecond') "
             "ON CONFLICT (name) DO NOTHING RETURNING name"
         ),
-        {"name": name, "hash": token_hash, "scope": scope, "topics": topics},
+        {
+            "name": name,
+            "hash": token_hash,
+            "scope": scope,
+            "topics": topics,
+            "expires_in_ms": expires_in_ms,
+        },
     )
     return inserted.first() is not None
 
 
 def find_token(conn: Connection, token_hash: str) -> Any:
-    """-> the live token (id, name, scope, topics) with this hash, or None."""
+    """-> the live token (id, name, scope, topics, expires_at) with this hash, or None (also
+    when it was revoked or has expired)."""
     return conn.execute(
         sql(
-            "SELECT id, name, scope, topics FROM delaysvc.api_token "
-            "WHERE token_hash = :hash AND revoked_at IS NULL"
+            "SELECT id, name, scope, topics, expires_at FROM delaysvc.api_token "
+            "WHERE token_hash = :hash AND revoked_at IS NULL "
+            "AND (expires_at IS NULL OR expires_at > now())"
         ),
         {"hash": token_hash},
     ).first()
@@ -56,12 +67,15 @@ def revoke_token(conn: Connection, name: str) -> bool:
 
 
 def list_tokens(conn: Connection) -> list[Any]:
-    """Every token, live first, by name: (name, scope, topics, created_at, revoked_at)."""
+    """Every token, live first, by name: (name, scope, topics, created_at, revoked_at,
+    expires_at, expired: whether expires_at is past)."""
     return list(
         conn.execute(
             sql(
-                "SELECT name, scope, topics, created_at, revoked_at FROM delaysvc.api_token "
-                "ORDER BY revoked_at IS NOT NULL, name, created_at"
+                "SELECT name, scope, topics, created_at, revoked_at, expires_at, "
+                "COALESCE(expires_at <= now(), false) AS expired FROM delaysvc.api_token "
+                "ORDER BY revoked_at IS NOT NULL OR COALESCE(expires_at <= now(), false), name, "
+                "created_at"
             )
         )
     )

@@ -125,3 +125,32 @@ def delete_user(conn: Connection, name: str) -> bool:
         sql("DELETE FROM delaysvc.dashboard_user WHERE name = :name"), {"name": name}
     )
     return deleted.rowcount == 1
+
+
+def count_client_attempt(conn: Connection, client: str, window_seconds: int) -> Any:
+    """Count a login attempt of `client` as failed, before its password is checked, in the
+    client's fixed window of `window_seconds` (a new one once the last has ended), and prune
+    the clients whose window ended. -> (failures, including this one; seconds left in the
+    window). `forgive_client_attempt` takes the count back when the password is right."""
+    conn.execute(sql("DELETE FROM delaysvc.login_client WHERE window_ends <= now()"))
+    return conn.execute(
+        sql(
+            "INSERT INTO delaysvc.login_client AS c (client, failures, window_ends) "
+            "VALUES (:client, 1, now() + :window * interval '1 second') "
+            "ON CONFLICT (client) DO UPDATE SET failures = c.failures + 1 "
+            "RETURNING failures, "
+            "CAST(ceil(extract(epoch FROM window_ends - now())) AS integer) AS seconds_left"
+        ),
+        {"client": client, "window": window_seconds},
+    ).one()
+
+
+def forgive_client_attempt(conn: Connection, client: str) -> None:
+    """A right password: that attempt was no failure (the client's others still count)."""
+    conn.execute(
+        sql(
+            "UPDATE delaysvc.login_client SET failures = failures - 1 "
+            "WHERE client = :client AND failures > 0"
+        ),
+        {"client": client},
+    )

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 from flask import Flask, Request
 from flask.sessions import SecureCookieSession, SecureCookieSessionInterface
+from werkzeug.middleware.proxy_fix import ProxyFix
 from werkzeug.routing import IntegerConverter
 
 from delaysvc.config import logs
@@ -75,4 +76,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(dashboard)
     register_error_handlers(app)
     app.wsgi_app = QuickSends(app, API_PREFIX + "/messages", producer, engine)  # type: ignore[method-assign]
+    if settings.proxy_hops:  # the client's address as the proxies in front saw it
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=settings.proxy_hops)  # type: ignore[method-assign]
     return app

@@ -54,7 +54,7 @@ def requires(scope: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 return error_response(401, "unauthorized", "send Authorization: Bearer <token>")
             token = authenticate_token(services()["engine"], given)
             if token is None:
-                return error_response(401, "unauthorized", "unknown or revoked token")
+                return error_response(401, "unauthorized", "unknown, revoked or expired token")
             if scope == "admin" and token.scope != "admin":
                 return error_response(403, "forbidden", "this needs a token with scope admin")
             g.token = token

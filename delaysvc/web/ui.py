@@ -224,7 +224,15 @@ def login() -> Any:
     if request.method == "POST":
         name = request.form.get("name", "")
         password = request.form.get("password", "")
-        user = auth.check_login(services()["engine"], name, password) if name else None
+        client = auth.client_of(request.remote_addr)
+        try:
+            user = auth.check_login(services()["engine"], name, password, client) if name else None
+        except auth.TooManyLogins as exc:
+            log.warning("dashboard.login_throttled", extra={"client": client})
+            minutes = -(-exc.seconds_left // 60)
+            error = f"too many failed logins from your address; try again in {minutes} min"
+            page = render_template("login.html", error=error, next=request.form.get("next", ""))
+            return page, 429, {"Retry-After": str(exc.seconds_left)}
         if user is not None:
             session.clear()
             session.permanent = True  # expires after PERMANENT_SESSION_LIFETIME

@@ -320,6 +320,27 @@ def test_a_token_revoked_elsewhere_stops_working_once_its_cache_entry_expires(
     _error(client.get("/api/v1/levels", headers=send_token), 401, "unauthorized")
 
 
+def test_a_token_stops_working_when_it_expires_even_while_remembered(
+    client: FlaskClient, engine: Engine
+) -> None:
+    """Tokens had no expiry (a reviewer's gap): one made with a life works until then, and not
+    after, though the web worker remembered it for 5 s; it is listed as expired."""
+    token = auth.create_token(engine, "short", "send", expires_in_ms=1_500)
+    headers = {"Authorization": f"Bearer {token}"}
+    assert client.get("/api/v1/levels", headers=headers).status_code == 200
+    assert auth.remembered_token(engine, token) is not None
+    time.sleep(1.6)
+    assert auth.remembered_token(engine, token) is None
+    message = _error(client.get("/api/v1/levels", headers=headers), 401, "unauthorized")
+    assert "expired" in message
+    (listed,) = auth.list_tokens(engine)
+    assert listed.expired and listed.expires_at is not None
+    for life in (0, -1, auth.MAX_TOKEN_LIFE_MS + 1):
+        with pytest.raises(ValidationError, match="expires_in"):
+            auth.create_token(engine, f"never-{life}", "send", expires_in_ms=life)
+    assert [t.name for t in auth.list_tokens(engine)] == ["short"]
+
+
 # ---------------------------------------------------------------- tokens limited to topics
 
 ORDERS = ("order.cancel", "order.remind")

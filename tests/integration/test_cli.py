@@ -478,6 +478,21 @@ def test_tokens_and_users_are_listed_without_their_secrets_and_a_user_deleted(
     assert "no dashboard user named 'vic'" in line
 
 
+def test_a_token_made_with_a_life_is_listed_with_its_expiry_and_a_bad_life_refused(
+    delaysvc: Run, engine: Engine
+) -> None:
+    made = delaysvc("create-token", "ci", "--expires-in", "90d").stdout.splitlines()
+    assert "expiring in 90d" in made[0]
+    assert auth.authenticate_token(engine, made[-1]) is not None
+    (listed,) = json.loads(delaysvc("tokens", "--json").stdout)["tokens"]
+    assert listed["expires_at"] is not None and listed["expired"] is False
+    assert " / expires " in delaysvc("tokens").stdout
+    for life, problem in (("0s", "above 0"), ("soon", "not a duration"), ("3661d", "ten years")):
+        line = _assert_one_line_error(delaysvc("create-token", "x", "--expires-in", life), 2)
+        assert "expires_in" in line and problem in line, line
+    assert len(json.loads(delaysvc("tokens", "--json").stdout)["tokens"]) == 1
+
+
 @pytest.mark.parametrize(
     ("command", "variables", "named"),
     [

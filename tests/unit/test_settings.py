@@ -63,6 +63,9 @@ def test_a_url_for_another_driver_or_database_is_refused_naming_what_is_taken(
         ("DELAYSVC_TOPIC_DELAYS", "t=500d", "more than the maximum delay, 400d"),
         ("DELAYSVC_BACKLOG_CAPS", "level:1=99999999999999999999:reject", "1 to 1,000,000,000"),
         ("DELAYSVC_BACKLOG_CAPS", "topic:t=1000000001:reject", "1 to 1,000,000,000"),
+        # any length was taken: a short key is guessed offline from one session cookie
+        ("DELAYSVC_SECRET_KEY", "k" * 31, "31 characters, at least 32"),
+        ("DELAYSVC_PROXY_HOPS", "11", "10"),
     ],
 )
 def test_a_value_out_of_range_is_refused_naming_the_variable_and_the_bound(
@@ -82,6 +85,7 @@ def test_the_bounds_themselves_are_taken() -> None:
             "DELAYSVC_TOPIC_DELAYS": "t=3650d",
             "DELAYSVC_BACKLOG_CAPS": "topic:t=1000000000:reject",
             "DELAYSVC_LEASE_SECONDS": "86400",
+            "DELAYSVC_SECRET_KEY": "k" * 32,
         }
     )
     assert settings.default_delays_ms == {"t": 3650 * 86_400_000}

@@ -76,8 +76,9 @@ def test_every_web_worker_of_a_folder_signs_sessions_with_one_key(
     elsewhere = other.test_client()
     elsewhere.set_cookie("delaysvc_session", cookie.value)
     assert elsewhere.get("/").status_code == 200
-    given = create_app(settings.model_copy(update={"secret_key": "from-the-environment"}))
-    assert given.config["SECRET_KEY"] == "from-the-environment"
+    key = "from-the-environment-" + "k" * 11
+    given = create_app(settings.model_copy(update={"secret_key": key}))
+    assert given.config["SECRET_KEY"] == key
     for each in (other, given):
         each.extensions["delaysvc"]["engine"].dispose()
 
@@ -121,6 +122,75 @@ def test_wrong_password_is_refused_and_repeated_failures_lock_the_account(app: F
         assert login(client, (ADMIN[0], "wrong-password")).status_code == 401
     # five failures in a row: locked, even with the right password
     assert login(client, ADMIN).status_code == 401
+
+
+def _login_from(app: Flask, address: str, user: tuple[str, str], **environ: str) -> Any:
+    client = app.test_client()
+    client.environ_base.update(REMOTE_ADDR=address, **environ)
+    return login(client, user)
+
+
+def test_a_client_failing_many_logins_is_refused_before_any_password_is_hashed(
+    app: Flask, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failures were counted per account only: one client tried name after name, each a full
+    scrypt (7.4 a second, found by a reviewer). Now a client's failures, whatever names, are
+    counted too; past the limit it is refused (429, Retry-After) before any hash, while other
+    clients log in; a right password takes back only its own attempt."""
+    import hashlib
+
+    monkeypatch.setattr(auth, "MAX_CLIENT_FAILED_LOGINS", 4)
+    attacker, other = "203.0.113.5", "198.51.100.7"
+    for n in range(3):
+        assert _login_from(app, attacker, (f"guess{n}", "wrong-password")).status_code == 401
+    assert _login_from(app, attacker, ADMIN).status_code == 302  # not a failure: still 3
+    assert _login_from(app, attacker, ("guess3", "wrong-password")).status_code == 401
+    hashes: list[object] = []
+    real_scrypt = hashlib.scrypt
+    monkeypatch.setattr(hashlib, "scrypt", lambda *a, **k: hashes.append(1) or real_scrypt(*a, **k))
+    refused = _login_from(app, attacker, ADMIN)
+    assert refused.status_code == 429 and hashes == []
+    assert "too many failed logins from your address" in refused.text
+    assert 0 < int(refused.headers["Retry-After"]) <= auth.CLIENT_WINDOW_SECONDS
+    assert _login_from(app, other, ADMIN).status_code == 302
+    # an IPv6 client is its /64; an IPv4-mapped address is the IPv4 one
+    assert auth.client_of("2001:db8:1:2::5") == auth.client_of("2001:db8:1:2:ffff::9")
+    assert auth.client_of("2001:db8:1:2::5") != auth.client_of("2001:db8:1:3::5")
+    assert auth.client_of("::ffff:203.0.113.5") == attacker
+    assert _login_from(app, "::ffff:203.0.113.5", ADMIN).status_code == 429
+    with engine.begin() as conn:  # the window ends
+        conn.execute(text("UPDATE login_client SET window_ends = now() - interval '1 second'"))
+    assert _login_from(app, attacker, ADMIN).status_code == 302
+    with engine.connect() as conn:  # ended windows are pruned by the next count
+        assert conn.execute(text("SELECT client, failures FROM login_client")).all() == [
+            (attacker, 0)
+        ]
+
+
+def test_behind_proxies_a_login_counts_against_the_address_they_forwarded(
+    settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DELAYSVC_PROXY_HOPS=1: the client is X-Forwarded-For's last entry, not the proxy (left
+    at 0 behind a proxy, every client would share the proxy's count); at 0 the header is not
+    believed (a client would name itself anew each attempt)."""
+    monkeypatch.setattr(auth, "MAX_CLIENT_FAILED_LOGINS", 2)
+    auth.create_user(engine, *ADMIN, role="admin")
+    proxied = create_app(settings.model_copy(update={"proxy_hops": 1}))
+    direct = create_app(settings)
+    proxy = "10.0.0.2"
+    try:
+        for app, status in ((proxied, 302), (direct, 429)):
+            with engine.begin() as conn:
+                conn.execute(text("DELETE FROM login_client"))
+            for n in range(3):  # each from its own forwarded address
+                forwarded = {"HTTP_X_FORWARDED_FOR": f"spoofed, 192.0.2.{n}"}
+                _login_from(app, proxy, ("nobody", "wrong-password"), **forwarded)
+            for forwarded in ("192.0.2.9", "192.0.2.1"):
+                response = _login_from(app, proxy, ADMIN, HTTP_X_FORWARDED_FOR=forwarded)
+                assert response.status_code == status, (app is direct, forwarded)
+    finally:
+        for app in (proxied, direct):
+            app.extensions["delaysvc"]["engine"].dispose()
 
 
 def test_every_login_attempt_costs_one_scrypt_whether_the_name_exists_or_is_locked(
