@@ -148,12 +148,22 @@ def extract(spark: Any, path: Path, fmt: str) -> Any:
     return _parquet(spark, path)
 
 
+PARQUET_MAGIC = b"PAR1"
+
+
 def _parquet(spark: Any, path: Path) -> Any:
     """A Parquet file or folder, its schema read now: a file that is not Parquet, or a folder
-    holding none, is refused in one line (it was a page of Java)."""
+    holding none, is refused in one line (it was a page of Java). A local one is looked at
+    first (Spark logged its failure in ~40 lines of Java before the one line); one Spark
+    reads from elsewhere (`hdfs://`, `s3a://`) is refused by Spark's own failure."""
     from py4j.protocol import Py4JJavaError
     from pyspark.errors import PySparkException
 
+    problem = _not_parquet(path)
+    if problem is not None:
+        raise ValidationError(
+            "path", f"{path} {problem}; give --format csv or jsonl for other files"
+        )
     try:
         frame = spark.read.parquet(str(path))  # reads a footer: one that is not fails here
     except (PySparkException, Py4JJavaError) as exc:
@@ -165,6 +175,41 @@ def _parquet(spark: Any, path: Path) -> Any:
             "path", f"{path} {what} ({cause}); give --format csv or jsonl for other files"
         ) from None
     return frame
+
+
+def _not_parquet(path: Path) -> str | None:
+    """What keeps a local file, or folder, from being Parquet as Spark reads it, or None. A
+    folder's files are those Spark reads: none under a name starting with `_` or `.`."""
+    if path.is_file():
+        return (
+            None
+            if _is_parquet(path)
+            else "is not a Parquet file (it does not begin and end with PAR1)"
+        )
+    if not path.is_dir():
+        return None
+    files = [
+        f
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and not any(p.startswith(("_", ".")) for p in f.relative_to(path).parts)
+    ]
+    if not files:
+        return "holds no Parquet files (no file but hidden ones)"
+    stray = next((f for f in files if not _is_parquet(f)), None)
+    if stray is not None:
+        return f"holds a file that is not Parquet ({stray.relative_to(path)})"
+    return None
+
+
+def _is_parquet(path: Path) -> bool:
+    """Whether the file begins and ends with Parquet's magic bytes."""
+    magic = len(PARQUET_MAGIC)
+    with path.open("rb") as f:
+        head = f.read(magic)
+        if f.seek(0, 2) < 2 * magic:
+            return False
+        f.seek(-magic, 2)
+        return head == PARQUET_MAGIC and f.read(magic) == PARQUET_MAGIC
 
 
 def _rows_end_in_crlf(path: Path) -> bool:

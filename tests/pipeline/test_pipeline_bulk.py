@@ -750,19 +750,38 @@ def test_a_parquet_column_of_whole_numbers_is_a_key_on_either_path(
 
 
 def test_bulk_schedule_refuses_a_file_that_is_not_parquet_or_a_folder_of_none_in_one_line(
-    spark: Any, settings: Settings, tmp_path: Path
+    spark: Any, settings: Settings, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """They gave a page of Java (a CSV named .parquet; an empty folder, taken as Parquet)."""
+    """They gave a page of Java (a CSV named .parquet; an empty folder, taken as Parquet); then
+    one line, but after Spark's own log of ~40 lines of Java on stderr: a local file or folder
+    is now looked at before Spark reads it. A folder with one file that is not Parquet among
+    Parquet files is refused naming it (Spark failed mid-run)."""
     fake = tmp_path / "jobs.parquet"
     fake.write_text("topic,body\nt,{}\n")
     empty = tmp_path / "nothing"
-    empty.mkdir()
-    for path, what in ((fake, "is not a Parquet file"), (empty, "holds no Parquet files")):
+    (empty / "_hidden").mkdir(parents=True)
+    (empty / ".crc").write_text("x")
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    spark.createDataFrame([("t", "{}")], "topic string, body string").write.parquet(
+        str(mixed / "part")
+    )
+    (mixed / "part" / "stray.parquet").write_text("not parquet")
+    capfd.readouterr()
+    cases = (
+        (fake, "is not a Parquet file", "PAR1"),
+        (empty, "holds no Parquet files", "no file"),
+        (mixed, "holds a file that is not Parquet", "stray.parquet"),
+    )
+    for path, what, cause in cases:
         with pytest.raises(ValidationError) as refused:
             bulk.run(spark, settings, path)
         assert str(refused.value).startswith(f"path: {path} {what} ("), str(refused.value)
+        assert cause in str(refused.value)
         assert "--format csv or jsonl" in str(refused.value)
         assert "\n" not in str(refused.value)
+        printed = capfd.readouterr()
+        assert "Exception" not in printed.err + printed.out, printed.err[-2000:]
 
 
 def test_bulk_schedule_on_a_database_not_migrated_or_missing_is_one_error(
