@@ -42,6 +42,11 @@ MESSAGE_FIELDS = (
     "properties",
 )
 """What a message is sent with (`send`'s arguments; an HTTP item, a bulk-schedule row)."""
+WHOLE_FIELDS = ("delay_level", "delay_ms")
+"""Those of whole numbers. bulk-schedule takes a whole float for one (pandas writes an integer
+column with a missing value as floats) below MAX_WHOLE_FLOAT, where floats still hold every
+whole number."""
+MAX_WHOLE_FLOAT = 2.0**53
 
 MAX_PRIORITY = 1000
 

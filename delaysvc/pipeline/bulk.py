@@ -54,8 +54,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from delaysvc.config.settings import Settings
+from delaysvc.config.validation import MAX_WHOLE_FLOAT, WHOLE_FIELDS, encode_body, not_json
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
-from delaysvc.config.validation import encode_body, not_json
 from delaysvc.db.engines import make_engine
 from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError
 from delaysvc.pipeline import store
@@ -249,12 +249,15 @@ def to_options(record: dict[str, Any], key_from_row: bool, fmt: str = "csv") -> 
                 options[name] = json.loads(options[name])
             except ValueError:
                 raise ValidationError(name, "is not JSON") from None
-    for name in ("delay_level", "delay_ms"):
-        if isinstance(options.get(name), str):
-            whole = WHOLE_NUMBER.fullmatch(options[name])
+    for name in WHOLE_FIELDS:
+        value = options.get(name)
+        if isinstance(value, str):
+            whole = WHOLE_NUMBER.fullmatch(value)
             if whole is None:
-                raise ValidationError(name, f"{options[name]!r} is not a whole number")
+                raise ValidationError(name, f"{value!r} is not a whole number")
             options[name] = int(whole.group(1))
+        elif isinstance(value, float) and value.is_integer() and abs(value) < MAX_WHOLE_FLOAT:
+            options[name] = int(value)  # a float column of whole numbers (pandas', with a gap)
     options["deliver_at"] = _instant(options.get("deliver_at"))
     if options["deliver_at"] is None:
         del options["deliver_at"]

@@ -43,6 +43,8 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ByteType,
+    DoubleType,
+    FloatType,
     IntegerType,
     LongType,
     ShortType,
@@ -58,6 +60,8 @@ from delaysvc.config.validation import (
     MAX_PROPERTIES,
     MAX_PROPERTY_NAME,
     MAX_TAGS,
+    MAX_WHOLE_FLOAT,
+    WHOLE_FIELDS,
 )
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
 from delaysvc.schema.tables import NO_LANE, TIMER_LANE
@@ -207,6 +211,11 @@ def _cell(frame: DataFrame, name: str) -> tuple[Column, Column]:
         return F.nullif(column, F.lit("")), ~F.coalesce(column.contains(REPLACED), F.lit(False))
     if isinstance(data_type, _INTEGRAL):
         return column.cast("string"), F.lit(True)
+    if name in WHOLE_FIELDS and isinstance(data_type, (DoubleType, FloatType)):
+        # pandas writes an integer column with a missing value as floats: a whole one is its
+        # number (as `bulk.to_options` takes it), any other the producer path's to refuse
+        whole = ~F.isnan(column) & (F.abs(column) < MAX_WHOLE_FLOAT) & (column == F.floor(column))
+        return F.when(whole, column.cast("long").cast("string")), column.isNull() | whole
     if name == "deliver_at" and isinstance(data_type, TimestampType):
         return F.date_format(column, "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX"), F.lit(True)
     return F.lit(None).cast("string"), column.isNull()

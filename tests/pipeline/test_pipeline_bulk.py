@@ -749,6 +749,44 @@ def test_a_parquet_column_of_whole_numbers_is_a_key_on_either_path(
     assert keys == ["101", "102"]
 
 
+def test_a_float_column_of_whole_delays_is_taken_on_either_path(
+    spark: Any, settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    """pandas writes an integer column with a missing value as float64: `delay_ms` 60000.0 was
+    refused row by row ("must be a whole number, got 60000.0"). A whole float is its number,
+    on the JVM's path and on the producer's (a row whose tags hold an escape); 1.5, NaN and
+    infinity are still refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nan, inf = float("nan"), float("inf")
+    table = pa.table(
+        {
+            "topic": ["bulk.f"] * 7,
+            "body": [f'{{"n": {n}}}' for n in range(7)],
+            "delay_ms": pa.array([60000.0, None, 90000.0, 1.5, None, nan, inf], pa.float64()),
+            "delay_level": pa.array([None, 3.0, None, None, 2.5, None, None], pa.float32()),
+            "tags": [None, None, '["\\u0061"]', None, None, None, None],
+        }
+    )
+    pq.write_table(table, tmp_path / "floats.parquet")
+    result = bulk.run(spark, settings, tmp_path / "floats.parquet")
+    assert (result.written, result.rejected) == (3, 4)
+    with engine.connect() as conn:
+        stored = conn.execute(
+            text(
+                "SELECT body, delay_level, "
+                "round(extract(epoch FROM deliver_ts - stored_at) * 1000 / 1000) AS s "
+                "FROM commit_log ORDER BY id"
+            )
+        ).all()
+    by_body = {json.loads(bytes(b))["n"]: (level, int(s)) for b, level, s in stored}
+    assert by_body[0][1] == 60 and by_body[2][1] == 90 and by_body[1][0] == 3, by_body
+    refused = spark.read.parquet(str(tmp_path / "floats.rejects.parquet")).collect()
+    reasons = sorted(r["reason"].split(":")[0] for r in refused)
+    assert reasons == ["delay_level", "delay_ms", "delay_ms", "delay_ms"], refused
+
+
 def test_bulk_schedule_refuses_a_file_that_is_not_parquet_or_a_folder_of_none_in_one_line(
     spark: Any, settings: Settings, tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
