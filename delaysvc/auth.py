@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+import re
 import secrets
 import threading
 import weakref
@@ -245,14 +246,18 @@ class TooManyLogins(Exception):
         self.seconds_left = seconds_left
 
 
+_WITH_PORT = re.compile(r"\[([0-9A-Fa-f:.]+)\]:[0-9]+|([0-9.]+):[0-9]+")
+
+
 def client_of(address: str | None) -> str | None:
     """Whom a login's failures are counted against: an IPv4 address, or an IPv6 address's /64
-    (one host's share of a network: an attacker holds a whole /64 as easily as one address).
-    None when there is no address."""
+    (one host's share of a network: an attacker holds a whole /64 as easily as one address),
+    without a port. None when there is no address."""
     if not address:
         return None
+    bare = _WITH_PORT.fullmatch(address)  # as some proxies forward it: `ip:port`, `[v6]:port`
     try:
-        ip = ipaddress.ip_address(address)
+        ip = ipaddress.ip_address(bare.group(1) or bare.group(2) if bare else address)
     except ValueError:
         return address[:100]
     if isinstance(ip, ipaddress.IPv6Address):

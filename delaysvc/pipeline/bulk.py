@@ -153,17 +153,13 @@ PARQUET_MAGIC = b"PAR1"
 
 def _parquet(spark: Any, path: Path) -> Any:
     """A Parquet file or folder, its schema read now: a file that is not Parquet, or a folder
-    holding none, is refused in one line (it was a page of Java). A local one is looked at
-    first (Spark logged its failure in ~40 lines of Java before the one line); one Spark
-    reads from elsewhere (`hdfs://`, `s3a://`) is refused by Spark's own failure."""
+    holding none, is refused in one line (it was a page of Java). It is looked at first
+    (Spark logged its failure in ~40 lines of Java before the one line); Spark's failure is
+    the fallback."""
     from py4j.protocol import Py4JJavaError
     from pyspark.errors import PySparkException
 
-    problem = _not_parquet(path)
-    if problem is not None:
-        raise ValidationError(
-            "path", f"{path} {problem}; give --format csv or jsonl for other files"
-        )
+    check_parquet(path)
     try:
         frame = spark.read.parquet(str(path))  # reads a footer: one that is not fails here
     except (PySparkException, Py4JJavaError) as exc:
@@ -177,28 +173,47 @@ def _parquet(spark: Any, path: Path) -> Any:
     return frame
 
 
+def check_parquet(path: Path) -> None:
+    """Refuse, in one line, a local file or folder that Spark would not read as Parquet (the
+    CLI asks before Spark starts: its start and its failure printed lines of their own)."""
+    problem = _not_parquet(path)
+    if problem is not None:
+        raise ValidationError(
+            "path", f"{path} {problem}; give --format csv or jsonl for other files"
+        )
+
+
 def _not_parquet(path: Path) -> str | None:
     """What keeps a local file, or folder, from being Parquet as Spark reads it, or None. A
-    folder's files are those Spark reads: none under a name starting with `_` or `.`."""
+    folder's files are those Spark reads (`_spark_reads`)."""
     if path.is_file():
-        return (
-            None
-            if _is_parquet(path)
-            else "is not a Parquet file (it does not begin and end with PAR1)"
-        )
+        if _is_parquet(path):
+            return None
+        return "is not a Parquet file (it does not begin and end with PAR1)"
     if not path.is_dir():
         return None
-    files = [
-        f
-        for f in sorted(path.rglob("*"))
-        if f.is_file() and not any(p.startswith(("_", ".")) for p in f.relative_to(path).parts)
-    ]
+    files = [f for f in sorted(path.rglob("*")) if _spark_reads(f, path)]
     if not files:
-        return "holds no Parquet files (no file but hidden ones)"
+        return "holds no Parquet files (none but hidden or empty ones)"
     stray = next((f for f in files if not _is_parquet(f)), None)
     if stray is not None:
         return f"holds a file that is not Parquet ({stray.relative_to(path)})"
     return None
+
+
+def _spark_reads(file: Path, folder: Path) -> bool:
+    """Whether Spark reads this file of the folder as data, as its listing filters them: not
+    an empty one, nor under a name starting with `.`, or with `_` but for a partition's
+    (`_src=a`) and Parquet's summary files, nor one ending in `._COPYING_` (an upload under
+    way)."""
+    if not file.is_file() or file.stat().st_size == 0:
+        return False
+    for name in file.relative_to(folder).parts:
+        hidden = name.startswith(".") or (name.startswith("_") and "=" not in name)
+        summary = name.startswith(("_metadata", "_common_metadata"))
+        if (hidden and not summary) or name.endswith("._COPYING_"):
+            return False
+    return True
 
 
 def _is_parquet(path: Path) -> bool:

@@ -174,6 +174,8 @@ def bulk_schedule(
     if not path.exists():
         raise ValidationError("path", f"{path} does not exist")
     fmt = bulk.detect_format(path, fmt)
+    if fmt == "parquet":
+        bulk.check_parquet(path)
     check_rejects(rejects or bulk.default_rejects(path, fmt), path, fmt)
     services.require(jdbc=False)
     bulk.check_database(services.settings)  # before Spark starts: one line, not its noise

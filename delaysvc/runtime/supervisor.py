@@ -133,6 +133,10 @@ def web_command(
     hooks += ["--graceful-timeout", str(STOP_GRACE_SECONDS - 5)]
     if server == "asgi":
         app = ["-k", "uvicorn_worker.UvicornWorker", "delaysvc.web.asgi:create_asgi_app()"]
+        # uvicorn took X-Forwarded-For from any local peer as the client's address (a local
+        # proxy passing the client's header on let it name itself anew at each failed login):
+        # the app reads it itself, from DELAYSVC_PROXY_HOPS proxies only
+        app = ["--forwarded-allow-ips", "", *app]
     else:
         most = threads * CONNECTIONS_PER_THREAD  # client connections a threaded worker holds
         held = ["--worker-connections", str(most)] if threads > 1 else []

@@ -394,3 +394,21 @@ def test_0020_drops_the_index_of_every_waiting_message_for_one_of_the_capped_top
     assert _differences(empty_engine) == []
     downgrade(empty_engine, "0019")
     assert indexes() == ["ix_commit_log_waiting_topic"]
+
+
+def test_a_downgrade_below_token_expiry_revokes_the_tokens_made_to_expire(
+    empty_engine: Engine,
+) -> None:
+    """Found by a reviewer: the downgrade dropped `expires_at` and left such tokens live, an
+    expired one working again, and for good after the next upgrade."""
+    from delaysvc import auth
+
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    auth.create_token(empty_engine, "short", expires_in_ms=60_000)
+    auth.create_token(empty_engine, "forever")
+    downgrade(empty_engine, "0022")
+    with empty_engine.connect() as conn:
+        live = conn.execute(text("SELECT name FROM api_token WHERE revoked_at IS NULL")).all()
+    assert live == [("forever",)]
+    upgrade(empty_engine, _levels(TEST_LEVELS))
+    assert [t.name for t in auth.list_tokens(empty_engine) if t.revoked_at is None] == ["forever"]

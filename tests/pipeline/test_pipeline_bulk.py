@@ -389,6 +389,16 @@ def test_a_batch_deadlocked_with_another_writer_of_its_keys_is_stored_again(
             ["bulk-schedule", "{tmp}/jobs.csv", "--rejects", "{tmp}"],
             "error: rejects: {tmp} is the input {tmp}/jobs.csv, holds it or is inside it",
         ),
+        # Spark logged ~40 lines of Java before the one line (found by a reviewer)
+        (
+            ["bulk-schedule", "{tmp}/fake.parquet"],
+            "error: path: {tmp}/fake.parquet is not a Parquet file (it does not begin and end "
+            "with PAR1); give --format csv or jsonl for other files",
+        ),
+        (
+            ["bulk-schedule", "{tmp}/empty", "--format", "parquet"],
+            "error: path: {tmp}/empty holds no Parquet files (none but hidden or empty ones)",
+        ),
     ],
 )
 def test_cli_user_errors_are_one_line_and_exit_2(
@@ -398,6 +408,9 @@ def test_cli_user_errors_are_one_line_and_exit_2(
 
     (tmp_path / "jobs.txt").write_text("topic,body\n")
     (tmp_path / "jobs.csv").write_text("topic,body\n")
+    (tmp_path / "fake.parquet").write_text("topic,body\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "part-0.parquet").write_bytes(b"")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     message = message.replace("{tmp}", str(tmp_path))
     result = CliRunner().invoke(cli, ["pipeline", *args])
@@ -788,27 +801,23 @@ def test_a_float_column_of_whole_delays_is_taken_on_either_path(
 
 
 def test_bulk_schedule_refuses_a_file_that_is_not_parquet_or_a_folder_of_none_in_one_line(
-    spark: Any, settings: Settings, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    spark: Any, settings: Settings, tmp_path: Path
 ) -> None:
     """They gave a page of Java (a CSV named .parquet; an empty folder, taken as Parquet); then
-    one line, but after Spark's own log of ~40 lines of Java on stderr: a local file or folder
-    is now looked at before Spark reads it. A folder with one file that is not Parquet among
-    Parquet files is refused naming it (Spark failed mid-run)."""
+    one line, after Spark's own ~40 lines of Java (the CLI now asks before Spark starts:
+    `test_cli_user_errors_are_one_line_and_exit_2`). A folder with one file that is not
+    Parquet among Parquet files is refused naming it (Spark failed mid-run)."""
     fake = tmp_path / "jobs.parquet"
     fake.write_text("topic,body\nt,{}\n")
     empty = tmp_path / "nothing"
     (empty / "_hidden").mkdir(parents=True)
     (empty / ".crc").write_text("x")
     mixed = tmp_path / "mixed"
-    mixed.mkdir()
-    spark.createDataFrame([("t", "{}")], "topic string, body string").write.parquet(
-        str(mixed / "part")
-    )
-    (mixed / "part" / "stray.parquet").write_text("not parquet")
-    capfd.readouterr()
+    spark.createDataFrame([("t", "{}")], "topic string, body string").write.parquet(str(mixed))
+    (mixed / "stray.parquet").write_text("not parquet")
     cases = (
         (fake, "is not a Parquet file", "PAR1"),
-        (empty, "holds no Parquet files", "no file"),
+        (empty, "holds no Parquet files", "hidden or empty"),
         (mixed, "holds a file that is not Parquet", "stray.parquet"),
     )
     for path, what, cause in cases:
@@ -818,8 +827,30 @@ def test_bulk_schedule_refuses_a_file_that_is_not_parquet_or_a_folder_of_none_in
         assert cause in str(refused.value)
         assert "--format csv or jsonl" in str(refused.value)
         assert "\n" not in str(refused.value)
-        printed = capfd.readouterr()
-        assert "Exception" not in printed.err + printed.out, printed.err[-2000:]
+
+
+def test_the_parquet_check_reads_a_folder_as_spark_does(
+    spark: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """Found by a reviewer: the first check refused folders Spark reads, an empty file beside
+    a good one, an upload under way (`._COPYING_`), a partition folder named `_src=a`."""
+    folder = tmp_path / "jobs"
+    spark.createDataFrame([("bulk.pq", "{}")], "topic string, body string").write.parquet(
+        str(folder)
+    )
+    (folder / "part-empty.parquet").write_bytes(b"")
+    (folder / "part-9.parquet._COPYING_").write_text("half a file")
+    assert bulk._not_parquet(folder) is None
+    result = bulk.run(spark, settings, folder)  # Spark reads it so too
+    assert (result.read, result.written) == (1, 1)
+    partitioned = tmp_path / "partitioned" / "_src=a"
+    partitioned.mkdir(parents=True)
+    (folder / "part-empty.parquet").unlink()
+    (folder / "part-9.parquet._COPYING_").unlink()
+    for part in folder.glob("*.parquet"):
+        part.rename(partitioned / part.name)
+    assert bulk._not_parquet(partitioned.parent) is None
+    assert spark.read.parquet(str(partitioned.parent)).columns == ["topic", "body", "_src"]
 
 
 def test_bulk_schedule_on_a_database_not_migrated_or_missing_is_one_error(

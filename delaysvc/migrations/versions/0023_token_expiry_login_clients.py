@@ -9,6 +9,9 @@ a fixed window (`delaysvc.auth.check_login`): a client over the limit is refused
 password is hashed, whatever names it tries (the lockout of an account stopped one name being
 guessed, not one client trying many names, each attempt a full scrypt).
 
+Downgrade: tokens made to expire are revoked first (the release before would take them for
+good).
+
 Lock: a nullable column without a default is a change of the catalog only; it takes the small
 table's ACCESS EXCLUSIVE lock for a moment. The new table locks nothing else.
 """
@@ -36,4 +39,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("login_client")
+    # a release without expiry would take a token made to expire (or expired) for good
+    op.execute(
+        "UPDATE api_token SET revoked_at = COALESCE(revoked_at, now()) WHERE expires_at IS NOT NULL"
+    )
     op.drop_column("api_token", "expires_at")

@@ -157,6 +157,9 @@ def test_a_client_failing_many_logins_is_refused_before_any_password_is_hashed(
     assert auth.client_of("2001:db8:1:2::5") == auth.client_of("2001:db8:1:2:ffff::9")
     assert auth.client_of("2001:db8:1:2::5") != auth.client_of("2001:db8:1:3::5")
     assert auth.client_of("::ffff:203.0.113.5") == attacker
+    # a port, as some proxies forward it, is no other client
+    assert auth.client_of("203.0.113.5:40001") == attacker
+    assert auth.client_of("[2001:db8:1:2::7]:443") == auth.client_of("2001:db8:1:2::5")
     assert _login_from(app, "::ffff:203.0.113.5", ADMIN).status_code == 429
     with engine.begin() as conn:  # the window ends
         conn.execute(text("UPDATE login_client SET window_ends = now() - interval '1 second'"))
