@@ -225,6 +225,7 @@ def login() -> Any:
         name = request.form.get("name", "")
         password = request.form.get("password", "")
         client = auth.client_of(request.remote_addr)
+        _say_if_behind_a_proxy()
         try:
             user = auth.check_login(services()["engine"], name, password, client) if name else None
         except auth.TooManyLogins as exc:
@@ -248,6 +249,24 @@ def login() -> Any:
     next_url = request.form.get("next") or request.args.get("next", "")
     page = render_template("login.html", error=error, next=next_url)
     return page, status
+
+
+def _say_if_behind_a_proxy() -> None:
+    """A login that came through a proxy while DELAYSVC_PROXY_HOPS is 0: every client counts as
+    the proxy (one count of failed logins for all of them). Said once an app."""
+    app = services()
+    if "X-Forwarded-For" in request.headers and not app["settings"].proxy_hops:
+        if app.setdefault("proxy_said", False):
+            return
+        app["proxy_said"] = True
+        log.warning(
+            "dashboard.forwarded_not_believed",
+            extra={
+                "client": request.remote_addr,
+                "hint": "logins carry X-Forwarded-For but DELAYSVC_PROXY_HOPS is 0: every "
+                "client counts as the proxy; set it to the number of proxies in front",
+            },
+        )
 
 
 @ui.post("/logout")

@@ -171,7 +171,10 @@ def test_a_client_failing_many_logins_is_refused_before_any_password_is_hashed(
 
 
 def test_behind_proxies_a_login_counts_against_the_address_they_forwarded(
-    settings: Settings, engine: Engine, monkeypatch: pytest.MonkeyPatch
+    settings: Settings,
+    engine: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """DELAYSVC_PROXY_HOPS=1: the client is X-Forwarded-For's last entry, not the proxy (left
     at 0 behind a proxy, every client would share the proxy's count); at 0 the header is not
@@ -194,6 +197,9 @@ def test_behind_proxies_a_login_counts_against_the_address_they_forwarded(
     finally:
         for app in (proxied, direct):
             app.extensions["delaysvc"]["engine"].dispose()
+    # the header came while DELAYSVC_PROXY_HOPS was 0: said, once
+    said = [r for r in caplog.records if r.getMessage() == "dashboard.forwarded_not_believed"]
+    assert len(said) == 1 and "DELAYSVC_PROXY_HOPS" in said[0].hint  # type: ignore[attr-defined]
 
 
 def test_every_login_attempt_costs_one_scrypt_whether_the_name_exists_or_is_locked(
