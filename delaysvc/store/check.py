@@ -255,7 +255,8 @@ _EXPIRED_LEASES = """
 SELECT id AS message_id, 'message ' || id AS subject,
     'status running (claim ' || COALESCE(claim_id::text, 'none') || ', attempt ' || attempts
     || '), lease expired ' || round(extract(epoch FROM now() - lease_until)) || ' s ago at '
-    || lease_until || ' and not rescued' AS problem
+    || lease_until || ' and not rescued (the rescue runs on a worker, fired by beat: are both '
+    || 'running?)' AS problem
 FROM delaysvc.commit_log c
 WHERE status = 'running' AND lease_until < now() - :tolerance_s * interval '1 second'
     -- not a row a live transaction has locked or is writing (its xmax, while that transaction
