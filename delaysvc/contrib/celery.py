@@ -18,7 +18,8 @@ in delaysvc as well, before it is due, and is remembered there: a retry the task
 it still runs, after its revoke, is dropped when due, not published (Celery's workers remember
 a revoke for 3 h and forget it when restarted). Celery's publish signals (`before_task_publish`,
 `after_task_publish`) and its task-sent event come with that publish, in delaysvc's worker,
-not from `apply_async`: the publish runs in the span that continues the caller's trace.
+not from `apply_async`: the publish runs in the `process` span, a trace of its own linked to
+the caller's `send` span.
 
 Where it runs: call `durable(app)` in the module that creates the app, so that every process
 that imports the app publishes this way (the web application, and Celery's workers, whose
@@ -42,7 +43,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import Any
@@ -50,7 +51,7 @@ from typing import Any
 from celery import Celery
 from celery.app.amqp import AMQP, task_message
 from celery.app.control import Control
-from celery.utils.time import make_aware, maybe_make_aware
+from celery.utils.time import maybe_make_aware
 from kombu import Exchange, Queue, binding
 from kombu import serialization as kombu_serialization
 from kombu.common import Broadcast
@@ -180,16 +181,23 @@ class _DurableAMQP(AMQP):
 
 
 class _DurableControl(Control):
-    def revoke(self, task_id: str | Iterable[str], *args: Any, **kwargs: Any) -> Any:
-        """Cancel the task's stored message (and its stored retries) in delaysvc and remember
-        the revoke there (a message of the task stored later is dropped when due), then revoke
-        it as Celery does (a message already published is revoked by the workers)."""
+    def broadcast(
+        self, command: str, arguments: dict[str, Any] | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        """A revoke (`revoke`, `AsyncResult.revoke`, `GroupResult.revoke`, and Celery's CLI,
+        `celery control revoke`, which broadcasts it itself: it went past `revoke` alone)
+        cancels the task's stored message (and its stored retries) in delaysvc and remembers
+        the revoke there (a message of the task stored later is dropped when due); then the
+        workers are told as Celery tells them (a message already published is theirs)."""
+        task_id = (arguments or {}).get("task_id") if command == "revoke" else None
+        if not task_id:
+            return super().broadcast(command, arguments, *args, **kwargs)
         ids = [task_id] if isinstance(task_id, str) else list(task_id)
         try:
             revoke_stored(_durability(self.app).producer, ids)
         finally:  # the database may be away: the workers are told all the same
-            revoked = super().revoke(task_id, *args, **kwargs)
-        return revoked
+            told = super().broadcast(command, arguments, *args, **kwargs)
+        return told
 
 
 def _durability(app: Celery) -> _Durability:
@@ -228,9 +236,11 @@ def _due(app: Celery, message: Any) -> datetime | None:
     due = eta if isinstance(eta, datetime) else datetime.fromisoformat(eta)
     if due.tzinfo is not None:
         return due
-    # naive (an `eta=` given so): read as Celery's worker reads it, the system's local time
-    # with `enable_utc` (Celery's default), else a time of the app's time zone
-    return due.astimezone() if app.conf.enable_utc else make_aware(due, app.timezone)
+    # naive (an `eta=` given so): read as Celery's worker reads it, by Celery's own function
+    # (`Request.__init__`): a UTC time on Celery 5.5 and later, whatever `enable_utc` says (it
+    # was read as local time: `datetime.utcnow() + 8 s`, Celery's own idiom, waited 5 hours
+    # in New York)
+    return maybe_make_aware(due, app.conf.timezone)
 
 
 def _natively_delayed(options: dict[str, Any]) -> bool:
@@ -358,7 +368,9 @@ def publish_when_due(message: Job) -> None:
         )
     with _durability(app).producer.engine.connect() as conn:
         if store.revoked(conn, body["id"]):
-            log.info("celery.revoked_not_published", extra={"task_id": body["id"]})
+            # a warning: the revoke is kept for the longest delay and a day, so a task id used
+            # again after its revoke (a deterministic id) is dropped all that time
+            log.warning("celery.revoked_not_published", extra={"task_id": body["id"]})
             return
     envelope = envelope_of(body)
     payload = envelope["body"]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from functools import wraps
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, connections, transaction
@@ -48,7 +49,16 @@ from delaysvc.db.engines import make_engine
 from delaysvc.producer.sending import Message, Producer, SentBatch
 from delaysvc.worker.consumer import HandlerFunc, register_handler
 
-__all__ = ["cancel", "configure", "get", "handler", "producer", "send", "send_batch"]
+__all__ = [
+    "TransactionRolledBack",
+    "cancel",
+    "configure",
+    "get",
+    "handler",
+    "producer",
+    "send",
+    "send_batch",
+]
 
 _settings: Settings | None = None
 _producers: dict[str, Producer] = {}
@@ -99,7 +109,12 @@ def handler(
     connection in the same transaction. The ORM calls of the handler and `succeeded` commit
     together, or neither does (`delaysvc.handler(..., transaction=True)` for the service's own
     connection). The worker must be a Django process: `django.setup()` in the handler module,
-    and `DATABASES[using]` the database delaysvc's tables are in."""
+    and `DATABASES[using]` the database delaysvc's tables are in. A handler that leaves the
+    block marked for rollback (`transaction.set_rollback(True)`, or a database error it caught
+    outside a savepoint) has its work undone and the job retried, failed with
+    `TransactionRolledBack` (it was Django's "An error occurred in the current transaction",
+    from the success delaysvc then wrote, though no query had failed). The block is nested
+    in the handler's: `atomic(durable=True)` cannot be used in one."""
 
     @contextmanager
     def atomic(_engine: Engine) -> Iterator[tuple[Joined, tuple[()]]]:
@@ -110,7 +125,28 @@ def handler(
         with transaction.atomic(using=using), joined(connections[using]) as statements:
             yield statements, ()
 
-    return register_handler(topic, max_retries, atomic)
+    register = register_handler(topic, max_retries, atomic)
+
+    def decorate(func: HandlerFunc) -> HandlerFunc:
+        @wraps(func)
+        def checked(message: Any, *more: Any) -> Any:
+            done = func(message, *more)
+            if connections[using].needs_rollback:
+                raise TransactionRolledBack(
+                    "the handler left its transaction marked for rollback "
+                    "(transaction.set_rollback(True), or a database error caught outside a "
+                    "savepoint): its work is undone and the job is retried"
+                )
+            return done
+
+        register(checked)
+        return func
+
+    return decorate
+
+
+class TransactionRolledBack(Exception):
+    """A Django handler's transaction was marked for rollback, though it raised nothing."""
 
 
 def _url(using: str) -> str:

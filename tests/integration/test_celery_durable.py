@@ -12,7 +12,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo
 
 import pytest
 from celery import Celery
@@ -118,16 +117,29 @@ def tokyo_clock(monkeypatch) -> Iterator[None]:
 def test_a_naive_eta_is_read_as_celerys_worker_reads_it(
     celery_app, producer, tokyo_clock, enable_utc
 ):
-    """A naive `eta` was taken as UTC: in Tokyo, `eta=datetime.now() + 60 s` was stored 9 hours
-    late (west of UTC it looked past due and went to the broker, not durable). Celery's worker
-    reads it as the system's local time with `enable_utc` (its default), else in the app's
-    time zone; so does the durable store."""
+    """A naive `eta` was first taken as UTC, then (a first fix) as the system's local time,
+    which Celery 5.7's worker does not do: it reads it as UTC, so `datetime.utcnow() + 8 s`
+    (Celery's own idiom) waited 5 hours in New York (found by a reviewer with real workers).
+    Checked here against Celery's worker's own `Request`, given the same message from a
+    broker, in Tokyo (UTC+9), with `enable_utc` either way."""
+    from celery.worker.request import Request
+
     celery_app.conf.update(enable_utc=enable_utc, timezone="Asia/Tokyo")
-    before = datetime.now(UTC)
-    naive = datetime.now(ZoneInfo("Asia/Tokyo")).replace(tzinfo=None) + timedelta(seconds=60)
+    naive = datetime.now(UTC).replace(tzinfo=None) + timedelta(minutes=30)
     result = celery_app.tasks["shop.cancel_order"].apply_async((42,), eta=naive)
     message = stored(producer, result.id)
-    assert before + timedelta(seconds=59) < message.deliver_at < before + timedelta(seconds=61)
+    plain = Celery("plain", broker="memory://", set_as_current=False)
+    plain.conf.update(enable_utc=enable_utc, timezone="Asia/Tokyo", task_default_queue="plain")
+
+    @plain.task(name="shop.cancel_order", shared=False)
+    def task(order_id: int) -> int:
+        return order_id
+
+    task.apply_async((42,), eta=naive)  # not durable: to the broker, as a worker gets it
+    (sent,) = broker_messages(plain, "plain")
+    worker_reads = Request(sent, app=plain, task=task).eta
+    assert message.deliver_at == worker_reads
+    plain.close()
 
 
 def test_a_task_id_already_held_by_a_stored_task_is_not_stored_twice_and_says_so(
@@ -302,6 +314,22 @@ def test_revoke_cancels_the_stored_task_and_its_stored_retries(celery_app, produ
     assert stored(producer, kept.id).status == "scheduled"
     celery_app.AsyncResult(kept.id).revoke()
     assert stored(producer, kept.id).status == "cancelled"
+
+
+def test_a_revoke_from_celerys_own_cli_cancels_the_stored_task_too(celery_app, producer):
+    """Found by a reviewer: `celery -A proj control revoke ID` broadcasts the revoke itself,
+    past `app.control.revoke`: the stored task stayed scheduled, nothing was remembered, and
+    it ran after a worker restart. The CLI's own call (celery/bin/control.py), as it makes it."""
+    task = str(uuid.uuid4())
+    celery_app.send_task("shop.cancel_order", (1,), countdown=60, task_id=task)
+    other = celery_app.send_task("shop.cancel_order", (2,), countdown=60)
+    celery_app.control.broadcast(
+        "revoke", timeout=0.1, destination=None, reply=False, arguments={"task_id": [task]}
+    )
+    assert stored(producer, task).status == "cancelled"
+    assert stored(producer, other.id).status == "scheduled"
+    with producer.engine.connect() as conn:
+        assert store.revoked(conn, task) and not store.revoked(conn, other.id)
 
 
 def test_a_revoked_tasks_messages_are_not_published_whenever_they_were_stored(

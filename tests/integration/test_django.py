@@ -289,6 +289,27 @@ def test_a_django_handler_commits_its_orm_rows_with_the_jobs_success(
     assert producer.get(sent.id).status == "succeeded"
 
 
+def test_a_django_handler_that_marks_its_transaction_for_rollback_is_retried_saying_so(
+    settings: Settings, engine: Engine, producer: Producer
+) -> None:
+    """Found by a reviewer: `transaction.set_rollback(True)` (no exception) was recorded as
+    Django's "An error occurred in the current transaction", from delaysvc's own success
+    write, though no query had failed."""
+    from delaysvc.worker.consumer import Consumer
+
+    @delaysvc_django.handler("order.undone")
+    def undo(message):  # type: ignore[no-untyped-def]
+        Order.objects.create(total=1)
+        transaction.set_rollback(True)
+
+    sent = producer.send("order.undone", {})
+    assert Consumer(settings, engine).run_once("order.undone").retried == 1
+    assert Order.objects.count() == 0
+    job = producer.get(sent.id)
+    assert job.status == "retrying"
+    assert job.last_error.startswith("TransactionRolledBack: the handler left its transaction")
+
+
 def test_a_django_handler_after_its_connection_was_cut_runs_on_a_new_one(
     settings: Settings, engine: Engine, producer: Producer
 ) -> None:
@@ -376,4 +397,4 @@ def test_the_same_on_djangos_psycopg2_backend() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "12 passed, 1 skipped" in done.stdout
+    assert "13 passed, 1 skipped" in done.stdout
