@@ -169,13 +169,14 @@ def bulk_schedule(
 ) -> None:
     """Schedule every valid row of a CSV, JSON Lines or Parquet file."""
     from delaysvc.pipeline import bulk
+    from delaysvc.pipeline.extract import check_parquet
     from delaysvc.pipeline.rejects import check_rejects
 
     if not path.exists():
         raise ValidationError("path", f"{path} does not exist")
     fmt = bulk.detect_format(path, fmt)
     if fmt == "parquet":
-        bulk.check_parquet(path)
+        check_parquet(path)
     check_rejects(rejects or bulk.default_rejects(path, fmt), path, fmt)
     services.require(jdbc=False)
     bulk.check_database(services.settings)  # before Spark starts: one line, not its noise

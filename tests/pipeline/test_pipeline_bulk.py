@@ -22,7 +22,7 @@ from sqlalchemy import Engine, text
 
 from delaysvc.config.settings import Settings
 from delaysvc.errors import DatabaseUnavailable, DelaysvcError, SchemaNotReady, ValidationError
-from delaysvc.pipeline import bulk
+from delaysvc.pipeline import bulk, extract
 from delaysvc.pipeline import rejects as pipeline_rejects
 from delaysvc.pipeline import store as pipeline_store
 from delaysvc.producer.sending import Producer
@@ -840,7 +840,7 @@ def test_the_parquet_check_reads_a_folder_as_spark_does(
     )
     (folder / "part-empty.parquet").write_bytes(b"")
     (folder / "part-9.parquet._COPYING_").write_text("half a file")
-    assert bulk._not_parquet(folder) is None
+    assert extract._not_parquet(folder) is None
     result = bulk.run(spark, settings, folder)  # Spark reads it so too
     assert (result.read, result.written) == (1, 1)
     partitioned = tmp_path / "partitioned" / "_src=a"
@@ -849,7 +849,7 @@ def test_the_parquet_check_reads_a_folder_as_spark_does(
     (folder / "part-9.parquet._COPYING_").unlink()
     for part in folder.glob("*.parquet"):
         part.rename(partitioned / part.name)
-    assert bulk._not_parquet(partitioned.parent) is None
+    assert extract._not_parquet(partitioned.parent) is None
     assert spark.read.parquet(str(partitioned.parent)).columns == ["topic", "body", "_src"]
 
 
