@@ -57,6 +57,7 @@ from kombu import serialization as kombu_serialization
 from kombu.common import Broadcast
 from kombu.exceptions import ContentDisallowed
 from kombu.utils import json as kombu_json
+from kombu.utils.functional import maybe_list
 from kombu.utils.imports import symbol_by_name
 
 from delaysvc import store
@@ -187,14 +188,21 @@ class _DurableControl(Control):
         """A revoke (`revoke`, `AsyncResult.revoke`, `GroupResult.revoke`, and Celery's CLI,
         `celery control revoke`, which broadcasts it itself: it went past `revoke` alone)
         cancels the task's stored message (and its stored retries) in delaysvc and remembers
-        the revoke there (a message of the task stored later is dropped when due); then the
-        workers are told as Celery tells them (a message already published is theirs)."""
-        task_id = (arguments or {}).get("task_id") if command == "revoke" else None
-        if not task_id:
+        the revoke there (a message of the task stored later is dropped when due); a revoke by
+        stamped headers is remembered there (a stored task carrying one is dropped when due).
+        Then the workers are told as Celery tells them (a message already published is
+        theirs)."""
+        given = arguments or {}
+        task_id = given.get("task_id") if command == "revoke" else None
+        stamps = given.get("headers") if command == "revoke_by_stamped_headers" else None
+        if not task_id and not stamps:
             return super().broadcast(command, arguments, *args, **kwargs)
-        ids = [task_id] if isinstance(task_id, str) else list(task_id)
+        producer = _durability(self.app).producer
         try:
-            revoke_stored(_durability(self.app).producer, ids)
+            if task_id:
+                revoke_stored(producer, [task_id] if isinstance(task_id, str) else list(task_id))
+            elif stamps:
+                revoke_stored_stamps(producer, stamps)
         finally:  # the database may be away: the workers are told all the same
             told = super().broadcast(command, arguments, *args, **kwargs)
         return told
@@ -366,13 +374,18 @@ def publish_when_due(message: Job) -> None:
             f"no Celery app named {body.get('app')!r} was made durable in this worker "
             f"(it has {sorted(_apps) or 'none'}): name its module in DELAYSVC_HANDLERS"
         )
-    with _durability(app).producer.engine.connect() as conn:
-        if store.revoked(conn, body["id"]):
-            # a warning: the revoke is kept for the longest delay and a day, so a task id used
-            # again after its revoke (a deterministic id) is dropped all that time
-            log.warning("celery.revoked_not_published", extra={"task_id": body["id"]})
-            return
     envelope = envelope_of(body)
+    stamps = _stamps(envelope["headers"])
+    with _durability(app).producer.engine.connect() as conn:
+        by_stamp = store.revoked_stamp(conn, stamps) if stamps else None
+        if by_stamp is not None or store.revoked(conn, body["id"]):
+            # a warning: a revoke is kept for the longest delay and a day, so a task id used
+            # again after its revoke (a deterministic id) is dropped all that time
+            log.warning(
+                "celery.revoked_not_published",
+                extra={"task_id": body["id"], "stamp": by_stamp and "=".join(by_stamp)},
+            )
+            return
     payload = envelope["body"]
     if envelope["base64"]:
         payload = base64.b64decode(payload)
@@ -413,6 +426,35 @@ def revoke_stored(producer: Producer, task_ids: list[str]) -> int:
         keep_ms = producer.settings.max_delay_ms + REVOKES_KEPT_MS
         store.remember_revoked(conn, task_ids, keep_ms)
     return cancel_stored(producer, task_ids)
+
+
+def revoke_stored_stamps(producer: Producer, headers: dict[str, Any] | list[str]) -> None:
+    """Remember these stamps as revoked (`revoke_by_stamped_headers`' `headers`: a header and
+    a value, or a list of values, each; or `header=value` strings, as Celery's worker takes
+    them): a stored task carrying one is dropped when due."""
+    if isinstance(headers, list):
+        headers = dict(h.split("=", 1) for h in headers)
+    stamps = [(h, _stamp(v)) for h, values in headers.items() for v in maybe_list(values)]
+    with producer.engine.begin() as conn:
+        keep_ms = producer.settings.max_delay_ms + REVOKES_KEPT_MS
+        store.remember_revoked_stamps(conn, stamps, keep_ms)
+
+
+def _stamps(headers: dict[str, Any]) -> list[tuple[str, str]]:
+    """A Celery message's stamps, (header, value as JSON), as its worker reads them: those
+    named in `stamped_headers`, their values in `stamps` (a list: each value)."""
+    given = headers.get("stamps") or {}
+    return [
+        (header, _stamp(value))
+        for header in headers.get("stamped_headers") or []
+        if given.get(header) is not None
+        for value in maybe_list(given[header])
+    ]
+
+
+def _stamp(value: Any) -> str:
+    """A stamp's value as stored: JSON, so that `1` and `"1"` stay other values, as in Celery."""
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def cancel_stored(producer: Producer, task_ids: list[str]) -> int:

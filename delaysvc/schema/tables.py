@@ -482,6 +482,18 @@ celery_revoked = Table(
     Index("ix_celery_revoked_revoked_at", "revoked_at"),
 )
 
+# Celery stamps revoked (`revoke_by_stamped_headers`): a stored task carrying one is dropped when
+# due. `value` is the stamp's value as JSON (`1` and `"1"` are other stamps, as in Celery). Kept
+# and pruned as `celery_revoked`.
+celery_revoked_stamp = Table(
+    "celery_revoked_stamp",
+    metadata,
+    Column("header", Text, primary_key=True),
+    Column("value", Text, primary_key=True),
+    Column("revoked_at", Timestamp, nullable=False, server_default=text("now()")),
+    Index("ix_celery_revoked_stamp_revoked_at", "revoked_at"),
+)
+
 SEQUENCES = (timer_queue_seq, topic_queue_seq, claim_seq)
 
 

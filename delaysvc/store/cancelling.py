@@ -90,3 +90,36 @@ def revoked(conn: Statements, task_id: str) -> bool:
         sql("SELECT 1 FROM delaysvc.celery_revoked WHERE task_id = :id"), {"id": task_id}
     ).first()
     return row is not None
+
+
+def remember_revoked_stamps(conn: Statements, stamps: list[tuple[str, str]], keep_ms: int) -> None:
+    """Store these Celery stamps, (header, value as JSON), as revoked, and forget those revoked
+    more than `keep_ms` ago."""
+    conn.execute(
+        sql(
+            "INSERT INTO delaysvc.celery_revoked_stamp (header, value) "
+            "SELECT DISTINCT * FROM unnest(CAST(:headers AS text[]), CAST(:values AS text[])) "
+            "ON CONFLICT (header, value) DO UPDATE SET revoked_at = now()"
+        ),
+        {"headers": [h for h, _ in stamps], "values": [v for _, v in stamps]},
+    )
+    conn.execute(
+        sql(
+            "DELETE FROM delaysvc.celery_revoked_stamp "
+            "WHERE revoked_at < now() - CAST(:keep_ms AS bigint) * interval '1 millisecond'"
+        ),
+        {"keep_ms": keep_ms},
+    )
+
+
+def revoked_stamp(conn: Statements, stamps: list[tuple[str, str]]) -> tuple[str, str] | None:
+    """The first of these Celery stamps, (header, value as JSON), that was revoked, or None."""
+    row = conn.execute(
+        sql(
+            "SELECT s.header, s.value FROM delaysvc.celery_revoked_stamp s "
+            "JOIN unnest(CAST(:headers AS text[]), CAST(:values AS text[])) AS m(header, value) "
+            "USING (header, value) LIMIT 1"
+        ),
+        {"headers": [h for h, _ in stamps], "values": [v for _, v in stamps]},
+    ).first()
+    return None if row is None else (row.header, row.value)

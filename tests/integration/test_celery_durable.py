@@ -332,6 +332,40 @@ def test_a_revoke_from_celerys_own_cli_cancels_the_stored_task_too(celery_app, p
         assert store.revoked(conn, task) and not store.revoked(conn, other.id)
 
 
+def test_a_revoke_by_stamped_headers_drops_the_stored_tasks_carrying_a_stamp_when_due(
+    celery_app, producer, engine
+):
+    """`revoke_by_stamped_headers` reached Celery's workers only: a stored task with the stamp
+    was published when due, and ran wherever no worker remembered the stamps (after a restart).
+    The stamps are now remembered in delaysvc; as in Celery, a value matches one of a list and
+    `1` is not `"1"`."""
+    from celery.canvas import StampingVisitor
+
+    class Batch(StampingVisitor):
+        def on_signature(self, sig, **headers):  # type: ignore[no-untyped-def]
+            return {"batch": "b-1"}
+
+    default = celery_app.conf.task_default_queue
+    task = celery_app.tasks["shop.cancel_order"]
+    visited = task.si(1).set(countdown=60)
+    visited.stamp(Batch())
+    stamped = visited.apply_async()
+    listed = task.apply_async((2,), countdown=60, stamped_headers=["batch"], batch=["x", 3])
+    number = task.apply_async((3,), countdown=60, stamped_headers=["batch"], batch="3")
+    kept = task.apply_async((4,), countdown=60)
+    celery_app.control.revoke_by_stamped_headers({"batch": ["b-1", 3]})
+    for result in (stamped, listed, number, kept):
+        run_due(producer, engine, stored(producer, result.id))
+    published = [m.headers["id"] for m in broker_messages(celery_app, default)]
+    assert published == [number.id, kept.id]
+    celery_app.control.broadcast(  # as Celery's CLI sends it: `header=value` strings
+        "revoke_by_stamped_headers", arguments={"headers": ["batch=later"]}, reply=False
+    )
+    later = task.apply_async((5,), countdown=60, stamped_headers=["batch"], batch="later")
+    run_due(producer, engine, stored(producer, later.id))
+    assert broker_messages(celery_app, default) == []
+
+
 def test_a_revoked_tasks_messages_are_not_published_whenever_they_were_stored(
     celery_app, producer, engine
 ):
