@@ -4,46 +4,27 @@ from DELAYSVC_PROXY_HOPS proxies."""
 
 from __future__ import annotations
 
-import re
-import subprocess
-import sys
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
-from http.cookiejar import CookieJar
 from typing import Any
 
 from delaysvc import auth
-from delaysvc.runtime.supervisor import die_with_parent, free_port, wait_until_answering
-from tests.conftest import TEST_LEVELS, outside_env
+from tests.support.web_process import login_form, web_process
 
 Attempt = Callable[[str], int]
 
 
 def _serving(database_url: str, hops: int, check: Callable[[Attempt], None]) -> None:
     """Run `check` with a wrong login that sends X-Forwarded-For: its status."""
-    port = free_port()
-    env = outside_env() | {
-        "DELAYSVC_DATABASE_URL": database_url,
-        "DELAYSVC_DELAY_LEVELS": TEST_LEVELS,
-        "DELAYSVC_SECRET_KEY": "k" * 64,
-        "DELAYSVC_PROXY_HOPS": str(hops),
-    }
-    command = [sys.executable, "-m", "delaysvc", "web", "--port", str(port), "--workers", "1"]
-    web = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        preexec_fn=die_with_parent(),
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_until_answering(f"{base}/healthz", process=web)
-        browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar()))
-        page = browser.open(f"{base}/login").read().decode()
-        token = re.search(r'name="csrf_token" value="([^"]+)"', page)
-        assert token is not None
-        form = {"name": "ada", "password": "wrong-password", "csrf_token": token.group(1)}
+    key, proxies = "k" * 64, str(hops)
+    with web_process(database_url, DELAYSVC_SECRET_KEY=key, DELAYSVC_PROXY_HOPS=proxies) as (
+        base,
+        _,
+    ):
+        browser, form = login_form(base, "ada", "wrong-password")
 
         def attempt(forwarded: str) -> int:
             request = urllib.request.Request(
@@ -58,9 +39,6 @@ def _serving(database_url: str, hops: int, check: Callable[[Attempt], None]) -> 
             return int(response.status)
 
         check(attempt)
-    finally:
-        web.terminate()
-        web.wait(timeout=30)
 
 
 def test_a_client_cannot_name_itself_anew_each_attempt_unless_behind_proxies(

@@ -5,14 +5,13 @@ starts it."""
 
 from __future__ import annotations
 
-import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
-from http.cookiejar import CookieJar
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,8 @@ from delaysvc.runtime.supervisor import (
     wait_until_answering,
     web_command,
 )
-from tests.conftest import TEST_LEVELS, outside_env
+from tests.conftest import outside_env
+from tests.support.web_process import login_form, web_process
 
 
 def _held(web: subprocess.Popen[bytes], port: int) -> list[int]:
@@ -96,31 +96,18 @@ def test_the_workers_share_one_session_key_where_var_cannot_be_written(
     each web worker signed sessions with a key of its own: 7 of 20 dashboard pages bounced to
     the login, logins and actions failed at random ("form expired")."""
     auth.create_user(engine, "ada", "admin-password-1", role="admin")
-    port = free_port()
     unwritable = tmp_path / "a-file"
     unwritable.write_text("")
-    env = outside_env() | {
-        "DELAYSVC_DATABASE_URL": database_url,
-        "DELAYSVC_VAR_DIR": str(unwritable / "var"),  # under a file: never made
-        "DELAYSVC_DELAY_LEVELS": TEST_LEVELS,
-    }
-    command = [sys.executable, "-m", "delaysvc", "web", "--port", str(port), "--workers", "2"]
-    web = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        preexec_fn=die_with_parent(),
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_until_answering(f"{base}/healthz", process=web), web.stderr
-        browser = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(CookieJar()))
-        page = browser.open(f"{base}/login").read().decode()
-        token = re.search(r'name="csrf_token" value="([^"]+)"', page)
-        assert token is not None
-        form = {"name": "ada", "password": "admin-password-1", "csrf_token": token.group(1)}
-        browser.open(f"{base}/login", urllib.parse.urlencode(form).encode())
-        for _ in range(20):  # each served by either worker
-            assert browser.open(f"{base}/").geturl() == f"{base}/"  # not sent to /login
-    finally:
-        web.terminate()
-        _, stderr = web.communicate(timeout=30)
-    assert "cannot be written" in stderr.decode() and "DELAYSVC_SECRET_KEY" in stderr.decode()
+    var = str(unwritable / "var")  # under a file: never made
+    with tempfile.TemporaryFile() as stderr:
+        with web_process(database_url, workers=2, stderr=stderr, DELAYSVC_VAR_DIR=var) as (
+            base,
+            _,
+        ):
+            browser, form = login_form(base, "ada", "admin-password-1")
+            browser.open(f"{base}/login", urllib.parse.urlencode(form).encode())
+            for _ in range(20):  # each served by either worker
+                assert browser.open(f"{base}/").geturl() == f"{base}/"  # not sent to /login
+        stderr.seek(0)
+        said = stderr.read().decode()
+    assert "cannot be written" in said and "DELAYSVC_SECRET_KEY" in said
