@@ -13,10 +13,11 @@ it is due delaysvc's worker publishes it to Celery as it was, without the ETA: t
 and retry count, and the same routing: a kombu `Queue` or `Exchange` among the publish options
 is stored whole (its exchange, the exchange's type, routing key, arguments and bindings; a
 `Broadcast` stays one) and rebuilt, so Celery publishes to the exchange, with the routing key,
-and declares the queue it would have. `revoke(id)` (or `AsyncResult(id).revoke()`) cancels it
-in delaysvc as well, before it is due, and is remembered there: a retry the task stores while
-it still runs, after its revoke, is dropped when due, not published (Celery's workers remember
-a revoke for 3 h and forget it when restarted). Celery's publish signals (`before_task_publish`,
+and declares the queue it would have. `revoke(id)` (or `AsyncResult(id).revoke()`, or Celery's
+CLI) cancels it in delaysvc as well, before it is due, and is remembered there: a retry the
+task stores while it still runs, after its revoke, is dropped when due, not published (Celery's
+workers remember a revoke for 3 h and forget it when restarted); so is a revoke by stamped
+headers, for every stored task carrying the stamp. Celery's publish signals (`before_task_publish`,
 `after_task_publish`) and its task-sent event come with that publish, in delaysvc's worker,
 not from `apply_async`: the publish runs in the `process` span, a trace of its own linked to
 the caller's `send` span.
@@ -245,9 +246,9 @@ def _due(app: Celery, message: Any) -> datetime | None:
     if due.tzinfo is not None:
         return due
     # naive (an `eta=` given so): read as Celery's worker reads it, by Celery's own function
-    # (`Request.__init__`): a UTC time on Celery 5.5 and later, whatever `enable_utc` says (it
-    # was read as local time: `datetime.utcnow() + 8 s`, Celery's own idiom, waited 5 hours
-    # in New York)
+    # (`Request.__init__`): Celery 5.7's reads a UTC time, whatever `enable_utc` says (it was
+    # read as local time: `datetime.utcnow() + 8 s`, Celery's own idiom, waited 5 hours in
+    # New York)
     return maybe_make_aware(due, app.conf.timezone)
 
 
@@ -433,7 +434,10 @@ def revoke_stored_stamps(producer: Producer, headers: dict[str, Any] | list[str]
     a value, or a list of values, each; or `header=value` strings, as Celery's worker takes
     them): a stored task carrying one is dropped when due."""
     if isinstance(headers, list):
-        headers = dict(h.split("=", 1) for h in headers)
+        bad = [h for h in headers if "=" not in str(h)]
+        if bad:
+            raise ValueError(f"revoke_by_stamped_headers: {bad[0]!r} is not header=value")
+        headers = dict(str(h).split("=", 1) for h in headers)
     stamps = [(h, _stamp(v)) for h, values in headers.items() for v in maybe_list(values)]
     with producer.engine.begin() as conn:
         keep_ms = producer.settings.max_delay_ms + REVOKES_KEPT_MS

@@ -364,6 +364,10 @@ def test_a_revoke_by_stamped_headers_drops_the_stored_tasks_carrying_a_stamp_whe
     later = task.apply_async((5,), countdown=60, stamped_headers=["batch"], batch="later")
     run_due(producer, engine, stored(producer, later.id))
     assert broker_messages(celery_app, default) == []
+    with pytest.raises(ValueError, match="'nonsense' is not header=value"):
+        celery_app.control.broadcast(
+            "revoke_by_stamped_headers", arguments={"headers": ["nonsense"]}, reply=False
+        )
 
 
 def test_a_revoked_tasks_messages_are_not_published_whenever_they_were_stored(
