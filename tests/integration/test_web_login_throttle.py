@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from delaysvc import auth
+from tests.support.passes import first_pass_only
 from tests.support.web_process import login_form, web_process
 
 Attempt = Callable[[str], int]
@@ -41,6 +42,7 @@ def _serving(database_url: str, hops: int, check: Callable[[Attempt], None]) -> 
         check(attempt)
 
 
+@first_pass_only("~25 s, two real web servers started; the same on either database")
 def test_a_client_cannot_name_itself_anew_each_attempt_unless_behind_proxies(
     database_url: str, engine: Any
 ) -> None:
