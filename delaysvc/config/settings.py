@@ -222,10 +222,10 @@ class Settings(BaseModel):
     @field_validator("secret_key")
     @classmethod
     def _key_is_long_enough(cls, value: str | None) -> str | None:
-        if value is not None and len(value.strip()) < MIN_SECRET_KEY:
+        length = None if value is None else len(value.strip())
+        if length is not None and length < MIN_SECRET_KEY:
             raise ConfigError(
-                f"DELAYSVC_SECRET_KEY: {len(value.strip())} characters but spaces, at least "
-                f"{MIN_SECRET_KEY} "
+                f"DELAYSVC_SECRET_KEY: {length} characters but spaces, at least {MIN_SECRET_KEY} "
                 "needed (a short key can be guessed offline from one session cookie); make one "
                 "with `python -c 'import secrets; print(secrets.token_hex(32))'`"
             )

@@ -75,13 +75,7 @@ def remember_revoked(conn: Statements, task_ids: list[str], keep_ms: int) -> Non
         ),
         {"ids": task_ids},
     )
-    conn.execute(
-        sql(
-            "DELETE FROM delaysvc.celery_revoked "
-            "WHERE revoked_at < now() - CAST(:keep_ms AS bigint) * interval '1 millisecond'"
-        ),
-        {"keep_ms": keep_ms},
-    )
+    _forget_revokes(conn, "celery_revoked", keep_ms)
 
 
 def revoked(conn: Statements, task_id: str) -> bool:
@@ -103,9 +97,15 @@ def remember_revoked_stamps(conn: Statements, stamps: list[tuple[str, str]], kee
         ),
         {"headers": [h for h, _ in stamps], "values": [v for _, v in stamps]},
     )
+    _forget_revokes(conn, "celery_revoked_stamp", keep_ms)
+
+
+def _forget_revokes(conn: Statements, table: str, keep_ms: int) -> None:
+    """Prune a table of Celery revokes (`celery_revoked`, `celery_revoked_stamp`) of those
+    revoked more than `keep_ms` ago."""
     conn.execute(
         sql(
-            "DELETE FROM delaysvc.celery_revoked_stamp "
+            f"DELETE FROM delaysvc.{table} "
             "WHERE revoked_at < now() - CAST(:keep_ms AS bigint) * interval '1 millisecond'"
         ),
         {"keep_ms": keep_ms},

@@ -220,7 +220,7 @@ def safe_next(target: str | None) -> str:
 
 @ui.route("/login", methods=["GET", "POST"])
 def login() -> Any:
-    error = None
+    error, status, headers = None, 200, {}
     if request.method == "POST":
         name = request.form.get("name", "")
         password = request.form.get("password", "")
@@ -232,32 +232,31 @@ def login() -> Any:
             log.warning("dashboard.login_throttled", extra={"client": client})
             minutes = -(-exc.seconds_left // 60)
             error = f"too many failed logins from your address; try again in {minutes} min"
-            page = render_template("login.html", error=error, next=request.form.get("next", ""))
-            return page, 429, {"Retry-After": str(exc.seconds_left)}
-        if user is not None:
-            session.clear()
-            session.permanent = True  # expires after PERMANENT_SESSION_LIFETIME
-            session["user"] = user.name
-            session[SESSION_GENERATION] = user.session_generation
-            session[LOGGED_IN_AT] = time.time()
-            session["csrf"] = secrets.token_urlsafe(32)
-            log.info("dashboard.login", extra={"user": user.name})
-            return redirect(safe_next(request.form.get("next")))
-        log.warning("dashboard.login_failed", extra={"user": name})
-        error = "wrong name or password (or the account is locked for a few minutes)"
-    status = 401 if error else 200
+            status, headers = 429, {"Retry-After": str(exc.seconds_left)}
+        else:
+            if user is not None:
+                session.clear()
+                session.permanent = True  # expires after PERMANENT_SESSION_LIFETIME
+                session["user"] = user.name
+                session[SESSION_GENERATION] = user.session_generation
+                session[LOGGED_IN_AT] = time.time()
+                session["csrf"] = secrets.token_urlsafe(32)
+                log.info("dashboard.login", extra={"user": user.name})
+                return redirect(safe_next(request.form.get("next")))
+            log.warning("dashboard.login_failed", extra={"user": name})
+            error = "wrong name or password (or the account is locked for a few minutes)"
+            status = 401
     next_url = request.form.get("next") or request.args.get("next", "")
     page = render_template("login.html", error=error, next=next_url)
-    return page, status
+    return page, status, headers
 
 
 def _say_if_behind_a_proxy() -> None:
     """A login that came through a proxy while DELAYSVC_PROXY_HOPS is 0: every client counts as
     the proxy (one count of failed logins for all of them). Said once an app."""
     app = services()
-    if "X-Forwarded-For" in request.headers and not app["settings"].proxy_hops:
-        if app.setdefault("proxy_said", False):
-            return
+    forwarded = "X-Forwarded-For" in request.headers and not app["settings"].proxy_hops
+    if forwarded and not app.get("proxy_said"):
         app["proxy_said"] = True
         log.warning(
             "dashboard.forwarded_not_believed",
