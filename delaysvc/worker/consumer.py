@@ -120,6 +120,13 @@ def register_handler(
     topic: str, max_retries: int | None, transaction: TransactionOpener | None
 ) -> Callable[[HandlerFunc], HandlerFunc]:
     """`handler`, with the transaction a transactional handler runs in given."""
+    if callable(topic):  # `@handler` over a function, without its topic
+        raise TypeError(
+            f'handler needs the topic: write @handler("order.cancel") over {_name(topic)}, '
+            "not @handler"
+        )
+    if not isinstance(topic, str):
+        raise TypeError(f"a handler's topic is a string such as 'order.cancel', got {topic!r}")
     if topic.endswith("*"):
         _validate_family(topic)
     else:
@@ -128,10 +135,22 @@ def register_handler(
         raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
 
     def register(func: HandlerFunc) -> HandlerFunc:
+        held = _registry.get(topic)
+        if held is not None and _name(held.func) != _name(func):  # the same name: a reload
+            raise ValueError(
+                f"topic {topic!r} has a handler already, {_name(held.func)}, so "
+                f"{_name(func)} cannot be its handler too: a topic has one handler (two "
+                "modules in DELAYSVC_HANDLERS, or one imported under two names?)"
+            )
         _registry[topic] = Handler(topic, func, max_retries, transaction)
         return func
 
     return register
+
+
+def _name(func: Callable[..., Any]) -> str:
+    """`module.qualname` of a handler function, as a traceback names it."""
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
 
 
 def _validate_family(pattern: str) -> None:
@@ -700,7 +719,11 @@ class Consumer:
                 extra={"message_id": job.id, "topic": job.topic, "attempts": job.attempts},
             )
             return store.OutcomeCounts(dead=1)
-        schedule = self._retry_schedule(job, error)
+        schedule, refused = self._retry_schedule(job, error)
+        if refused is not None:  # said where the message's last error is read
+            failure = dataclasses.replace(
+                failure, error=f"{failure.error}; {refused}: retried as a failure instead"
+            )
         retried = store.schedule_retry(
             conn,
             failure,
@@ -738,10 +761,13 @@ class Consumer:
             return "lost"
         return "retried" if self._dead_reason(job, error) is None else "dead"
 
-    def _retry_schedule(self, job: Job, error: BaseException) -> Placement:
+    def _retry_schedule(self, job: Job, error: BaseException) -> tuple[Placement, str | None]:
+        """Where the failed job goes again, and why a `RetryLater`'s own delay was not taken
+        (None when it was, or when there was none): a bad one is retried as any failure."""
         from delaysvc.producer.sending import Placement, resolve_schedule
 
         levels = self.settings.levels
+        refused = None
         if isinstance(error, RetryLater):
             try:
                 schedule = resolve_schedule(
@@ -751,14 +777,17 @@ class Consumer:
                     max_delay_ms=self.settings.max_delay_ms,
                     now=datetime.now().astimezone(),
                 )
-            except ValidationError:
-                log.warning("consume.bad_retry_later", extra={"message_id": job.id})
+            except ValidationError as exc:
+                refused = f"RetryLater's {exc}"
+                log.warning(
+                    "consume.bad_retry_later", extra={"message_id": job.id, "error": str(exc)}
+                )
             else:
                 if schedule.lane != NO_LANE:
-                    return schedule
-                return Placement(TIMER_LANE, None, 0, None)
+                    return schedule, None
+                return Placement(TIMER_LANE, None, 0, None), None
         level = levels.retry_level(job.attempts)
-        return Placement(level, level, levels.delay_ms(level), None)
+        return Placement(level, level, levels.delay_ms(level), None), refused
 
     # -- housekeeping ---------------------------------------------------------
 

@@ -132,6 +132,48 @@ def test_handler_can_dead_letter_now_or_retry_later(producer, consumer):
     assert timedelta(seconds=44) < row.deliver_ts - row.started_at < timedelta(seconds=46)
 
 
+def test_a_retry_later_delay_not_allowed_is_said_in_the_last_error_and_retried_as_a_failure(
+    producer, consumer, caplog
+):
+    @handler("asks")
+    def asks(message):
+        raise RetryLater(delay=message.body)
+
+    unreadable = producer.send("asks", "5x")
+    too_long = producer.send("asks", "500d")  # past DELAYSVC_MAX_DELAY's 400 days
+    with caplog.at_level("WARNING", logger="delaysvc.worker.consumer"):
+        assert consumer.run_once("asks").retried == 2
+    first = producer.get(unreadable.id)
+    assert (first.status, first.delay_level) == ("retrying", 3)  # the first retry's level
+    assert first.last_error.startswith("RetryLater: retry later (5x); RetryLater's delay: '5x'")
+    assert "is not a duration" in first.last_error
+    assert first.last_error.endswith("retried as a failure instead")
+    second = producer.get(too_long.id)
+    assert (second.status, second.delay_level) == ("retrying", 3)
+    assert "RetryLater's delay: 500d is more than the maximum delay, 400d" in second.last_error
+    warned = [r for r in caplog.records if r.getMessage() == "consume.bad_retry_later"]
+    assert sorted(r.message_id for r in warned) == sorted([unreadable.id, too_long.id])
+    assert all("delay" in r.error for r in warned)
+
+
+def test_a_handler_without_its_topic_or_a_second_one_for_a_topic_is_refused_naming_it():
+    def cancel_order(message):
+        pass
+
+    def cancel_order_too(message):
+        pass
+
+    with pytest.raises(TypeError, match=r'write @handler\("order.cancel"\) over .*cancel_order'):
+        handler(cancel_order)  # `@handler` with no parentheses
+    with pytest.raises(TypeError, match=r"a string such as 'order.cancel', got 42"):
+        handler(42)
+    handler("order.cancel")(cancel_order)
+    handler("order.cancel")(cancel_order)  # the same function again (a module reloaded)
+    with pytest.raises(ValueError, match=r"has a handler already, .*cancel_order, so .*too"):
+        handler("order.cancel")(cancel_order_too)
+    assert consumption._registry["order.cancel"].func is cancel_order
+
+
 def test_topic_without_handler_waits_visibly(producer, consumer, engine):
     message = producer.send("nobody.listens", {})
     assert consumer.run_once("nobody.listens").claimed == 0
