@@ -13,7 +13,8 @@ def shown(value: object) -> str:
     text = repr(value)
     if len(text) <= SHOWN_CHARS:
         return text
-    return f"{text[: SHOWN_CHARS - 20]}... ({len(text):,} characters)"
+    size = len(value) if isinstance(value, str) else len(text)  # a string's own, not its repr's
+    return f"{text[: SHOWN_CHARS - 20]}... ({size:,} characters)"
 
 
 class DelaysvcError(Exception):

@@ -86,7 +86,8 @@ def levels(ctx: Context, no_db: bool, as_json: bool) -> None:
 @pass_ctx
 def stats(ctx: Context, as_json: bool) -> None:
     """Per lane: pending, next due, lateness, offsets, stuck heads; per topic: ready, running,
-    dead (`--json`: the shapes of GET /api/v1/levels and /api/v1/topics)."""
+    dead (`--json`: `{"lanes": [...], "topics": [...]}`, each item as GET /api/v1/levels and
+    /api/v1/topics give it)."""
     with ctx.engine.connect() as conn:
         lanes = store.lane_stats(conn)
         topics = store.topic_stats(conn)

@@ -14,6 +14,16 @@ from delaysvc.errors import ValidationError
 from delaysvc.producer.sending import OnDuplicate
 from delaysvc.schema.tables import TIMER_LANE, lane_name
 
+SEND_OPTIONS = {
+    "delay": "--delay",
+    "delay_level": "--level",
+    "deliver_at": "--at",
+    "key": "--key",
+    "tags": "--tag",
+    "properties": "--property",
+}
+"""The producer's fields a `send` option gives, by the option's name."""
+
 
 def _parse_body(text: str) -> Any:
     """BODY is JSON when it parses as JSON, else the text itself (`NaN` and `Infinity`, which
@@ -59,6 +69,15 @@ def send(
     on_duplicate: OnDuplicate,
 ) -> None:
     """Schedule BODY (JSON, or plain text) for TOPIC."""
+    given = [
+        option
+        for option, value in (("--delay", delay), ("--level", delay_level), ("--at", deliver_at))
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ValidationError(
+            given[1], f"give at most one of --delay, --level, --at (got {', '.join(given)})"
+        )
     at = None
     if deliver_at is not None:
         try:
@@ -71,18 +90,24 @@ def send(
         if not sep:
             raise ValidationError("--property", f"{item!r} is not NAME=VALUE")
         props[name] = value
-    message = ctx.producer.send(
-        topic,
-        _parse_body(body),
-        delay=delay,
-        delay_level=delay_level,
-        deliver_at=at,
-        key=key,
-        tags=list(tags) or None,
-        properties=props or None,
-        priority=priority,
-        on_duplicate=on_duplicate,
-    )
+    try:
+        message = ctx.producer.send(
+            topic,
+            _parse_body(body),
+            delay=delay,
+            delay_level=delay_level,
+            deliver_at=at,
+            key=key,
+            tags=list(tags) or None,
+            properties=props or None,
+            priority=priority,
+            on_duplicate=on_duplicate,
+        )
+    except ValidationError as exc:  # named as typed: `--level`, not `delay_level`
+        option = SEND_OPTIONS.get(exc.field.partition("[")[0])
+        if option is None:
+            raise
+        raise type(exc)(option, exc.detail) from None
     verb = "sent" if message.created else "exists (same topic and key)"
     if message.replaced_id is not None:
         verb = f"sent, replacing {message.replaced_id}"

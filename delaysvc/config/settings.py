@@ -225,9 +225,10 @@ class Settings(BaseModel):
         length = None if value is None else len(value.strip())
         if length is not None and length < MIN_SECRET_KEY:
             raise ConfigError(
-                f"DELAYSVC_SECRET_KEY: {length} characters but spaces, at least {MIN_SECRET_KEY} "
-                "needed (a short key can be guessed offline from one session cookie); make one "
-                "with `python -c 'import secrets; print(secrets.token_hex(32))'`"
+                f"DELAYSVC_SECRET_KEY: {length} characters (spaces at its ends not counted), at "
+                f"least {MIN_SECRET_KEY} needed (a short key can be guessed offline from one "
+                "session cookie); make one with "
+                "`python -c 'import secrets; print(secrets.token_hex(32))'`"
             )
         return value
 

@@ -112,7 +112,10 @@ def _absolute(deliver_at: datetime, max_delay_ms: int, now: datetime) -> Placeme
         raise ValidationError("deliver_at", f"must be a datetime, got {deliver_at!r}")
     if deliver_at.tzinfo is None or deliver_at.utcoffset() is None:
         raise ValidationError(
-            "deliver_at", "must be timezone-aware (a naive datetime is ambiguous); add tzinfo"
+            "deliver_at",
+            "must be timezone-aware (a time without a UTC offset is ambiguous): add one, such "
+            f"as Z or +02:00 after an ISO 8601 time, or tzinfo to a datetime; got "
+            f"{deliver_at.isoformat()}",
         )
     too_far = ValidationError(
         "deliver_at",

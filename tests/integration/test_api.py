@@ -1098,7 +1098,7 @@ def test_an_error_quotes_a_long_value_cut_short(
         400,
         "invalid",
     )
-    assert message.startswith("rate: 'xxxx") and "(100,002 characters)" in message
+    assert message.startswith("rate: 'xxxx") and "(100,000 characters)" in message
     assert len(message) < 200
 
 

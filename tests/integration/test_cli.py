@@ -128,10 +128,19 @@ def test_cancel_by_topic_and_key(delaysvc: Run) -> None:
     ("args", "named"),
     [
         (("send", "bad topic!", "{}"), "topic"),
-        (("send", "t.ok", "{}", "--delay", "5 minutes"), "delay"),
-        (("send", "t.ok", "{}", "--at", "2030-01-01T00:00:00"), "deliver_at"),
+        (("send", "t.ok", "{}", "--delay", "5 minutes"), "error: --delay: '5 minutes' is not"),
+        (
+            ("send", "t.ok", "{}", "--at", "2030-01-01T00:00:00"),
+            "error: --at: must be timezone-aware (a time without a UTC offset is ambiguous): "
+            "add one, such as Z or +02:00",
+        ),
         (("send", "t.ok", "{}", "--at", "tomorrow"), "--at"),
-        (("send", "t.ok", "{}", "--level", "2", "--delay", "5s"), "at most one"),
+        (
+            ("send", "t.ok", "{}", "--level", "2", "--delay", "5s"),
+            "error: --level: give at most one of --delay, --level, --at (got --delay, --level)",
+        ),
+        (("send", "t.ok", "{}", "--level", "2", "--at", "2030-01-01T00:00:00Z"), "--at)"),
+        (("send", "t.ok", "{}", "--key", ""), "error: --key: "),
         (("send", "t.ok", "{}", "--property", "novalue"), "--property"),
     ],
 )

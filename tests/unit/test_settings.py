@@ -64,8 +64,16 @@ def test_a_url_for_another_driver_or_database_is_refused_naming_what_is_taken(
         ("DELAYSVC_BACKLOG_CAPS", "level:1=99999999999999999999:reject", "1 to 1,000,000,000"),
         ("DELAYSVC_BACKLOG_CAPS", "topic:t=1000000001:reject", "1 to 1,000,000,000"),
         # any length was taken: a short key is guessed offline from one session cookie
-        ("DELAYSVC_SECRET_KEY", "k" * 31, "31 characters but spaces, at least 32"),
-        ("DELAYSVC_SECRET_KEY", " " * 40, "0 characters but spaces, at least 32"),
+        (
+            "DELAYSVC_SECRET_KEY",
+            "k" * 31,
+            "31 characters (spaces at its ends not counted), at least 32",
+        ),
+        (
+            "DELAYSVC_SECRET_KEY",
+            " " * 40,
+            "0 characters (spaces at its ends not counted), at least 32",
+        ),
         ("DELAYSVC_PROXY_HOPS", "11", "10"),
     ],
 )
