@@ -97,7 +97,11 @@ class MessageFieldsJson(TypedDict):
     deliver_at: NotRequired[
         Annotated[
             Time | None,
-            Field(description="a time already past is due at once: stored as due when stored"),
+            Field(
+                description="a time already past is due at once: stored as due when stored, "
+                "`scheduled` until the timer lane moves it (the database's clock says when "
+                "it is due)"
+            ),
         ]
     ]
     key: NotRequired[Key | None]
