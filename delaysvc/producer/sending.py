@@ -54,6 +54,11 @@ MAX_BATCH = 10_000
 """Items in one HTTP batch (`POST /api/v1/messages/batch`)."""
 MAX_SEND_BATCH = 100_000
 """Items in one `send_batch` call (streamed into the tables: `delaysvc.producer.batching`)."""
+GONE = (
+    " (a finished message is kept until DELAYSVC_HISTORY_RETENTION, if set, drops its day, or "
+    "`delaysvc pipeline archive` takes it)"
+)
+"""Said of an id not found: it may have been there (the same words for every id)."""
 
 
 OnDuplicate = Literal["keep", "replace", "debounce"]
@@ -601,7 +606,7 @@ class Producer:
             raise ValidationError("id", "give a message id, or topic and key, not both")
         if message_id is not None:
             row = store.get_message(conn, message_id)
-            missing = f"no message with id {message_id}"
+            missing = f"no message with id {message_id}{GONE}"
         elif topic is None or key is None:
             raise ValidationError("id", "give a message id, or both topic and key")
         else:

@@ -17,7 +17,7 @@ from sqlalchemy import Engine, text
 from delaysvc import auth
 from delaysvc.config.settings import Settings
 from delaysvc.errors import ConfigError, ValidationError
-from delaysvc.producer.sending import Producer
+from delaysvc.producer.sending import GONE, Producer
 from delaysvc.store import tokens as store_tokens
 from delaysvc.web import create_app
 from delaysvc.worker.consumer import Consumer, handler
@@ -394,13 +394,13 @@ def test_a_token_limited_to_topics_cannot_see_or_cancel_messages_of_other_topics
     hidden = _error(
         client.get(f"/api/v1/messages/{other.id}", headers=orders_token), 404, "not_found"
     )
-    assert hidden == f"no message with id {other.id}"
+    assert hidden == f"no message with id {other.id}{GONE}"
     missing = client.get("/api/v1/messages/987654", headers=orders_token)
-    assert _error(missing, 404, "not_found") == "no message with id 987654"
+    assert _error(missing, 404, "not_found") == f"no message with id 987654{GONE}"
     lookup = client.get("/api/v1/messages?topic=sms.send&key=k1", headers=orders_token)
     assert _error(lookup, 404, "not_found") == "no message with topic 'sms.send' and key 'k1'"
     cancel = client.delete(f"/api/v1/messages/{other.id}", headers=orders_token)
-    assert _error(cancel, 404, "not_found") == f"no message with id {other.id}"
+    assert _error(cancel, 404, "not_found") == f"no message with id {other.id}{GONE}"
     assert producer.get(other.id).status == "scheduled"  # not cancelled
     # its own topics: as any send token
     got = client.get(f"/api/v1/messages/{own.id}", headers=orders_token)
