@@ -136,7 +136,8 @@ class Settings(BaseModel):
     consume_batch: int = Field(default=100, gt=0, le=10_000)
     """Jobs claimed per consumer transaction."""
     idle_poll_ms: int = Field(default=100, ge=10, le=60_000)
-    """The longest sleep of the timer lane's runner (where a new message may become the head)."""
+    """The longest sleep of the timer lane's runner (where a new message may become the head),
+    and how often it looks for topics a send due at once reached, to wake their consumers."""
     lane_budget_seconds: float = Field(default=5.0, gt=0, le=300)
     """How long one delivery task keeps its lane before it re-queues itself; beat fires every
     lane's task this often."""

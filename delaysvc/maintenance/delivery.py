@@ -173,7 +173,8 @@ class LatenessHistogram:
 @dataclass
 class LaneRunner:
     """Keeps one lane delivered on time for a bounded while. `on_moved(topics)` is called after
-    each commit that moved rows (Celery uses it to wake the topics' consumers)."""
+    each commit that moved rows (Celery uses it to wake the topics' consumers), and, by the
+    timer lane's runner, for the topics a send due at once reached (`_watch_ready`)."""
 
     engine: Engine
     lane: int
@@ -187,6 +188,8 @@ class LaneRunner:
     _beaten: float = 0.0  # monotonic time of the last heartbeat
     # this run's lateness, for its span (`tracing.lane_ran`): rows measured, largest, sum (ms)
     _lateness: tuple[int, float, float] = (0, 0.0, 0.0)
+    _ready: frozenset[str] = frozenset()  # topics with ready jobs at the last look, or woken
+    _looked: float | None = None  # monotonic time of the last look (`_watch_ready`)
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -210,6 +213,7 @@ class LaneRunner:
     def _loop(self, conn: Connection, deadline: float) -> None:
         alone = 0  # rows to move one at a time: a batch failed on one of them
         while not self.stop.is_set() and time.monotonic() < deadline:
+            self._watch_ready(conn)
             batch = 1 if alone else self.batch
             result = run_once(conn, self.lane, batch)
             if result.narrowed:
@@ -228,6 +232,7 @@ class LaneRunner:
                     total + result.lateness_sum_ms,
                 )
                 self.on_moved(result.topics)
+                self._ready |= frozenset(result.topics)  # woken: not again at the next look
             if self.lateness.due():
                 self.lateness.flush(conn, self.lane)
             if time.monotonic() - self._beaten >= LANE_HEARTBEAT_SECONDS:
@@ -241,6 +246,26 @@ class LaneRunner:
             else:
                 wait = self._wait(result.next_due_seconds, result.delay_ms or 0)
             self.stop.wait(max(MIN_TICK_SECONDS, min(wait, deadline - time.monotonic())))
+
+    def _watch_ready(self, conn: Connection) -> None:
+        """The timer lane's runner also wakes, at most every idle poll, each topic with ready
+        jobs that had none at its last look: a send due at once (no delay, a level <= 0) goes
+        straight to its topic's queue, which no lane moves and so none woke (beat's 1 s sweep
+        did, behind the consume tasks). The first look of a run wakes every ready topic (one
+        may have become so since the last run's). A topic that had ready jobs at the last look
+        is being consumed, or waits for a reason (paused, at its limit, no handler): the sweep
+        stays its safety net."""
+        if self.lane != TIMER_LANE:
+            return
+        now = time.monotonic()
+        if self._looked is not None and now - self._looked < self.idle_poll_seconds:
+            return
+        with conn.begin():
+            ready = frozenset(store.topics_with_ready(conn))
+        woken = ready if self._looked is None else ready - self._ready
+        self._looked, self._ready = now, ready
+        if woken:
+            self.on_moved(tuple(sorted(woken)))
 
     def _wait(self, until_head: float | None, delay_ms: int) -> float:
         if self.lane == TIMER_LANE:

@@ -200,3 +200,31 @@ def test_a_graceful_shutdown_finishes_the_running_job(service: Service, producer
     assert _runs(service, sent.id, "done") == [1]  # finished before the worker left
     row = _message(service, sent.id)
     assert (row.status, row.attempts) == ("succeeded", 1)
+
+
+def test_sends_due_at_once_run_soon_without_beats_sweep(
+    service: Service, producer: Producer
+) -> None:
+    """A send due at once goes straight to its topic's queue, which no lane moves: with no beat
+    (whose 1 s sweep was the only wake, behind the consume tasks), the timer lane's runner
+    wakes its topic. Each send below lands in an empty topic queue."""
+    service.delivery_worker()
+    service.consume_worker()
+    producer.send("e2e.record", {}, delay_level=1)  # the lanes and the consumer are up
+    wait_for(lambda: service.count_status("succeeded") == 1, 90, "the first message")
+    ids = []
+    for n in range(3):
+        ids.append(producer.send("e2e.record", {"n": n}).id)
+        wait_for(
+            lambda n=n: service.count_status("succeeded") == 2 + n,
+            30,
+            f"the send due at once {n}",
+        )
+    waited = [
+        row.waited.total_seconds()
+        for row in service.rows(
+            "SELECT started_at - stored_at AS waited FROM message WHERE id = ANY(:ids)", ids=ids
+        )
+    ]
+    print("sends due at once, stored -> started, s:", waited)
+    assert max(waited) < 5, waited  # a look every 100 ms, then a consume task's round trip

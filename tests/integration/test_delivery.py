@@ -320,6 +320,31 @@ def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
     assert 0 <= lateness < 0.2
 
 
+def test_the_timer_lanes_runner_wakes_the_topics_sends_due_at_once_reached(producer, engine):
+    """A send due at once goes straight to its topic's queue, which no lane moves: the timer
+    lane's runner looks at the topic queues each idle poll and wakes a topic that had no ready
+    job at its last look (only beat's 1 s sweep did, behind the consume tasks)."""
+    producer.send("before", 1)  # ready before the run: woken at its first look
+    woken: list[tuple[tuple[str, ...], float]] = []
+    runner = delivery.LaneRunner(
+        engine, TIMER_LANE, 100, 0.05, on_moved=lambda t: woken.append((t, time.monotonic()))
+    )
+    level = delivery.LaneRunner(engine, 1, 100, 0.05, on_moved=woken.append)
+    thread = threading.Thread(target=runner.run, args=(1.5,))
+    thread.start()
+    try:
+        level.run(0.2)  # a level's runner does not look: nothing of its own moved
+        time.sleep(0.3)
+        sent_at = time.monotonic()
+        producer.send("now", 1)  # into an empty topic queue
+        producer.send("before", 2)  # its topic had ready jobs already: not woken again
+        producer.send("later", 3, delay="300ms")  # woken by its move, once
+    finally:
+        thread.join()
+    assert [topics for topics, _ in woken] == [("before",), ("now",), ("later",)]
+    assert woken[1][1] - sent_at < 0.5  # within a look (50 ms here), on a loaded machine
+
+
 def test_a_tick_reports_when_the_next_head_is_due(producer, engine):
     first = producer.send("t", 1, delay_level=2)
     assert tick(engine, 2, first.deliver_at - timedelta(seconds=1)).moved == 0
