@@ -36,7 +36,7 @@ def require_workers_can_start(ctx: Context, handlers: bool) -> None:
     """Refuse before anything starts what would stop every Celery process as it starts: a
     broker URL kombu has no transport for, and (`handlers`) a handler module not found."""
     from delaysvc.tasks.app import broker_options
-    from delaysvc.worker.consumer import require_handler_modules
+    from delaysvc.worker.handlers import require_handler_modules
 
     broker_options(ctx.settings)
     if handlers:

@@ -66,7 +66,8 @@ from delaysvc.config.validation import json_text
 from delaysvc.errors import DeadLetter, NotCancellable, NotFound
 from delaysvc.producer.default import default_producer
 from delaysvc.producer.sending import Producer
-from delaysvc.worker.consumer import Job, register_handler
+from delaysvc.worker.consumer import Job
+from delaysvc.worker.handlers import register_handler
 
 __all__ = ["TOPIC_PREFIX", "durable", "key_for", "topic_for"]
 

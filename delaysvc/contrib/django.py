@@ -47,7 +47,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.connections import Joined, joined
 from delaysvc.db.engines import make_engine
 from delaysvc.producer.sending import Message, Producer, SentBatch
-from delaysvc.worker.consumer import HandlerFunc, register_handler
+from delaysvc.worker.handlers import HandlerFunc, register_handler
 
 __all__ = [
     "TransactionRolledBack",

@@ -39,6 +39,8 @@ from delaysvc.schema.tables import LATENESS_BUCKETS_MS, TIMER_LANE
 log = logging.getLogger(__name__)
 
 MIN_TICK_SECONDS = 0.002  # coalesce heads due within 2 ms into one move
+_moved_into: dict[str, float] = {}
+"""Topic -> when this process's lane runners last moved rows into its queue (and woke it)."""
 
 
 @dataclass(frozen=True)
@@ -188,8 +190,8 @@ class LaneRunner:
     _beaten: float = 0.0  # monotonic time of the last heartbeat
     # this run's lateness, for its span (`tracing.lane_ran`): rows measured, largest, sum (ms)
     _lateness: tuple[int, float, float] = (0, 0.0, 0.0)
-    _ready: frozenset[str] = frozenset()  # topics with ready jobs at the last look, or woken
-    _looked: float | None = None  # monotonic time of the last look (`_watch_ready`)
+    _heads: dict[str, int] | None = None  # each ready topic's head at the last look
+    _looked: float = 0.0  # monotonic time of the last look (`_watch_ready`)
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -232,7 +234,7 @@ class LaneRunner:
                     total + result.lateness_sum_ms,
                 )
                 self.on_moved(result.topics)
-                self._ready |= frozenset(result.topics)  # woken: not again at the next look
+                _moved_into.update(dict.fromkeys(result.topics, time.monotonic()))
             if self.lateness.due():
                 self.lateness.flush(conn, self.lane)
             if time.monotonic() - self._beaten >= LANE_HEARTBEAT_SECONDS:
@@ -248,24 +250,31 @@ class LaneRunner:
             self.stop.wait(max(MIN_TICK_SECONDS, min(wait, deadline - time.monotonic())))
 
     def _watch_ready(self, conn: Connection) -> None:
-        """The timer lane's runner also wakes, at most every idle poll, each topic with ready
-        jobs that had none at its last look: a send due at once (no delay, a level <= 0) goes
-        straight to its topic's queue, which no lane moves and so none woke (beat's 1 s sweep
-        did, behind the consume tasks). The first look of a run wakes every ready topic (one
-        may have become so since the last run's). A topic that had ready jobs at the last look
-        is being consumed, or waits for a reason (paused, at its limit, no handler): the sweep
-        stays its safety net."""
-        if self.lane != TIMER_LANE:
-            return
-        now = time.monotonic()
-        if self._looked is not None and now - self._looked < self.idle_poll_seconds:
+        """The timer lane's runner also wakes, at most every idle poll, each topic whose head
+        (the job its next claim takes) is new since its last look: a send due at once (no
+        delay, a level <= 0) goes straight to its topic's queue, which no lane moves and so
+        none woke (beat's 1 s sweep did, behind the consume tasks). A topic a move of this
+        process woke since the last look is not woken again (a send due at once that came
+        into it after the move's rows were taken waits for the sweep, as before); the first
+        look of a run wakes every ready topic. A head that stays is a topic waiting for a
+        reason (paused, at its limit, no handler), for which the sweep stays; one that moves
+        on while its topic is consumed is woken again, a consume task more that takes jobs
+        too."""
+        if self.lane != TIMER_LANE or time.monotonic() - self._looked < self.idle_poll_seconds:
             return
         with conn.begin():
-            ready = frozenset(store.topics_with_ready(conn))
-        woken = ready if self._looked is None else ready - self._ready
-        self._looked, self._ready = now, ready
+            heads = store.ready_heads(conn)
+        before, looked = self._heads, self._looked
+        self._heads, self._looked = {}, time.monotonic()
+        woken = []
+        for topic, head in heads.items():
+            self._heads[topic] = head
+            if before is None or (
+                head != before.get(topic) and _moved_into.get(topic, 0.0) < looked
+            ):
+                woken.append(topic)
         if woken:
-            self.on_moved(tuple(sorted(woken)))
+            self.on_moved(tuple(woken))
 
     def _wait(self, until_head: float | None, delay_ms: int) -> float:
         if self.lane == TIMER_LANE:

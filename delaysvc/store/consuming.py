@@ -377,6 +377,25 @@ def topics_with_ready(conn: Connection) -> list[str]:
     return distinct_topics(conn, "topic_queue")
 
 
+_READY_HEADS = """
+WITH RECURSIVE t AS (
+    (SELECT topic, seq FROM delaysvc.topic_queue ORDER BY topic, priority DESC, seq LIMIT 1)
+    UNION ALL
+    SELECT n.topic, n.seq FROM t, LATERAL (
+        SELECT topic, seq FROM delaysvc.topic_queue WHERE topic > t.topic
+        ORDER BY topic, priority DESC, seq LIMIT 1
+    ) n
+)
+SELECT topic, seq FROM t
+"""
+
+
+def ready_heads(conn: Connection) -> dict[str, int]:
+    """Each topic with ready jobs -> its head's `seq` (the job its next claim takes first), by
+    a loose index scan along the topic queue's index: one probe per topic."""
+    return {row.topic: row.seq for row in conn.execute(sql(_READY_HEADS))}
+
+
 def distinct_topics(conn: Connection, table: Literal["topic_queue", "dead_letter"]) -> list[str]:
     """Distinct topics of `table` by a loose index scan along its topic index (one probe per
     topic), never a scan of the table."""

@@ -30,7 +30,8 @@ from delaysvc.errors import ConfigError, SchemaNotReady
 from delaysvc.maintenance import history, periodic
 from delaysvc.store.dashboard import SAMPLE_EVERY
 from delaysvc.tasks import broker
-from delaysvc.worker.consumer import Consumer, Job, load_handler_modules
+from delaysvc.worker.consumer import Consumer, Job
+from delaysvc.worker.handlers import load_handler_modules
 
 DELIVERY_QUEUE = "delaysvc.delivery"
 CONSUME_QUEUE = "delaysvc.consume"

@@ -14,7 +14,8 @@ from sqlalchemy.pool import NullPool
 from delaysvc.db.engines import make_engine
 from delaysvc.maintenance.heartbeats import record_heartbeat, report_handlers
 from delaysvc.tasks.app import CONSUME_QUEUE, runtime
-from delaysvc.worker.consumer import Job, registered_topics
+from delaysvc.worker.consumer import Job
+from delaysvc.worker.handlers import registered_topics
 
 log = logging.getLogger(__name__)
 LIMITED_BUDGET_SECONDS = 2.0  # a limited topic's task claims again this long before requeueing

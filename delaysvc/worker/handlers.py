@@ -1,0 +1,158 @@
+"""The handler registry: `@handler` and its kin register a function for a topic, or for every
+topic that starts with a prefix (`@handler("webhook.*")`; an exact topic wins, then the longest
+prefix). Workers import the modules in `DELAYSVC_HANDLERS` so the decorators run; the consumer
+(`delaysvc.worker.consumer`) finds each job's handler here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from delaysvc.config.validation import validate_topic
+from delaysvc.errors import ConfigError, ValidationError
+
+log = logging.getLogger("delaysvc.worker.consumer")  # the workers' logger, as before the split
+
+HandlerFunc = Callable[..., Any]  # (message), or (message, conn) with transaction=True
+
+
+TransactionOpener = Callable[[Engine], AbstractContextManager[tuple[Any, tuple[Any, ...]]]]
+"""Opens a transactional handler's transaction: -> (what the job's own statements run on, the
+arguments the handler gets after the message). The service's: `in_service_transaction`;
+Django's: `delaysvc.contrib.django.handler`."""
+
+
+@contextmanager
+def in_service_transaction(engine: Engine) -> Iterator[tuple[Connection, tuple[Connection]]]:
+    """A transaction on the service's database; the handler gets its `Connection`."""
+    with engine.begin() as conn:
+        yield conn, (conn,)
+
+
+@dataclass(frozen=True)
+class Handler:
+    topic: str
+    func: HandlerFunc
+    max_retries: int | None
+    transaction: TransactionOpener | None = None
+
+
+_registry: dict[str, Handler] = {}
+"""Handlers by topic, and by pattern (`prefix*`) for a family of topics."""
+
+
+def handler(
+    topic: str, *, max_retries: int | None = None, transaction: bool = False
+) -> Callable[[HandlerFunc], HandlerFunc]:
+    """Register `func(message)` for `topic`. Returning is success; raising is a failure that
+    is retried at level 3, 4, ... (10s, 30s, 1m ...) until `max_retries` (default 16) is spent,
+    then the message is dead-lettered. Raise `RetryLater(delay=...)` or `DeadLetter(reason)`
+    to decide yourself.
+
+    `transaction=True`: `func(message, conn)` gets a SQLAlchemy `Connection` on the service's
+    database in an open transaction, and the job's success is written in that transaction:
+    the handler's rows and `succeeded` commit together or not at all (effectively once for
+    work in the same database). Raising rolls both back, then the usual retry or dead letter;
+    a process killed mid-handler leaves neither, and the job runs again after its lease. While
+    the transaction is open the job's row is locked, so no other consumer can take it."""
+    return register_handler(topic, max_retries, in_service_transaction if transaction else None)
+
+
+def register_handler(
+    topic: str, max_retries: int | None, transaction: TransactionOpener | None
+) -> Callable[[HandlerFunc], HandlerFunc]:
+    """`handler`, with the transaction a transactional handler runs in given."""
+    if callable(topic):  # `@handler` over a function, without its topic
+        raise TypeError(
+            f'handler needs the topic: write @handler("order.cancel") over {_name(topic)}, '
+            "not @handler"
+        )
+    if not isinstance(topic, str):
+        raise TypeError(f"a handler's topic is a string such as 'order.cancel', got {topic!r}")
+    if topic.endswith("*"):
+        _validate_family(topic)
+    else:
+        validate_topic(topic)
+    if max_retries is not None and (not isinstance(max_retries, int) or max_retries < 0):
+        raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
+
+    def register(func: HandlerFunc) -> HandlerFunc:
+        held = _registry.get(topic)
+        if held is not None and _name(held.func) != _name(func):  # the same name: a reload
+            raise ValueError(
+                f"topic {topic!r} has a handler already, {_name(held.func)}, so "
+                f"{_name(func)} cannot be its handler too: a topic has one handler (two "
+                "modules in DELAYSVC_HANDLERS, or one imported under two names?)"
+            )
+        _registry[topic] = Handler(topic, func, max_retries, transaction)
+        return func
+
+    return register
+
+
+def _name(func: Callable[..., Any]) -> str:
+    """`module.qualname` of a handler function, as a traceback names it."""
+    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+
+
+def _validate_family(pattern: str) -> None:
+    """A family of topics is a topic's beginning and `*`: `webhook.*`, `celery.*`."""
+    prefix = pattern[:-1]
+    if not prefix or "*" in prefix:
+        raise ValidationError(
+            "topic",
+            f"{pattern!r} is not a topic pattern; write the topics' common beginning and one "
+            "'*' at the end, as in 'webhook.*'",
+        )
+    validate_topic(prefix + "x")
+
+
+def registered(topic: str) -> Handler | None:
+    """The topic's own handler, else that of the longest pattern it matches."""
+    found = _registry.get(topic)
+    if found is not None:
+        return found
+    families = [h for p, h in _registry.items() if p.endswith("*") and topic.startswith(p[:-1])]
+    return max(families, key=lambda h: len(h.topic), default=None)
+
+
+def registered_topics() -> list[str]:
+    """The topics and topic patterns (`webhook.*`) this process has handlers for."""
+    return sorted(_registry)
+
+
+def require_handler_modules(modules: tuple[str, ...]) -> None:
+    """Refuse, naming DELAYSVC_HANDLERS, a handler module that cannot be found: otherwise each
+    worker would fail as it imports it, and be started again, a traceback each time. Found,
+    not imported (the workers import it), on this process's path and its working folder,
+    where the workers (`python -m celery`) look too; a parent package is imported to look
+    inside it."""
+    folder = os.getcwd()
+    if folder not in sys.path and "" not in sys.path:
+        sys.path.insert(0, folder)
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module)
+        except (ImportError, ValueError):  # its package is missing, or is not a package
+            found = None
+        if found is None:
+            raise ConfigError(
+                f"DELAYSVC_HANDLERS: no module named {module!r} in {folder} or the installed "
+                "packages; start from the folder that holds it, or install it"
+            )
+
+
+def load_handler_modules(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        importlib.import_module(module)
+        log.info("handlers.loaded", extra={"module": module})
