@@ -62,7 +62,7 @@ class Group(click.Group):
 
             if isinstance(exc, OperationalError):
                 reason = " ".join(str(exc.orig).split())
-                click.echo(f"error: database unreachable: {reason}", err=True)
+                click.echo(f"error: database: {reason}", err=True)  # unreachable, or refused
                 sys.exit(1)
             missing = store.not_migrated(exc) if isinstance(exc, DBAPIError) else None
             if missing is not None:

@@ -104,19 +104,21 @@ def stats(ctx: Context, as_json: bool) -> None:
         return
     click.echo(
         f"{'lane':>5} {'delay':>6} {'pending':>9} {'offset':>9} {'max':>9} {'moved':>10} "
-        f"{'moved/s':>9} {'next due in':>12}  state"
+        f"{'moved/s':>9} {'next due in':>12} {'late':>9}  state"
     )
     for lane in lanes:
         name = "timer" if lane.lane == 0 else str(lane.lane)
-        due = "-"
+        due = late = "-"
         if lane.next_due is not None:
             due = f"{(lane.next_due - lane.now).total_seconds():.3f}s"
+            if lane.next_due <= lane.now:  # the head is due and not moved yet: how long
+                late = f"{(lane.now - lane.next_due).total_seconds():.3f}s"
         state = f"STUCK at {lane.stuck_offset}: {lane.stuck_error}" if lane.stuck_error else "ok"
         rate = "-" if lane.moved_per_s is None else f"{lane.moved_per_s:,.1f}"
         click.echo(
             f"{name:>5} {format_ms(lane.delay_ms) if lane.lane else 'any':>6} {lane.pending:>9} "
             f"{lane.schedule_offset:>9} {lane.max_offset if lane.lane else '-':>9} "
-            f"{lane.moved_total:>10} {rate:>9} {due:>12}  {state}"
+            f"{lane.moved_total:>10} {rate:>9} {due:>12} {late:>9}  {state}"
         )
     click.echo("")
     echo_topics(topics)

@@ -43,6 +43,8 @@ def schedules_list(ctx: Context, as_json: bool) -> None:
 
         echo_json({"schedules": [schedule_json(row) for row in rows]})
         return
+    if not rows:  # said on stderr: the list itself stays empty for scripts
+        click.echo("no periodic schedules", err=True)
     for row in rows:
         click.echo(_schedule_line(row))
 

@@ -101,6 +101,8 @@ def limits_list(ctx: Context, as_json: bool) -> None:
 
         echo_json({"limits": [limits_json(item) for item in found]})
         return
+    if not found:  # said on stderr: the list itself stays empty for scripts
+        click.echo("no topic has limits", err=True)
     for item in found:
         click.echo(f"{item.topic:<30} {_limits_text(item)}")
 
@@ -163,6 +165,8 @@ def caps_list(ctx: Context, as_json: bool) -> None:
 
         echo_json({"caps": [cap_json(item) for item in found]})
         return
+    if not found:  # said on stderr: the list itself stays empty for scripts
+        click.echo("no level or topic has a backlog cap", err=True)
     for item in found:
         click.echo(f"{item.scope + ':' + item.target:<30} {_cap_text(item)}")
 

@@ -114,15 +114,18 @@ async def run_async(held: object, call: Callable[[Any], _T]) -> _T:
         import asyncio
 
         return await asyncio.to_thread(call, None)
-    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
-
-    if isinstance(held, AsyncConnection | AsyncSession):
-        return await held.run_sync(call)
     if isinstance(held, psycopg.AsyncConnection):
+        # said before SQLAlchemy's asyncio module is imported: without greenlet, its import
+        # fails naming `sqlalchemy[asyncio]`, not delaysvc's extra
         extras.require("await delaysvc.asend(connection=<a psycopg AsyncConnection>)", "asyncio")
         from sqlalchemy.util import greenlet_spawn
 
         return await greenlet_spawn(call, held)
+    if not extras.missing("asyncio"):  # else no SQLAlchemy AsyncConnection can have been made
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+        if isinstance(held, AsyncConnection | AsyncSession):
+            return await held.run_sync(call)
     raise ValidationError(
         "connection", f"cannot join a {_name(held)} from asyncio; allowed: {ALLOWED}"
     )

@@ -222,3 +222,43 @@ async def test_an_autocommitting_async_connection_in_pipeline_mode_with_a_statem
         "commit_log": [m.id for m in sent],
         "ready": [m.id for m in sent],
     }
+
+
+def test_a_psycopg_async_connection_without_greenlet_names_delaysvcs_extra(
+    database_url: str,
+) -> None:
+    """Without greenlet (`delaysvc[asyncio]`), SQLAlchemy's asyncio module failed to import
+    first, its long traceback ending in `pip install sqlalchemy[asyncio]`."""
+    import subprocess
+    import sys
+
+    from tests.conftest import TEST_SCHEMA, outside_env
+
+    script = """
+import asyncio, sys
+sys.modules["greenlet"] = None  # as where it is not installed
+import psycopg, delaysvc
+from delaysvc.errors import MissingPart
+
+async def main():
+    async with await psycopg.AsyncConnection.connect(sys.argv[1]) as conn:
+        try:
+            await delaysvc.asend("t.async", 1, connection=conn)
+        except MissingPart as exc:
+            print(exc)
+
+asyncio.run(main())
+"""
+    env = outside_env() | {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_SCHEMA": TEST_SCHEMA}
+    result = subprocess.run(
+        [sys.executable, "-c", script, libpq_url(database_url)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "await delaysvc.asend(connection=<a psycopg AsyncConnection>) needs greenlet, not "
+        "installed: pip install 'delaysvc[asyncio]'"
+    )

@@ -8,6 +8,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -221,7 +222,7 @@ def test_version_and_json_output(delaysvc: Run, producer: Producer) -> None:
 def test_an_unreachable_database_is_one_line() -> None:
     env = _clean_env(DELAYSVC_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")
     line = _assert_one_line_error(_run(("stats",), env), 1)
-    assert "database unreachable" in line
+    assert line.startswith("error: database: connection failed: ")
 
 
 def test_create_token_prints_the_token_alone_on_the_last_line(
@@ -261,10 +262,17 @@ def test_stats_shows_lanes_and_topics_waiting_for_a_handler(
     delaysvc: Run, producer: Producer, engine: Engine
 ) -> None:
     producer.send("nobody.handles", {"n": 1})
+    producer.send("nobody.handles", {"n": 2}, delay_level=1)  # 1 s, and no delivery runs
+    time.sleep(1.2)
     result = delaysvc("stats")
     assert result.returncode == 0, result.stderr
-    lanes = [line.split() for line in result.stdout.split("\n\n")[0].splitlines()[1:]]
-    assert [lane[0] for lane in lanes] == ["1", "2", "3", "4", "5", "timer"]
+    header, *rows = result.stdout.split("\n\n")[0].splitlines()
+    assert header.split()[-2:] == ["late", "state"]
+    lanes = {row.split()[0]: row.split() for row in rows}
+    assert list(lanes) == ["1", "2", "3", "4", "5", "timer"]
+    late = float(lanes["1"][8].removesuffix("s"))  # its head is due: how long ago
+    assert 0.2 <= late < 60 and lanes["1"][7] == f"{-late:.3f}s"
+    assert lanes["2"][7:9] == ["-", "-"]  # empty
     topic_line = next(line for line in result.stdout.splitlines() if "nobody.handles" in line)
     assert topic_line.split()[:4] == ["nobody.handles", "1", "0", "0"]
     assert topic_line.endswith("NONE: no live worker has one (waiting)")
@@ -574,3 +582,16 @@ def test_a_port_in_use_is_refused_before_anything_starts(
     line = _assert_one_line_error(result, 2)
     assert f"127.0.0.1:{port} is in use" in line, line
     assert "--port" in line
+
+
+def test_an_empty_list_says_so_on_stderr_and_prints_nothing(delaysvc: Run) -> None:
+    """`limits list`, `caps list` and `schedules list` of nothing printed nothing at all (as
+    `dead list` does, they say so on stderr, so a script still reads an empty list)."""
+    for command, said in [
+        (("limits", "list"), "no topic has limits"),
+        (("caps", "list"), "no level or topic has a backlog cap"),
+        (("schedules", "list"), "no periodic schedules"),
+        (("dead", "list"), "no dead letters"),
+    ]:
+        result = delaysvc(*command)
+        assert (result.returncode, result.stdout, result.stderr.strip()) == (0, "", said)

@@ -112,4 +112,4 @@ def test_a_service_command_waits_then_stops_naming_the_database(database_url: st
     assert result.returncode == 1, result.stderr
     first, last = result.stderr.strip().splitlines()
     assert first.startswith("waiting up to 2 s for the database: "), result.stderr
-    assert last.startswith("error: database unreachable: "), result.stderr
+    assert last.startswith("error: database: connection failed: "), result.stderr
