@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 
 MIN_TICK_SECONDS = 0.002  # coalesce heads due within 2 ms into one move
 _moved_into: dict[str, float] = {}
-"""Topic -> when this process's lane runners last moved rows into its queue (and woke it)."""
+"""Topic -> when this process's lane runners last moved rows into its queue (and woke it),
+since the timer lane's last look (`LaneRunner._watch_ready`)."""
+LOOK_SHARE = 0.1
+"""The timer lane's look at the topic queues takes at most this share of its time."""
 
 
 @dataclass(frozen=True)
@@ -190,8 +193,10 @@ class LaneRunner:
     _beaten: float = 0.0  # monotonic time of the last heartbeat
     # this run's lateness, for its span (`tracing.lane_ran`): rows measured, largest, sum (ms)
     _lateness: tuple[int, float, float] = (0, 0.0, 0.0)
-    _heads: dict[str, int] | None = None  # each ready topic's head at the last look
+    _mark: int | None = None  # the topic queue's last `seq` at the last look
+    _held: dict[str, int] = field(default_factory=dict)  # topic -> an older mark to look with
     _looked: float = 0.0  # monotonic time of the last look (`_watch_ready`)
+    _next_look: float = 0.0
 
     def run(self, budget_seconds: float) -> int:
         """Deliver until the budget is spent; -> messages moved. Returns at once (0) when
@@ -250,29 +255,42 @@ class LaneRunner:
             self.stop.wait(max(MIN_TICK_SECONDS, min(wait, deadline - time.monotonic())))
 
     def _watch_ready(self, conn: Connection) -> None:
-        """The timer lane's runner also wakes, at most every idle poll, each topic whose head
-        (the job its next claim takes) is new since its last look: a send due at once (no
-        delay, a level <= 0) goes straight to its topic's queue, which no lane moves and so
-        none woke (beat's 1 s sweep did, behind the consume tasks). A topic a move of this
-        process woke since the last look is not woken again (a send due at once that came
-        into it after the move's rows were taken waits for the sweep, as before); the first
-        look of a run wakes every ready topic. A head that stays is a topic waiting for a
-        reason (paused, at its limit, no handler), for which the sweep stays; one that moves
-        on while its topic is consumed is woken again, a consume task more that takes jobs
-        too."""
-        if self.lane != TIMER_LANE or time.monotonic() - self._looked < self.idle_poll_seconds:
+        """The timer lane's runner also wakes each topic whose head (the job its next claim
+        takes) came into its queue since its last look: a send due at once (no delay, a level
+        <= 0) goes straight to its topic's queue, which no lane moves and so none woke (beat's
+        1 s sweep did, behind the consume tasks). It looks every idle poll, or less often when
+        a look takes long (`LOOK_SHARE`). A topic a move of this process woke since the last
+        look is looked at again at the next look, against the older mark: a send due at once
+        that came into it meanwhile is woken then (with the moved jobs, if they are still
+        there: a wake more). Not woken here: a topic whose head is older (being consumed, or
+        waiting for a reason: paused, at its limit, no handler); a send due at once committed
+        after a look its `seq` preceded (in a long transaction of the caller's), or before a
+        run's first look, which only takes its mark. Those wait for their consumer's next
+        claim, or for the sweep, as before."""
+        started = time.monotonic()
+        if self.lane != TIMER_LANE or started < self._next_look:
             return
         with conn.begin():
-            heads = store.ready_heads(conn)
-        before, looked = self._heads, self._looked
-        self._heads, self._looked = {}, time.monotonic()
-        woken = []
-        for topic, head in heads.items():
-            self._heads[topic] = head
-            if before is None or (
-                head != before.get(topic) and _moved_into.get(topic, 0.0) < looked
-            ):
+            mark, heads = store.ready_heads(conn)
+        before, looked = self._mark, self._looked
+        self._mark, self._looked = mark, started
+        took = time.monotonic() - started
+        self._next_look = started + max(self.idle_poll_seconds, took / LOOK_SHARE)
+        for topic, at in list(_moved_into.items()):  # only moves since the last look count
+            if at < looked:
+                del _moved_into[topic]
+        if before is None:
+            return
+        woken, held = [], {}
+        for topic, head in sorted(heads.items()):
+            since = self._held.get(topic, before)  # older for a topic a move woke meanwhile
+            if head <= since:
+                continue
+            if _moved_into.get(topic, 0.0) >= looked:  # woken by the move: looked at again
+                held[topic] = since
+            else:
                 woken.append(topic)
+        self._held = held
         if woken:
             self.on_moved(tuple(woken))
 

@@ -390,10 +390,12 @@ SELECT topic, seq FROM t
 """
 
 
-def ready_heads(conn: Connection) -> dict[str, int]:
-    """Each topic with ready jobs -> its head's `seq` (the job its next claim takes first), by
-    a loose index scan along the topic queue's index: one probe per topic."""
-    return {row.topic: row.seq for row in conn.execute(sql(_READY_HEADS))}
+def ready_heads(conn: Connection) -> tuple[int, dict[str, int]]:
+    """(the last `seq` given, read first; each topic with ready jobs -> its head's `seq`, the
+    job its next claim takes), the heads by a loose index scan along the topic queue's index:
+    one probe per topic. A head whose `seq` is above an earlier call's mark came in since."""
+    mark = conn.execute(sql("SELECT last_value FROM delaysvc.topic_queue_seq")).scalar_one()
+    return int(mark), {row.topic: row.seq for row in conn.execute(sql(_READY_HEADS))}
 
 
 def distinct_topics(conn: Connection, table: Literal["topic_queue", "dead_letter"]) -> list[str]:

@@ -25,6 +25,7 @@ from delaysvc.config.validation import decode_body
 from delaysvc.db import engines as db
 from delaysvc.errors import DeadLetter, LeaseLost, RetryLater, ValidationError
 from delaysvc.schema.tables import DURATION_BUCKETS_MS, NO_LANE, TIMER_LANE
+from delaysvc.worker import handlers
 from delaysvc.worker.handlers import Handler, _registry, registered
 from delaysvc.worker.handlers import handler as handler  # `delaysvc.consumption.handler` before
 
@@ -33,6 +34,26 @@ if TYPE_CHECKING:
     from delaysvc.producer.sending import Placement
 
 log = logging.getLogger(__name__)
+
+_REGISTRY_NAMES = frozenset(
+    {
+        "HandlerFunc",
+        "TransactionOpener",
+        "in_service_transaction",
+        "load_handler_modules",
+        "register_handler",
+        "registered_topics",
+        "require_handler_modules",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    """The handler registry's other names, given here as before it moved to
+    `delaysvc.worker.handlers` (`from delaysvc.worker.consumer import register_handler`)."""
+    if name in _REGISTRY_NAMES:
+        return getattr(handlers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @contextmanager
@@ -582,8 +603,8 @@ class Consumer:
             return store.OutcomeCounts(dead=1)
         schedule, refused = self._retry_schedule(job, error)
         if refused is not None:  # said where the message's last error is read
-            failure = dataclasses.replace(
-                failure, error=f"{failure.error}; {refused}: retried as a failure instead"
+            failure = dataclasses.replace(  # first: the error is cut at 4,000 characters
+                failure, error=f"{refused}: retried as a failure instead. {failure.error}"
             )
         retried = store.schedule_retry(
             conn,

@@ -6,6 +6,7 @@ prefix). Workers import the modules in `DELAYSVC_HANDLERS` so the decorators run
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -101,8 +102,12 @@ def register_handler(
 
 
 def _name(func: Callable[..., Any]) -> str:
-    """`module.qualname` of a handler function, as a traceback names it."""
-    return f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+    """`module.qualname` of a handler function, as a traceback names it: of the function a
+    `functools.partial` calls, of the class of a callable object."""
+    if isinstance(func, functools.partial):
+        return _name(func.func)
+    named = func if hasattr(func, "__qualname__") else type(func)
+    return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
 
 
 def _validate_family(pattern: str) -> None:

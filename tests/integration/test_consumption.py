@@ -1,5 +1,6 @@
 """Consumption through Consumer.run_once: claims, outcomes, retries, dead letters, leases."""
 
+import functools
 import time
 from datetime import timedelta
 
@@ -145,9 +146,8 @@ def test_a_retry_later_delay_not_allowed_is_said_in_the_last_error_and_retried_a
         assert consumer.run_once("asks").retried == 2
     first = producer.get(unreadable.id)
     assert (first.status, first.delay_level) == ("retrying", 3)  # the first retry's level
-    assert first.last_error.startswith("RetryLater: retry later (5x); RetryLater's delay: '5x'")
-    assert "is not a duration" in first.last_error
-    assert first.last_error.endswith("retried as a failure instead")
+    assert first.last_error.startswith("RetryLater's delay: '5x' is not a duration; ")
+    assert first.last_error.endswith(": retried as a failure instead. RetryLater: retry later (5x)")
     second = producer.get(too_long.id)
     assert (second.status, second.delay_level) == ("retrying", 3)
     assert "RetryLater's delay: 500d is more than the maximum delay, 400d" in second.last_error
@@ -169,9 +169,22 @@ def test_a_handler_without_its_topic_or_a_second_one_for_a_topic_is_refused_nami
         handler(42)
     handler("order.cancel")(cancel_order)
     handler("order.cancel")(cancel_order)  # the same function again (a module reloaded)
+    handler("partial")(functools.partial(cancel_order))
+    handler("partial")(functools.partial(cancel_order))  # named by its function, not address
+    with pytest.raises(ValueError, match=r"\.cancel_order, so .*\.cancel_order_too cannot"):
+        handler("partial")(functools.partial(cancel_order_too))
     with pytest.raises(ValueError, match=r"has a handler already, .*cancel_order, so .*too"):
         handler("order.cancel")(cancel_order_too)
     assert consumption._registry["order.cancel"].func is cancel_order
+    # the registry's names are still given where they were before `worker.handlers`
+    from delaysvc.consumption import register_handler, registered_topics
+
+    from delaysvc.worker import handlers
+
+    assert (register_handler, registered_topics) == (
+        handlers.register_handler,
+        handlers.registered_topics,
+    )
 
 
 def test_topic_without_handler_waits_visibly(producer, consumer, engine):
