@@ -42,6 +42,8 @@ MIN_TICK_SECONDS = 0.002  # coalesce heads due within 2 ms into one move
 _moved_into: dict[str, float] = {}
 """Topic -> when this process's lane runners last moved rows into its queue (and woke it),
 since the timer lane's last look (`LaneRunner._watch_ready`)."""
+_last_marks: dict[str, int] = {}
+"""Database -> the topic queue's mark at this process's last look, for the next run's first."""
 LOOK_SHARE = 0.1
 """The timer lane's look at the topic queues takes at most this share of its time."""
 
@@ -264,16 +266,19 @@ class LaneRunner:
         that came into it meanwhile is woken then (with the moved jobs, if they are still
         there: a wake more). Not woken here: a topic whose head is older (being consumed, or
         waiting for a reason: paused, at its limit, no handler); a send due at once committed
-        after a look its `seq` preceded (in a long transaction of the caller's), or before a
-        run's first look, which only takes its mark. Those wait for their consumer's next
-        claim, or for the sweep, as before."""
+        after a look its `seq` preceded (in a long transaction of the caller's), or before
+        this process's first look, which only takes its mark (a run goes on from the mark of
+        the process's last). Those wait for their consumer's next claim, or for the sweep, as
+        before."""
         started = time.monotonic()
         if self.lane != TIMER_LANE or started < self._next_look:
             return
         with conn.begin():
             mark, heads = store.ready_heads(conn)
-        before, looked = self._mark, self._looked
-        self._mark, self._looked = mark, started
+        database = str(self.engine.url)
+        before = self._mark if self._mark is not None else _last_marks.get(database)
+        looked = self._looked
+        self._mark, self._looked, _last_marks[database] = mark, started, mark
         took = time.monotonic() - started
         self._next_look = started + max(self.idle_poll_seconds, took / LOOK_SHARE)
         for topic, at in list(_moved_into.items()):  # only moves since the last look count
@@ -286,7 +291,7 @@ class LaneRunner:
             since = self._held.get(topic, before)  # older for a topic a move woke meanwhile
             if head <= since:
                 continue
-            if _moved_into.get(topic, 0.0) >= looked:  # woken by the move: looked at again
+            if topic in _moved_into and _moved_into[topic] >= looked:  # woken by its move
                 held[topic] = since
             else:
                 woken.append(topic)

@@ -394,7 +394,13 @@ def ready_heads(conn: Connection) -> tuple[int, dict[str, int]]:
     """(the last `seq` given, read first; each topic with ready jobs -> its head's `seq`, the
     job its next claim takes), the heads by a loose index scan along the topic queue's index:
     one probe per topic. A head whose `seq` is above an earlier call's mark came in since."""
-    mark = conn.execute(sql("SELECT last_value FROM delaysvc.topic_queue_seq")).scalar_one()
+    mark = conn.execute(
+        # a sequence not called yet holds the first value it will give
+        sql(
+            "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END "
+            "FROM delaysvc.topic_queue_seq"
+        )
+    ).scalar_one()
     return int(mark), {row.topic: row.seq for row in conn.execute(sql(_READY_HEADS))}
 
 

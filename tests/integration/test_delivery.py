@@ -314,7 +314,7 @@ def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
     runner = delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append)
     runner.run(budget_seconds=1.0)
     assert runner.moved_total == 1
-    assert woken == [("t",)]
+    assert woken == [("t",), ("t",)]  # by its move, and by the next look (no consumer here)
     stored = producer.get(message.id)
     lateness = (stored.delivered_at - stored.deliver_at).total_seconds()
     assert 0 <= lateness < 0.2
@@ -349,6 +349,14 @@ def test_the_timer_lanes_runner_wakes_the_topics_sends_due_at_once_reached(produ
     assert [topics for topics, _ in woken] == [("now",), ("later",), ("later",)]
     assert woken[0][1] - sent_at < 0.5  # within a look (50 ms here), on a loaded machine
     assert not delivery._moved_into or min(delivery._moved_into.values()) >= sent_at
+
+
+def test_a_send_due_at_once_between_two_runs_is_woken_by_the_next_runs_first_look(producer, engine):
+    woken = []
+    delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append).run(0.2)
+    producer.send("gap", 1)  # while no runner holds the timer lane (a run's hand-over)
+    delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append).run(0.2)
+    assert woken == [("gap",)]
 
 
 def test_a_tick_reports_when_the_next_head_is_due(producer, engine):
