@@ -8,9 +8,8 @@ behind the consume tasks) did; since, the timer lane's runner looks every idle p
 Each round sends MESSAGES such sends, SPACING seconds apart (each lands in an empty topic
 queue), to a no-op handler, and reads `started_at - stored_at` of each from the database
 (both the database's clock). Beside them, on a topic of their own, the same number into level 1
-(1 s), whose moves wake their consumers, from due time (`deliver_ts`) to start. (A send due at
-once into a topic whose queue held jobs at the runner's last look is not woken by it: there
-the sweep stays, as before.)
+(1 s), whose moves wake their consumers, from due time (`deliver_ts`) to start. (What the
+look does not wake, and so the sweep does as before: `LaneRunner._watch_ready`.)
 
 Run from the repository root, with the other tree checked out beside:
     git worktree add /tmp/ref-ready 2c63aac~1
