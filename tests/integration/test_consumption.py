@@ -156,7 +156,7 @@ def test_a_retry_later_delay_not_allowed_is_said_in_the_last_error_and_retried_a
     assert all("delay" in r.error for r in warned)
 
 
-def test_a_handler_without_its_topic_or_a_second_one_for_a_topic_is_refused_naming_it():
+def test_a_handler_without_its_topic_is_refused_and_a_second_one_for_a_topic_said(caplog):
     def cancel_order(message):
         pass
 
@@ -167,15 +167,20 @@ def test_a_handler_without_its_topic_or_a_second_one_for_a_topic_is_refused_nami
         handler(cancel_order)  # `@handler` with no parentheses
     with pytest.raises(TypeError, match=r"a string such as 'order.cancel', got 42"):
         handler(42)
-    handler("order.cancel")(cancel_order)
-    handler("order.cancel")(cancel_order)  # the same function again (a module reloaded)
-    handler("partial")(functools.partial(cancel_order))
-    handler("partial")(functools.partial(cancel_order))  # named by its function, not address
-    with pytest.raises(ValueError, match=r"\.cancel_order, so .*\.cancel_order_too cannot"):
-        handler("partial")(functools.partial(cancel_order_too))
-    with pytest.raises(ValueError, match=r"has a handler already, .*cancel_order, so .*too"):
-        handler("order.cancel")(cancel_order_too)
-    assert consumption._registry["order.cancel"].func is cancel_order
+    with caplog.at_level("WARNING", logger="delaysvc.worker.consumer"):
+        handler("order.cancel")(cancel_order)
+        handler("order.cancel")(cancel_order)  # the same function again (a module reloaded)
+        handler("partial")(functools.partial(cancel_order))
+        handler("partial")(functools.partial(cancel_order))  # named by its function
+        assert not caplog.records
+        handler("order.cancel")(cancel_order_too)  # said (it was silent), the last one kept
+    (said,) = caplog.records
+    assert said.getMessage() == "handlers.replaced" and said.topic == "order.cancel"
+    assert (said.was.endswith(".cancel_order"), said.now.endswith(".cancel_order_too")) == (
+        True,
+        True,
+    )
+    assert consumption._registry["order.cancel"].func is cancel_order_too
     # the registry's names are still given where they were before `worker.handlers`
     from delaysvc.consumption import register_handler, registered_topics
 
