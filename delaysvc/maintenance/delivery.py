@@ -277,6 +277,8 @@ class LaneRunner:
             mark, heads = store.ready_heads(conn)
         database = str(self.engine.url)
         before = self._mark if self._mark is not None else _last_marks.get(database)
+        if before is not None and mark < before:  # the database went back (a restore): anew
+            before = None
         looked = self._looked
         self._mark, self._looked, _last_marks[database] = mark, started, mark
         took = time.monotonic() - started

@@ -320,10 +320,18 @@ def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
     assert 0 <= lateness < 0.2
 
 
+def _a_new_process() -> None:
+    """The runners' process-wide memory as in a new process (another test's database of the
+    same name, dropped since, left its mark)."""
+    delivery._last_marks.clear()
+    delivery._moved_into.clear()
+
+
 def test_the_timer_lanes_runner_wakes_the_topics_sends_due_at_once_reached(producer, engine):
     """A send due at once goes straight to its topic's queue, which no lane moves: the timer
     lane's runner looks at the topic queues each idle poll and wakes a topic that had no ready
     job at its last look (only beat's 1 s sweep did, behind the consume tasks)."""
+    _a_new_process()
     producer.send("before", 1)  # ready before the run: noted at its first look, not woken
     woken: list[tuple[tuple[str, ...], float]] = []
     runner = delivery.LaneRunner(
@@ -352,6 +360,7 @@ def test_the_timer_lanes_runner_wakes_the_topics_sends_due_at_once_reached(produ
 
 
 def test_a_send_due_at_once_between_two_runs_is_woken_by_the_next_runs_first_look(producer, engine):
+    _a_new_process()
     woken = []
     delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append).run(0.2)
     producer.send("gap", 1)  # while no runner holds the timer lane (a run's hand-over)
