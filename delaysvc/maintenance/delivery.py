@@ -195,7 +195,6 @@ class LaneRunner:
     _beaten: float = 0.0  # monotonic time of the last heartbeat
     # this run's lateness, for its span (`tracing.lane_ran`): rows measured, largest, sum (ms)
     _lateness: tuple[int, float, float] = (0, 0.0, 0.0)
-    _mark: int | None = None  # the topic queue's last `seq` at the last look
     _held: dict[str, int] = field(default_factory=dict)  # topic -> an older mark to look with
     _looked: float = 0.0  # monotonic time of the last look (`_watch_ready`)
     _next_look: float = 0.0
@@ -276,11 +275,11 @@ class LaneRunner:
         with conn.begin():
             mark, heads = store.ready_heads(conn)
         database = str(self.engine.url)
-        before = self._mark if self._mark is not None else _last_marks.get(database)
+        before = _last_marks.get(database)  # this run's last look's, or the process's last
         if before is not None and mark < before:  # the database went back (a restore): anew
             before = None
         looked = self._looked
-        self._mark, self._looked, _last_marks[database] = mark, started, mark
+        self._looked, _last_marks[database] = started, mark
         took = time.monotonic() - started
         self._next_look = started + max(self.idle_poll_seconds, took / LOOK_SHARE)
         for topic, at in list(_moved_into.items()):  # only moves since the last look count
