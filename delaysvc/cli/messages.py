@@ -15,6 +15,8 @@ from delaysvc.producer.sending import OnDuplicate
 from delaysvc.schema.tables import TIMER_LANE, lane_name
 
 SEND_OPTIONS = {
+    "topic": "TOPIC",
+    "body": "BODY",
     "delay": "--delay",
     "delay_level": "--level",
     "deliver_at": "--at",
@@ -22,7 +24,7 @@ SEND_OPTIONS = {
     "tags": "--tag",
     "properties": "--property",
 }
-"""The producer's fields a `send` option gives, by the option's name."""
+"""The producer's fields a `send` argument or option gives, by its name on the command line."""
 
 
 def _parse_body(text: str) -> Any:
@@ -84,6 +86,10 @@ def send(
             at = datetime.fromisoformat(deliver_at)
         except ValueError:
             raise ValidationError("--at", f"{deliver_at!r} is not an ISO 8601 time") from None
+        if at.utcoffset() is None:
+            raise ValidationError(
+                "--at", f"{deliver_at!r} has no UTC offset: add one, such as Z or +02:00"
+            )
     props = {}
     for item in properties:
         name, sep, value = item.partition("=")
