@@ -89,7 +89,7 @@ def register_handler(
 
     def register(func: HandlerFunc) -> HandlerFunc:
         held = _registry.get(topic)
-        if held is not None and _name(held.func) != _name(func):  # the same name: a reload
+        if held is not None and _origin(held.func) != _origin(func):  # the same: a reload
             # said, not refused: a module imported under two names (a `sys.path` quirk, a
             # test runner's) registers each of its handlers twice, the last one kept
             log.warning(
@@ -109,6 +109,27 @@ def _name(func: Callable[..., Any]) -> str:
         return _name(func.func)
     named = func if hasattr(func, "__qualname__") else type(func)
     return f"{getattr(named, '__module__', '?')}.{named.__qualname__}"
+
+
+def _origin(func: Any, depth: int = 0) -> tuple[Any, ...]:
+    """Where a handler's code comes from: its name, its code's file and line, and (for a
+    function a decorator made without `functools.wraps`, or a lambda) the same of the
+    functions it closes over. A module imported again gives a new function of the same
+    origin; two lambdas, or two handlers wrapped by one decorator, differ."""
+    if isinstance(func, functools.partial):
+        return ("partial", _origin(func.func, depth))
+    code = getattr(func, "__code__", None)
+    if code is None:  # a callable object: its class
+        return (_name(func),)
+    inner = []
+    for cell in getattr(func, "__closure__", None) or () if depth < 3 else ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            continue
+        if callable(value):
+            inner.append(_origin(value, depth + 1))
+    return (_name(func), code.co_filename, code.co_firstlineno, tuple(inner))
 
 
 def _validate_family(pattern: str) -> None:

@@ -156,6 +156,15 @@ def test_a_retry_later_delay_not_allowed_is_said_in_the_last_error_and_retried_a
     assert all("delay" in r.error for r in warned)
 
 
+def _unwrapped(func):
+    """A decorator without `functools.wraps`: every function it makes has one name."""
+
+    def run(message):
+        return func(message)
+
+    return run
+
+
 def test_a_handler_without_its_topic_is_refused_and_a_second_one_for_a_topic_said(caplog):
     def cancel_order(message):
         pass
@@ -172,9 +181,18 @@ def test_a_handler_without_its_topic_is_refused_and_a_second_one_for_a_topic_sai
         handler("order.cancel")(cancel_order)  # the same function again (a module reloaded)
         handler("partial")(functools.partial(cancel_order))
         handler("partial")(functools.partial(cancel_order))  # named by its function
+        for _ in range(2):  # one lambda, or one decorated function, made again: a reload
+            handler("lambda")(lambda message: cancel_order(message))
+            handler("wrapped")(_unwrapped(cancel_order))
         assert not caplog.records
         handler("order.cancel")(cancel_order_too)  # said (it was silent), the last one kept
-    (said,) = caplog.records
+        # another lambda, or another function under a decorator without `functools.wraps`:
+        # the same name, another handler
+        handler("lambda")(lambda message: cancel_order_too(message))
+        handler("wrapped")(_unwrapped(cancel_order_too))
+    said, lambdas, wrapped = caplog.records
+    assert (lambdas.topic, lambdas.was, lambdas.now) == ("lambda", lambdas.now, lambdas.now)
+    assert wrapped.topic == "wrapped" and wrapped.now.endswith("_unwrapped.<locals>.run")
     assert said.getMessage() == "handlers.replaced" and said.topic == "order.cancel"
     assert (said.was.endswith(".cancel_order"), said.now.endswith(".cancel_order_too")) == (
         True,
