@@ -44,6 +44,8 @@ _moved_into: dict[str, float] = {}
 since the timer lane's last look (`LaneRunner._watch_ready`)."""
 _last_marks: dict[str, int] = {}
 """Database -> the topic queue's mark at this process's last look, for the next run's first."""
+_last_ready: dict[str, frozenset[str]] = {}
+"""Database -> the topics with ready jobs at this process's last look."""
 LOOK_SHARE = 0.1
 """The timer lane's look at the topic queues takes at most this share of its time."""
 
@@ -263,9 +265,11 @@ class LaneRunner:
         a look takes long (`LOOK_SHARE`). A topic a move of this process woke since the last
         look is looked at again at the next look, against the older mark: a send due at once
         that came into it meanwhile is woken then (with the moved jobs, if they are still
-        there: a wake more). Not woken here: a topic whose head is older (being consumed, or
-        waiting for a reason: paused, at its limit, no handler); a send due at once committed
-        after a look its `seq` preceded (in a long transaction of the caller's), or before
+        there: a wake more). A topic that had no ready job at the last look is woken whatever
+        its head's `seq`: a send due at once committed after a look its `seq` preceded (in a
+        long transaction of the caller's), or a claim undone. Not woken here: a topic whose
+        head is older and that had ready jobs at the last look (being consumed, or waiting for
+        a reason: paused, at its limit, no handler), and a send due at once committed before
         this process's first look, which only takes its mark (a run goes on from the mark of
         the process's last). Those wait for their consumer's next claim, or for the sweep, as
         before."""
@@ -278,8 +282,10 @@ class LaneRunner:
         before = _last_marks.get(database)  # this run's last look's, or the process's last
         if before is not None and mark < before:  # the database went back (a restore): anew
             before = None
+        known = _last_ready.get(database, frozenset())
         looked = self._looked
         self._looked, _last_marks[database] = started, mark
+        _last_ready[database] = frozenset(heads)
         took = time.monotonic() - started
         self._next_look = started + max(self.idle_poll_seconds, took / LOOK_SHARE)
         for topic, at in list(_moved_into.items()):  # only moves since the last look count
@@ -290,7 +296,7 @@ class LaneRunner:
         woken, held = [], {}
         for topic, head in sorted(heads.items()):
             since = self._held.get(topic, before)  # older for a topic a move woke meanwhile
-            if head <= since:
+            if head <= since and topic in known:
                 continue
             if topic in _moved_into and _moved_into[topic] >= looked:  # woken by its move
                 held[topic] = since

@@ -324,6 +324,7 @@ def _a_new_process() -> None:
     """The runners' process-wide memory as in a new process (another test's database of the
     same name, dropped since, left its mark)."""
     delivery._last_marks.clear()
+    delivery._last_ready.clear()
     delivery._moved_into.clear()
 
 
@@ -366,6 +367,24 @@ def test_a_send_due_at_once_between_two_runs_is_woken_by_the_next_runs_first_loo
     producer.send("gap", 1)  # while no runner holds the timer lane (a run's hand-over)
     delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append).run(0.2)
     assert woken == [("gap",)]
+
+
+def test_a_send_due_at_once_committed_after_looks_its_seq_preceded_is_woken(producer, engine):
+    """A send due at once in a caller's long transaction draws its `seq` when it is made and
+    shows when it commits, after looks whose mark passed it: its topic, empty at the last
+    look, is woken all the same."""
+    _a_new_process()
+    producer.send("busy", 1)  # ready at every look: its old head is no news
+    woken = []
+    runner = delivery.LaneRunner(engine, TIMER_LANE, 100, 0.05, on_moved=woken.append)
+    with engine.connect() as caller:
+        with caller.begin():
+            producer.send("long", 1, connection=caller)
+            producer.send("busy", 2, connection=caller)
+            runner.run(0.3)  # looks whose mark is past both sends' seq
+            assert woken == []
+        runner.run(0.3)
+    assert woken == [("long",)]
 
 
 def test_a_tick_reports_when_the_next_head_is_due(producer, engine):
