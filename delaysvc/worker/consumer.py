@@ -504,7 +504,7 @@ class Consumer:
                     pending.committed.add(job.id)
                     result.succeeded += 1
                 else:
-                    found.func(job)
+                    found.run(job)
             except (Exception, *ENDS_THE_PROCESS) as exc:
                 error = exc  # a handler's failure is data (`_run_batch` passes on an exit)
             duration_ms = _ms_since(started)
@@ -513,15 +513,16 @@ class Consumer:
         return error, duration_ms
 
     def _run_in_transaction(self, found: Handler, job: Job, claim_id: int, started: float) -> None:
-        """`found.func(job, conn)` and the job's success in one transaction (`handler`): the
-        job's row is locked first (rescue and lease renewal skip a locked row), so it stays
-        this claim's until the commit; a job no longer this claim's runs nothing."""
+        """`found`'s handler run with (job, conn) and the job's success in one transaction
+        (`handler`): the job's row is locked first (rescue and lease renewal skip a locked
+        row), so it stays this claim's until the commit; a job no longer this claim's runs
+        nothing."""
         assert found.transaction is not None
         with found.transaction(self.engine) as (conn, arguments):
             if not store.lock_running_job(conn, job.id, claim_id):
                 raise LeaseLost(job.id)
             with _left_open(conn):
-                found.func(job, *arguments)
+                found.run(job, *arguments)
             if store.finish_one_succeeded(conn, job.id, claim_id, _ms_since(started)) is None:
                 raise LeaseLost(job.id)  # never, with the row locked: the guard of the rule
             store.add_outcomes(conn, job.topic, store.OutcomeCounts(succeeded=1))

@@ -6,12 +6,15 @@ prefix). Workers import the modules in `DELAYSVC_HANDLERS` so the decorators run
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -47,6 +50,33 @@ class Handler:
     max_retries: int | None
     transaction: TransactionOpener | None = None
 
+    def run(self, *arguments: Any) -> None:
+        """Call the handler with `arguments` (the message, then the transaction's); an `async
+        def` handler's coroutine is run to its end on this thread's event loop."""
+        result = self.func(*arguments)
+        if inspect.isawaitable(result):
+            _event_loop().run(_awaited(result))
+        elif inspect.isgenerator(result) or inspect.isasyncgen(result):
+            raise TypeError(f"{_name(self.func)} gave a generator, which runs nothing: {_RETURN}")
+
+
+_RETURN = "a handler returns (or raises) when its work is done; write it without yield"
+
+_loops = threading.local()
+
+
+def _event_loop() -> asyncio.Runner:
+    """This thread's event loop for `async def` handlers, kept from job to job (a loop of each
+    job's own would be set up and torn down each time)."""
+    runner: asyncio.Runner | None = getattr(_loops, "runner", None)
+    if runner is None:
+        runner = _loops.runner = asyncio.Runner()
+    return runner
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
 
 _registry: dict[str, Handler] = {}
 """Handlers by topic, and by pattern (`prefix*`) for a family of topics."""
@@ -59,6 +89,9 @@ def handler(
     is retried at level 3, 4, ... (10s, 30s, 1m ...) until `max_retries` (default 16) is spent,
     then the message is dead-lettered. Raise `RetryLater(delay=...)` or `DeadLetter(reason)`
     to decide yourself.
+
+    `func` may be an `async def` function: its coroutine is run to its end, on an event loop
+    the worker's thread keeps from job to job, before the job's outcome is written.
 
     `transaction=True`: `func(message, conn)` gets a SQLAlchemy `Connection` on the service's
     database in an open transaction, and the job's success is written in that transaction:
@@ -88,6 +121,8 @@ def register_handler(
         raise ValueError(f"max_retries must be a whole number >= 0, got {max_retries!r}")
 
     def register(func: HandlerFunc) -> HandlerFunc:
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise TypeError(f"{_name(func)} is a generator function, which runs nothing: {_RETURN}")
         held = _registry.get(topic)
         if held is not None and _origin(held.func) != _origin(func):  # the same: a reload
             # said, not refused: a module imported under two names (a `sys.path` quirk, a

@@ -535,6 +535,54 @@ def _write_effect(conn, message, note="done"):
     )
 
 
+def test_an_async_handler_is_awaited_and_a_generator_refused(producer, consumer, effects):
+    """An `async def` handler's coroutine was dropped unawaited and its job written down as
+    succeeded, its work never done; a generator function's the same, without a word."""
+    import asyncio
+
+    ran = []
+
+    @handler("async.ok")
+    async def ok(message):
+        await asyncio.sleep(0)
+        ran.append(message.body)
+
+    @handler("async.fails")
+    async def fails(message):
+        await asyncio.sleep(0)
+        raise ValueError("async boom")
+
+    @handler("async.tx", transaction=True)
+    async def in_transaction(message, conn):
+        await asyncio.sleep(0)
+        _write_effect(conn, message)
+
+    sent = [producer.send(topic, n) for n, topic in enumerate(["async.ok", "async.ok"])]
+    failing = producer.send("async.fails", {})
+    in_tx = producer.send("async.tx", {})
+    assert consumer.run_once("async.ok").succeeded == 2
+    assert consumer.run_once("async.fails").retried == 1
+    assert consumer.run_once("async.tx").succeeded == 1
+    assert ran == [0, 1] and [producer.get(m.id).status for m in sent] == ["succeeded"] * 2
+    retrying = producer.get(failing.id)
+    assert retrying.status == "retrying" and "ValueError: async boom" in retrying.last_error
+    assert effects() == {in_tx.id: "done"}
+
+    def steps(message):
+        yield message
+
+    async def async_steps(message):
+        yield message
+
+    for func in (steps, async_steps, functools.partial(steps)):
+        with pytest.raises(TypeError, match="is a generator function, which runs nothing"):
+            handler("gen")(func)
+    handler("gen.returned")(lambda message: steps(message))  # a generator only when it runs
+    returned = producer.send("gen.returned", {})
+    assert consumer.run_once("gen.returned").retried == 1
+    assert "gave a generator, which runs nothing" in producer.get(returned.id).last_error
+
+
 def test_a_transactional_handler_commits_its_rows_with_the_jobs_success(
     producer, consumer, effects
 ):
