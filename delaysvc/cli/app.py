@@ -88,10 +88,11 @@ def require_levels(ctx: Context) -> None:
     """A process that delivers, consumes or serves runs only with the database's levels; a
     database not answering yet is waited for (`DELAYSVC_START_WAIT_SECONDS`)."""
     from delaysvc.db.engines import wait_for_database
+    from delaysvc.schema import migrate
 
     wait_for_database(ctx.engine, ctx.settings.start_wait_seconds, _say)
     with ctx.engine.connect() as conn:
-        store.check_levels(conn, ctx.settings.levels)
+        migrate.check_schema(conn, ctx.settings.levels)
 
 
 def _say(line: str) -> None:

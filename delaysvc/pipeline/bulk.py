@@ -62,9 +62,9 @@ from delaysvc.pipeline import store
 from delaysvc.pipeline.extract import CELLS, extract
 from delaysvc.pipeline.rejects import check_rejects, write_rejects
 from delaysvc.producer.sending import Producer
+from delaysvc.schema.migrate import check_schema
 from delaysvc.store import (
     NewMessage,
-    check_levels,
     find_unfinished_by_keys,
     not_migrated,
     rolled_back,
@@ -550,7 +550,7 @@ def check_database(settings: Settings) -> None:
     engine = make_engine(settings, poolclass=NullPool)
     try:
         with engine.begin() as conn:
-            check_levels(conn, settings.levels)
+            check_schema(conn, settings.levels)
             store.forget_bulk_run(conn, "")  # the batches' table is there (no run is "")
     except OperationalError as exc:
         reason = " ".join(str(exc.orig).split())

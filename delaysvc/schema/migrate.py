@@ -17,10 +17,12 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, text
+from sqlalchemy.exc import ProgrammingError
 
 from delaysvc import store
 from delaysvc.config.levels import DelayLevels
 from delaysvc.db.names import LOCK_KEY, MIGRATE_LOCK, lock_name, sql
+from delaysvc.errors import SchemaNotReady
 
 log = logging.getLogger(__name__)
 VERSION_TABLE = "delaysvc_version"
@@ -76,6 +78,28 @@ def downgrade(engine: Engine, revision: str) -> None:
         lock_migrations(conn)
         config.attributes["connection"] = conn
         command.downgrade(config, revision)
+
+
+def check_schema(conn: Connection, levels: DelayLevels) -> None:
+    """SchemaNotReady unless the database is migrated to this release's head with the
+    configured `levels` (`store.check_levels`): every long-lived process (worker, beat, web)
+    calls this at start. A database migrated by a newer release (this one's revision behind
+    it) is said in the log, not refused: a rollback's processes run on it."""
+    try:
+        found = conn.execute(sql(f"SELECT version_num FROM delaysvc.{VERSION_TABLE}")).scalars()
+        at = sorted(found)
+    except ProgrammingError as exc:  # the table itself is missing: never migrated
+        conn.rollback()
+        raise SchemaNotReady("the database is not migrated; run `delaysvc migrate`") from exc
+    wanted = heads()
+    if at != wanted:
+        if set(at) <= revisions():
+            raise SchemaNotReady(
+                f"the database's schema is at revision {', '.join(at) or 'none'}, this "
+                f"delaysvc's at {', '.join(wanted)}; run `delaysvc migrate`"
+            )
+        log.warning("schema.newer", extra={"database": at, "installed": wanted})
+    store.check_levels(conn, levels)
 
 
 def revisions() -> set[str]:

@@ -186,12 +186,14 @@ def relocate_to_timer(conn: Connection, level: int) -> int:
     return conn.execute(sql(_RELOCATE_TO_TIMER), {"lane": level}).scalar_one()
 
 
-_MISSING = frozenset({"3F000", "42P01", "42883"})  # no such schema, table, function
+# no such schema, table, function, column: a column is what most migrations add, so a database
+# an older release migrated (a deploy that restarted before `delaysvc migrate`) meets that one
+_MISSING = frozenset({"3F000", "42P01", "42883", "42703"})
 
 
 def not_migrated(exc: DBAPIError) -> SchemaNotReady | None:
     """The `SchemaNotReady` a database error of one of delaysvc's statements stands for when the
-    database lacks delaysvc's schema, one of its tables or one of its functions (never
+    database lacks delaysvc's schema, one of its tables, functions or columns (never
     migrated, or migrated by an older delaysvc); None for any other error."""
     state = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
     if state not in _MISSING:
@@ -202,7 +204,8 @@ def not_migrated(exc: DBAPIError) -> SchemaNotReady | None:
 
 def check_levels(conn: Connection, levels: DelayLevels) -> None:
     """SchemaNotReady unless the database has every configured level with the same delays:
-    every long-lived process (worker, beat, web) calls this at start."""
+    every long-lived process (worker, beat, web) checks this at start, after the schema's
+    revision (`delaysvc.schema.migrate.check_schema`)."""
     try:
         stored = stored_levels(conn)
     except ProgrammingError as exc:  # the table itself is missing: never migrated

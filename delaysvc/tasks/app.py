@@ -208,11 +208,12 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
 @worker_init.connect
 def _refuse_to_start(sender: object, **_: object) -> None:
     """`celery -A delaysvc.tasks worker` starts only as `delaysvc worker` would (which checks
-    before it starts Celery): with the database's delay levels (`store.check_levels`) and, to
+    before it starts Celery): on a database migrated to this release with its delay levels
+    (`migrate.check_schema`) and, to
     serve the delivery queue, a URL that keeps a session (`db.require_session`). Celery logs
     and ignores an exception a signal handler raises, so a refusal ends the process itself,
     with the reason on stderr and exit status 2, as the CLI's own errors."""
-    from delaysvc import store
+    from delaysvc.schema import migrate
 
     settings = sender.app.conf.delaysvc_settings  # type: ignore[attr-defined]
     try:
@@ -222,7 +223,7 @@ def _refuse_to_start(sender: object, **_: object) -> None:
         engine = make_engine(settings)
         try:
             with engine.connect() as conn:
-                store.check_levels(conn, settings.levels)
+                migrate.check_schema(conn, settings.levels)
         finally:
             engine.dispose()
     except (ConfigError, SchemaNotReady) as refused:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 
 from flask import Flask, jsonify
-from sqlalchemy.exc import DataError, OperationalError
+from sqlalchemy.exc import DataError, OperationalError, ProgrammingError
 from werkzeug.exceptions import HTTPException
 
 from delaysvc.errors import DelaysvcError
+from delaysvc.store import not_migrated
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,16 @@ def register_error_handlers(app: Flask) -> None:
         # mistake, not the server's; logged so the validator can learn it
         log.warning("web.data_error", extra={"error": str(exc.orig)})
         return error_response(400, "invalid", f"a value was refused: {exc.orig}")
+
+    @app.errorhandler(ProgrammingError)
+    def not_migrated_yet(exc: ProgrammingError):
+        # a table or column this release has and the database not yet: started before
+        # `delaysvc migrate` (the processes check its revision at start; an app served by
+        # another server may not have)
+        missing = not_migrated(exc)
+        if missing is None:
+            return unexpected(exc)
+        return domain_error(missing)
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):
