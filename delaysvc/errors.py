@@ -132,10 +132,13 @@ class HandlerSignal(Exception):
 
 
 class RetryLater(HandlerSignal):
-    """Raise from a handler to run the message again after `delay` (or `delay_ms`)."""
+    """Raise from a handler to run the message again after `delay` (or `delay_ms`); without
+    either, at the retry levels' next delay, as a failure would. It is a retry all the same:
+    it counts against the handler's `max_retries`."""
 
     def __init__(self, delay: str | None = None, *, delay_ms: int | None = None, reason: str = ""):
-        super().__init__(reason or f"retry later ({delay or delay_ms})")
+        given = delay if delay is not None else delay_ms
+        super().__init__(reason or ("retry later" if given is None else f"retry later ({given})"))
         self.delay = delay
         self.delay_ms = delay_ms
         self.reason = reason

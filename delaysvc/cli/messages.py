@@ -117,8 +117,9 @@ def send(
     verb = "sent" if message.created else "exists (same topic and key)"
     if message.replaced_id is not None:
         verb = f"sent, replacing {message.replaced_id}"
-    # due at once ("none"): in its topic's queue; else waiting in a level or the timer lane
-    waiting = message.status == "scheduled"
+    # due at once ("none"): in its topic's queue; else waiting (a retry too) in a level or the
+    # timer lane
+    waiting = message.status in ("scheduled", "retrying")
     lane = lane_name(message.delay_level or TIMER_LANE) if waiting else "none"
     click.echo(
         f"{verb}: id={message.id} status={message.status} lane={lane} "

@@ -134,8 +134,23 @@ class ConsumeResult:
     free_slots: int = 0  # under max_running, slots left after this claim for other consumers
 
 
-ENDS_THE_PROCESS = (SystemExit, KeyboardInterrupt)
-"""What a handler may raise that fails its job and then ends the worker's process."""
+def _greenlet_exit() -> tuple[type[BaseException], ...]:
+    try:
+        from greenlet import GreenletExit
+    except ImportError:
+        return ()
+    return (GreenletExit,)
+
+
+ENDS_THE_PROCESS: tuple[type[BaseException], ...] = (
+    SystemExit,
+    KeyboardInterrupt,
+    *_greenlet_exit(),
+)
+"""What a handler may raise that fails its job and then ends the worker's process (or, for
+`GreenletExit`, its greenlet: gevent's pool stopping). Anything else it raises, an exception
+that is no `Exception` included (`asyncio.CancelledError`, a library's own), fails its job
+alone."""
 
 FLUSH_SECONDS = 0.25
 """Outcomes of a batch are written at least this often, so a crash late in a batch of slow
@@ -505,7 +520,7 @@ class Consumer:
                     result.succeeded += 1
                 else:
                     found.run(job)
-            except (Exception, *ENDS_THE_PROCESS) as exc:
+            except BaseException as exc:
                 error = exc  # a handler's failure is data (`_run_batch` passes on an exit)
             duration_ms = _ms_since(started)
             if span is not None:
@@ -593,6 +608,11 @@ class Consumer:
             traceback="".join(traceback.format_exception(error)[-8:]),
             duration_ms=duration_ms,
         )
+        schedule, refused = self._retry_schedule(job, error)
+        if refused is not None:  # said where the message's last error is read
+            failure = dataclasses.replace(  # first: the error is cut at 4,000 characters
+                failure, error=f"{refused}: retried as a failure instead. {failure.error}"
+            )
         dead_reason = self._dead_reason(job, error)
         if dead_reason is not None:
             if not store.bury(conn, failure, dead_reason):
@@ -602,11 +622,6 @@ class Consumer:
                 extra={"message_id": job.id, "topic": job.topic, "attempts": job.attempts},
             )
             return store.OutcomeCounts(dead=1)
-        schedule, refused = self._retry_schedule(job, error)
-        if refused is not None:  # said where the message's last error is read
-            failure = dataclasses.replace(  # first: the error is cut at 4,000 characters
-                failure, error=f"{refused}: retried as a failure instead. {failure.error}"
-            )
         retried = store.schedule_retry(
             conn,
             failure,
@@ -646,12 +661,14 @@ class Consumer:
 
     def _retry_schedule(self, job: Job, error: BaseException) -> tuple[Placement, str | None]:
         """Where the failed job goes again, and why a `RetryLater`'s own delay was not taken
-        (None when it was, or when there was none): a bad one is retried as any failure."""
+        (None when it was, or when there was none): a bad one is retried as any failure, as
+        is a `RetryLater` without a delay (it ran again at once, its retries spent in a
+        moment)."""
         from delaysvc.producer.sending import Placement, resolve_schedule
 
         levels = self.settings.levels
         refused = None
-        if isinstance(error, RetryLater):
+        if isinstance(error, RetryLater) and (error.delay, error.delay_ms) != (None, None):
             try:
                 schedule = resolve_schedule(
                     levels,
@@ -688,7 +705,7 @@ def _told(error: BaseException) -> str:
     """An error's text; one whose `str()` raises says so."""
     try:
         return str(error)
-    except Exception as exc:
+    except BaseException as exc:  # a handler's error: whatever its str() raises, it is told
         return f"<str() failed: {type(exc).__name__}: {_told(exc)}>"
 
 

@@ -93,6 +93,18 @@ def test_a_malformed_level_string_exits_non_zero_naming_the_token(levels: str, b
     assert bad in line
 
 
+def test_a_key_held_by_a_retrying_message_shows_its_lane(delaysvc: Run, engine: Engine) -> None:
+    """A retrying message waits in a lane as a scheduled one does: it said `lane=none`."""
+    from sqlalchemy import text
+
+    sent = delaysvc("send", "order.cancel", "{}", "--level", "3", "--key", "o-7").stdout
+    with engine.begin() as conn:  # as a failed run leaves it: retrying, at level 3
+        conn.execute(text("UPDATE commit_log SET status = 'retrying', attempts = 1"))
+    again = delaysvc("send", "order.cancel", "{}", "--key", "o-7").stdout
+    assert again.startswith("exists (same topic and key): id=" + sent.split("id=")[1].split()[0])
+    assert " status=retrying lane=level-3 " in again
+
+
 def test_send_show_and_cancel(delaysvc: Run) -> None:
     sent = delaysvc("send", "order.cancel", '{"order_id": 42}', "--delay", "30m", "--key", "o-42")
     assert sent.returncode == 0, sent.stderr
