@@ -30,7 +30,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.db.engines import database_url, make_engine, sqlalchemy_url
 from delaysvc.db.names import sql
 from delaysvc.errors import MissingPart
-from delaysvc.runtime.supervisor import WEB_THREADS
+from delaysvc.runtime.commands import WEB_THREADS
 
 BENCH_DATABASE = "delaysvc_bench"
 

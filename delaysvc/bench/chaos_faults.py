@@ -244,7 +244,8 @@ class BenchDeployment:
 
     def spawn(self, role: str) -> subprocess.Popen[bytes]:
         from delaysvc.config.settings import Settings
-        from delaysvc.runtime.supervisor import beat_command, die_with_parent, worker_commands
+        from delaysvc.runtime.commands import beat_command, worker_commands
+        from delaysvc.runtime.supervisor import die_with_parent
 
         settings = Settings.from_env(self._env)
         self.started += 1

@@ -24,11 +24,11 @@ from delaysvc.bench.progress import step
 from delaysvc.bench.suites import Figures
 from delaysvc.db.engines import libpq_url
 from delaysvc.db.names import sql
+from delaysvc.runtime.commands import web_command
 from delaysvc.runtime.supervisor import (
     die_with_parent,
     free_port,
     wait_until_answering,
-    web_command,
 )
 
 if TYPE_CHECKING:

@@ -374,7 +374,7 @@ class DelaysvcPeer(Peer):
         return env
 
     def worker_commands(self, workers: int) -> list[list[str]]:
-        from delaysvc.runtime.supervisor import beat_command, worker_commands
+        from delaysvc.runtime.commands import beat_command, worker_commands
 
         settings = self.ctx.settings.model_copy(
             update={"broker_url": self.broker, "var_dir": self.var}

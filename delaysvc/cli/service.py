@@ -7,7 +7,8 @@ import sys
 import click
 
 from delaysvc.cli.app import Context, Whole, cli, pass_ctx, require_levels
-from delaysvc.runtime.supervisor import WEB_SERVERS, WEB_THREADS, require_free_port
+from delaysvc.runtime.commands import WEB_SERVERS, WEB_THREADS
+from delaysvc.runtime.supervisor import require_free_port
 
 HOST = click.option(
     "--host", default="127.0.0.1", show_default=True, help="The web app's address (0.0.0.0: all)."
@@ -54,7 +55,8 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
     """Run Celery workers (delivery: threads, one per lane; consume: processes); prints a
     line containing `ready` once its lanes and consumers run."""
     from delaysvc.config import extras
-    from delaysvc.runtime.supervisor import run_worker, worker_commands
+    from delaysvc.runtime.commands import worker_commands
+    from delaysvc.runtime.supervisor import run_worker
 
     extras.require("delaysvc worker", "worker")
     require_workers_can_start(ctx, handlers=True)
@@ -76,7 +78,8 @@ def worker(ctx: Context, delivery: bool, consume: bool, concurrency: int | None)
 def beat(ctx: Context) -> None:
     """Run Celery beat (fires every lane's delivery task, the consume sweep, lease rescue)."""
     from delaysvc.config import extras
-    from delaysvc.runtime.supervisor import beat_command, run_processes
+    from delaysvc.runtime.commands import beat_command
+    from delaysvc.runtime.supervisor import run_processes
 
     extras.require("delaysvc beat", "worker")
     require_workers_can_start(ctx, handlers=False)
@@ -115,7 +118,8 @@ def beat(ctx: Context) -> None:
 def web(ctx: Context, host: str, port: int, workers: int, threads: int | None, server: str) -> None:
     """Serve the HTTP API and dashboard with gunicorn."""
     from delaysvc.config import extras
-    from delaysvc.runtime.supervisor import run_processes, web_command
+    from delaysvc.runtime.commands import web_command
+    from delaysvc.runtime.supervisor import run_processes
 
     if threads is not None and server != "sync":
         raise click.UsageError(

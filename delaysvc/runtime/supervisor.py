@@ -19,10 +19,12 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -37,128 +39,21 @@ import click
 from delaysvc.config.settings import Settings
 from delaysvc.errors import ConfigError
 from delaysvc.runtime import reaper
+from delaysvc.runtime.commands import (
+    STOP_GRACE_SECONDS,
+    Command,
+    beat_command,
+    keeper_command,
+    web_command,
+    worker_commands,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
 log = logging.getLogger(__name__)
-STOP_GRACE_SECONDS = 20
-CELERY = [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "--quiet"]  # no banner
-QUIET = ["--without-mingle", "--without-gossip", "-l", "warning"]
 SUPERVISOR = "delaysvc"  # the name on the lines `run_processes` writes itself
 READY_TIMEOUT_SECONDS = 90.0
-
-
-class Command(list[str]):
-    """A child process's command line, the name its output lines are prefixed with, and how it
-    reloads: `reload_signal` for a program that reloads itself on a signal (gunicorn: SIGHUP
-    starts new workers under the same master), else None: a new process replaces it."""
-
-    def __init__(self, name: str, argv: Iterable[str], reload_signal: int | None = None):
-        super().__init__(argv)
-        self.name = name
-        self.reload_signal = reload_signal
-
-
-def worker_commands(
-    settings: Settings,
-    delivery: bool = True,
-    consume: bool = True,
-    concurrency: int | None = None,
-) -> list[Command]:
-    from delaysvc.tasks.app import CONSUME_QUEUE, DELIVERY_QUEUE
-
-    commands = []
-    if delivery:
-        # every lane, and the fold, stats, schedules and history tasks
-        threads = settings.levels.max_level + 5
-        pool = ["-P", "threads", "-c", str(threads)]
-        argv = [*CELERY, "worker", "-Q", DELIVERY_QUEUE, *pool, "-n", "delivery@%h", *QUIET]
-        commands.append(Command("delivery", argv))
-    if consume:
-        processes = concurrency or os.cpu_count() or 2
-        argv = [*CELERY, "worker", "-Q", CONSUME_QUEUE, "-c", str(processes), "-n", "consume@%h"]
-        commands.append(Command("consume", [*argv, *QUIET]))
-    return commands
-
-
-def beat_command(settings: Settings) -> Command:
-    """Beat keeps its schedule in memory (`tasks.app`: every entry fires every few seconds),
-    so it writes no schedule file and takes no `-s`."""
-    return Command("beat", [*CELERY, "beat", "-l", "warning"])
-
-
-WEB_THREADS = 1
-"""Requests a web worker serves at once by default: one (gunicorn's sync workers). With more
-(`delaysvc web --threads N`, gunicorn's threaded workers) a worker serves others while one
-waits on the database, and their single sends are written together (group commit,
-`delaysvc.producer.grouping`): 1.1-1.4x the sync workers' single sends on the 2-core machine of
-docs/benchmarks/2026-11-28-http-idle-clients, at two to three times their p99 latency, so it is
-not the default."""
-
-CONNECTIONS_PER_THREAD = 2
-"""Client connections a threaded web worker holds at most, per thread (gunicorn's
-`--worker-connections`). A threaded worker keeps every kept-alive client it accepts, and
-gunicorn's own limit (1,000) lets one worker accept them all: 50 of 50 wrk connections on one
-of four workers, half the requests a second (docs/benchmarks/2026-11-28-group-commit). Twice
-the threads spreads them and leaves a kept-alive slot a thread. A worker that holds its most
-accepts no more until one closes: with 1.25x the threads and 40 idle kept-alive clients beside
-wrk's 50, every request's p99 was 0.9-1 s; with twice, 112-121 ms
-(docs/benchmarks/2026-11-28-http-idle-clients)."""
-
-
-WEB_SERVERS = ("asgi", "sync")
-"""How `delaysvc web` and `delaysvc up` serve: "asgi" (the default), gunicorn's master with
-uvicorn's workers running the ASGI app (`delaysvc.web.asgi`), whose single sends are written on
-the event loop, grouped: 3.3x the sync workers' single sends at 50 clients, at a third of
-their p99 (docs/benchmarks/2026-12-06-http-asgi); "sync", gunicorn's sync (or, with threads,
-threaded) workers running the Flask app."""
-
-
-def web_command(
-    host: str,
-    port: int,
-    workers: int = 2,
-    access_log: bool = True,
-    log_format: str = "text",
-    threads: int = WEB_THREADS,
-    server: str = WEB_SERVERS[0],
-) -> Command:
-    logs = ["--access-logfile", "-"] if access_log else []
-    if log_format == "json":  # gunicorn's own lines too (delaysvc.web.gunicorn_logger)
-        logs += ["--logger-class", "delaysvc.web.gunicorn_logger.JsonLogger"]
-    # its workers die with their master (uvicorn's never look for it), and finish a request
-    # within the grace `up` gives the master before it kills it
-    hooks = ["-c", "python:delaysvc.runtime.gunicorn_hooks"]
-    hooks += ["--graceful-timeout", str(STOP_GRACE_SECONDS - 5)]
-    if server == "asgi":
-        app = ["-k", "uvicorn_worker.UvicornWorker", "delaysvc.web.asgi:create_asgi_app()"]
-        # uvicorn took X-Forwarded-For from any local peer as the client's address (a local
-        # proxy passing the client's header on let it name itself anew at each failed login):
-        # the app reads it itself, from DELAYSVC_PROXY_HOPS proxies only
-        app = ["--forwarded-allow-ips", "", *app]
-    else:
-        most = threads * CONNECTIONS_PER_THREAD  # client connections a threaded worker holds
-        held = ["--worker-connections", str(most)] if threads > 1 else []
-        app = ["--threads", str(threads), *held, "delaysvc.web:create_app()"]
-    return Command(
-        "web",
-        reload_signal=signal.SIGHUP,
-        argv=[
-            sys.executable,
-            "-m",
-            "gunicorn",
-            "-b",
-            f"{host}:{port}",
-            "-w",
-            str(workers),
-            *logs,
-            "--log-level",
-            "warning",
-            *hooks,
-            *app,
-        ],
-    )
 
 
 class Console:
@@ -255,7 +150,8 @@ class Reaper:
 
 
 class Child:
-    """One supervised process: its command, the running process, and its restart record."""
+    """One supervised process: its command, the running process, its restart record, and the
+    process a reload started to replace it, until that one is ready (`successor`)."""
 
     def __init__(self, command: Command):
         self.command = command
@@ -263,6 +159,16 @@ class Child:
         self.started = 0.0
         self.quick_exits = 0
         self.restart_at: float | None = None
+        self.successor: Successor | None = None
+
+
+class Successor:
+    """A reload's new process for a child, until it says it is ready (its `ready_file`)."""
+
+    def __init__(self, process: subprocess.Popen[bytes], ready_file: Path, deadline: float):
+        self.process = process
+        self.ready_file = ready_file
+        self.deadline = deadline
 
 
 class Supervisor:
@@ -294,52 +200,104 @@ class Supervisor:
             self.console.echo(SUPERVISOR, line, err=err)
 
     def start(self, child: Child) -> None:
+        child.started, child.restart_at = time.monotonic(), None
+        child.process = self._spawn(child.command, self.env)
+
+    def _spawn(self, command: Command, env: dict[str, str] | None) -> subprocess.Popen[bytes]:
         common: dict[str, Any] = {
             "start_new_session": True,  # the terminal's Ctrl-C reaches the supervisor alone
             "preexec_fn": self.preexec,
             "pass_fds": self.keep_open,
         }
-        child.started, child.restart_at = time.monotonic(), None
         if self.console is None:
-            child.process = subprocess.Popen(list(child.command), env=self.env, **common)
-            self.reaper.watch(child.process, child.command.name)
-            return
-        child.process = subprocess.Popen(
-            list(child.command),
-            env=dict(self.env or os.environ, PYTHONUNBUFFERED="1"),  # lines as they are written
+            process = subprocess.Popen(list(command), env=env, **common)
+            self.reaper.watch(process, command.name)
+            return process
+        process = subprocess.Popen(
+            list(command),
+            env=dict(env or os.environ, PYTHONUNBUFFERED="1"),  # lines as they are written
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             **common,
         )
-        self.reaper.watch(child.process, child.command.name)
-        assert child.process.stdout is not None
-        self.relays.append(self.console.relay(child.command.name, child.process.stdout))
+        self.reaper.watch(process, command.name)
+        assert process.stdout is not None
+        self.relays.append(self.console.relay(command.name, process.stdout))
+        return process
 
     def reload(self) -> None:
         """SIGHUP, as gunicorn takes it: new code and handler modules without a gap. gunicorn
         gets the signal and replaces its workers itself; any other child is replaced: the new
-        process starts first, then the old one gets SIGTERM and finishes what it runs (Celery's
-        warm shutdown) while the new one already takes work."""
+        process starts first, and once it is ready (it takes work: `Command.says_ready`) the
+        old one gets SIGTERM and finishes what it runs (Celery's warm shutdown). A new one
+        that cannot start (a handler module that does not import, levels the database does
+        not have) leaves the old one running, and says so (`_follow`)."""
         for child in self.children:
             process = child.process
             if process is None or process.poll() is not None:
                 continue  # waiting for its restart: it starts with the new code anyway
+            if child.successor is not None:
+                continue  # a reload under way: its new process is the new code already
             name = child.command.name
             if child.command.reload_signal is not None:
                 self.say(f"reloading {name} (it starts new workers itself)")
                 process.send_signal(child.command.reload_signal)
                 continue
-            self.say(f"reloading {name}: a new one starts, the old one finishes and exits")
-            self.start(child)
-            process.send_signal(signal.SIGTERM)
-            self.retiring.append(process)
+            if not child.command.says_ready:
+                self.say(f"reloading {name}: a new one starts, the old one finishes and exits")
+                self.start(child)
+                process.send_signal(signal.SIGTERM)
+                self.retiring.append(process)
+                continue
+            from delaysvc.tasks.app import READY_FILE_ENV
+
+            self.say(f"reloading {name}: a new one starts, the old one finishes once it is ready")
+            ready_file = Path(tempfile.mkdtemp(prefix="delaysvc-reload-")) / "ready"
+            env = dict(self.env or os.environ, **{READY_FILE_ENV: str(ready_file)})
+            deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+            child.successor = Successor(self._spawn(child.command, env), ready_file, deadline)
+
+    def _follow(self, child: Child, now: float) -> None:
+        """A reload's new process for `child`: once ready it takes the old one's place and
+        the old one is stopped; one that exits first, or is not ready in time, is let go and
+        the old one runs on."""
+        successor, name = child.successor, child.command.name
+        assert successor is not None
+        code = successor.process.poll()
+        old = child.process
+        if code is not None:
+            self.say(
+                f"{name}: the new one exited with {code} before it was ready (see its lines "
+                "above): the old one keeps running; mend the release and reload again",
+                err=True,
+            )
+        elif successor.ready_file.exists() or old is None or old.poll() is not None:
+            child.process, child.started, child.quick_exits = successor.process, now, 0
+            if old is not None and old.poll() is None:
+                self.say(f"{name}: the new one is ready; the old one finishes and exits")
+                old.send_signal(signal.SIGTERM)
+                self.retiring.append(old)
+        elif now >= successor.deadline:
+            self.say(
+                f"{name}: the new one was not ready within {READY_TIMEOUT_SECONDS:g} s: "
+                "stopped; the old one keeps running",
+                err=True,
+            )
+            successor.process.send_signal(signal.SIGTERM)
+            self.retiring.append(successor.process)
+        else:
+            return
+        child.successor = None
+        shutil.rmtree(successor.ready_file.parent, ignore_errors=True)
 
     def check(self) -> str | None:
-        """Restart what is due and schedule the restart of what exited; -> why everything must
-        stop (a child that cannot start), or None."""
+        """Follow the reloads under way, restart what is due and schedule the restart of what
+        exited; -> why everything must stop (a child that cannot start), or None."""
         now = time.monotonic()
         self.retiring = [process for process in self.retiring if process.poll() is None]
         for child in self.children:
+            if child.successor is not None:
+                self._follow(child, now)
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     self.say(f"restarting {child.command.name}")
@@ -366,6 +324,7 @@ class Supervisor:
 
     def stop_all(self) -> None:
         running = [c.process for c in self.children if c.process is not None] + self.retiring
+        running += [c.successor.process for c in self.children if c.successor is not None]
         for process in running:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -699,12 +658,6 @@ class _StopWhileStarting:
             self.holding = False
         if self.held:
             self.stop(self.held)
-
-
-def keeper_command(var_dir: Path) -> Command:
-    """The embedded PostgreSQL's keeper (`delaysvc.runtime.embedded_keeper`)."""
-    module = "delaysvc.runtime.embedded_keeper"
-    return Command("database", [sys.executable, "-m", module, str(var_dir.resolve())])
 
 
 def run_all(settings: Settings, host: str, port: int) -> int:

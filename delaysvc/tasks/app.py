@@ -15,13 +15,14 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import kombu
 from celery import Celery
 from celery.loaders.app import AppLoader
 from celery.schedules import schedule
-from celery.signals import setup_logging, worker_init
+from celery.signals import beat_init, setup_logging, worker_init, worker_ready
 from sqlalchemy import Engine
 
 from delaysvc.config.settings import Settings
@@ -203,6 +204,19 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         app.conf.worker_enable_remote_control = False
     app.conf.delaysvc_settings = settings
     return app
+
+
+READY_FILE_ENV = "DELAYSVC_READY_FILE"
+"""The file a worker or beat writes its pid to once it takes work, when this names one: a
+reload's new process, whose supervisor stops the old one then (`runtime.supervisor`)."""
+
+
+@worker_ready.connect
+@beat_init.connect
+def _say_ready(**_: object) -> None:
+    path = os.environ.get(READY_FILE_ENV)
+    if path:
+        Path(path).write_text(str(os.getpid()))
 
 
 @worker_init.connect

@@ -21,12 +21,9 @@ from delaysvc import store
 from delaysvc.config.settings import Settings
 from delaysvc.db.names import qualify
 from delaysvc.producer.sending import Producer
+from delaysvc.runtime.commands import WEB_SERVERS, beat_command, web_command, worker_commands
 from delaysvc.runtime.supervisor import (
-    WEB_SERVERS,
-    beat_command,
     die_with_parent,
-    web_command,
-    worker_commands,
 )
 from tests.conftest import ROOT, TEST_LEVELS, embedded_pg_ctl, outside_env, process_alive
 

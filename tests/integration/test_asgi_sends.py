@@ -28,11 +28,11 @@ from delaysvc.errors import ValidationError
 from delaysvc.producer.aio import CONNECT_SECONDS, AsyncSends
 from delaysvc.producer.grouping import MOST
 from delaysvc.producer.sending import Producer
+from delaysvc.runtime.commands import web_command
 from delaysvc.runtime.supervisor import (
     die_with_parent,
     free_port,
     wait_until_answering,
-    web_command,
 )
 from delaysvc.web.asgi import AsgiApp
 from tests.conftest import outside_env

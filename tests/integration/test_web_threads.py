@@ -18,12 +18,11 @@ from typing import Any
 import psutil
 
 from delaysvc import auth
+from delaysvc.runtime.commands import CONNECTIONS_PER_THREAD, web_command
 from delaysvc.runtime.supervisor import (
-    CONNECTIONS_PER_THREAD,
     die_with_parent,
     free_port,
     wait_until_answering,
-    web_command,
 )
 from tests.conftest import outside_env
 from tests.support.web_process import login_form, web_process

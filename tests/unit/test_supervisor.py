@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from delaysvc.runtime import supervisor as up
-from delaysvc.runtime.supervisor import Command, run_processes
+from delaysvc.runtime.commands import Command
+from delaysvc.runtime.supervisor import run_processes
 from tests.conftest import process_alive
 from tests.e2e.conftest import wait_for
 
@@ -175,7 +176,8 @@ def test_a_flood_of_sighups_neither_stops_nor_hangs_the_supervisor(tmp_path: Pat
         [
             sys.executable,
             "-c",
-            "import signal, sys; from delaysvc.runtime.supervisor import Command, run_processes; "
+            "import signal, sys; from delaysvc.runtime.commands import Command; "
+            "from delaysvc.runtime.supervisor import run_processes; "
             "child = Command('child', [sys.executable, '-c', "
             f"{child!r}], reload_signal=signal.SIGUSR1); "
             "sys.exit(run_processes([child]))",
@@ -248,3 +250,60 @@ def test_a_child_killed_after_the_grace_is_said(
     time.sleep(0.5)
     supervisor.stop_all()
     assert "stubborn did not stop within 1 s: killed" in capsys.readouterr().err
+
+
+def test_a_reload_stops_the_old_process_only_once_the_new_one_is_ready(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGHUP told the old process to stop as the new one started: a release whose handler
+    module did not import (its new workers dying at start) left no worker running, and the
+    supervisor, seeing them die, stopped everything (found by a reviewer). The old one runs
+    until the new one says it is ready (`Command.says_ready`); a new one that dies first is
+    let go, and the old one runs on."""
+    child = f"""
+import os, pathlib, signal, sys, time
+folder = pathlib.Path({str(tmp_path)!r})
+ready = os.environ.get("DELAYSVC_READY_FILE")
+if ready and (folder / "release").read_text() == "broken":
+    sys.exit(1)  # as a worker whose handler module does not import
+def stop(*_):
+    (folder / f"stopped-{{os.getpid()}}").write_text(repr(time.time()))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+if ready:
+    time.sleep(1)  # as Celery starting
+    (folder / f"ready-{{os.getpid()}}").write_text(repr(time.time()))
+    pathlib.Path(ready).write_text(str(os.getpid()))
+time.sleep(120)
+"""
+    seen: dict[str, int] = {}
+
+    def reload_twice(supervisor: up.Supervisor) -> None:
+        (worker,) = supervisor.children
+        assert worker.process is not None
+        seen["old"] = old = worker.process.pid
+        (tmp_path / "release").write_text("broken")
+        os.kill(os.getpid(), signal.SIGHUP)
+        wait_for(lambda: worker.successor is not None, 10, "the broken release to start")
+        wait_for(lambda: worker.successor is None, 30, "the broken release to be let go")
+        assert worker.process.pid == old and process_alive(old)  # the old one runs on
+        (tmp_path / "release").write_text("mended")
+        os.kill(os.getpid(), signal.SIGHUP)
+        wait_for(lambda: worker.process.pid != old, 30, "the mended release to take over")
+        seen["new"] = worker.process.pid
+        wait_for(lambda: not process_alive(old), 30, "the old one to finish")
+
+    steps = ThenStop(reload_twice)
+    code = run_processes([Command("worker", [sys.executable, "-c", child], says_ready=True)],
+                         on_started=steps)  # fmt: skip
+    steps.check()
+    out = capsys.readouterr()
+    assert code == 0
+    assert (
+        "worker: the new one exited with 1 before it was ready (see its lines above): the old "
+        "one keeps running; mend the release and reload again"
+    ) in out.err
+    assert "worker: the new one is ready; the old one finishes and exits" in out.out
+    ready_at = float((tmp_path / f"ready-{seen['new']}").read_text())
+    assert float((tmp_path / f"stopped-{seen['old']}").read_text()) >= ready_at
+    assert not process_alive(seen["new"])  # stopped with the supervisor
