@@ -128,7 +128,7 @@ class ConsumeResult:
     retried: int = 0
     dead: int = 0
     dispatched: int = 0
-    released: int = 0  # claimed, not started within half a lease: back in the queue
+    released: int = 0  # claimed, not started within SPREAD_SECONDS: back in the queue
     limited: bool = False  # the topic has limits: the claim took what they allowed
     wait_s: float | None = None  # out of tokens: the next one comes in this long
     free_slots: int = 0  # under max_running, slots left after this claim for other consumers
@@ -152,6 +152,15 @@ ENDS_THE_PROCESS: tuple[type[BaseException], ...] = (
 that is no `Exception` included (`asyncio.CancelledError`, a library's own), fails its job
 alone."""
 
+SPREAD_SECONDS = 1.0
+"""A claim's jobs not started this long after it (or half a lease, if shorter) go back to
+their queue, uncharged, for idle consumers, whom beat's sweep wakes within a second: a process
+running slow jobs one after another held the rest for half a lease (15 s) while the others
+idled (a reviewer's ten 3 s jobs ran one at a time on one of two processes). Quick jobs all
+start within it: a claim of 100 taking 5 ms each runs whole, as before."""
+GIVE_BACK_TICK_SECONDS = 0.25
+"""How often the leases' thread looks for a claim's jobs to give back while a handler runs."""
+
 FLUSH_SECONDS = 0.25
 """Outcomes of a batch are written at least this often, so a crash late in a batch of slow
 jobs reruns only the jobs of the last quarter second, not the whole batch."""
@@ -170,6 +179,7 @@ class Leases:
         self.lease_seconds = lease_seconds
         self._held: dict[int, list[int]] = {}  # claim id -> its jobs' ids
         self._start_by: dict[int, float] = {}  # claim id -> when its jobs not started go back
+        self._given_back: dict[int, int] = {}  # claim id -> how many went back (`drop` says)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -187,10 +197,12 @@ class Leases:
                 )
                 self._thread.start()
 
-    def drop(self, claim_id: int) -> None:
+    def drop(self, claim_id: int) -> int:
+        """Renew this claim's jobs no more. -> how many of them went back while it ran."""
         with self._lock:
             self._held.pop(claim_id, None)
             self._start_by.pop(claim_id, None)
+            return self._given_back.pop(claim_id, 0)
 
     def give_back_late(self) -> int:
         """The jobs never started of each claim past its `start_by` back to their queue,
@@ -206,7 +218,11 @@ class Leases:
         given = 0
         for claim_id, ids in late.items():
             with self.engine.begin() as conn:
-                given += store.release_unstarted(conn, ids, claim_id, never_started=True)
+                count = store.release_unstarted(conn, ids, claim_id, never_started=True)
+            with self._lock:
+                if claim_id in self._held:  # its batch still runs: it counts them
+                    self._given_back[claim_id] = count
+            given += count
         return given
 
     def renew(self) -> int:
@@ -219,10 +235,13 @@ class Leases:
             return store.renew_leases(conn, held, self.lease_seconds)
 
     def _renew_while_alive(self) -> None:
+        renewed = time.monotonic()
         while True:
-            time.sleep(self.lease_seconds / 3)
+            time.sleep(min(GIVE_BACK_TICK_SECONDS, self.lease_seconds / 3))
             try:
-                self.renew()
+                if time.monotonic() - renewed >= self.lease_seconds / 3:
+                    renewed = time.monotonic()  # a failure is tried again at the next third
+                    self.renew()
                 given = self.give_back_late()
             except Exception:  # the next third tries again
                 log.warning("consume.lease_renewal_failed", exc_info=True)
@@ -373,8 +392,8 @@ class Consumer:
         """Claim up to `limit` jobs (one transaction), run them with no transaction open, and
         record their outcomes every FLUSH_SECONDS and at the end (one statement for all
         successes). The claim's lease is renewed while the batch runs (`Leases`). Each job's
-        attempt is counted as its handler starts; jobs not started within half a lease go back
-        to the queue uncharged, for another consumer to run."""
+        attempt is counted as its handler starts; jobs not started within `SPREAD_SECONDS` go
+        back to the queue uncharged, for another consumer to run."""
         result = ConsumeResult(topic)
         if not self.can_run(topic):
             return result
@@ -400,13 +419,13 @@ class Consumer:
         if task_name is not None:
             started = {row.id: row.attempts for row in rows if row.started}
             return self._dispatch_all(task_name, jobs, claim_id, started, result)
-        start_by = time.monotonic() + self.settings.lease_seconds / 2
+        start_by = time.monotonic() + min(SPREAD_SECONDS, self.settings.lease_seconds / 2)
         self.leases.hold(claim_id, [job.id for job in jobs], start_by)
         try:
             started = {row.id: row.attempts for row in rows if row.started}
             self._run_batch(jobs, claim_id, started, start_by, result)
         finally:
-            self.leases.drop(claim_id)
+            result.released += self.leases.drop(claim_id)
         log.info(
             "consume.batch",
             extra={
@@ -429,7 +448,7 @@ class Consumer:
         result: ConsumeResult,
     ) -> None:
         """Run the claimed jobs in queue order, each started (its attempt counted) just before
-        it runs; none starts after `start_by`, half a lease from the claim (`_release`; those
+        it runs; none starts after `start_by`, `SPREAD_SECONDS` from the claim (`_release`; those
         never started go back meanwhile too, while a long job runs: `Leases.give_back_late`)."""
         topic = result.topic
         pending = _Outcomes()

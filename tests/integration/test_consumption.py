@@ -2,6 +2,7 @@
 
 import asyncio
 import functools
+import threading
 import time
 from datetime import timedelta
 
@@ -383,6 +384,36 @@ def test_a_batch_starts_no_job_after_half_a_lease_and_gives_the_rest_back_unchar
     while slow.run_once("slow").claimed:
         pass
     assert sorted(ran) == [(message_id, 1) for message_id in ids]  # each ran once, attempt 1
+
+
+def test_slow_jobs_of_one_topic_spread_over_the_consumers(producer, settings, engine):
+    """A claim's jobs waited behind each other for half a lease (15 s) before going back, so a
+    topic's slow jobs ran one at a time in one process while the others idled (found by a
+    reviewer: ten 3 s jobs on one of two processes). Those not started within a second of
+    their claim go back now, while a job runs, and an idle consumer takes them."""
+    first, second = Consumer(settings, engine), Consumer(settings, engine)
+    ran: dict[int, str] = {}
+
+    @handler("slow.spread")
+    def take_time(message):
+        ran[message.body] = threading.current_thread().name
+        time.sleep(0.6)
+
+    for n in range(6):
+        producer.send("slow.spread", n)
+    busy = threading.Thread(target=first.run_once, args=("slow.spread",), name="first")
+    busy.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not ran and time.monotonic() < deadline:  # the first has claimed them all
+            time.sleep(0.01)
+        while len(ran) < 6 and time.monotonic() < deadline:  # an idle consumer, polling
+            second.run_once("slow.spread")
+            time.sleep(0.05)
+    finally:
+        busy.join()
+    assert sorted(ran) == list(range(6))
+    assert ran[0] == "first" and list(ran.values()).count("MainThread") >= 2, ran
 
 
 def test_jobs_the_claim_started_still_run_once_behind_a_rerun_started_alone(
