@@ -147,6 +147,7 @@ class RetryLater(HandlerSignal):
 class DeadLetter(HandlerSignal):
     """Raise from a handler to park the message in the dead letters now, without retrying."""
 
-    def __init__(self, reason: str = "dead-lettered by handler"):
+    def __init__(self, reason: str | None = "dead-lettered by handler"):
+        reason = reason or "dead-lettered by handler"  # None or "": a dead letter all the same
         super().__init__(reason)
         self.reason = reason

@@ -638,7 +638,13 @@ class Consumer:
                 return _claim_lost(job)
             log.warning(
                 "consume.dead",
-                extra={"message_id": job.id, "topic": job.topic, "attempts": job.attempts},
+                extra={
+                    "message_id": job.id,
+                    "topic": job.topic,
+                    "attempts": job.attempts,
+                    "reason": dead_reason,
+                    "error": _first_line(failure.error),
+                },
             )
             return store.OutcomeCounts(dead=1)
         retried = store.schedule_retry(
@@ -651,13 +657,14 @@ class Consumer:
         )
         if not retried:
             return _claim_lost(job)
-        log.info(
+        log.warning(  # a handler failed: said where its developer looks first
             "consume.retry",
             extra={
                 "message_id": job.id,
                 "topic": job.topic,
                 "attempts": job.attempts,
                 "lane": schedule.lane,
+                "error": _first_line(failure.error),
             },
         )
         return store.OutcomeCounts(retried=1)
@@ -726,6 +733,13 @@ def _told(error: BaseException) -> str:
         return str(error)
     except BaseException as exc:  # a handler's error: whatever its str() raises, it is told
         return f"<str() failed: {type(exc).__name__}: {_told(exc)}>"
+
+
+def _first_line(error: str, most: int = 300) -> str:
+    """An error's first line, cut at `most` characters, for a log line (the message keeps it
+    whole, with its traceback: `delaysvc show ID`)."""
+    line = error.strip().partition("\n")[0]
+    return line if len(line) <= most else line[: most - 3] + "..."
 
 
 def _claim_lost(job: Job) -> store.OutcomeCounts:

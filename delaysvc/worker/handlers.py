@@ -55,7 +55,7 @@ class Handler:
         def` handler's coroutine is run to its end on this thread's event loop."""
         result = self.func(*arguments)
         if inspect.isawaitable(result):
-            _event_loop().run(_awaited(result))
+            _run_to_its_end(result)
         elif inspect.isgenerator(result) or inspect.isasyncgen(result):
             raise TypeError(f"{_name(self.func)} gave a generator, which runs nothing: {_RETURN}")
 
@@ -76,6 +76,22 @@ def _event_loop() -> asyncio.Runner:
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
+
+
+def _run_to_its_end(awaitable: Any) -> None:
+    """Run an `async def` handler's coroutine on this thread's loop; the tasks it leaves
+    running are cancelled then, as `asyncio.run` cancels them (else they would run on inside
+    the next job's handler, or never)."""
+    runner = _event_loop()
+    try:
+        runner.run(_awaited(awaitable))
+    finally:
+        loop = runner.get_loop()
+        left = [task for task in asyncio.all_tasks(loop) if not task.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
 _registry: dict[str, Handler] = {}

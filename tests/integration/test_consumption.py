@@ -183,6 +183,32 @@ def test_a_retry_later_without_a_delay_takes_the_retry_levels_and_a_last_one_say
     assert dead.last_error.startswith("RetryLater's delay: '5x' is not a duration; ")
 
 
+def test_a_failure_is_said_in_the_log_with_its_error_and_a_dead_letter_with_no_reason_is_one(
+    producer, consumer, caplog
+):
+    """A failing handler's error was only on the message (`consume.retry`, at INFO, named
+    none): a developer watching the worker saw nothing while it failed. And `DeadLetter(None)`
+    (a reason read from an error that had none) was retried, not dead-lettered."""
+
+    @handler("says")
+    def fails(message):
+        if message.body == "dead":
+            raise DeadLetter(None)
+        raise ValueError("no such order: 42\nsecond line")
+
+    retried = producer.send("says", "retry")
+    dead = producer.send("says", "dead")
+    with caplog.at_level("WARNING", logger="delaysvc.worker.consumer"):
+        result = consumer.run_once("says")
+    assert (result.retried, result.dead) == (1, 1)
+    said = {r.getMessage(): r for r in caplog.records}
+    assert said["consume.retry"].message_id == retried.id
+    assert said["consume.retry"].error == "ValueError: no such order: 42"
+    assert said["consume.dead"].message_id == dead.id
+    assert said["consume.dead"].reason == "dead-lettered by handler"
+    assert producer.get(dead.id).status == "dead"
+
+
 def _unwrapped(func):
     """A decorator without `functools.wraps`: every function it makes has one name."""
 
@@ -618,6 +644,21 @@ def test_an_async_handler_is_awaited_and_a_generator_refused(producer, consumer,
         await asyncio.sleep(0)
         raise ValueError("async boom")
 
+    left: list[str] = []
+
+    @handler("async.leaves")
+    async def leaves_a_task(message):
+        async def later():
+            try:
+                await asyncio.sleep(30)
+                left.append("ran on")
+            except asyncio.CancelledError:
+                left.append("cancelled")
+                raise
+
+        asyncio.get_running_loop().create_task(later())
+        await asyncio.sleep(0)
+
     @handler("async.tx", transaction=True)
     async def in_transaction(message, conn):
         await asyncio.sleep(0)
@@ -633,6 +674,9 @@ def test_an_async_handler_is_awaited_and_a_generator_refused(producer, consumer,
     retrying = producer.get(failing.id)
     assert retrying.status == "retrying" and "ValueError: async boom" in retrying.last_error
     assert effects() == {in_tx.id: "done"}
+    producer.send("async.leaves", {})
+    assert consumer.run_once("async.leaves").succeeded == 1
+    assert left == ["cancelled"]  # as `asyncio.run` would, not inside the next job's handler
 
     def steps(message):
         yield message
