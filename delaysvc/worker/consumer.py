@@ -180,6 +180,7 @@ class Leases:
         self._held: dict[int, list[int]] = {}  # claim id -> its jobs' ids
         self._start_by: dict[int, float] = {}  # claim id -> when its jobs not started go back
         self._given_back: dict[int, int] = {}  # claim id -> how many went back (`drop` says)
+        self._flushes: dict[int, Callable[[], None]] = {}  # claim id -> writes its outcomes
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -197,11 +198,19 @@ class Leases:
                 )
                 self._thread.start()
 
+    def flush_while_running(self, claim_id: int, flush: Callable[[], None]) -> None:
+        """Call `flush` every GIVE_BACK_TICK_SECONDS while the claim is held: it writes the
+        outcomes its batch has not written yet, when they are due, though a handler of the
+        batch still runs (`Consumer._flush_if_due`)."""
+        with self._lock:
+            self._flushes[claim_id] = flush
+
     def drop(self, claim_id: int) -> int:
         """Renew this claim's jobs no more. -> how many of them went back while it ran."""
         with self._lock:
             self._held.pop(claim_id, None)
             self._start_by.pop(claim_id, None)
+            self._flushes.pop(claim_id, None)
             return self._given_back.pop(claim_id, 0)
 
     def give_back_late(self) -> int:
@@ -246,14 +255,23 @@ class Leases:
             except Exception:  # the next third tries again
                 log.warning("consume.lease_renewal_failed", exc_info=True)
                 continue
+            with self._lock:
+                flushes = list(self._flushes.values())
+            for flush in flushes:
+                try:
+                    flush()
+                except Exception:  # kept: its batch writes them, or tries again here
+                    log.warning("consume.outcomes_write_failed", exc_info=True)
             if given:
                 log.info("consume.released_behind_a_long_job", extra={"count": given})
 
 
 class _Outcomes:
-    """Outcomes of a batch not yet written."""
+    """Outcomes of a batch not yet written; `lock` is held to change or write them (the
+    batch's thread, and the leases' while a long handler runs: `Consumer._flush_if_due`)."""
 
     def __init__(self) -> None:
+        self.lock = threading.RLock()
         self.clear()
 
     def clear(self) -> None:
@@ -452,6 +470,7 @@ class Consumer:
         never started go back meanwhile too, while a long job runs: `Leases.give_back_late`)."""
         topic = result.topic
         pending = _Outcomes()
+        self.leases.flush_while_running(claim_id, partial(self._flush_if_due, pending, result))
         starts = _Starts(started, chunks=self.max_retries(topic) > 0)
         for index, job in enumerate(jobs):
             if time.monotonic() > start_by:
@@ -460,7 +479,8 @@ class Consumer:
             if not starts.covers(job.id):
                 spent = self._spent(job)
                 if spent is not None:
-                    pending.add(job, claim_id, spent, 0)
+                    with pending.lock:
+                        pending.add(job, claim_id, spent, 0)
                     continue
                 self._start(starts, jobs[index:], claim_id)
             attempt = starts.attempt(job.id)
@@ -471,7 +491,8 @@ class Consumer:
             error, duration_ms = self._run(job, claim_id, pending, result)
             starts.ran(duration_ms)
             self._quick_jobs[topic] = starts.size
-            pending.add(job, claim_id, error, duration_ms)
+            with pending.lock:
+                pending.add(job, claim_id, error, duration_ms)
             if isinstance(error, ENDS_THE_PROCESS):
                 # `sys.exit()` in a handler, or a Ctrl-C: a failure of its job like any other,
                 # recorded with the batch's outcomes, the jobs not started given back; then the
@@ -482,6 +503,14 @@ class Consumer:
             if pending.age() >= FLUSH_SECONDS:
                 self._record(pending, result)
         self._record(pending, result)
+
+    def _flush_if_due(self, pending: _Outcomes, result: ConsumeResult) -> None:
+        """Write the batch's outcomes once FLUSH_SECONDS old, from the leases' thread while a
+        handler runs: quick jobs that finished before a long one were left `running` for as
+        long as it ran, and run again if the process died meanwhile."""
+        with pending.lock:
+            if pending.age() >= FLUSH_SECONDS:
+                self._record(pending, result)
 
     def _spent(self, job: Job) -> DeadLetter | None:
         """Why the job goes dead without running, when every attempt it may have was charged
@@ -506,6 +535,10 @@ class Consumer:
         the handlers' durations and the outcomes written (a job whose claim was lost is its
         new holder's to count) into the topic's histogram and totals, last: the topic's rows
         stay locked for the commit only."""
+        with outcomes.lock:
+            self._write(outcomes, result)
+
+    def _write(self, outcomes: _Outcomes, result: ConsumeResult) -> None:
         if not outcomes.durations:  # nothing ran since the last write
             return
         with self.engine.begin() as conn:
@@ -535,8 +568,9 @@ class Consumer:
             try:
                 if found.transaction is not None:
                     self._run_in_transaction(found, job, claim_id, started)
-                    pending.committed.add(job.id)
-                    result.succeeded += 1
+                    with pending.lock:
+                        pending.committed.add(job.id)
+                        result.succeeded += 1
                 else:
                     found.run(job)
             except BaseException as exc:

@@ -442,6 +442,30 @@ def test_slow_jobs_of_one_topic_spread_over_the_consumers(producer, settings, en
     assert ran[0] == "first" and list(ran.values()).count("MainThread") >= 2, ran
 
 
+def test_jobs_done_before_a_long_one_are_written_while_it_runs(producer, consumer):
+    """A batch wrote its outcomes after a job returned: three quick jobs before one of 20 s
+    stayed `running` those 20 s, and ran again when the process died in them (found by a
+    reviewer). They are written while the long one runs now (`Leases.flush_while_running`)."""
+    seen: list[list[str]] = []
+
+    @handler("quick.then.long")
+    def run(message):
+        if message.body == "long":
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                statuses = [producer.get(m.id).status for m in quick]
+                if statuses == ["succeeded"] * 3:
+                    break
+                time.sleep(0.1)
+            seen.append(statuses)
+
+    quick = [producer.send("quick.then.long", n) for n in range(3)]
+    producer.send("quick.then.long", "long")
+    result = consumer.run_once("quick.then.long")
+    assert (result.claimed, result.succeeded) == (4, 4)
+    assert seen == [["succeeded"] * 3]  # while the long one still ran
+
+
 def test_jobs_the_claim_started_still_run_once_behind_a_rerun_started_alone(
     producer, consumer, engine
 ):
