@@ -223,17 +223,22 @@ def _say_ready(**_: object) -> None:
 def _refuse_to_start(sender: object, **_: object) -> None:
     """`celery -A delaysvc.tasks worker` starts only as `delaysvc worker` would (which checks
     before it starts Celery): on a database migrated to this release with its delay levels
-    (`migrate.check_schema`) and, to
-    serve the delivery queue, a URL that keeps a session (`db.require_session`). Celery logs
-    and ignores an exception a signal handler raises, so a refusal ends the process itself,
-    with the reason on stderr and exit status 2, as the CLI's own errors."""
+    (`migrate.check_schema`); to serve the delivery queue, with a URL that keeps a session
+    (`db.require_session`); to serve the consume queue, with every task `DELAYSVC_TOPIC_TASKS`
+    binds (its jobs come to this queue: a task it lacks is "unregistered", each job retried
+    until dead). Celery logs and ignores an exception a signal handler raises, so a refusal
+    ends the process itself, with the reason on stderr and exit status 2, as the CLI's own
+    errors. (The handler modules are imported by then: `Loader`.)"""
     from delaysvc.schema import migrate
 
     settings = sender.app.conf.delaysvc_settings  # type: ignore[attr-defined]
+    queues = set(sender.app.amqp.queues.consume_from)  # type: ignore[attr-defined]
     try:
-        if DELIVERY_QUEUE in set(sender.app.amqp.queues.consume_from):  # type: ignore[attr-defined]
+        if DELIVERY_QUEUE in queues:
             require_session(settings, DELIVERY_NEEDS)
             require_one_database(settings)
+        if CONSUME_QUEUE in queues:
+            _require_bound_tasks(settings, sender.app.tasks)  # type: ignore[attr-defined]
         engine = make_engine(settings)
         try:
             with engine.connect() as conn:
@@ -243,6 +248,17 @@ def _refuse_to_start(sender: object, **_: object) -> None:
     except (ConfigError, SchemaNotReady) as refused:
         print(f"error: {refused}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+def _require_bound_tasks(settings: Settings, tasks: Any) -> None:
+    """ConfigError naming the first task `DELAYSVC_TOPIC_TASKS` binds that `tasks` lacks."""
+    for topic, name in sorted(settings.task_topics.items()):
+        if name not in tasks:
+            raise ConfigError(
+                f"DELAYSVC_TOPIC_TASKS binds {topic} to {name}, a task this worker does not "
+                "have: list the module that defines it in DELAYSVC_HANDLERS (delaysvc's consume "
+                "workers run it); to run tasks on your own Celery workers, see durable(app)"
+            )
 
 
 @setup_logging.connect

@@ -236,6 +236,41 @@ def test_a_celery_worker_started_directly_with_other_levels_exits_naming_the_dif
     assert "Traceback" not in done.stderr
 
 
+def test_a_consume_worker_without_a_bound_task_exits_naming_it(settings, tmp_path):
+    """A task `DELAYSVC_TOPIC_TASKS` binds comes to the consume queue: a worker that did not
+    have it started all the same, and each of its jobs was "unregistered", retried until dead
+    (found by a reviewer)."""
+    env = outside_env() | {
+        "DELAYSVC_DATABASE_URL": settings.database_url,
+        "DELAYSVC_TOPIC_TASKS": "order.cancel=shop.tasks.cancel_unpaid_order",
+        "DELAYSVC_VAR_DIR": str(tmp_path),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "delaysvc.tasks",
+            "worker",
+            "-P",
+            "threads",
+            "-Q",
+            "delaysvc.consume",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert (
+        "error: DELAYSVC_TOPIC_TASKS binds order.cancel to shop.tasks.cancel_unpaid_order, a "
+        "task this worker does not have: list the module that defines it in DELAYSVC_HANDLERS"
+    ) in done.stderr
+
+
 def _a_session_waits_on_a_lock(engine: Engine) -> bool:
     with engine.connect() as conn:
         return bool(
