@@ -13,7 +13,7 @@ from sqlalchemy.pool import NullPool
 
 from delaysvc.db.engines import make_engine
 from delaysvc.maintenance.heartbeats import record_heartbeat, report_handlers
-from delaysvc.tasks.app import CONSUME_QUEUE, runtime
+from delaysvc.tasks.app import CONSUME_QUEUE, DATABASE_AWAY, runtime
 from delaysvc.worker.consumer import Job
 from delaysvc.worker.handlers import registered_topics
 
@@ -56,7 +56,7 @@ def _warm_consumer(**_: object) -> None:
         log.warning("consume.warm_up_failed", exc_info=True)
 
 
-@shared_task(name="delaysvc.consume", ignore_result=True)
+@shared_task(name="delaysvc.consume", ignore_result=True, throws=DATABASE_AWAY)
 def consume(topic: str) -> int:
     """Run one batch of `topic`; while batches come back full, queue the next one. A topic
     with limits goes on while its claims take jobs (each process that ran one tries for the
@@ -89,7 +89,7 @@ def _report_in(engine: Any) -> None:
         record_heartbeat(engine, "consumer")
 
 
-@shared_task(name="delaysvc.consume_sweep", ignore_result=True)
+@shared_task(name="delaysvc.consume_sweep", ignore_result=True, throws=DATABASE_AWAY)
 def consume_sweep() -> int:
     """Safety net: wake the consumer of every topic that has ready jobs (fired by beat, run by a
     consume worker, which reports in by it)."""
@@ -108,7 +108,7 @@ def wake_ready_topics() -> int:
     return len(topics)
 
 
-@shared_task(name="delaysvc.rescue_leases", ignore_result=True)
+@shared_task(name="delaysvc.rescue_leases", ignore_result=True, throws=DATABASE_AWAY)
 def rescue_leases() -> int:
     rescued = runtime().consumer.rescue_once()
     for topic in {row.topic for row in rescued}:
@@ -119,12 +119,12 @@ def rescue_leases() -> int:
 # -- topics bound to existing Celery tasks ---------------------------------------------------
 
 
-@shared_task(name="delaysvc.task_succeeded", ignore_result=True)
+@shared_task(name="delaysvc.task_succeeded", ignore_result=True, throws=DATABASE_AWAY)
 def task_succeeded(_result: Any, message_id: int, claim_id: int, sent_at: float) -> bool:
     return runtime().consumer.record_success(message_id, claim_id, _elapsed_ms(sent_at))
 
 
-@shared_task(name="delaysvc.task_failed", ignore_result=True)
+@shared_task(name="delaysvc.task_failed", ignore_result=True, throws=DATABASE_AWAY)
 def task_failed(
     request: Any,
     exc: BaseException,

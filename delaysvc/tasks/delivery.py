@@ -20,7 +20,7 @@ from celery.signals import worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
 from delaysvc.maintenance.delivery import LaneRunner
-from delaysvc.tasks.app import DELIVERY_QUEUE, Stopping, runtime
+from delaysvc.tasks.app import DATABASE_AWAY, DELIVERY_QUEUE, Stopping, runtime
 
 log = logging.getLogger(__name__)
 _stopping = Stopping()
@@ -94,7 +94,7 @@ def _wake_consumers(topics: tuple[str, ...]) -> None:
         consume.apply_async((topic,), expires=60)
 
 
-@shared_task(name="delaysvc.deliver_lane", ignore_result=True)
+@shared_task(name="delaysvc.deliver_lane", ignore_result=True, throws=DATABASE_AWAY)
 def deliver_lane(lane: int) -> int:
     """Keep `lane` on time for one budget, then hand over to the next run of this task."""
     rt = runtime()
@@ -109,9 +109,10 @@ def deliver_lane(lane: int) -> int:
     )
     try:
         moved = runner.run(budget)
-    except DBAPIError:  # the lane's database connection broke: again at once, on a new one
+    except DBAPIError as exc:  # the lane's database connection broke: again at once, on a new one
         if runner.held_lane and not _stop.is_set():
-            log.warning("delivery.lane_rearmed", extra={"lane": lane}, exc_info=True)
+            reason = " ".join(str(exc.orig).split())[:300]
+            log.warning("delivery.lane_rearmed", extra={"lane": lane, "error": reason})
             deliver_lane.apply_async(
                 (lane,), countdown=REARM_SECONDS, expires=REARM_SECONDS + budget
             )

@@ -5,10 +5,10 @@ from __future__ import annotations
 from celery import shared_task
 
 from delaysvc.maintenance import history
-from delaysvc.tasks.app import runtime
+from delaysvc.tasks.app import DATABASE_AWAY, runtime
 
 
-@shared_task(name="delaysvc.move_history", ignore_result=True)
+@shared_task(name="delaysvc.move_history", ignore_result=True, throws=DATABASE_AWAY)
 def move_history() -> int:
     """Move finished messages into the history, drop days past the retention; -> rows moved."""
     settings = runtime().settings

@@ -18,7 +18,7 @@ from celery.signals import worker_ready, worker_shutting_down
 
 from delaysvc.maintenance import caps_index, periodic
 from delaysvc.producer import caps
-from delaysvc.tasks.app import DELIVERY_QUEUE, Stopping, runtime
+from delaysvc.tasks.app import DATABASE_AWAY, DELIVERY_QUEUE, Stopping, runtime
 from delaysvc.worker import limits
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ _stopping = Stopping()
 _stop = _stopping.event
 
 
-@shared_task(name="delaysvc.fire_schedules", ignore_result=True)
+@shared_task(name="delaysvc.fire_schedules", ignore_result=True, throws=DATABASE_AWAY)
 def fire_schedules() -> int:
     """Fire every due tick; -> messages stored."""
     fired = periodic.fire_due(runtime().engine)

@@ -7,16 +7,16 @@ from celery import shared_task
 
 from delaysvc.maintenance.heartbeats import record_heartbeat
 from delaysvc.store.dashboard import sample_stats as sample
-from delaysvc.tasks.app import runtime
+from delaysvc.tasks.app import DATABASE_AWAY, runtime
 
 
-@shared_task(name="delaysvc.sample_stats", ignore_result=True)
+@shared_task(name="delaysvc.sample_stats", ignore_result=True, throws=DATABASE_AWAY)
 def sample_stats() -> int:
     """Record one stats_sample row per lane and prune old samples; -> lanes sampled."""
     return sample(runtime().engine, runtime().settings.statement_timeout_ms).lanes
 
 
-@shared_task(name="delaysvc.fold_lane_counts", ignore_result=True)
+@shared_task(name="delaysvc.fold_lane_counts", ignore_result=True, throws=DATABASE_AWAY)
 def fold_lane_counts() -> int:
     """Fold the lanes' count deltas into one row per lane (every second from beat), so reading
     a lane's exact backlog sums a few thousand rows at most, and move the stored count's
