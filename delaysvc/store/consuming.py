@@ -344,16 +344,22 @@ SELECT id, topic, deliver_ts, priority FROM back ORDER BY id
     ).rowcount
 
 
-def rescue_expired_leases(conn: Connection, limit: int) -> list[Any]:
+def rescue_expired_leases(conn: Connection, limit: int, grace_seconds: float) -> list[Any]:
     """Jobs whose worker vanished (lease expired) go back to their topic queue; an attempt
-    that started counts, a job that never started was never charged. -> the rescued (id,
-    topic)."""
+    that started counts, a job that never started was never charged. A lease that expired
+    before the database server last started (it was away: restarting, failing over) is
+    rescued only `grace_seconds` after that start: its worker, alive all along, renews it once
+    it reaches the database again (a 45 s outage reran every job in flight, though each had
+    succeeded). -> the rescued (id, topic)."""
     return list(
         conn.execute(
             sql(
                 """
 WITH expired AS (
     SELECT id FROM delaysvc.commit_log WHERE status = 'running' AND lease_until < clock_timestamp()
+      AND (lease_until >= pg_postmaster_start_time()
+           OR clock_timestamp() >= pg_postmaster_start_time()
+                                   + CAST(:grace AS float8) * interval '1 second')
     ORDER BY lease_until LIMIT :limit FOR UPDATE SKIP LOCKED
 ), back AS (
     UPDATE delaysvc.commit_log c SET status = 'ready', lease_until = NULL, claim_id = NULL,
@@ -368,7 +374,7 @@ WITH expired AS (
 SELECT id, topic FROM back
 """
             ),
-            {"limit": limit},
+            {"limit": limit, "grace": grace_seconds},
         )
     )
 

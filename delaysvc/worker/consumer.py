@@ -172,7 +172,9 @@ class Leases:
     process that dies (kill -9, the OOM killer, a lost host) stops renewing, and its jobs are
     taken again (`rescue_once`) at most a lease later; a slow handler in a live process keeps
     its job however long it takes. A renewal that fails (the database restarting) is tried
-    again at the next third, so one failure costs nothing."""
+    again every GIVE_BACK_TICK_SECONDS until it passes: leases that expired while the database
+    was away are renewed as it comes back, before its rescue takes them (which waits a lease
+    after the server's start for such leases: `store.rescue_expired_leases`)."""
 
     def __init__(self, engine: Engine, lease_seconds: int):
         self.engine = engine
@@ -244,16 +246,21 @@ class Leases:
             return store.renew_leases(conn, held, self.lease_seconds)
 
     def _renew_while_alive(self) -> None:
-        renewed = time.monotonic()
+        renewed, failing = time.monotonic(), False
         while True:
             time.sleep(min(GIVE_BACK_TICK_SECONDS, self.lease_seconds / 3))
             try:
-                if time.monotonic() - renewed >= self.lease_seconds / 3:
-                    renewed = time.monotonic()  # a failure is tried again at the next third
+                # after a failure, again at each tick: the leases renewed as soon as the
+                # database answers again (its rescue gives them a lease's grace after a restart)
+                if failing or time.monotonic() - renewed >= self.lease_seconds / 3:
                     self.renew()
+                    renewed = time.monotonic()
                 given = self.give_back_late()
-            except Exception:  # the next third tries again
-                log.warning("consume.lease_renewal_failed", exc_info=True)
+                failing = False
+            except Exception:
+                if not failing:  # said once a streak, not every tick of an outage
+                    log.warning("consume.lease_renewal_failed", exc_info=True)
+                failing = True
                 continue
             with self._lock:
                 flushes = list(self._flushes.values())
@@ -755,7 +762,8 @@ class Consumer:
         """Put jobs whose lease expired (their process stopped renewing it) back in their
         queues. -> rescued (id, topic) rows."""
         with self.engine.begin() as conn:
-            rescued = store.rescue_expired_leases(conn, limit)
+            # a lease that expired while the database was away: a lease's time to renew it
+            rescued = store.rescue_expired_leases(conn, limit, self.settings.lease_seconds)
         if rescued:
             log.warning("consume.leases_rescued", extra={"count": len(rescued)})
         return rescued

@@ -296,6 +296,36 @@ def expire_leases(engine):
         conn.execute(text("UPDATE commit_log SET lease_until = now() - interval '1 second'"))
 
 
+def test_a_lease_that_expired_before_the_servers_start_waits_a_grace_for_its_renewal(
+    producer, consumer, engine
+):
+    """A lease that expired while the database was away (its worker alive, its renewals
+    failing) was rescued as the database came back, before the worker could renew it: every
+    job in flight ran again, though each had succeeded (found by a reviewer: a 45 s outage).
+    Such a lease waits a lease's time after the server's start; one that expired while the
+    server ran is rescued at once."""
+    handler("t")(lambda m: None)
+    during = producer.send("t", 1)
+    after = producer.send("t", 2)
+    claim(engine, "t")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE commit_log SET lease_until = CASE WHEN id = :during "
+                "THEN pg_postmaster_start_time() - interval '1 second' "
+                "ELSE clock_timestamp() - interval '1 second' END"
+            ),
+            {"during": during.id},
+        )
+        started_ago = conn.execute(
+            text("SELECT extract(epoch FROM clock_timestamp() - pg_postmaster_start_time())")
+        ).scalar_one()
+        rescued = store.rescue_expired_leases(conn, 10, float(started_ago) + 3600)
+        assert [row.id for row in rescued] == [after.id]
+        rescued = store.rescue_expired_leases(conn, 10, 0)  # the grace over
+        assert [row.id for row in rescued] == [during.id]
+
+
 def test_a_started_attempt_whose_worker_was_lost_counts(producer, consumer, engine):
     handler("t")(lambda m: None)
     message = producer.send("t", 1)
@@ -857,7 +887,7 @@ def test_a_job_whose_handler_transaction_is_open_is_neither_rescued_nor_renewed(
             text("SELECT claim_id FROM commit_log WHERE id = :id"), {"id": message.id}
         )
         assert store.renew_leases(conn, {held.scalar_one(): [message.id]}, 30) == 0  # skipped
-        rescued = store.rescue_expired_leases(conn, 10)
+        rescued = store.rescue_expired_leases(conn, 10, 30)
     checked = run_check(engine, lease_tolerance_s=0.2)  # the lease expired over 0.2 s ago
     runner.join(30)
     assert checked.ok, checked.lines()
@@ -882,7 +912,7 @@ def test_a_transactional_handler_whose_job_was_taken_runs_nothing_and_writes_not
             text("UPDATE commit_log SET lease_until = now() - interval '1 second' WHERE id = :id"),
             {"id": message.id},
         )
-        assert [r.id for r in store.rescue_expired_leases(conn, 10)] == [message.id]
+        assert [r.id for r in store.rescue_expired_leases(conn, 10, 30)] == [message.id]
     job = consumption.Job.from_row(row)
     found = consumption.registered("tx.taken")
     with pytest.raises(LeaseLost, match=f"message {message.id}: its lease expired"):
