@@ -112,7 +112,7 @@ from delaysvc.store.health import (
     unhandled_ready,
 )
 from delaysvc.store.levels import (
-    LEVEL_CHANGE_LOCK_TIMEOUT,
+    LEVEL_CHANGE_LOCK_TIMEOUT_SECONDS,
     LevelChange,
     check_levels,
     ensure_levels,
@@ -185,7 +185,7 @@ __all__ = [
     "INSERT_STAGED",
     "IN_TOPIC_QUEUE",
     "LANE",
-    "LEVEL_CHANGE_LOCK_TIMEOUT",
+    "LEVEL_CHANGE_LOCK_TIMEOUT_SECONDS",
     "MESSAGE_COLUMNS",
     "MESSAGE_STATE",
     "MINUTES_KEPT",

@@ -3,6 +3,7 @@ change of them, relocation to the timer lane."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from sqlalchemy import Connection
@@ -14,7 +15,11 @@ from delaysvc.errors import SchemaNotReady
 from delaysvc.schema.tables import TIMER_LANE, level_partition, level_sequence
 from delaysvc.store.shared import lock_timeout
 
-LEVEL_CHANGE_LOCK_TIMEOUT = "10s"
+LEVEL_CHANGE_LOCK_TIMEOUT_SECONDS = 10.0
+LEVEL_CHANGE_LOCK_STEP = "200ms"
+"""How long each try for the levels' lock waits (`_lock_the_levels`): what a send waits at most
+behind it."""
+LEVEL_CHANGE_LOCK_PAUSE_SECONDS = 0.3
 
 
 def stored_levels(conn: Connection) -> dict[int, int]:
@@ -48,6 +53,33 @@ class LevelChange:
         return what
 
 
+def _lock_the_levels(conn: Connection) -> None:
+    """Lock schedule_offset and the levels' queues for the rest of the transaction, trying
+    for LEVEL_CHANGE_LOCK_TIMEOUT_SECONDS in steps of LEVEL_CHANGE_LOCK_STEP, each in a savepoint: a
+    lock waited for holds every later send, retry and move behind it in PostgreSQL's queue,
+    so a change behind a long producer transaction stalled the whole service for the 10 s,
+    then failed all the same (found by a reviewer); between steps they go on."""
+    deadline = time.monotonic() + LEVEL_CHANGE_LOCK_TIMEOUT_SECONDS
+    while True:
+        try:
+            with conn.begin_nested(), lock_timeout(conn, LEVEL_CHANGE_LOCK_STEP):
+                conn.execute(
+                    sql(
+                        "LOCK TABLE delaysvc.schedule_offset, delaysvc.consume_queue "
+                        "IN ACCESS EXCLUSIVE MODE"
+                    )
+                )
+            return  # a lock taken in a savepoint is the transaction's once it is released
+        except OperationalError as exc:
+            if time.monotonic() >= deadline:
+                raise SchemaNotReady(
+                    "the delay levels could not be changed: another transaction kept the "
+                    f"levels' tables for {LEVEL_CHANGE_LOCK_TIMEOUT_SECONDS:g} s (a long "
+                    "producer transaction, or a second migrate); try again"
+                ) from exc
+            time.sleep(LEVEL_CHANGE_LOCK_PAUSE_SECONDS)
+
+
 def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
     """Make the database's levels the configured ones, keeping every waiting message's due
     time: create the queue, offset sequence and schedule_offset row of each new level; a level
@@ -68,20 +100,7 @@ def ensure_levels(conn: Connection, levels: DelayLevels) -> list[LevelChange]:
         if lane > levels.max_level or levels.delay_ms(lane) != ms
     }
     if changed:
-        try:
-            with lock_timeout(conn, LEVEL_CHANGE_LOCK_TIMEOUT):
-                conn.execute(
-                    sql(
-                        "LOCK TABLE delaysvc.schedule_offset, delaysvc.consume_queue "
-                        "IN ACCESS EXCLUSIVE MODE"
-                    )
-                )
-        except OperationalError as exc:
-            raise SchemaNotReady(
-                "the delay levels could not be changed: another transaction kept "
-                f"the levels' tables for {LEVEL_CHANGE_LOCK_TIMEOUT} (a long producer "
-                "transaction, or a second migrate); try again"
-            ) from exc
+        _lock_the_levels(conn)
     conn.execute(
         sql(
             "INSERT INTO delaysvc.schedule_offset (lane, delay_ms) VALUES (:lane, 0) "

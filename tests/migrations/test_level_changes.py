@@ -185,8 +185,36 @@ def test_a_level_change_waits_for_a_producer_transaction_and_then_relocates_its_
     assert (row.lane, row.deliver_ts) == (TIMER_LANE, message.deliver_at)
 
 
+def test_a_level_change_waiting_for_its_lock_holds_other_sends_a_moment_at_most(settings, engine):
+    """A change waiting for the levels' lock behind a producer's open transaction queued every
+    later send behind it, for the whole 10 s it waited (found by a reviewer: a send of 9.75 s).
+    It tries in steps of LEVEL_CHANGE_LOCK_STEP now, and sends go on between them."""
+    producer = Producer(settings, engine)
+    with engine.connect() as conn:
+        conn.begin()
+        producer.send("t", "in flight", delay_level=5, connection=conn)
+        migrated = threading.Event()
+        migrating = threading.Thread(
+            target=lambda: (upgrade(engine, DelayLevels.parse("1s 2s 3s 5s 6s")), migrated.set())
+        )
+        migrating.start()
+        try:
+            time.sleep(0.5)
+            took = []
+            for n in range(3):
+                started = time.monotonic()
+                producer.send("other", n, delay="1h")
+                took.append(time.monotonic() - started)
+            assert not migrated.is_set()  # still waiting for the producer's transaction
+            assert max(took) < 1.5, took
+        finally:
+            conn.commit()
+            migrating.join(timeout=30)
+    assert migrated.is_set()
+
+
 def test_a_level_change_leaves_the_transactions_lock_timeout_as_it_was(engine: Engine) -> None:
-    """The change waits at most LEVEL_CHANGE_LOCK_TIMEOUT for the levels' tables, and only
+    """The change waits at most LEVEL_CHANGE_LOCK_STEP at a time for the levels' tables, and only
     there (it set 0 after it, whatever the transaction had)."""
     with engine.begin() as conn:
         conn.execute(text("SET LOCAL lock_timeout = '3s'"))
