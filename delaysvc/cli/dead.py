@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from datetime import UTC
 
 import click
 
@@ -35,8 +36,9 @@ def dead_list(ctx: Context, topic: str | None, limit: int, as_json: bool) -> Non
     if not rows:  # said on stderr: the list itself stays empty for scripts
         click.echo("no dead letters" + (f" of {topic}" if topic else ""), err=True)
     for row in rows:
+        died = row.died_at.astimezone(UTC)  # said as UTC: it was the session's zone, unsaid
         click.echo(
-            f"{row.message_id:>10} {row.topic:<30} {row.died_at:%Y-%m-%d %H:%M:%S} "
+            f"{row.message_id:>10} {row.topic:<30} {died:%Y-%m-%d %H:%M:%SZ} "
             f"attempts={row.attempts} {row.reason} | {row.last_error or ''}"
         )
 
@@ -76,8 +78,8 @@ def dead_purge(
     error_contains: str | None,
     yes: bool,
 ) -> None:
-    """Forget dead letters, by id or by filter (the messages' history stays). Asks first,
-    unless --yes; without a terminal to ask on, it needs --yes."""
+    """Forget dead letters, by id or by filter: they can no longer be redriven (the messages'
+    history stays). Asks first, unless --yes; without a terminal to ask on, it needs --yes."""
     from delaysvc.producer.dead_letters import DeadLetters
 
     letters = DeadLetters(ctx.engine)
@@ -93,7 +95,7 @@ def dead_purge(
             + (f" whose error contains {error_contains!r}" if error_contains else "")
         )
         if not sys.stdin.isatty():
-            raise ValidationError("yes", f"purging {which} needs --yes off a terminal")
+            raise ValidationError("--yes", f"purging {which} needs it off a terminal")
         click.confirm(f"forget {which}?", abort=True)
     if message_ids:
         count = letters.purge(list(message_ids))

@@ -309,6 +309,7 @@ def test_dead_letters_list_redrive_and_purge(
     for message_id in ids:
         assert str(message_id) in listed.stdout
     assert "boom 1" in listed.stdout
+    assert re.search(r" \d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ attempts=1 ", listed.stdout), listed.stdout
 
     redriven = delaysvc("dead", "redrive", str(ids[0]))
     assert redriven.returncode == 0, redriven.stderr
@@ -323,7 +324,9 @@ def test_dead_letters_list_redrive_and_purge(
 
     unasked = delaysvc("dead", "purge", "--topic", "cli.always.fails")  # no terminal to ask on
     line = _assert_one_line_error(unasked, 2)
-    assert "needs --yes" in line
+    assert line == (  # it said `yes:`, as if an answer
+        "error: --yes: purging the dead letters of topic cli.always.fails needs it off a terminal"
+    )
     assert str(ids[1]) in delaysvc("dead", "list").stdout  # nothing purged
     purged = delaysvc("dead", "purge", "--topic", "cli.always.fails", "--yes")
     assert purged.returncode == 0, purged.stderr
