@@ -110,9 +110,10 @@ def stats(ctx: Context, as_json: bool) -> None:
         name = "timer" if lane.lane == 0 else str(lane.lane)
         due = late = "-"
         if lane.next_due is not None:
-            due = f"{(lane.next_due - lane.now).total_seconds():.3f}s"
             if lane.next_due <= lane.now:  # the head is due and not moved yet: how long
-                late = f"{(lane.now - lane.next_due).total_seconds():.3f}s"
+                due, late = "now", f"{(lane.now - lane.next_due).total_seconds():.3f}s"
+            else:
+                due = f"{(lane.next_due - lane.now).total_seconds():.3f}s"
         state = f"STUCK at {lane.stuck_offset}: {lane.stuck_error}" if lane.stuck_error else "ok"
         rate = "-" if lane.moved_per_s is None else f"{lane.moved_per_s:,.1f}"
         click.echo(
