@@ -246,19 +246,7 @@ def test_a_celery_worker_started_directly_with_other_levels_exits_naming_the_dif
 ):
     """`celery -A delaysvc.tasks worker` refuses as `delaysvc worker` does (Celery itself only
     logs an exception raised in its worker_init signal, and went on running)."""
-    env = outside_env() | {
-        "DELAYSVC_DATABASE_URL": settings.database_url,
-        "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 1h",
-        "DELAYSVC_VAR_DIR": str(tmp_path),
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "worker", "-P", "threads"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = _celery_worker(settings, tmp_path, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 1h")
     assert done.returncode == 2, done.stderr[-2000:]
     assert "level 5: 1h configured, 8s in the database" in done.stderr
     assert "Traceback" not in done.stderr
@@ -268,35 +256,38 @@ def test_a_consume_worker_without_a_bound_task_exits_naming_it(settings, tmp_pat
     """A task `DELAYSVC_TOPIC_TASKS` binds comes to the consume queue: a worker that did not
     have it started all the same, and each of its jobs was "unregistered", retried until dead
     (found by a reviewer)."""
-    env = outside_env() | {
-        "DELAYSVC_DATABASE_URL": settings.database_url,
-        "DELAYSVC_TOPIC_TASKS": "order.cancel=shop.tasks.cancel_unpaid_order",
-        "DELAYSVC_VAR_DIR": str(tmp_path),
-    }
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "delaysvc.tasks",
-            "worker",
-            "-P",
-            "threads",
-            "-Q",
-            "delaysvc.consume",
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = _celery_worker(
+        settings,
+        tmp_path,
+        "-Q",
+        "delaysvc.consume",
+        DELAYSVC_TOPIC_TASKS="order.cancel=shop.tasks.cancel_unpaid_order",
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert (
         "error: DELAYSVC_TOPIC_TASKS binds order.cancel to shop.tasks.cancel_unpaid_order, a "
         "task this worker does not have: list the module that defines it in DELAYSVC_HANDLERS"
     ) in done.stderr
+
+
+def _celery_worker(
+    settings, tmp_path, *args: str, **variables: str
+) -> subprocess.CompletedProcess[str]:
+    """`celery -A delaysvc.tasks worker -P threads ARGS` with these DELAYSVC_* variables, run
+    to its end (a refusal: at most two minutes)."""
+    env = outside_env() | {
+        "DELAYSVC_DATABASE_URL": settings.database_url,
+        "DELAYSVC_VAR_DIR": str(tmp_path),
+        **variables,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "delaysvc.tasks", "worker", "-P", "threads", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def _a_session_waits_on_a_lock(engine: Engine) -> bool:
