@@ -474,11 +474,25 @@ def _check_database_url(variable: str, url: str) -> None:
     )
 
 
+_ALLOWED = {
+    "bool_parsing": "use true or false (or 1/0, yes/no, on/off)",
+    "int_parsing": "use a whole number",
+    "float_parsing": "use a number",
+}
+"""What a variable of each kind takes, by pydantic's error type: its own words say only what
+failed ("Input should be a valid boolean, unable to interpret input")."""
+
+
 def _describe(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
         field = ".".join(str(p) for p in error["loc"]) or "settings"
         cause = error.get("ctx", {}).get("error")
-        message = str(cause) if isinstance(cause, ConfigError) else error["msg"]
+        if isinstance(cause, ConfigError):
+            message = str(cause)
+        elif error["type"] in _ALLOWED:
+            message = f"{error['input']!r} is not allowed; {_ALLOWED[error['type']]}"
+        else:
+            message = error["msg"]
         problems.append(f"DELAYSVC_{field.upper()}: {message}")
     return "; ".join(problems)

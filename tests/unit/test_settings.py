@@ -144,3 +144,22 @@ def test_a_direct_url_that_is_the_pooled_url_is_refused(pooling: str) -> None:
     # behind a session pooler (or none) the two may be the same
     same = {"DELAYSVC_DATABASE_URL": pooled, "DELAYSVC_DIRECT_DATABASE_URL": pooled}
     assert Settings.from_env(same).direct_database_url == pooled
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("DELAYSVC_SECURE_COOKIES", "maybe", "'maybe' is not allowed; use true or false"),
+        ("DELAYSVC_LEASE_SECONDS", "30s", "'30s' is not allowed; use a whole number"),
+    ],
+)
+def test_a_value_of_the_wrong_kind_is_refused_saying_what_is_taken(
+    variable: str, value: str, said: str
+) -> None:
+    """pydantic's own words said only what failed ("Input should be a valid boolean, unable to
+    interpret input"), not what the variable takes (found by a reviewer)."""
+    with pytest.raises(ConfigError) as refused:
+        Settings.from_env({variable: value})
+    assert str(refused.value) == f"{variable}: {said}" + (
+        " (or 1/0, yes/no, on/off)" if "true or false" in said else ""
+    )
