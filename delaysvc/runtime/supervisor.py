@@ -341,6 +341,9 @@ class Supervisor:
                 process.kill()
                 process.wait()
         self.reaper.stopped()
+        for child in self.children:  # a reload under way: its ready file's folder goes too
+            if child.successor is not None:
+                shutil.rmtree(child.successor.ready_file.parent, ignore_errors=True)
         for relay in self.relays:
             relay.join(timeout=2)  # the children's last lines
 
