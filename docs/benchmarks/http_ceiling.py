@@ -29,7 +29,8 @@ from scratch import send_token
 from delaysvc.bench import raw
 from delaysvc.bench.http import run_wrk
 from delaysvc.db.engines import libpq_url
-from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
+from delaysvc.runtime.commands import web_command
+from delaysvc.runtime.supervisor import free_port, wait_until_answering
 
 SECONDS = 20.0
 

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scratch import send_token
 
 from delaysvc.bench.http import run_wrk
-from delaysvc.runtime.supervisor import free_port, wait_until_answering, web_command
+from delaysvc.runtime.commands import web_command
+from delaysvc.runtime.supervisor import free_port, wait_until_answering
 
 PAGE = b"GET /no-such-page HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"  # a 404: Flask, no database
 

@@ -40,7 +40,8 @@ from sqlalchemy import Engine, text
 
 from delaysvc.bench import raw
 from delaysvc.db.engines import libpq_url
-from delaysvc.runtime.supervisor import free_port, web_command
+from delaysvc.runtime.commands import web_command
+from delaysvc.runtime.supervisor import free_port
 
 APPS = textwrap.dedent(
     """

@@ -26,7 +26,8 @@ from scratch import send_token
 
 from delaysvc.bench import raw
 from delaysvc.db.engines import libpq_url
-from delaysvc.runtime.supervisor import free_port, web_command
+from delaysvc.runtime.commands import web_command
+from delaysvc.runtime.supervisor import free_port
 
 
 def granian(port: int, threads: int, *target: str) -> list[str]:

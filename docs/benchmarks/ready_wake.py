@@ -33,7 +33,8 @@ from scratch import scratch_database, server_and_rounds
 from delaysvc.bench.peer_handlers import SOAK_TOPIC
 from delaysvc.db.names import sql
 from delaysvc.producer.sending import Producer
-from delaysvc.runtime.supervisor import beat_command, die_with_parent, worker_commands
+from delaysvc.runtime.commands import beat_command, worker_commands
+from delaysvc.runtime.supervisor import die_with_parent
 
 SERVER, ROUNDS = server_and_rounds(3)
 TREES = {"tree": Path(__file__).resolve().parents[2], "other": Path(sys.argv[3]).resolve()}

@@ -93,7 +93,7 @@ def test_a_message_keeps_its_priority_through_levels_timer_retries_leases_and_re
     with engine.begin() as conn:
         store.claim_ready(conn, "prio.lease", 1, lease_seconds=0)
     with engine.begin() as conn:
-        assert [r.id for r in store.rescue_expired_leases(conn, 10)] == [lost.id]
+        assert [r.id for r in store.rescue_expired_leases(conn, 10, 30)] == [lost.id]
     assert _queued_priority(engine, lost.id) == 2
 
     @handler("prio.dead")

@@ -318,7 +318,7 @@ def test_an_install_from_before_the_schema_moves_in_place_and_loses_no_message(
     time.sleep(2.0)  # every level-1 and timer message due; the running job's lease gone
     consumer = Consumer(settings, engine)
     with engine.begin() as conn:
-        assert [row.id for row in store.rescue_expired_leases(conn, 100)] == [running]
+        assert [row.id for row in store.rescue_expired_leases(conn, 100, 30)] == [running]
     with engine.connect() as conn:
         for lane in (1, TIMER_LANE):
             delivery.run_once(conn, lane, batch=100)
