@@ -15,15 +15,31 @@ DAY_S = 86_400.0
 
 
 @cli.command()
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Say what would change (each level's change), change nothing.",
+)
 @pass_ctx
-def migrate(ctx: Context) -> None:
-    """Upgrade the schema and create one consume queue per configured level."""
+def migrate(ctx: Context, dry_run: bool) -> None:
+    """Upgrade the schema and create one consume queue per configured level
+    (DELAYSVC_DELAY_LEVELS: a level changed or removed hands its waiting messages to the timer
+    lane, due when they were due)."""
     from delaysvc.db.engines import make_engine, require_one_database
     from delaysvc.schema.migrate import upgrade
 
     require_one_database(ctx.settings)
     direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
     engine = make_engine(ctx.settings, direct) if direct else ctx.engine
+    if dry_run:
+        changes = upgrade(engine, ctx.settings.levels, dry_run=True)
+        for change in changes:
+            click.echo(f"would change {change.describe()}")
+        click.echo(
+            f"dry run: nothing changed; {len(changes)} level change(s) for "
+            f"DELAYSVC_DELAY_LEVELS={ctx.settings.levels}"
+        )
+        return
     for change in upgrade(engine, ctx.settings.levels):
         click.echo(change.describe())
     if ctx.settings.caps:  # DELAYSVC_BACKLOG_CAPS, stored for every producer

@@ -41,15 +41,24 @@ def heads() -> list[str]:
     return list(ScriptDirectory.from_config(alembic_config()).get_heads())
 
 
-def upgrade(engine: Engine, levels: DelayLevels, revision: str = "head") -> list[store.LevelChange]:
+def upgrade(
+    engine: Engine, levels: DelayLevels, revision: str = "head", dry_run: bool = False
+) -> list[store.LevelChange]:
     """Idempotent; safe to run from several processes at once. -> the levels whose delay
-    changed or that went (`store.ensure_levels`: their waiting messages keep their due times)."""
+    changed or that went (`store.ensure_levels`: their waiting messages keep their due times).
+    `dry_run`: all of it in a transaction rolled back at its end (PostgreSQL's DDL is
+    transactional): what would change, and nothing changed."""
     config = alembic_config()
-    with engine.begin() as conn:
+    with engine.connect() as conn:
+        transaction = conn.begin()
         lock_migrations(conn)
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
         changes = store.ensure_levels(conn, levels)
+        if dry_run:
+            transaction.rollback()
+            return changes
+        transaction.commit()
     for change in changes:
         log.warning(
             "schema.level_changed",

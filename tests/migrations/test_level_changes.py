@@ -241,6 +241,27 @@ def test_cli_migrate_names_each_change(tmp_path, database_url, engine, producer)
     )
 
 
+def test_cli_migrate_dry_run_says_each_change_and_changes_nothing(database_url, engine, producer):
+    """A migrate run from a shell without the service's DELAYSVC_DELAY_LEVELS reset custom
+    levels with no way to look first (found by a reviewer)."""
+    from click.testing import CliRunner
+
+    from delaysvc.cli import cli
+
+    message = producer.send("t", 1, delay_level=5)
+    env = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": "1s 2s 3s 5s 6s"}
+    result = CliRunner().invoke(cli, ["migrate", "--dry-run"], env=env)
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "would change level 5: 8s -> 6s; its 1 waiting messages moved to the timer lane, due "
+        "when they were due",
+        "dry run: nothing changed; 1 level change(s) for DELAYSVC_DELAY_LEVELS=1s 2s 3s 5s 6s",
+    ]
+    with engine.connect() as conn:
+        assert store.stored_levels(conn)[5] == 8000
+    assert where(engine, message.id).lane == 5
+
+
 def test_a_celery_worker_started_directly_with_other_levels_exits_naming_the_difference(
     settings, tmp_path
 ):
