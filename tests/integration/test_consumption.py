@@ -472,6 +472,16 @@ def test_slow_jobs_of_one_topic_spread_over_the_consumers(producer, settings, en
     assert ran[0] == "first" and list(ran.values()).count("MainThread") >= 2, ran
 
 
+def _statuses_once(producer, messages, reached, seconds):
+    """The messages' statuses once `reached(statuses)` holds, or as they are `seconds` on."""
+    deadline = time.monotonic() + seconds
+    while True:
+        statuses = [producer.get(m.id).status for m in messages]
+        if reached(statuses) or time.monotonic() >= deadline:
+            return statuses
+        time.sleep(0.1)
+
+
 def test_jobs_done_before_a_long_one_are_written_while_it_runs(producer, consumer):
     """A batch wrote its outcomes after a job returned: three quick jobs before one of 20 s
     stayed `running` those 20 s, and ran again when the process died in them (found by a
@@ -481,13 +491,7 @@ def test_jobs_done_before_a_long_one_are_written_while_it_runs(producer, consume
     @handler("quick.then.long")
     def run(message):
         if message.body == "long":
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                statuses = [producer.get(m.id).status for m in quick]
-                if statuses == ["succeeded"] * 3:
-                    break
-                time.sleep(0.1)
-            seen.append(statuses)
+            seen.append(_statuses_once(producer, quick, lambda s: s == ["succeeded"] * 3, 10))
 
     quick = [producer.send("quick.then.long", n) for n in range(3)]
     producer.send("quick.then.long", "long")
@@ -1040,14 +1044,10 @@ def test_jobs_claimed_behind_a_long_handler_go_back_while_it_runs(producer, sett
     @handler("behind")
     def run(message):
         if message.body == "long":
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                statuses = [producer.get(m.id).status for m in quick]
-                if all(status != "running" for status in statuses):
-                    released_while_running.append(statuses)
-                    other.run_once("behind")  # an idle consumer takes them meanwhile
-                    break
-                time.sleep(0.1)
+            statuses = _statuses_once(producer, quick, lambda s: "running" not in s, 20)
+            if "running" not in statuses:
+                released_while_running.append(statuses)
+                other.run_once("behind")  # an idle consumer takes them meanwhile
         ran.append((message.id, message.body))
 
     long = producer.send("behind", "long")
