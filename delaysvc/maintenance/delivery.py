@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -42,10 +43,17 @@ MIN_TICK_SECONDS = 0.002  # coalesce heads due within 2 ms into one move
 _moved_into: dict[str, float] = {}
 """Topic -> when this process's lane runners last moved rows into its queue (and woke it),
 since the timer lane's last look (`LaneRunner._watch_ready`)."""
-_last_marks: dict[str, int] = {}
-"""Database -> the topic queue's mark at this process's last look, for the next run's first."""
-_last_ready: dict[str, frozenset[str]] = {}
-"""Database -> the topics with ready jobs at this process's last look."""
+class _Look(NamedTuple):
+    """What the timer lane's last look saw: the topic queue's mark (its last `seq`) and the
+    topics with ready jobs."""
+
+    mark: int
+    ready: frozenset[str]
+
+
+_last_looks: dict[str, _Look] = {}
+"""Database -> this process's last look at its topic queues, for the next look (the next
+run's first too)."""
 LOOK_SHARE = 0.1
 """The timer lane's look at the topic queues takes at most this share of its time."""
 
@@ -279,24 +287,22 @@ class LaneRunner:
         with conn.begin():
             mark, heads = store.ready_heads(conn)
         database = str(self.engine.url)
-        before = _last_marks.get(database)  # this run's last look's, or the process's last
-        if before is not None and mark < before:  # the database went back (a restore): anew
-            before = None
-        known = _last_ready.get(database, frozenset())
+        last = _last_looks.get(database)  # this run's last look, or the process's last
+        if last is not None and mark < last.mark:  # the database went back (a restore): anew
+            last = None
         looked = self._looked
-        self._looked, _last_marks[database] = started, mark
-        _last_ready[database] = frozenset(heads)
+        self._looked, _last_looks[database] = started, _Look(mark, frozenset(heads))
         took = time.monotonic() - started
         self._next_look = started + max(self.idle_poll_seconds, took / LOOK_SHARE)
         for topic, at in list(_moved_into.items()):  # only moves since the last look count
             if at < looked:
                 del _moved_into[topic]
-        if before is None:
+        if last is None:
             return
         woken, held = [], {}
         for topic, head in sorted(heads.items()):
-            since = self._held.get(topic, before)  # older for a topic a move woke meanwhile
-            if head <= since and topic in known:
+            since = self._held.get(topic, last.mark)  # older for a topic a move woke meanwhile
+            if head <= since and topic in last.ready:
                 continue
             if topic in _moved_into and _moved_into[topic] >= looked:  # woken by its move
                 held[topic] = since

@@ -323,8 +323,7 @@ def test_lane_runner_delivers_on_time_without_polling_blindly(producer, engine):
 def _a_new_process() -> None:
     """The runners' process-wide memory as in a new process (another test's database of the
     same name, dropped since, left its mark)."""
-    delivery._last_marks.clear()
-    delivery._last_ready.clear()
+    delivery._last_looks.clear()
     delivery._moved_into.clear()
 
 
