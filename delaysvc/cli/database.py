@@ -31,17 +31,15 @@ def migrate(ctx: Context, dry_run: bool) -> None:
     require_one_database(ctx.settings)
     direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
     engine = make_engine(ctx.settings, direct) if direct else ctx.engine
+    changes = upgrade(engine, ctx.settings.levels, dry_run=dry_run)
+    for change in changes:
+        click.echo(f"would change {change.describe()}" if dry_run else change.describe())
     if dry_run:
-        changes = upgrade(engine, ctx.settings.levels, dry_run=True)
-        for change in changes:
-            click.echo(f"would change {change.describe()}")
         click.echo(
             f"dry run: nothing changed; {len(changes)} level change(s) for "
             f"DELAYSVC_DELAY_LEVELS={ctx.settings.levels}"
         )
         return
-    for change in upgrade(engine, ctx.settings.levels):
-        click.echo(change.describe())
     if ctx.settings.caps:  # DELAYSVC_BACKLOG_CAPS, stored for every producer
         from delaysvc.producer.caps import apply_configured
 
