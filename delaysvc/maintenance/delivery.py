@@ -43,6 +43,8 @@ MIN_TICK_SECONDS = 0.002  # coalesce heads due within 2 ms into one move
 _moved_into: dict[str, float] = {}
 """Topic -> when this process's lane runners last moved rows into its queue (and woke it),
 since the timer lane's last look (`LaneRunner._watch_ready`)."""
+
+
 class _Look(NamedTuple):
     """What the timer lane's last look saw: the topic queue's mark (its last `seq`) and the
     topics with ready jobs."""
