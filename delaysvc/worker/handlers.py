@@ -233,4 +233,4 @@ def require_handler_modules(modules: tuple[str, ...]) -> None:
 def load_handler_modules(modules: tuple[str, ...]) -> None:
     for module in modules:
         importlib.import_module(module)
-        log.info("handlers.loaded", extra={"module": module})
+        log.info("handlers.loaded", extra={"handler_module": module})

@@ -47,3 +47,39 @@ def test_a_record_without_extras_is_the_plain_line(log_format: str) -> None:
         assert line.endswith("WARNING tests.log_formats.text schema.level_changed")
     else:
         assert set(json.loads(line)) == {"timestamp", "level", "logger", "event"}
+
+
+RECORD_FIELDS = {*vars(logging.makeLogRecord({})), "message", "asctime"}
+
+
+def _extras_naming_a_record_field() -> list[str]:
+    """Every `extra={...}` literal in delaysvc whose key is a LogRecord attribute."""
+    import ast
+    from pathlib import Path
+
+    import delaysvc
+
+    found = []
+    for path in sorted(Path(delaysvc.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            literal = isinstance(node, ast.keyword) and isinstance(node.value, ast.Dict)
+            if literal and node.arg == "extra":
+                keys = [k.value for k in node.value.keys if isinstance(k, ast.Constant)]
+                found += [f"{path.name}:{node.lineno} {k}" for k in keys if k in RECORD_FIELDS]
+    return found
+
+
+def test_no_extra_is_named_like_a_log_records_own_field() -> None:
+    """`logging` raises KeyError for an extra named like a LogRecord attribute, but only when
+    the record is made, at the level it is enabled: `handlers.loaded` gave `module=` at INFO,
+    and a consume worker run with `-l info` failed every consume task (found trying two
+    deployments on one broker)."""
+    assert _extras_naming_a_record_field() == []
+
+
+def test_handler_modules_load_with_info_enabled(caplog) -> None:
+    from delaysvc.worker.handlers import load_handler_modules
+
+    with caplog.at_level("INFO", logger="delaysvc.worker.consumer"):
+        load_handler_modules(("json",))
+    assert [r.message for r in caplog.records] == ["handlers.loaded"]
