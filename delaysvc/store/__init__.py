@@ -104,6 +104,7 @@ from delaysvc.store.delivery import (
 from delaysvc.store.health import (
     HANDLER_HEARTBEAT_SECONDS,
     HANDLER_STALE_AFTER_SECONDS,
+    deployment_name,
     heartbeats,
     recent_durations,
     record_handlers,
@@ -222,6 +223,7 @@ __all__ = [
     "count_login_attempt",
     "dead_ids",
     "deliver_now",
+    "deployment_name",
     "distinct_topics",
     "drop_capped_index",
     "due_before",

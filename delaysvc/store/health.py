@@ -19,6 +19,20 @@ def record_heartbeat(conn: Connection, component: str, host: str) -> None:
     )
 
 
+def deployment_name(conn: Connection) -> str:
+    """The database's name for the broker's tasks: its cluster's system identifier (a
+    standby's is its primary's) and the database's name, the same from every host, pooler
+    and URL."""
+    return str(
+        conn.execute(
+            sql(
+                "SELECT system_identifier::text || '/' || current_database() "
+                "FROM pg_control_system()"
+            )
+        ).scalar_one()
+    )
+
+
 HANDLER_HEARTBEAT_SECONDS = 30.0
 """Each worker that serves the consume queue says this often which topics it has handlers for
 (`handler <topic>` heartbeats: its `@handler`s and its DELAYSVC_TOPIC_TASKS)."""

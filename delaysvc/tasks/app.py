@@ -32,7 +32,8 @@ from delaysvc.db.engines import make_engine, require_one_database, require_sessi
 from delaysvc.errors import ConfigError, DatabaseUnavailable, SchemaNotReady
 from delaysvc.maintenance import history, periodic
 from delaysvc.store.dashboard import SAMPLE_EVERY
-from delaysvc.tasks import broker
+from delaysvc.tasks import broker, deployment
+from delaysvc.tasks.deployment import DeploymentTask
 from delaysvc.worker.consumer import Consumer, Job
 from delaysvc.worker.handlers import load_handler_modules
 
@@ -122,7 +123,13 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
         "delaysvc.tasks.history",
         *settings.handler_modules,
     ]
-    app = Celery("delaysvc", broker=broker_url, include=include, loader=Loader)
+    app = Celery(
+        "delaysvc",
+        broker=broker_url,
+        include=include,
+        loader=Loader,
+        task_cls=DeploymentTask,  # runs no task stamped for another deployment
+    )
     app.steps["consumer"].add("delaysvc.tasks.delivery:LanesOnConnect")
     budget = settings.lane_budget_seconds
     # an expired lease is found within a third of a lease (and at least every RESCUE_SECONDS)
@@ -251,6 +258,20 @@ def _say_ready(**_: object) -> None:
         Path(path).write_text(str(os.getpid()))
 
 
+@beat_init.connect
+def _learn_the_deployment(sender: Any, **_: object) -> None:
+    """Beat stamps the tasks it fires with its deployment (`tasks.deployment`); a worker
+    learns its own as it starts (`_refuse_to_start`)."""
+    engine = make_engine(sender.app.conf.delaysvc_settings)
+    try:
+        with engine.connect() as conn:
+            deployment.learn(conn)
+    except OperationalError as exc:  # the database is away: beat's tasks go unstamped
+        log.warning("tasks.deployment_unknown", extra={"error": str(exc.orig)[:300]})
+    finally:
+        engine.dispose()
+
+
 @worker_init.connect
 def _refuse_to_start(sender: object, **_: object) -> None:
     """`celery -A delaysvc.tasks worker` starts only as `delaysvc worker` would (which checks
@@ -275,6 +296,7 @@ def _refuse_to_start(sender: object, **_: object) -> None:
         try:
             with engine.connect() as conn:
                 migrate.check_schema(conn, settings.levels)
+                deployment.learn(conn)
         finally:
             engine.dispose()
     except (ConfigError, SchemaNotReady) as refused:
@@ -341,13 +363,15 @@ def dispatch_to_celery(task_name: str, job: Job, claim_id: int) -> None:
     from celery import current_app
 
     sent_at = time.time()
+    outcome = {"args": (job.id, claim_id, sent_at), "headers": deployment.for_this_deployment()}
     current_app.send_task(
         task_name,
         args=[job.body],
         kwargs={},
         headers={"delaysvc_message_id": job.id, "delaysvc_attempt": job.attempts},
-        link=current_app.signature("delaysvc.task_succeeded", args=(job.id, claim_id, sent_at)),
-        link_error=current_app.signature("delaysvc.task_failed", args=(job.id, claim_id, sent_at)),
+        # written by this deployment only, whichever worker runs the task (`tasks.deployment`)
+        link=current_app.signature("delaysvc.task_succeeded", **outcome),
+        link_error=current_app.signature("delaysvc.task_failed", **outcome),
     )
 
 

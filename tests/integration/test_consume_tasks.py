@@ -10,10 +10,14 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
-from delaysvc.tasks.app import create_celery_app
+from delaysvc.db.names import schema
+from delaysvc.tasks import deployment
+from delaysvc.tasks.app import CONSUME_QUEUE, create_celery_app
+from delaysvc.worker.consumer import Consumer
 
 tasks_app = importlib.import_module("delaysvc.tasks.app")  # the package's `app` is the Celery app
 consume_tasks = importlib.import_module("delaysvc.tasks.consume")
+ELSEWHERE = "7000000000000000001/elsewhere/delaysvc"
 
 
 @pytest.fixture
@@ -21,6 +25,8 @@ def celery_app(settings, monkeypatch) -> Iterator[Celery]:
     """delaysvc's Celery app on the test database, current, with a runtime of its own."""
     monkeypatch.setattr(tasks_app, "_runtime", None)
     monkeypatch.setattr(consume_tasks, "_reported_at", None)
+    monkeypatch.setattr(deployment, "_ours", None)
+    monkeypatch.setattr(deployment, "_said_at", None)
     app = create_celery_app(settings.model_copy(update={"broker_url": "memory://"}))
     app.set_current()
     yield app
@@ -42,4 +48,72 @@ def test_a_consume_task_reports_the_consumers_in(celery_app, engine, producer) -
     degraded, for minutes while the consumers ran 110 jobs a second."""
     assert consumer_seen(engine) == 0
     consume_tasks.consume.run("no.such.topic")
+    assert consumer_seen(engine) == 1
+
+
+def published(app: Celery) -> list:
+    """The messages the app published to the consume queue (its memory broker), taken off it."""
+    taken = []
+    with app.connection_for_read() as conn, conn.SimpleQueue(CONSUME_QUEUE) as queue:
+        while queue.qsize():
+            message = queue.get(timeout=1)
+            message.ack()
+            taken.append(message)
+    return taken
+
+
+def test_a_bound_tasks_outcome_from_another_deployment_is_not_written_here(
+    celery_app, engine, producer, settings, caplog
+) -> None:
+    """Two deployments given one broker take each other's tasks (their queues have the same
+    names), a bound task's outcome among them: `task_succeeded` names a message and a claim by
+    their numbers, which this database may hold too, running, and ended that job here with its
+    run unfinished (found on review). An outcome carries the deployment that dispatched its
+    task, and another deployment's worker drops it, saying so."""
+    with engine.connect() as conn:
+        ours = deployment.learn(conn)
+    assert ours is not None and ours.endswith(f"/{schema()}")
+    bound = settings.model_copy(update={"task_topics": {"t.bound": "proj.work"}})
+    claims = []
+    consumer = Consumer(bound, engine, lambda _task, job, claim: claims.append((job, claim)))
+    message = producer.send("t.bound", {"n": 1})
+    consumer.run_once("t.bound")
+    [(job, claim)] = claims
+
+    def outcome_sent_by(sender: str):
+        """The success callback a deployment named `sender` gives the job's task."""
+        deployment._ours = sender
+        tasks_app.dispatch_to_celery("proj.work", job, claim)
+        deployment._ours = ours  # the worker that runs the callback is this deployment's
+        [task] = published(celery_app)
+        [callback] = task.payload[2]["callbacks"]
+        return celery_app.signature(callback)
+
+    theirs = outcome_sent_by(ELSEWHERE)
+    with caplog.at_level("ERROR", logger="delaysvc.tasks.deployment"):
+        assert theirs.apply((None,)).get() is None
+    assert producer.get(message.id).status == "running"
+    [said] = [r for r in caplog.records if r.message == "tasks.other_deployment"]
+    assert (said.task, said.theirs, said.ours) == ("delaysvc.task_succeeded", ELSEWHERE, ours)
+
+    assert outcome_sent_by(ours).apply((None,)).get() is True
+    assert producer.get(message.id).status == "succeeded"
+
+
+def test_delaysvcs_tasks_carry_their_deployment_and_another_ones_are_not_run(
+    celery_app, engine, settings
+) -> None:
+    """Each task of delaysvc's is stamped with its deployment as it is published (`consume`
+    here), and a consume task stamped for another deployment runs nothing (it would not even
+    report the consumers in); one without the stamp (from an older release) runs."""
+    with engine.connect() as conn:
+        ours = deployment.learn(conn)
+    consume_tasks.consume.apply_async(("t.stamped",))
+    [task] = published(celery_app)
+    assert task.headers[deployment.HEADER] == ours
+
+    consume = consume_tasks.consume
+    assert consume.apply(("t.x",), headers={deployment.HEADER: ELSEWHERE}).get() is None
+    assert consumer_seen(engine) == 0
+    assert consume.apply(("t.x",), headers={deployment.HEADER: ours}).get() == 0
     assert consumer_seen(engine) == 1
