@@ -17,6 +17,12 @@ def shown(value: object) -> str:
     return f"{text[: SHOWN_CHARS - 20]}... ({size:,} characters)"
 
 
+def one_line(error: object) -> str:
+    """An error's text for a log field or a message, on one line: a database error's own (its
+    driver's, without SQLAlchemy's statement and link), its lines and runs of spaces joined."""
+    return " ".join(str(getattr(error, "orig", None) or error).split())
+
+
 class DelaysvcError(Exception):
     """Base of every error delaysvc raises on purpose."""
 

@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 from delaysvc import store
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import ascii_digits
-from delaysvc.errors import DelaysvcError
+from delaysvc.errors import DelaysvcError, one_line
 
 
 class Context:
@@ -61,7 +61,7 @@ class Group(click.Group):
             from sqlalchemy.exc import DBAPIError, OperationalError
 
             if isinstance(exc, OperationalError):
-                reason = " ".join(str(exc.orig).split())
+                reason = one_line(exc)
                 click.echo(f"error: database: {reason}", err=True)  # unreachable, or refused
                 sys.exit(1)
             missing = store.not_migrated(exc) if isinstance(exc, DBAPIError) else None

@@ -10,6 +10,7 @@ from delaysvc import store
 from delaysvc.cli.app import JSON_OPTION, Context, Seconds, Whole, cli, echo_json, pass_ctx
 from delaysvc.cli.topics import echo_topics
 from delaysvc.config.levels import format_ms
+from delaysvc.errors import one_line
 
 DAY_S = 86_400.0
 
@@ -214,7 +215,7 @@ def _why_unfinished(exc: Exception, timeout_s: float) -> str:
         )
     if code == "57014" and "statement timeout" in str(orig):  # not a cancel by someone
         return f"a statement ran longer than --timeout ({timeout_s:g} s); give it more"
-    return " ".join(str(orig).split())
+    return one_line(orig)
 
 
 @cli.command("skip-head")

@@ -35,7 +35,7 @@ from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Dialect, Engine, create_engine, event, exc, make_url
 
 from delaysvc.config.settings import TRANSACTION_POOLINGS, Settings
-from delaysvc.errors import ConfigError
+from delaysvc.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ def wait_for_database(engine: Engine, seconds: float, say: Callable[[str], None]
             if time.monotonic() >= deadline or not _unreachable(error):
                 raise
             if not said:
-                reason = " ".join(str(error.orig).split())
+                reason = one_line(error)
                 say(f"waiting up to {seconds:g} s for the database: {reason}")
                 said = True
             time.sleep(1)

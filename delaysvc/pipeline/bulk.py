@@ -57,7 +57,7 @@ from delaysvc.config.settings import Settings
 from delaysvc.config.validation import MAX_WHOLE_FLOAT, WHOLE_FIELDS, encode_body, not_json
 from delaysvc.config.validation import MESSAGE_FIELDS as FIELDS
 from delaysvc.db.engines import make_engine
-from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError
+from delaysvc.errors import BacklogFull, DatabaseUnavailable, ValidationError, one_line
 from delaysvc.pipeline import store
 from delaysvc.pipeline.extract import CELLS, extract
 from delaysvc.pipeline.rejects import check_rejects, write_rejects
@@ -553,7 +553,7 @@ def check_database(settings: Settings) -> None:
             check_schema(conn, settings.levels)
             store.forget_bulk_run(conn, "")  # the batches' table is there (no run is "")
     except OperationalError as exc:
-        reason = " ".join(str(exc.orig).split())
+        reason = one_line(exc)
         raise DatabaseUnavailable(f"database unreachable: {reason}", maybe_stored=False) from None
     except DBAPIError as exc:
         missing = not_migrated(exc)

@@ -39,6 +39,7 @@ from delaysvc.errors import (
     NotCancellable,
     NotFound,
     ValidationError,
+    one_line,
 )
 from delaysvc.producer import batching, caps, grouping
 from delaysvc.producer.message import Message as Message
@@ -684,7 +685,7 @@ _UNDONE: dict[Doing, tuple[str, str]] = {
 def unavailable(error: object, doing: Doing, *, maybe_stored: bool) -> DatabaseUnavailable:
     """The database could not be reached (`error`: the driver's), in one line, saying whether
     what it was `doing` may be done."""
-    reason = " ".join(str(error).split())
+    reason = one_line(error)
     return DatabaseUnavailable(
         f"the database is unavailable ({reason}){_UNDONE[doing][maybe_stored]}",
         maybe_stored=maybe_stored,

@@ -29,7 +29,7 @@ from sqlalchemy.exc import OperationalError
 
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, require_one_database, require_session
-from delaysvc.errors import ConfigError, DatabaseUnavailable, SchemaNotReady
+from delaysvc.errors import ConfigError, DatabaseUnavailable, SchemaNotReady, one_line
 from delaysvc.maintenance import history, periodic
 from delaysvc.store.dashboard import SAMPLE_EVERY
 from delaysvc.tasks import broker, deployment
@@ -238,7 +238,7 @@ def _said_database_away(
     if _said_away_at is not None and now - _said_away_at < SAY_AWAY_SECONDS:
         return
     _said_away_at = now
-    reason = " ".join(str(getattr(exception, "orig", None) or exception).split())
+    reason = one_line(exception)
     log.warning(
         "tasks.database_unavailable",
         extra={"task": getattr(sender, "name", None), "error": reason[:300]},
@@ -267,7 +267,7 @@ def _learn_the_deployment(sender: Any, **_: object) -> None:
         with engine.connect() as conn:
             deployment.learn(conn)
     except OperationalError as exc:  # the database is away: beat's tasks go unstamped
-        log.warning("tasks.deployment_unknown", extra={"error": str(exc.orig)[:300]})
+        log.warning("tasks.deployment_unknown", extra={"error": one_line(exc)[:300]})
     finally:
         engine.dispose()
 

@@ -19,6 +19,7 @@ from celery import bootsteps, shared_task
 from celery.signals import worker_shutting_down
 from sqlalchemy.exc import DBAPIError
 
+from delaysvc.errors import one_line
 from delaysvc.maintenance.delivery import LaneRunner
 from delaysvc.tasks.app import DATABASE_AWAY, DELIVERY_QUEUE, Stopping, runtime
 
@@ -111,7 +112,7 @@ def deliver_lane(lane: int) -> int:
         moved = runner.run(budget)
     except DBAPIError as exc:  # the lane's database connection broke: again at once, on a new one
         if runner.held_lane and not _stop.is_set():
-            reason = " ".join(str(exc.orig).split())[:300]
+            reason = one_line(exc)[:300]
             log.warning("delivery.lane_rearmed", extra={"lane": lane, "error": reason})
             deliver_lane.apply_async(
                 (lane,), countdown=REARM_SECONDS, expires=REARM_SECONDS + budget

@@ -31,6 +31,7 @@ from sqlalchemy.exc import DBAPIError
 
 from delaysvc import store
 from delaysvc.db.names import schema
+from delaysvc.errors import one_line
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def learn(conn: Connection) -> str | None:
     try:
         _ours = f"{store.deployment_name(conn)}/{schema()}"
     except DBAPIError as exc:
-        reason = " ".join(str(exc.orig).split())[:300]
+        reason = one_line(exc)[:300]
         log.warning("tasks.deployment_unknown", extra={"error": reason})
         _ours = None
     return _ours
