@@ -9,6 +9,7 @@ are moved into it on the next upgrade, messages and offsets as they were (`adopt
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,15 @@ def alembic_config() -> Config:
     return config
 
 
+@functools.cache
+def scripts() -> ScriptDirectory:
+    """This release's migrations (read once: every process checks its database's revision
+    against them at start)."""
+    return ScriptDirectory.from_config(alembic_config())
+
+
 def heads() -> list[str]:
-    return list(ScriptDirectory.from_config(alembic_config()).get_heads())
+    return list(scripts().get_heads())
 
 
 def upgrade(
@@ -112,7 +120,7 @@ def check_schema(conn: Connection, levels: DelayLevels) -> None:
 
 
 def revisions() -> set[str]:
-    return {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+    return {rev.revision for rev in scripts().walk_revisions()}
 
 
 def adopt_legacy_layout(conn: Connection, schema: str) -> None:
