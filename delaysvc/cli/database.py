@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,7 +11,12 @@ from delaysvc import store
 from delaysvc.cli.app import JSON_OPTION, Context, Seconds, Whole, cli, echo_json, pass_ctx
 from delaysvc.cli.topics import echo_topics
 from delaysvc.config.levels import format_ms
-from delaysvc.errors import one_line
+from delaysvc.errors import ConfigError, one_line
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from delaysvc.config.settings import Settings
 
 DAY_S = 86_400.0
 
@@ -25,13 +31,16 @@ DAY_S = 86_400.0
 def migrate(ctx: Context, dry_run: bool) -> None:
     """Upgrade the schema and create one consume queue per configured level
     (DELAYSVC_DELAY_LEVELS: a level changed or removed hands its waiting messages to the timer
-    lane, due when they were due)."""
+    lane, due when they were due). With DELAYSVC_DELAY_LEVELS unset, refused where the
+    database has levels other than the default ones."""
     from delaysvc.db.engines import make_engine, require_one_database
     from delaysvc.schema.migrate import upgrade
 
     require_one_database(ctx.settings)
     direct = ctx.settings.direct_database_url  # DDL not through a pooler, when there is one
     engine = make_engine(ctx.settings, direct) if direct else ctx.engine
+    if not dry_run and "delay_levels" not in ctx.settings.model_fields_set:
+        _refuse_default_levels_over_others(engine, ctx.settings)
     changes = upgrade(engine, ctx.settings.levels, dry_run=dry_run)
     for change in changes:
         click.echo(f"would change {change.describe()}" if dry_run else change.describe())
@@ -49,6 +58,29 @@ def migrate(ctx: Context, dry_run: bool) -> None:
 
     caps_index.run_once(engine)  # the index of the capped topics' waiting messages
     click.echo(f"migrated; {ctx.settings.levels.max_level} delay levels: {ctx.settings.levels}")
+
+
+def _refuse_default_levels_over_others(engine: Engine, settings: Settings) -> None:
+    """A migrate from a shell without the service's DELAYSVC_DELAY_LEVELS would apply the
+    default levels over the database's own, unasked (and the service's workers would then
+    refuse to start, their levels differing): ConfigError, unless the database has no levels
+    yet or has these. The defaults are applied when asked for by name."""
+    from sqlalchemy.exc import ProgrammingError
+
+    try:
+        with engine.connect() as conn:
+            stored = store.stored_levels(conn)
+    except ProgrammingError:  # not migrated yet: the defaults are its first levels
+        return
+    if not stored or store.levels_differ(stored, settings.levels) is None:
+        return
+    theirs = " ".join(format_ms(stored[level]) for level in sorted(stored))
+    raise ConfigError(
+        f"DELAYSVC_DELAY_LEVELS is not set, and the database's levels ({theirs}) are not the "
+        f"default ones: migrating would change them to {settings.levels}. Set "
+        f"DELAYSVC_DELAY_LEVELS to the service's levels (DELAYSVC_DELAY_LEVELS='{theirs}'), or "
+        "to the default ones to change them (`delaysvc migrate --dry-run` says each change)"
+    )
 
 
 @cli.command()

@@ -262,6 +262,38 @@ def test_cli_migrate_dry_run_says_each_change_and_changes_nothing(database_url, 
     assert where(engine, message.id).lane == 5
 
 
+def test_cli_migrate_without_levels_set_keeps_the_databases_own(database_url, engine, producer):
+    """`delaysvc migrate` from a shell without the service's DELAYSVC_DELAY_LEVELS applied the
+    18 default levels over the database's five, unasked; the service's workers then refused to
+    start (found by a reviewer). It refuses, naming both; the defaults are applied when asked
+    for by name, and levels set to the database's own migrate as before."""
+    from click.testing import CliRunner
+
+    from delaysvc.cli import cli
+    from delaysvc.config.levels import DEFAULT_LEVELS
+
+    message = producer.send("t", 1, delay_level=5)
+    unset = {"DELAYSVC_DATABASE_URL": database_url, "DELAYSVC_DELAY_LEVELS": None}
+    refused = CliRunner().invoke(cli, ["migrate"], env=unset)
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.startswith(
+        "error: DELAYSVC_DELAY_LEVELS is not set, and the database's levels (1s 2s 3s 5s 8s) "
+        f"are not the default ones: migrating would change them to {DEFAULT_LEVELS}. Set "
+        "DELAYSVC_DELAY_LEVELS to the service's levels (DELAYSVC_DELAY_LEVELS='1s 2s 3s 5s 8s')"
+    )
+    with engine.connect() as conn:
+        assert len(store.stored_levels(conn)) == 5
+    assert where(engine, message.id).lane == 5
+
+    same = dict(unset, DELAYSVC_DELAY_LEVELS="1s 2s 3s 5s 8s")
+    assert CliRunner().invoke(cli, ["migrate"], env=same).exit_code == 0
+    defaults = dict(unset, DELAYSVC_DELAY_LEVELS=DEFAULT_LEVELS)
+    applied = CliRunner().invoke(cli, ["migrate"], env=defaults)
+    assert applied.exit_code == 0, applied.output
+    with engine.connect() as conn:
+        assert len(store.stored_levels(conn)) == 18
+
+
 def test_a_celery_worker_started_directly_with_other_levels_exits_naming_the_difference(
     settings, tmp_path
 ):
