@@ -110,3 +110,35 @@ def configure(
     root.addHandler(handler)
     root.setLevel(level)
     logging.captureWarnings(True)  # a library's warning is a record too, in the same format
+
+
+class Unconfigured(logging.Handler):
+    """delaysvc's warnings in a process that set up no logging (a script that sends messages):
+    Python's last resort writes only a record's message, delaysvc's bare event name
+    (`producer.reconnecting`), without the fields that say what happened. On the `delaysvc`
+    logger, this writes them to stderr as the text format does while the root logger has no
+    handler; once the application (or `configure`) gives it one, this writes nothing and the
+    records go there alone."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.set_name("delaysvc-unconfigured")
+        self.setFormatter(TextFormatter())
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger().handlers:
+            return False
+        return bool(super().handle(record))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:
+            self.handleError(record)
+
+
+def guard_unconfigured() -> None:
+    """Put `Unconfigured` on the `delaysvc` logger, once a process."""
+    package = logging.getLogger("delaysvc")
+    if not any(isinstance(handler, Unconfigured) for handler in package.handlers):
+        package.addHandler(Unconfigured())

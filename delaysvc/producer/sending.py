@@ -21,7 +21,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from delaysvc import store
-from delaysvc.config import tracing
+from delaysvc.config import logs, tracing
 from delaysvc.config.settings import Settings
 from delaysvc.config.validation import (
     MESSAGE_FIELDS,
@@ -49,6 +49,7 @@ from delaysvc.producer.placement import resolve_schedule
 from delaysvc.schema.tables import TIMER_LANE, WAITING
 
 log = logging.getLogger("delaysvc.producer")  # the producer's logger, as before the package
+logs.guard_unconfigured()  # its warnings with their fields in a program that set up no logging
 _T = TypeVar("_T")
 Joinable = object  # what a caller may pass as `connection=`: see `delaysvc.db.connections`
 MAX_BATCH = 10_000

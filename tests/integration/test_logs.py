@@ -229,3 +229,40 @@ def test_the_web_server_logs_gunicorns_own_lines_and_the_access_log_as_json(
                 time.sleep(0.2)
         access = server.wait_for(lambda r: "GET /healthz" in r["event"])
     assert access["logger"] == access_logger
+
+
+SEND_TO_NOWHERE = """
+import sys
+from delaysvc import send
+from delaysvc.errors import DatabaseUnavailable
+{setup}
+try:
+    send("t", 1)
+except DatabaseUnavailable:
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    "setup", ["", "import logging; logging.basicConfig()"], ids=["unset", "its_own"]
+)
+def test_a_producers_warning_in_a_program_without_logging_says_its_fields(setup: str) -> None:
+    """A program that sends messages and set up no logging saw the bare event name of the
+    producer's warnings (`producer.reconnecting`: Python's last resort writes a record's message
+    alone), not what happened. They come with their fields, as the text format writes them;
+    a program with logging of its own gets them there, once."""
+    done = subprocess.run(
+        [sys.executable, "-c", SEND_TO_NOWHERE.format(setup=setup)],
+        env=_env(DELAYSVC_DATABASE_URL="postgresql://nobody@127.0.0.1:9/none"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+    said = [line for line in done.stderr.splitlines() if "producer.reconnecting" in line]
+    if setup:
+        assert said == ["WARNING:delaysvc.producer:producer.reconnecting"]
+    else:
+        [line] = said
+        assert " WARNING delaysvc.producer producer.reconnecting error=" in line
+        assert "127.0.0.1" in line and "port 9" in line
