@@ -594,6 +594,47 @@ def test_a_claim_nobody_renews_is_taken_again_after_one_lease(producer, engine, 
     assert back.last_error == "lease expired: the worker running attempt 1 was lost"
 
 
+def test_a_lease_a_moment_from_its_end_is_not_rescued(producer, engine, consumer):
+    """The test above checks a lease of 1 s at its start: a rescue of leases up to 300 ms
+    before their end passed it (the mutation review). 150 ms from its end, a lease is kept."""
+    sent = producer.send("orphan", {})
+    [claimed] = claim(engine, "orphan", lease_seconds=60)
+    assert start(engine, sent.id, claimed.claim_id) == 1
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "UPDATE commit_log SET lease_until = clock_timestamp() + interval '150 ms' "
+                "WHERE id = :id"
+            ),
+            {"id": sent.id},
+        )
+    assert consumer.rescue_once() == []
+    time.sleep(0.2)
+    assert [row.id for row in consumer.rescue_once()] == [sent.id]
+
+
+def test_a_failures_retry_is_due_its_retry_levels_delay_after_the_failure(
+    producer, consumer, engine, settings
+):
+    """Only `RetryLater("45s")` had its due time checked, to a second: retries due 2% early
+    passed every test, and the history checker (which trusts the due time a claim reports)
+    passed retries at half their delay (the mutation review). The failure's time and the
+    retry's due time are written by one statement: they are the level's delay apart."""
+    handler("fails", max_retries=3)(lambda m: 1 / 0)
+    message = producer.send("fails", 1)
+    assert consumer.run_once("fails").retried == 1
+    delay_ms = settings.levels.delay_ms(settings.levels.retry_level(1))
+    with engine.connect() as conn:
+        gap = conn.execute(
+            text(
+                "SELECT deliver_ts - CAST(errors->-1->>'at' AS timestamptz) FROM commit_log "
+                "WHERE id = :id"
+            ),
+            {"id": message.id},
+        ).scalar_one()
+    assert timedelta(milliseconds=delay_ms - 1) <= gap < timedelta(milliseconds=delay_ms + 50)
+
+
 class ProcessDied(BaseException):
     """Raised to leave `run_once` as a process that dies would: mid-batch, with jobs claimed
     and maybe charged, nothing recorded (`_dying_after`: a handler's own is its job's

@@ -35,6 +35,78 @@ def db_now(engine):
         return store.clock_now(conn)
 
 
+def test_a_timer_lane_message_is_not_delivered_before_its_time_and_is_after(producer, engine):
+    """The timer lane's twin of the level's test (found by the mutation review: a move 20 ms
+    early passed every test here)."""
+    message = producer.send("t", 1, delay="4s")
+    assert tick(engine, TIMER_LANE, message.deliver_at - timedelta(milliseconds=1)).moved == 0
+    assert tick(engine, TIMER_LANE, message.deliver_at).moved == 1
+    assert topic_queue(engine) == [message.id]
+
+
+def test_a_levels_schedule_offset_advances_in_the_moves_own_transaction(producer, engine):
+    """The design's rule: the rows moved and the level's schedule_offset commit together (a
+    crash between two commits would lose the offset and the counts). Every test looked at the
+    state after the move, and `delaysvc check` flags an offset ahead of its rows, not one
+    behind them: an offset advanced in a second transaction passed (the mutation review). A
+    deferred trigger checks, at the commit that puts a level's row into its topic's queue,
+    that the level's offset has reached it."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                """CREATE FUNCTION offset_reached() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT FROM commit_log c JOIN schedule_offset s ON s.lane = c.lane
+               WHERE c.id = NEW.message_id AND c.lane > 0
+                 AND s.schedule_offset < c.queue_offset) THEN
+        RAISE EXCEPTION 'message % moved before its level''s offset', NEW.message_id;
+    END IF;
+    RETURN NULL;
+END $$"""
+            )
+        )
+        conn.execute(
+            text(
+                "CREATE CONSTRAINT TRIGGER offset_reached AFTER INSERT ON topic_queue "
+                "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION offset_reached()"
+            )
+        )
+    sent = [producer.send("t", n, delay_level=1) for n in range(3)]
+    result = tick(engine, 1, sent[-1].deliver_at)
+    assert (result.moved, result.stuck) == (3, False)
+    assert offsets(engine)[1] == 3
+
+
+def test_a_levels_head_due_later_than_its_level_goes_to_the_timer_lane(producer, engine):
+    """A head due later than its level's delay allows (sent with a longer delay just before a
+    level change, or stored so by an older release) goes to the timer lane with its due time;
+    only a clock that went back delivers a head now
+    (`test_clock_moved_back_delivers_a_head_beyond_one_level_delay`). Only that branch was
+    tested: a move of every such head now, up to its delay early, passed (the mutation
+    review)."""
+    message = producer.send("t", 1, delay_level=1)  # 1 s
+    with engine.begin() as conn:  # as if sent with 61 s into level 1
+        conn.execute(
+            text(
+                "UPDATE consume_queue SET deliver_ts = deliver_ts + interval '60 s' "
+                "WHERE message_id = :id"
+            ),
+            {"id": message.id},
+        )
+        due = conn.execute(
+            text(
+                "UPDATE commit_log SET deliver_ts = deliver_ts + interval '60 s' WHERE id = :id "
+                "RETURNING deliver_ts"
+            ),
+            {"id": message.id},
+        ).scalar_one()
+    assert tick(engine, 1, message.deliver_at).moved == 0
+    assert topic_queue(engine) == []
+    with engine.connect() as conn:
+        held = conn.execute(text("SELECT message_id, deliver_ts FROM timer_queue")).all()
+    assert held == [(message.id, due)]
+
+
 def test_a_level_message_is_not_delivered_before_its_time_and_is_after(producer, engine):
     # RocketMQ's ScheduleMessageServiceTest with levels "1s 2s ...": level 2 = 2 s.
     message = producer.send("order.cancel", {"id": 1}, delay_level=2)
@@ -291,6 +363,24 @@ def test_a_row_held_by_an_open_cancel_does_not_slow_its_level(producer, engine):
         runner = delivery.LaneRunner(engine, 1, 100, idle_poll_seconds=0.05)
         assert runner.run(budget_seconds=2.0) == 2999
     assert producer.get(sent[10].id).status == "cancelled"
+
+
+def test_a_timer_row_held_by_an_open_cancel_does_not_stop_the_timer_lane(producer, engine):
+    """The timer lane's twin of the test above: its move takes due rows `FOR UPDATE SKIP
+    LOCKED` too, so a caller's open transaction holding one row holds that row alone. Without
+    SKIP LOCKED the lane waited on it (found by the mutation review: no test noticed)."""
+    sent = producer.send_batch([{"topic": "t", "body": n, "delay": "1100ms"} for n in range(300)])
+    time.sleep(max(0.0, (sent[-1].deliver_at - db_now(engine)).total_seconds()) + 0.05)
+    moved = []
+    with engine.connect() as holder, holder.begin():
+        producer.cancel(sent[10].id, connection=holder)  # not committed while the lane runs
+        runner = delivery.LaneRunner(engine, TIMER_LANE, 100, idle_poll_seconds=0.05)
+        thread = threading.Thread(target=lambda: moved.append(runner.run(budget_seconds=1.0)))
+        thread.start()
+        thread.join(timeout=5)
+        waited = thread.is_alive()
+    thread.join()
+    assert not waited and moved == [299]
 
 
 def test_lane_stats_pending_is_max_offset_minus_schedule_offset(producer, engine):

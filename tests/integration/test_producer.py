@@ -196,6 +196,49 @@ def test_running_message_is_not_cancellable(producer, engine):
         producer.cancel(message.id)
 
 
+def test_a_cancel_that_read_its_message_before_a_move_and_a_claim_leaves_it_running(
+    producer, engine, monkeypatch
+):
+    """A cancel reads the message, then takes its lane's row: when the message was moved (and
+    claimed) in between, the row is gone and the cancel reads it again, now running. No test
+    made that order of events: a cancel that ignored the lane row's absence marked a running
+    job cancelled, unseen by the suite and by the history checker (the mutation review)."""
+    from delaysvc.maintenance import delivery
+
+    message = producer.send("t", 1, delay_level=1)
+    read = Producer._locate
+
+    def read_then_moved_and_claimed(conn, *args):  # type: ignore[no-untyped-def]
+        row = read(conn, *args)
+        if row.status == "scheduled":  # meanwhile, in other transactions
+            with engine.connect() as mover:
+                assert delivery.run_once(mover, 1, 10, message.deliver_at).moved == 1
+            with engine.begin() as consumer:
+                assert len(store.claim_ready(consumer, "t", 10, lease_seconds=60)) == 1
+        return row
+
+    monkeypatch.setattr(Producer, "_locate", staticmethod(read_then_moved_and_claimed))
+    with pytest.raises(NotCancellable, match="running"):
+        producer.cancel(message.id)
+    assert producer.get(message.id).status == "running"
+
+
+def test_a_key_is_found_and_cancelled_by_its_exact_text(producer):
+    """Every key test held one key a topic: a lookup by prefix, or by LIKE (where `_` and `%`
+    match anything), passed the suite (the mutation review)."""
+    longer = producer.send("t", 1, delay="1m", key="k10")
+    pattern = producer.send("t", 2, delay="1m", key="aXc")
+    exact = producer.send("t", 3, delay="1m", key="k1")
+    assert producer.find("t", "k1").id == exact.id
+    assert producer.find("t", "k10").id == longer.id
+    with pytest.raises(NotFound):
+        producer.find("t", "a_c")
+    with pytest.raises(NotFound):
+        producer.find("t", "k%")
+    assert producer.cancel(topic="t", key="k1").id == exact.id
+    assert [producer.get(m.id).status for m in (longer, pattern)] == ["scheduled", "scheduled"]
+
+
 @pytest.mark.parametrize(
     ("topic", "body", "options", "field"),
     [
