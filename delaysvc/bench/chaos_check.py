@@ -9,8 +9,12 @@ The properties, as defined here (DESIGN.md's "Invariants" and "Consumption"):
   info), a send that replaced or debounced it (ok, naming it in `replaced_id`), or a send of
   unknown outcome whose message (naming it in `last_error`, same topic and key) was never
   acknowledged. Every message stored (acknowledged or not) is finished at the end.
-- `not_early`: no run starts (database clock) before the due time its claim gave it, and the
-  first run of an acknowledged message not before the due time acknowledged to the producer.
+- `not_early`: no run starts (database clock) before the due time its claim gave it, the
+  first run of an acknowledged message not before the due time acknowledged to the producer,
+  and a retry not due before its failure's end plus the least its retry level waits under any
+  of the run's level configurations (the one it started with and each a level change left),
+  unless a fault explains a run taken again at once (a lost outcome). The due time a claim
+  gives is the engine's own: without this, retries due at half their delay passed.
 - `not_after_cancel`: no run of a message starts after its acknowledged cancel (or the
   acknowledged send that replaced it) finished it, by the database's finished_at.
 - `one_holder_per_key`: the times two messages of one topic and key were surely unfinished
@@ -41,9 +45,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from delaysvc.bench.chaos_faults import BASE_LEVELS
 from delaysvc.bench.chaos_history import Fault, Final, History, Op, Run, Violation
+from delaysvc.config.levels import DelayLevels
 
 _REPLACED_BY = re.compile(r"replaced by message (\d+)")
+_LEVELS_LEFT = re.compile(r"-> '([^']*)'$")  # a level change's detail: 'before' -> 'after'
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,20 @@ class Index:
     def of(self, kind: str, *phases: str) -> list[Pair]:
         return [p for p in self.pairs if p.invoke.kind == kind and p.phase in phases]
 
+    def least_retry_wait(self, failed_attempts: int) -> float:
+        """The shortest a retry after `failed_attempts` failures waits (seconds), under any
+        level configuration of the run: a worker's may lag the database's."""
+        configs = [BASE_LEVELS]
+        for fault in self.history.faults:
+            left = _LEVELS_LEFT.search(fault.detail)
+            if fault.kind in ("level_change", "level_removal") and left:
+                configs.append(left.group(1))
+        waits = []
+        for config in configs:
+            levels = DelayLevels.parse(config)
+            waits.append(levels.delay_ms(levels.retry_level(failed_attempts)) / 1000)
+        return min(waits)
+
 
 # ---------------------------------------------------------------- the properties
 
@@ -157,6 +178,9 @@ def _cancel_explained(ix: Index, final: Final) -> bool:
     return False
 
 
+CLOCK_SLACK = 0.001  # both times are the database clock's; this is float rounding
+
+
 def not_early(ix: Index) -> list[Violation]:
     name, found = "not_early", []
     for message_id, runs in ix.runs.items():
@@ -168,6 +192,21 @@ def not_early(ix: Index) -> list[Violation]:
                         message_id,
                         f"attempt {run.attempt} started {run.deliver_ts - run.start:.3f}s "
                         "before the due time it was claimed with",
+                    )
+                )
+        for failed, retry in itertools.pairwise(runs):
+            if failed.outcome != "fail" or failed.end is None:
+                continue
+            if _fault_between(ix.history.faults, failed, retry) is not None:
+                continue  # the failure's outcome may be lost: taken again after its lease
+            least = failed.end + ix.least_retry_wait(failed.attempt)
+            if retry.deliver_ts < least - CLOCK_SLACK:
+                found.append(
+                    Violation(
+                        name,
+                        message_id,
+                        f"attempt {retry.attempt} was due {least - retry.deliver_ts:.3f}s before "
+                        f"attempt {failed.attempt}'s failure plus its retry level's delay",
                     )
                 )
         send = ix.created.get(message_id)

@@ -146,3 +146,24 @@ def test_a_retried_message_is_not_compared_for_level_order() -> None:
     h.finals[1] = _final(1, T, delivered_at=T + 300.0, attempts=2)
     assert _violated(h) == {}
     assert chaos_check.COVERAGE["level_order"](chaos_check.Index(h)) == 0
+
+
+def test_a_retry_due_before_its_levels_delay_after_the_failure_is_found() -> None:
+    """`not_early` compared a run with the due time its claim gave, the engine's own: retries
+    due at half their delay passed (the mutation review). A retry is due no sooner than its
+    failure's end plus the least its retry level waits (level 3: 3 s in the base levels)."""
+    h = _good()
+    failed = _run(2, T + 2.2, outcome="fail")  # ends at T + 2.3
+    h.runs[1] = failed
+    h.runs.append(_run(2, T + 5.4, attempt=2, deliver_ts=T + 5.3))
+    assert _violated(h) == {}
+    h.runs[2] = _run(2, T + 3.9, attempt=2, deliver_ts=T + 3.8)  # 1.5 s after the failure
+    assert _violated(h) == {"not_early": [2]}
+    # a level change to longer delays leaves the base levels' 3 s the least wait
+    h.faults = [
+        Fault("level_change", T, T + 0.1, detail="'1s 2s 3s 5s 8s' -> '1s 2s 4s 5s 8s 10s'")
+    ]
+    assert _violated(h) == {"not_early": [2]}
+    # its outcome lost to a restart, the run is taken again after its lease, at once
+    h.faults = [Fault("pg_restart", T + 2.25, T + 2.5)]
+    assert _violated(h) == {}
