@@ -357,12 +357,24 @@ def test_a_row_held_by_an_open_cancel_does_not_slow_its_level(producer, engine):
     and the runner took that for a drained level and slept: a level moved one batch a second
     while a caller's transaction held one of its rows."""
     sent = producer.send_batch([{"topic": "t", "body": n, "delay_level": 1} for n in range(3000)])
+    assert _moved_while_one_row_is_held(producer, engine, 1, sent) == 2999
+    assert producer.get(sent[10].id).status == "cancelled"
+
+
+def _moved_while_one_row_is_held(producer, engine, lane, sent):  # type: ignore[no-untyped-def]
+    """What `lane`'s runner moves of `sent`, once all are due, in a budget of 2 s while a
+    caller's open transaction cancels (so holds) one of them; None: it waited on that row."""
     time.sleep(max(0.0, (sent[-1].deliver_at - db_now(engine)).total_seconds()) + 0.05)
+    moved = []
     with engine.connect() as holder, holder.begin():
         producer.cancel(sent[10].id, connection=holder)  # not committed while the lane runs
-        runner = delivery.LaneRunner(engine, 1, 100, idle_poll_seconds=0.05)
-        assert runner.run(budget_seconds=2.0) == 2999
-    assert producer.get(sent[10].id).status == "cancelled"
+        runner = delivery.LaneRunner(engine, lane, 100, idle_poll_seconds=0.05)
+        thread = threading.Thread(target=lambda: moved.append(runner.run(budget_seconds=2.0)))
+        thread.start()
+        thread.join(timeout=10)
+        waited = thread.is_alive()
+    thread.join()
+    return None if waited else moved[0]
 
 
 def test_a_timer_row_held_by_an_open_cancel_does_not_stop_the_timer_lane(producer, engine):
@@ -370,17 +382,7 @@ def test_a_timer_row_held_by_an_open_cancel_does_not_stop_the_timer_lane(produce
     LOCKED` too, so a caller's open transaction holding one row holds that row alone. Without
     SKIP LOCKED the lane waited on it (found by the mutation review: no test noticed)."""
     sent = producer.send_batch([{"topic": "t", "body": n, "delay": "1100ms"} for n in range(300)])
-    time.sleep(max(0.0, (sent[-1].deliver_at - db_now(engine)).total_seconds()) + 0.05)
-    moved = []
-    with engine.connect() as holder, holder.begin():
-        producer.cancel(sent[10].id, connection=holder)  # not committed while the lane runs
-        runner = delivery.LaneRunner(engine, TIMER_LANE, 100, idle_poll_seconds=0.05)
-        thread = threading.Thread(target=lambda: moved.append(runner.run(budget_seconds=1.0)))
-        thread.start()
-        thread.join(timeout=5)
-        waited = thread.is_alive()
-    thread.join()
-    assert not waited and moved == [299]
+    assert _moved_while_one_row_is_held(producer, engine, TIMER_LANE, sent) == 299
 
 
 def test_lane_stats_pending_is_max_offset_minus_schedule_offset(producer, engine):
