@@ -233,6 +233,20 @@ def test_cancelled_messages_are_never_delivered(producer, engine):
     assert producer.get(drop.id).status == "cancelled"
 
 
+def test_a_tick_on_a_lane_another_mover_holds_moves_nothing_and_waits_for_nothing(producer, engine):
+    """Movers of one lane never overlap (`store.lock_lane`: the lane's schedule_offset row,
+    FOR UPDATE SKIP LOCKED). The test below passed without that lock (the mutation review):
+    a tick beside a held lane moves nothing, at once, and the lane's rows wait for the next."""
+    sent = producer.send("t", 1, delay_level=1)
+    with engine.connect() as mover, mover.begin():  # a mover holds the lane
+        mover.execute(text("SELECT FROM schedule_offset WHERE lane = 1 FOR UPDATE"))
+        with engine.connect() as beside:  # waiting on the held lane would fail in a second
+            beside.execute(text("SET lock_timeout = '1s'"))
+            beside.commit()
+            assert delivery.run_once(beside, 1, 1000, sent.deliver_at).moved == 0
+    assert tick(engine, 1, sent.deliver_at).moved == 1
+
+
 def test_concurrent_movers_move_each_message_once_in_order(producer, engine):
     sent = [
         m.id
