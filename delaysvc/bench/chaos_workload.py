@@ -37,7 +37,7 @@ class Client:
         self.dead = DeadLetters(self.engine)
         self.recorder = recorder
         self.index = 0
-        self.sent: deque[int] = deque(maxlen=50)
+        self.sent: deque[tuple[int, float]] = deque(maxlen=50)  # (id, due time) of each
 
     def run(self, seconds: float, rate: float) -> None:
         deadline = time.monotonic() + seconds
@@ -79,7 +79,7 @@ class Client:
             options = {k: v for k, v in args.items() if k != "topic"}
             message = self.producer.send(topic, body, **options)
             if message.created:
-                self.sent.append(message.id)
+                self.sent.append((message.id, message.deliver_at.timestamp()))
             return {
                 "id": message.id,
                 "created": message.created,
@@ -92,13 +92,19 @@ class Client:
         self._op("send", args, call)
 
     def cancel(self) -> None:
-        if self.rng.random() < 0.3:
+        """By topic and key, by the id of a message sent lately, or (half of those) by the id
+        of the one due nearest now: the cancel then races its move and its claim."""
+        roll = self.rng.random()
+        if roll < 0.3:
             args: dict[str, Any] = {
                 "topic": self.rng.choice(TOPICS),
                 "key": f"k{self.rng.randrange(KEYS)}",
             }
+        elif roll < 0.65:
+            now = time.time()
+            args = {"id": min(self.sent, key=lambda sent: abs(sent[1] - now))[0]}
         else:
-            args = {"id": self.rng.choice(self.sent)}
+            args = {"id": self.rng.choice(self.sent)[0]}
 
         def call() -> dict[str, Any]:
             message = self.producer.cancel(
