@@ -258,18 +258,12 @@ def _say_ready(**_: object) -> None:
         Path(path).write_text(str(os.getpid()))
 
 
+@worker_init.connect
 @beat_init.connect
-def _learn_the_deployment(sender: Any, **_: object) -> None:
-    """Beat stamps the tasks it fires with its deployment (`tasks.deployment`); a worker
-    learns its own as it starts (`_refuse_to_start`)."""
-    engine = make_engine(sender.app.conf.delaysvc_settings)
-    try:
-        with engine.connect() as conn:
-            deployment.learn(conn)
-    except OperationalError as exc:  # the database is away: beat's tasks go unstamped
-        log.warning("tasks.deployment_unknown", extra={"error": one_line(exc)[:300]})
-    finally:
-        engine.dispose()
+def _know_the_deployment(sender: Any, **_: object) -> None:
+    """Worker and beat stamp the tasks they publish with their deployment, and a worker runs
+    no other deployment's (`tasks.deployment`)."""
+    deployment.know(sender.app.conf.delaysvc_settings)
 
 
 @worker_init.connect
@@ -296,7 +290,6 @@ def _refuse_to_start(sender: object, **_: object) -> None:
         try:
             with engine.connect() as conn:
                 migrate.check_schema(conn, settings.levels)
-                deployment.learn(conn)
         finally:
             engine.dispose()
     except (ConfigError, SchemaNotReady) as refused:
@@ -363,13 +356,13 @@ def dispatch_to_celery(task_name: str, job: Job, claim_id: int) -> None:
     from celery import current_app
 
     sent_at = time.time()
-    outcome = {"args": (job.id, claim_id, sent_at), "headers": deployment.for_this_deployment()}
+    # written by this deployment only, whichever worker runs the task (`tasks.deployment`)
+    outcome = {"args": (job.id, claim_id, sent_at), "kwargs": {"deployment": deployment.ours()}}
     current_app.send_task(
         task_name,
         args=[job.body],
         kwargs={},
         headers={"delaysvc_message_id": job.id, "delaysvc_attempt": job.attempts},
-        # written by this deployment only, whichever worker runs the task (`tasks.deployment`)
         link=current_app.signature("delaysvc.task_succeeded", **outcome),
         link_error=current_app.signature("delaysvc.task_failed", **outcome),
     )

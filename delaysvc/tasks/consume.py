@@ -14,6 +14,7 @@ from sqlalchemy.pool import NullPool
 from delaysvc.db.engines import make_engine
 from delaysvc.maintenance.heartbeats import record_heartbeat, report_handlers
 from delaysvc.tasks.app import CONSUME_QUEUE, DATABASE_AWAY, runtime
+from delaysvc.tasks.deployment import foreign
 from delaysvc.worker.consumer import Job
 from delaysvc.worker.handlers import registered_topics
 
@@ -120,7 +121,12 @@ def rescue_leases() -> int:
 
 
 @shared_task(name="delaysvc.task_succeeded", ignore_result=True, throws=DATABASE_AWAY)
-def task_succeeded(_result: Any, message_id: int, claim_id: int, sent_at: float) -> bool:
+def task_succeeded(
+    _result: Any, message_id: int, claim_id: int, sent_at: float, deployment: str | None = None
+) -> bool:
+    """A bound task's success (`deployment`: the dispatcher's; another's is not written)."""
+    if foreign("delaysvc.task_succeeded", deployment):
+        return False
     return runtime().consumer.record_success(message_id, claim_id, _elapsed_ms(sent_at))
 
 
@@ -132,7 +138,12 @@ def task_failed(
     message_id: int,
     claim_id: int,
     sent_at: float,
+    deployment: str | None = None,
 ) -> bool:
+    """A bound task's failure, called by Celery inside the worker that ran the task (no
+    message, so no header: `deployment` is the dispatcher's; another's is not written)."""
+    if foreign("delaysvc.task_failed", deployment):
+        return False
     rt = runtime()
     with rt.engine.connect() as conn:
         from delaysvc import store

@@ -4,6 +4,7 @@ database: what they report."""
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -25,8 +26,8 @@ def celery_app(settings, monkeypatch) -> Iterator[Celery]:
     """delaysvc's Celery app on the test database, current, with a runtime of its own."""
     monkeypatch.setattr(tasks_app, "_runtime", None)
     monkeypatch.setattr(consume_tasks, "_reported_at", None)
-    monkeypatch.setattr(deployment, "_ours", None)
-    monkeypatch.setattr(deployment, "_said_at", None)
+    for name in ("_ours", "_settings", "_tried_at", "_said_at"):
+        monkeypatch.setattr(deployment, name, None)
     app = create_celery_app(settings.model_copy(update={"broker_url": "memory://"}))
     app.set_current()
     yield app
@@ -66,38 +67,49 @@ def test_a_bound_tasks_outcome_from_another_deployment_is_not_written_here(
     celery_app, engine, producer, settings, caplog
 ) -> None:
     """Two deployments given one broker take each other's tasks (their queues have the same
-    names), a bound task's outcome among them: `task_succeeded` names a message and a claim by
-    their numbers, which this database may hold too, running, and ended that job here with its
-    run unfinished (found on review). An outcome carries the deployment that dispatched its
-    task, and another deployment's worker drops it, saying so."""
+    names), a bound task and its outcome among them: `task_succeeded` and `task_failed` name a
+    message and a claim by their numbers, which this database may hold too, running; written
+    here, they ended a job whose task had not finished, or retried one that had not failed
+    (found on review; the failure's callback is called inside the worker that ran the task,
+    no message, so a header on it was never read). An outcome carries the deployment that
+    dispatched its task as an argument, and another deployment's worker drops it, saying so."""
     with engine.connect() as conn:
         ours = deployment.learn(conn)
-    assert ours is not None and ours.endswith(f"/{schema()}")
+    assert ours.endswith(f"/{schema()}")
     bound = settings.model_copy(update={"task_topics": {"t.bound": "proj.work"}})
     claims = []
     consumer = Consumer(bound, engine, lambda _task, job, claim: claims.append((job, claim)))
-    message = producer.send("t.bound", {"n": 1})
+    succeeding, failing = producer.send("t.bound", {"n": 1}), producer.send("t.bound", {"n": 2})
     consumer.run_once("t.bound")
-    [(job, claim)] = claims
+    jobs = {job.id: (job, claim) for job, claim in claims}
 
-    def outcome_sent_by(sender: str):
-        """The success callback a deployment named `sender` gives the job's task."""
+    def outcomes_sent_by(sender: str, message_id: int):
+        """The success and failure callbacks a deployment named `sender` gives the task."""
         deployment._ours = sender
-        tasks_app.dispatch_to_celery("proj.work", job, claim)
-        deployment._ours = ours  # the worker that runs the callback is this deployment's
+        tasks_app.dispatch_to_celery("proj.work", *jobs[message_id])
+        deployment._ours = ours  # the worker that runs the callbacks is this deployment's
         [task] = published(celery_app)
-        [callback] = task.payload[2]["callbacks"]
-        return celery_app.signature(callback)
+        embed = task.payload[2]
+        [succeeded], [failed] = embed["callbacks"], embed["errbacks"]
+        return celery_app.signature(succeeded), celery_app.signature(failed)
 
-    theirs = outcome_sent_by(ELSEWHERE)
+    def fail(errback) -> object:  # as Celery calls it: in the worker, (request, exc, traceback)
+        return errback(None, RuntimeError("the task failed"), None)
+
     with caplog.at_level("ERROR", logger="delaysvc.tasks.deployment"):
-        assert theirs.apply((None,)).get() is None
-    assert producer.get(message.id).status == "running"
-    [said] = [r for r in caplog.records if r.message == "tasks.other_deployment"]
+        theirs_ok, _ = outcomes_sent_by(ELSEWHERE, succeeding.id)
+        assert theirs_ok.apply((None,)).get() is False
+        _, theirs_failed = outcomes_sent_by(ELSEWHERE, failing.id)
+        assert fail(theirs_failed) is False
+    assert [producer.get(m.id).status for m in (succeeding, failing)] == ["running", "running"]
+    [said] = [r for r in caplog.records if r.message == "tasks.other_deployment"]  # once a 30 s
     assert (said.task, said.theirs, said.ours) == ("delaysvc.task_succeeded", ELSEWHERE, ours)
 
-    assert outcome_sent_by(ours).apply((None,)).get() is True
-    assert producer.get(message.id).status == "succeeded"
+    ours_ok, _ = outcomes_sent_by(ours, succeeding.id)
+    assert ours_ok.apply((None,)).get() is True
+    _, ours_failed = outcomes_sent_by(ours, failing.id)
+    assert fail(ours_failed) is False  # retried, not dead
+    assert [producer.get(m.id).status for m in (succeeding, failing)] == ["succeeded", "retrying"]
 
 
 def test_delaysvcs_tasks_carry_their_deployment_and_another_ones_are_not_run(
@@ -117,3 +129,21 @@ def test_delaysvcs_tasks_carry_their_deployment_and_another_ones_are_not_run(
     assert consumer_seen(engine) == 0
     assert consume.apply(("t.x",), headers={deployment.HEADER: ours}).get() == 0
     assert consumer_seen(engine) == 1
+
+
+def test_a_process_that_could_not_learn_its_deployment_learns_it_when_next_needed(
+    celery_app, settings, caplog
+) -> None:
+    """A worker started while the database was away never learned its deployment, and ran
+    every deployment's tasks for good, unsaid (found on review). It says so, and tries again
+    when next needed, every RETRY_SECONDS, until it knows."""
+    away = settings.model_copy(update={"database_url": "postgresql://nobody@127.0.0.1:9/none"})
+    with caplog.at_level("WARNING", logger="delaysvc.tasks.deployment"):
+        deployment.know(away)
+        assert deployment.ours() is None  # not tried again at once
+    assert [r.message for r in caplog.records] == ["tasks.deployment_unknown"]
+    deployment._settings = settings  # the database is back
+    assert deployment.ours() is None
+    deployment._tried_at = time.monotonic() - deployment.RETRY_SECONDS
+    learned = deployment.ours()
+    assert learned is not None and learned.endswith(f"/{schema()}")
