@@ -85,6 +85,7 @@ class Index:
     key_cancels_unknown: dict[tuple[str, str], list[Pair]] = field(default_factory=dict)
     replaced_ids: set[int] = field(default_factory=set)  # named by an ok send's replaced_id
     redriven_at: dict[int, list[float]] = field(default_factory=dict)  # ok redrives' due times
+    level_configs: list[DelayLevels] = field(default_factory=list)  # the first, each change's
 
     def __post_init__(self) -> None:
         invokes: dict[tuple[int, int], Op] = {}
@@ -116,6 +117,12 @@ class Index:
         for pair in self.of("redrive", "ok"):
             redriven[pair.result["id"]].append(pair.result["deliver_at"])
         self.redriven_at = dict(redriven)
+        configs = [BASE_LEVELS]
+        for fault in self.history.faults:
+            left = _LEVELS_LEFT.search(fault.detail)
+            if fault.kind in ("level_change", "level_removal") and left:
+                configs.append(left.group(1))
+        self.level_configs = [DelayLevels.parse(config) for config in configs]
 
     def of(self, kind: str, *phases: str) -> list[Pair]:
         return [p for p in self.pairs if p.invoke.kind == kind and p.phase in phases]
@@ -123,16 +130,10 @@ class Index:
     def least_retry_wait(self, failed_attempts: int) -> float:
         """The shortest a retry after `failed_attempts` failures waits (seconds), under any
         level configuration of the run: a worker's may lag the database's."""
-        configs = [BASE_LEVELS]
-        for fault in self.history.faults:
-            left = _LEVELS_LEFT.search(fault.detail)
-            if fault.kind in ("level_change", "level_removal") and left:
-                configs.append(left.group(1))
-        waits = []
-        for config in configs:
-            levels = DelayLevels.parse(config)
-            waits.append(levels.delay_ms(levels.retry_level(failed_attempts)) / 1000)
-        return min(waits)
+        return min(
+            levels.delay_ms(levels.retry_level(failed_attempts)) / 1000
+            for levels in self.level_configs
+        )
 
 
 # ---------------------------------------------------------------- the properties
