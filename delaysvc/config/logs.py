@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.core import RESERVED_ATTRS
@@ -142,3 +143,19 @@ def guard_unconfigured() -> None:
     package = logging.getLogger("delaysvc")
     if not any(isinstance(handler, Unconfigured) for handler in package.handlers):
         package.addHandler(Unconfigured())
+
+
+class Sparingly:
+    """A warning said at most once every `seconds` (the monotonic clock), not once an event:
+    `if said.now(): log.warning(...)`."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._at: float | None = None
+
+    def now(self) -> bool:
+        at = time.monotonic()
+        if self._at is not None and at - self._at < self.seconds:
+            return False
+        self._at = at
+        return True

@@ -27,6 +27,7 @@ from celery.signals import beat_init, setup_logging, task_failure, worker_init, 
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 
+from delaysvc.config import logs
 from delaysvc.config.settings import Settings
 from delaysvc.db.engines import make_engine, require_one_database, require_session
 from delaysvc.errors import ConfigError, DatabaseUnavailable, SchemaNotReady, one_line
@@ -224,25 +225,18 @@ it once every SAY_AWAY_SECONDS (`_said_database_away`). Each task runs again whe
 it, or its lane's run is re-armed: an outage of 100 s wrote 13 MB of ERROR lines with their
 tracebacks, one a task run (found by a reviewer)."""
 SAY_AWAY_SECONDS = 30.0
-_said_away_at: float | None = None
+_away = logs.Sparingly(SAY_AWAY_SECONDS)
 
 
 @task_failure.connect
 def _said_database_away(
     sender: Any = None, exception: BaseException | None = None, **_: Any
 ) -> None:
-    global _said_away_at
-    if not isinstance(exception, DATABASE_AWAY):
-        return
-    now = time.monotonic()
-    if _said_away_at is not None and now - _said_away_at < SAY_AWAY_SECONDS:
-        return
-    _said_away_at = now
-    reason = one_line(exception)
-    log.warning(
-        "tasks.database_unavailable",
-        extra={"task": getattr(sender, "name", None), "error": reason[:300]},
-    )
+    if isinstance(exception, DATABASE_AWAY) and _away.now():
+        log.warning(
+            "tasks.database_unavailable",
+            extra={"task": getattr(sender, "name", None), "error": one_line(exception)[:300]},
+        )
 
 
 READY_FILE_ENV = "DELAYSVC_READY_FILE"
@@ -315,8 +309,6 @@ def _configure_logging(
     """Worker and beat log through `delaysvc.config.logs` (DELAYSVC_LOG_FORMAT), Celery's own
     records too: with a receiver of this signal connected, Celery installs no handler of its own."""
     from celery import current_app
-
-    from delaysvc.config import logs
 
     settings = getattr(current_app.conf, "delaysvc_settings", None) or Settings.from_env()
     logs.configure(settings, loglevel or "WARNING", logfile)

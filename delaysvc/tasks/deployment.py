@@ -32,6 +32,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from delaysvc import store
+from delaysvc.config import logs
 from delaysvc.db.engines import make_engine
 from delaysvc.db.names import schema
 from delaysvc.errors import one_line
@@ -47,7 +48,7 @@ RETRY_SECONDS = 10.0
 _ours: str | None = None
 _settings: Settings | None = None
 _tried_at: float | None = None
-_said_at: float | None = None
+_theirs_seen = logs.Sparingly(SAY_SECONDS)
 
 
 def know(settings: Settings) -> None:
@@ -114,11 +115,8 @@ class DeploymentTask(Task):
 
 
 def _say_theirs(task: str, theirs: str, mine: str) -> None:
-    global _said_at
-    now = time.monotonic()
-    if _said_at is not None and now - _said_at < SAY_SECONDS:
+    if not _theirs_seen.now():
         return
-    _said_at = now
     log.error(
         "tasks.other_deployment",
         extra={

@@ -11,6 +11,7 @@ import pytest
 from celery import Celery
 from sqlalchemy import text
 
+from delaysvc.config import logs
 from delaysvc.db.names import schema
 from delaysvc.tasks import deployment
 from delaysvc.tasks.app import CONSUME_QUEUE, create_celery_app
@@ -26,8 +27,9 @@ def celery_app(settings, monkeypatch) -> Iterator[Celery]:
     """delaysvc's Celery app on the test database, current, with a runtime of its own."""
     monkeypatch.setattr(tasks_app, "_runtime", None)
     monkeypatch.setattr(consume_tasks, "_reported_at", None)
-    for name in ("_ours", "_settings", "_tried_at", "_said_at"):
+    for name in ("_ours", "_settings", "_tried_at"):
         monkeypatch.setattr(deployment, name, None)
+    monkeypatch.setattr(deployment, "_theirs_seen", logs.Sparingly(deployment.SAY_SECONDS))
     app = create_celery_app(settings.model_copy(update={"broker_url": "memory://"}))
     app.set_current()
     yield app

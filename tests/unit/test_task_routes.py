@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from delaysvc.config import logs
 from delaysvc.tasks import app
 from delaysvc.tasks.app import CONSUME_QUEUE, DELIVERY_QUEUE
 
@@ -71,7 +72,7 @@ def test_a_task_meeting_the_database_away_is_said_once_without_a_traceback(
     ours = create_celery_app(away)
     ours.set_current()
     monkeypatch.setattr(tasks_app, "_runtime", None)
-    monkeypatch.setattr(tasks_app, "_said_away_at", None)
+    monkeypatch.setattr(tasks_app, "_away", logs.Sparingly(tasks_app.SAY_AWAY_SECONDS))
     try:
         with caplog.at_level("INFO"):
             runs = [ours.tasks[sample_stats.name].apply() for _ in range(3)]
